@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Each installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch. On a CUDA machine: make TORCH_SPEC='torch>=2.5' ...
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DATA  ?= data/demo
+DEMO_RUN   ?= runs/demo
+
+.PHONY: install demo test lint clean
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: install
+	$(PY) -m trainer.prepare --source demo --out $(DEMO_DATA)
+	$(PY) -m trainer.report $(DEMO_DATA)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check trainer tests bench scripts
+
+clean:
+	rm -rf $(VENV) data runs outputs

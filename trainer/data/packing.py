@@ -1,0 +1,235 @@
+"""Bin packing of documents into rows of length T: the online packer and the offline references.
+
+The online packer holds a bounded buffer of documents sorted by length. Each emitted row is filled
+best-fit-decreasing from the buffer: the longest buffered document first, then repeatedly the
+longest one that still fits the space left. With a buffer of many documents, the small ones close
+the gaps that the long ones leave, so online rows come out nearly as full as offline packing's.
+
+Example, T = 10, buffer lengths [7, 5, 4, 3, 2, 2, 1]:
+    row 1: 7, then the longest <= 3 is 3          -> [7, 3]        (10/10)
+    row 2: 5, then 4, then the longest <= 1 is 1  -> [5, 4, 1]     (10/10)
+    row 3: 2, 2                                    -> [2, 2]        (flushed at end of stream)
+
+Documents longer than T never reach the packer whole: `split_long` cuts them into chunks of at most T
+(or truncates or drops them, by policy), and `PackingStats` counts what it did.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer.data.batch import Document
+
+LONG_DOC_POLICIES = ("split", "truncate", "drop")
+
+
+@dataclass
+class PackingStats:
+    """What happened to documents on their way into rows. Nothing disappears uncounted."""
+
+    docs_in: int = 0
+    tokens_in: int = 0
+    docs_split: int = 0
+    chunks_from_splits: int = 0
+    docs_truncated: int = 0
+    tokens_truncated: int = 0
+    docs_dropped: int = 0
+    tokens_dropped: int = 0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
+
+
+def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) -> list[Document]:
+    """Make `doc` fit a row of `max_len`: unchanged if it fits, else split / truncate / drop.
+
+    Example, max_len = 4, tokens [1 2 3 4 5 6 7 8 9]:
+        split    -> key#0 [1 2 3 4], key#1 [5 6 7 8], key#2 [9]   (each chunk is its own segment)
+        truncate -> [1 2 3 4]                                      (5 tokens counted as truncated)
+        drop     -> []                                             (9 tokens counted as dropped)
+    """
+    stats.docs_in += 1
+    stats.tokens_in += len(doc)
+    if len(doc) <= max_len:
+        return [doc]
+    if policy == "split":
+        n_chunks = math.ceil(len(doc) / max_len)
+        stats.docs_split += 1
+        stats.chunks_from_splits += n_chunks
+        return [
+            Document(
+                key=f"{doc.key}#{i}",
+                tokens=doc.tokens[i * max_len : (i + 1) * max_len],
+                loss_mask=None if doc.loss_mask is None else doc.loss_mask[i * max_len : (i + 1) * max_len],
+            )
+            for i in range(n_chunks)
+        ]
+    if policy == "truncate":
+        stats.docs_truncated += 1
+        stats.tokens_truncated += len(doc) - max_len
+        mask = None if doc.loss_mask is None else doc.loss_mask[:max_len]
+        return [Document(key=doc.key, tokens=doc.tokens[:max_len], loss_mask=mask)]
+    if policy == "drop":
+        stats.docs_dropped += 1
+        stats.tokens_dropped += len(doc)
+        return []
+    raise ValueError(f"unknown long-document policy {policy!r}; expected one of {LONG_DOC_POLICIES}")
+
+
+class OnlinePacker:
+    """Streams documents in, rows of at most `seq_len` tokens out, by best-fit-decreasing over a buffer.
+
+    `push(doc)` returns the rows that became ready (at most one per push once the buffer is full);
+    `flush()` empties the buffer at the end of the stream. Deterministic: ties between documents of
+    equal length go first-in, first-out, and nothing here is random.
+    """
+
+    def __init__(self, seq_len: int, buffer_size: int = 1024) -> None:
+        if seq_len < 1 or buffer_size < 1:
+            raise ValueError(f"seq_len and buffer_size must be >= 1, got {seq_len} and {buffer_size}")
+        self.seq_len = seq_len
+        self.buffer_size = buffer_size
+        self._lengths: list[int] = []  # sorted, one entry per buffered document
+        self._by_length: dict[int, deque[Document]] = {}
+        self._order = 0  # arrival counter, only to restore the buffer in arrival order
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def push(self, doc: Document) -> list[list[Document]]:
+        n = len(doc)
+        if not 0 < n <= self.seq_len:
+            raise ValueError(f"document {doc.key!r} has {n} tokens; the packer takes 1..{self.seq_len} (split first)")
+        bisect.insort(self._lengths, n)
+        self._by_length.setdefault(n, deque()).append(doc)
+        if len(self._lengths) > self.buffer_size:
+            return [self._emit_row()]
+        return []
+
+    def flush(self) -> list[list[Document]]:
+        rows = []
+        while self._lengths:
+            rows.append(self._emit_row())
+        return rows
+
+    def pack(self, docs: Iterable[Document]) -> Iterator[list[Document]]:
+        """All rows for a finite stream of documents that already fit (see `split_long`)."""
+        for doc in docs:
+            yield from self.push(doc)
+        yield from self.flush()
+
+    def _take(self, index: int) -> Document:
+        n = self._lengths.pop(index)
+        queue = self._by_length[n]
+        doc = queue.popleft()
+        if not queue:
+            del self._by_length[n]
+        return doc
+
+    def _emit_row(self) -> list[Document]:
+        lengths = self._lengths
+        row = [self._take(len(lengths) - 1)]
+        space = self.seq_len - len(row[0])
+        while space > 0 and lengths:
+            i = bisect.bisect_right(lengths, space) - 1
+            if i < 0:
+                break
+            doc = self._take(i)
+            row.append(doc)
+            space -= len(doc)
+        return row
+
+    def state_dict(self) -> dict:
+        """The buffered documents (tokens included), so a resumed run packs exactly as this one would."""
+        docs = [doc for n in sorted(self._by_length) for doc in self._by_length[n]]
+        return {
+            "seq_len": self.seq_len,
+            "buffer_size": self.buffer_size,
+            "docs": [(d.key, d.tokens, d.loss_mask) for d in docs],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(f"packer state is for seq_len={state['seq_len']}, this packer has {self.seq_len}")
+        self._lengths.clear()
+        self._by_length.clear()
+        for key, tokens, mask in state["docs"]:
+            doc = Document(key=key, tokens=np.asarray(tokens), loss_mask=None if mask is None else np.asarray(mask))
+            bisect.insort(self._lengths, len(doc))
+            self._by_length.setdefault(len(doc), deque()).append(doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline references for the benchmark and the tests. They take lengths, return bins of indices.
+# ---------------------------------------------------------------------------------------------
+
+
+def greedy_concat(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Next-fit in stream order: start a new row whenever the next document does not fit."""
+    bins: list[list[int]] = []
+    space = 0
+    for i, n in enumerate(lengths):
+        if not bins or n > space:
+            bins.append([])
+            space = capacity
+        bins[-1].append(i)
+        space -= n
+    return bins
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Offline FFD: longest first, each into the first open bin with room (max segment tree, O(n log n))."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    tree = [0] * (2 * size)  # max remaining space per subtree; unopened bins hold 0 until opened
+    bins: list[list[int]] = []
+    for i in order:
+        n = lengths[i]
+        if tree[1] >= n:
+            node = 1
+            while node < size:
+                node = 2 * node if tree[2 * node] >= n else 2 * node + 1
+            b = node - size
+        else:
+            b = len(bins)
+            bins.append([])
+            node = size + b
+            tree[node] = capacity
+        bins[b].append(i)
+        tree[node] -= n
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Offline BFD: longest first, each into the open bin whose remaining space fits it most tightly."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    spaces: list[tuple[int, int]] = []  # sorted (remaining space, bin id)
+    bins: list[list[int]] = []
+    for i in order:
+        n = lengths[i]
+        j = bisect.bisect_left(spaces, (n, -1))
+        if j < len(spaces):
+            space, b = spaces.pop(j)
+        else:
+            space, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if space - n > 0:
+            bisect.insort(spaces, (space - n, b))
+    return bins
