@@ -1,0 +1,294 @@
+"""WebDataset shards -> documents -> token ids, split over ranks and DataLoader workers, resumable.
+
+Each (rank, worker) pair is one *slot*. Every epoch the shard list is permuted with the seed, and slot
+s of S reads shards[s::S], so across all ranks x workers every document is read exactly once per epoch.
+Inside a slot, samples pass a shuffle buffer, are decoded and checked, tokenized in batches by the fast
+tokenizer, and get EOS appended.
+
+Example, 5 shards, 2 ranks x 2 workers (S = 4), epoch permutation [3, 0, 4, 1, 2]:
+    rank 0 worker 0 (slot 0) reads shards [3, 2];  rank 0 worker 1 (slot 1) reads [0]
+    rank 1 worker 0 (slot 2) reads [4];            rank 1 worker 1 (slot 3) reads [1]
+
+Resuming: a slot's position is (epoch, samples drawn from its shuffle buffer this epoch). Everything
+before tokenization is deterministic for the seed, so a resumed slot replays its epoch up to that
+position without tokenizing (a sequential read of the shards it already consumed) and continues with
+exactly the next document: nothing repeated, nothing skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from trainer.data.batch import Document
+
+log = logging.getLogger(__name__)
+
+TEXT_FIELD = "txt"
+ON_ERROR = ("raise", "skip")
+
+
+class DataStreamError(RuntimeError):
+    """Bad input in a shard: the message names the shard and, where there is one, the sample key."""
+
+
+@dataclass
+class SlotState:
+    """Where one (rank, worker) slot stands in its stream."""
+
+    epoch: int = 0
+    drawn: int = 0
+    """Samples drawn from the shuffle buffer in this epoch (bad ones included)."""
+    shard: str = ""
+    """Shard being read when the state was taken (for reports; resuming uses `drawn`)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Samples skipped under on_error=skip, by reason, since the start of training."""
+    docs: int = 0
+    """Documents emitted since the start of training."""
+
+
+class DocumentStream(IterableDataset):
+    """Yields `(slot, state, documents)` chunks; `DocumentLoader` turns them into single documents."""
+
+    def __init__(
+        self,
+        shards: Sequence[str],
+        tokenizer_path: str | Path,
+        eos_id: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 1000,
+        chunk_docs: int = 64,
+        on_error: str = "raise",
+        epochs: int | None = None,
+        expected_docs: dict[str, int] | None = None,
+    ) -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if not shards:
+            raise DataStreamError("no shards given")
+        self.shards = [str(s) for s in shards]
+        self.tokenizer_path = str(tokenizer_path)
+        self.eos_id = eos_id
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle_buffer = shuffle_buffer
+        self.chunk_docs = chunk_docs
+        self.on_error = on_error
+        self.epochs = epochs
+        self.expected_docs = expected_docs or {}
+        self.resume_states: dict[int, SlotState] = {}
+        self.worker_rotation = 0
+        self._tokenizer = None
+        self._replaying = False
+
+    # -- which shards a slot reads --------------------------------------------------------------
+
+    def slot(self) -> tuple[int, int]:
+        """(this slot's index, number of slots) from the rank and the DataLoader worker."""
+        info = get_worker_info()
+        workers = 1 if info is None else info.num_workers
+        worker = 0 if info is None else (info.id + self.worker_rotation) % workers
+        return self.rank * workers + worker, self.world_size * workers
+
+    def epoch_shards(self, epoch: int, slot: int, num_slots: int) -> list[str]:
+        """Shards of `slot` in `epoch`: a seeded permutation of all shards, then every num_slots-th."""
+        if len(self.shards) < num_slots:
+            raise DataStreamError(
+                f"{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
+                f"write more, smaller shards (trainer.prepare --docs-per-shard) or use fewer workers"
+            )
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+        return [self.shards[i] for i in order[slot::num_slots]]
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _raw_samples(self, shards: list[str], state: SlotState) -> Iterator[tuple[str, str, dict | None]]:
+        """(shard, key, sample) in file order; sample None marks a shard that could not be read."""
+        for shard in shards:
+            state.shard = shard
+            count, key = 0, None
+            try:
+                for sample in wds.tariterators.tarfile_samples([{"url": shard}]):
+                    key = sample["__key__"]
+                    count += 1
+                    yield shard, key, sample
+            except Exception as exn:  # webdataset/tarfile errors: wrap with where they happened
+                where = f"after sample {key!r}" if key else "before its first sample"
+                self._bad(state, "unreadable_shard", f"{shard}: cannot read shard ({where}): {exn}")
+                yield shard, key or "", None
+                continue
+            expected = self.expected_docs.get(Path(shard).name)
+            if expected is not None and count != expected:
+                self._bad(
+                    state,
+                    "truncated_shard",
+                    f"{shard}: read {count} samples but the manifest lists {expected} (truncated or replaced shard?)",
+                )
+
+    def _shuffled(self, items: Iterator, rng: random.Random) -> Iterator:
+        """Buffered shuffle: fill `shuffle_buffer` items, then emit a random one per item read."""
+        buffer: list = []
+        for item in items:
+            if len(buffer) < self.shuffle_buffer:
+                buffer.append(item)
+                continue
+            i = rng.randrange(len(buffer))
+            buffer[i], item = item, buffer[i]
+            yield item
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def _bad(self, state: SlotState, reason: str, message: str) -> None:
+        if self.on_error == "raise":
+            raise DataStreamError(message)
+        if self._replaying:
+            return  # counted before the checkpoint; the restored state already holds it
+        state.skipped[reason] = state.skipped.get(reason, 0) + 1
+        log.warning("skipped (%s): %s", reason, message)
+
+    def _decode(self, shard: str, key: str, sample: dict | None, state: SlotState) -> str | None:
+        """The document text, or None (counted) for a bad sample under on_error=skip."""
+        if sample is None:
+            return None  # unreadable shard, already reported
+        if TEXT_FIELD not in sample:
+            fields = sorted(k for k in sample if not k.startswith("__"))
+            self._bad(state, "missing_text", f"{shard}: sample {key!r} has no {TEXT_FIELD!r} field (has {fields})")
+            return None
+        try:
+            text = sample[TEXT_FIELD].decode("utf-8")
+        except UnicodeDecodeError as exn:
+            self._bad(state, "not_utf8", f"{shard}: sample {key!r} is not valid UTF-8 ({exn})")
+            return None
+        if not text.strip():
+            self._bad(state, "empty", f"{shard}: sample {key!r} is an empty document")
+            return None
+        return text
+
+    # -- the stream ----------------------------------------------------------------------------
+
+    def _tokenize(self, keys: list[str], texts: list[str]) -> list[Document]:
+        if self._tokenizer is None:
+            from trainer.data.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.tokenizer_path)
+        docs = []
+        for key, enc in zip(keys, self._tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+            tokens = np.empty(len(enc.ids) + 1, dtype=np.int32)
+            tokens[:-1] = enc.ids
+            tokens[-1] = self.eos_id
+            docs.append(Document(key=key, tokens=tokens))
+        return docs
+
+    def __iter__(self) -> Iterator[tuple[int, SlotState, list[Document]]]:
+        slot, num_slots = self.slot()
+        state = dataclasses.replace(self.resume_states.get(slot, SlotState()))
+        state.skipped = dict(state.skipped)
+        while self.epochs is None or state.epoch < self.epochs:
+            shards = self.epoch_shards(state.epoch, slot, num_slots)
+            rng_seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
+            samples = self._shuffled(self._raw_samples(shards, state), random.Random(rng_seed))
+            self._replaying = True
+            for _ in range(state.drawn):  # replay to the resume position, no decoding or tokenizing
+                next(samples)
+            self._replaying = False
+            keys: list[str] = []
+            texts: list[str] = []
+            for shard, key, sample in samples:
+                state.drawn += 1
+                text = self._decode(shard, key, sample, state)
+                if text is not None:
+                    keys.append(key)
+                    texts.append(text)
+                if len(keys) == self.chunk_docs:
+                    yield self._chunk(slot, state, keys, texts)
+                    keys, texts = [], []
+            if keys:
+                yield self._chunk(slot, state, keys, texts)
+            state.epoch += 1
+            state.drawn = 0
+
+    def _chunk(self, slot: int, state: SlotState, keys: list[str], texts: list[str]):
+        docs = self._tokenize(keys, texts)
+        state.docs += len(docs)
+        snapshot = dataclasses.replace(state, skipped=dict(state.skipped))
+        return slot, snapshot, docs
+
+
+class DocumentLoader:
+    """Runs a `DocumentStream` in DataLoader workers and yields single documents, resumably.
+
+    Chunks arrive round-robin from the workers, each tagged with its slot's state after it. The
+    loader remembers the latest state per slot, how many chunks it consumed (which worker comes next)
+    and the documents left in the current chunk, which is all a resumed run needs.
+    """
+
+    def __init__(self, stream: DocumentStream, num_workers: int = 0, prefetch_factor: int = 4) -> None:
+        self.stream = stream
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.slot_states: dict[int, SlotState] = {}
+        self.chunks_consumed = 0
+        self._pending: list[Document] = []
+
+    def __iter__(self) -> Iterator[Document]:
+        self.stream.resume_states = dict(self.slot_states)
+        self.stream.worker_rotation = self.chunks_consumed % max(1, self.num_workers)
+        loader = DataLoader(
+            self.stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
+            persistent_workers=False,
+            collate_fn=_identity,
+        )
+        while self._pending:
+            yield self._pending.pop(0)
+        for slot, state, docs in loader:
+            self.slot_states[slot] = state
+            self.chunks_consumed += 1
+            self._pending = list(docs)
+            while self._pending:
+                yield self._pending.pop(0)
+
+    def skipped(self) -> dict[str, int]:
+        """Samples skipped under on_error=skip, summed over this rank's slots."""
+        total: dict[str, int] = {}
+        for state in self.slot_states.values():
+            for reason, n in state.skipped.items():
+                total[reason] = total.get(reason, 0) + n
+        return total
+
+    def state_dict(self) -> dict:
+        return {
+            "slot_states": {slot: dataclasses.asdict(s) for slot, s in self.slot_states.items()},
+            "chunks_consumed": self.chunks_consumed,
+            "num_workers": self.num_workers,
+            "pending": [(d.key, d.tokens, d.loss_mask) for d in self._pending],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_workers"] != self.num_workers:
+            raise ValueError(
+                f"stream state was saved with {state['num_workers']} DataLoader workers; "
+                f"this run has {self.num_workers} (the shard split depends on it)"
+            )
+        self.slot_states = {int(slot): SlotState(**s) for slot, s in state["slot_states"].items()}
+        self.chunks_consumed = state["chunks_consumed"]
+        self._pending = [Document(key=k, tokens=np.asarray(t), loss_mask=m) for k, t, m in state["pending"]]
+
+
+def _identity(x):
+    return x
+
