@@ -179,6 +179,8 @@ class DocumentStream(IterableDataset):
     # -- the stream ----------------------------------------------------------------------------
 
     def _tokenize(self, keys: list[str], texts: list[str]) -> list[Document]:
+        if not texts:
+            return []
         if self._tokenizer is None:
             from trainer.data.tokenizer import load_tokenizer
 
@@ -214,10 +216,10 @@ class DocumentStream(IterableDataset):
                 if len(keys) == self.chunk_docs:
                     yield self._chunk(slot, state, keys, texts)
                     keys, texts = [], []
-            if keys:
-                yield self._chunk(slot, state, keys, texts)
             state.epoch += 1
             state.drawn = 0
+            # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
+            yield self._chunk(slot, state, keys, texts)
 
     def _chunk(self, slot: int, state: SlotState, keys: list[str], texts: list[str]):
         docs = self._tokenize(keys, texts)
