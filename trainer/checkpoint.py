@@ -1,0 +1,111 @@
+"""Checkpoints: written atomically (temp dir + rename), the last K kept, resumable by every rank.
+
+Layout of `<run dir>/checkpoints/step_000050/`:
+    engine.pt            model, optimizer and LR schedule (rank 0; replicated under DDP)
+    rank_00000.pt ...    each rank's data-stream state and RNG states
+    meta.json            step, token counters, world size, engine
+    conventions.json     how inputs and objective were built (see `conventions`)
+    tokenizer/           the tokenizer files the weights were trained with
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.distributed import DistInfo, barrier
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    return steps[-1][1] if steps else None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    info: DistInfo,
+    engine,
+    rank_state: dict,
+    meta: dict,
+    conventions: dict,
+    tokenizer_dir: str | Path,
+    keep_last: int,
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}"
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{info.rank:05d}.pt")
+    engine_state = engine.state_dict()
+    if info.is_main:
+        torch.save(engine_state, tmp / "engine.pt")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
+        (tmp / "conventions.json").write_text(json.dumps(conventions, indent=2))
+        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+    barrier()
+    if info.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _prune(root, keep_last)
+    barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    for _, path in steps[: max(0, len(steps) - max(1, keep_last))]:
+        shutil.rmtree(path)
+
+
+def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dict]:
+    """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a packtrain checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    if meta["world_size"] != info.world_size:
+        raise ValueError(
+            f"{path} was written by {meta['world_size']} ranks and this run has {info.world_size}: "
+            "each rank resumes its own data stream, so the world size must match"
+        )
+    engine.load_state_dict(torch.load(path / "engine.pt", map_location=info.device, weights_only=False))
+    rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", weights_only=False)
+    set_rng_state(rank_state.pop("rng"))
+    return meta, rank_state

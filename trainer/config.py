@@ -1,0 +1,165 @@
+"""Typed configuration: the composed Hydra config is converted here, once, into dataclasses.
+
+Each component receives only its own section (`TrainConfig`, `DataConfig`, `PackingConfig`, ...);
+nothing below the entry point sees the raw Hydra object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.data.pipeline import PackingConfig
+from trainer.model import AttentionConfig, GPTConfig
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 512
+    """Row length T; no document chunk is longer."""
+    tokens_per_step: int = 16384
+    """Positions per optimizer step over all ranks; the logical batch is tokens_per_step // seq_len rows."""
+    micro_batch_tokens: int = 4096
+    """Positions (padding included) per micro-batch on one rank."""
+    max_steps: int = 100
+    """Optimizer steps to run in total (a resumed run continues the count)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    dtype: str = "fp32"
+    """'fp32' or 'bf16' autocast."""
+    checkpoint_every: int = 50
+    """Save every N steps and at the end; 0 = only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept in <run dir>/checkpoints."""
+    resume: bool | str = False
+    """False, True (latest checkpoint in the run dir) or a checkpoint path."""
+    warmup_marked_steps: int = 2
+    """The first N steps are flagged warmup=true in metrics."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.tokens_per_step < self.seq_len:
+            raise ValueError(f"train.tokens_per_step ({self.tokens_per_step}) must be >= train.seq_len ({self.seq_len})")
+        if self.micro_batch_tokens < self.seq_len:
+            raise ValueError(
+                f"train.micro_batch_tokens ({self.micro_batch_tokens}) must hold one row of train.seq_len ({self.seq_len})"
+            )
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.tokens_per_step // self.seq_len
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/demo"
+    """Directory written by `python -m trainer.prepare`."""
+    split: str = "train"
+    """Split of the manifest to train on."""
+    num_workers: int = 1
+    """DataLoader workers per rank (tokenization runs there)."""
+    shuffle_buffer: int = 1000
+    """Documents in each reader's shuffle buffer."""
+    on_error: str = "raise"
+    """'raise' or 'skip' (warn and count) for bad samples."""
+
+
+@dataclass
+class OptimConfig:
+    target: str = "torch.optim.AdamW"
+    """Optimizer class (Hydra's `_target_`)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay on weight matrices only."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at train.max_steps."""
+
+
+@dataclass
+class DistributedConfig:
+    engine: str = "ddp"
+    """'ddp' or 'deepspeed'."""
+    backend: str = "auto"
+    """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (deepspeed engine only)."""
+    offload: bool = False
+    """DeepSpeed: offload optimizer state to CPU (ZeRO >= 1)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """'offline' (local run files), 'online' or 'disabled'."""
+    project: str = "packtrain"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    """Write metrics every N optimizer steps."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RunConfig:
+    """The whole run: what `python -m trainer.train` composes."""
+
+    seed: int
+    train: TrainConfig
+    data: DataConfig
+    packing: PackingConfig
+    model: GPTConfig
+    attention: AttentionConfig
+    optim: OptimConfig
+    distributed: DistributedConfig
+    logging: LoggingConfig
+    run_dir: str
+    resolved: dict[str, Any] = field(default_factory=dict)
+    """The resolved config as plain containers (for W&B and the checkpoint)."""
+
+
+def _build(cls, section: dict[str, Any], name: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in config section '{name}': {unknown}; expected some of {sorted(known)}")
+    return cls(**section)
+
+
+def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
+    """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig, rejecting unknown keys."""
+    optim = dict(cfg["optim"])
+    optim["target"] = optim.pop("_target_", OptimConfig.target)
+    optim["betas"] = tuple(optim.get("betas", OptimConfig.betas))
+    logging_cfg = dict(cfg["logging"])
+    logging_cfg["wandb"] = _build(WandbConfig, logging_cfg.get("wandb", {}), "logging.wandb")
+    return RunConfig(
+        seed=int(cfg["seed"]),
+        train=_build(TrainConfig, cfg["train"], "train"),
+        data=_build(DataConfig, cfg["data"], "data"),
+        packing=_build(PackingConfig, cfg["packing"], "packing"),
+        model=_build(GPTConfig, cfg["model"], "model"),
+        attention=_build(AttentionConfig, cfg["attention"], "attention"),
+        optim=_build(OptimConfig, optim, "optim"),
+        distributed=_build(DistributedConfig, cfg["distributed"], "distributed"),
+        logging=_build(LoggingConfig, logging_cfg, "logging"),
+        run_dir=run_dir,
+        resolved=cfg,
+    )

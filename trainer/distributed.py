@@ -1,0 +1,158 @@
+"""Process groups, named reductions, and the one place where a model gets wrapped for several ranks.
+
+The training step talks to an `Engine`: `micro_step` (forward + backward of one micro-batch, gradient
+sync only on the last one) and `optimizer_step`. `parallelize` builds the engine for the configured
+backend; the model itself never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.config import DistributedConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: DistributedConfig) -> DistInfo:
+    """Join the process group torchrun / the deepspeed launcher describe in the environment (if any).
+
+    A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(cfg.device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("distributed.device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if choice != "cpu":
+        raise ValueError(f"distributed.device must be auto, cpu or cuda, got {choice!r}")
+    return torch.device("cpu")
+
+
+def dist_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few numbers over all ranks in one all-reduce (float64, so token counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def dist_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s value of a picklable object, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class DDPEngine:
+    """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).
+
+    DDP averages gradients over ranks; `grad_average_factor` tells the step to multiply the loss by
+    the world size so that what remains is sum(token losses) / global valid targets.
+    """
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str):
+        self.module = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+        self.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+        self.device = info.device
+        if info.world_size > 1:
+            ids = [info.device.index] if info.device.type == "cuda" else None
+            self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            self.grad_average_factor = info.world_size
+        else:
+            self.wrapped = model
+            self.grad_average_factor = 1
+
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`."""
+        no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
+        with no_sync:
+            with self._autocast():
+                out = self.wrapped(**inputs)
+            (out.loss_sum * loss_scale).backward()
+        return out.loss_sum.detach(), out.num_targets.detach()
+
+    def optimizer_step(self) -> float:
+        """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""
+        limit = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def parallelize(model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig, grad_clip: float, dtype: str):
+    """Wrap a built model (already on its device) into the configured engine."""
+    if cfg.engine == "ddp":
+        return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
+    raise ValueError(f"distributed.engine must be 'ddp', got {cfg.engine!r}")

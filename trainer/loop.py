@@ -1,0 +1,237 @@
+"""The trainer: builds the parts from a `RunConfig` and owns the cadence (log, checkpoint, resume).
+
+The optimizer step itself lives in `trainer.step`; wrapping for several ranks in `trainer.distributed`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from trainer import checkpoint
+from trainer.config import RunConfig
+from trainer.data.pipeline import RowStream, micro_batches
+from trainer.data.shards import load_manifest, shard_paths
+from trainer.data.stream import DocumentLoader, DocumentStream
+from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from trainer.distributed import DistInfo, broadcast_object, parallelize
+from trainer.metrics import MetricsLogger, peak_flops, peak_mem_gb
+from trainer.model import build_model
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.step import train_step
+
+
+@dataclass
+class DataSource:
+    rows: RowStream
+    loader: DocumentLoader
+    tokenizer_dir: Path
+    tokenizer_hash: str
+    vocab_size: int
+    pad_id: int
+
+
+def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
+    """This rank's row stream over the prepared shards (its own slots of the rank x worker split)."""
+    manifest = load_manifest(cfg.data.path)
+    tokenizer_dir = Path(cfg.data.path) / manifest["tokenizer"]["path"]
+    tok = load_tokenizer(tokenizer_dir)
+    ids = special_ids(tok)
+    expected = {s["name"]: s["docs"] for s in manifest["splits"][cfg.data.split]["shards"]}
+    stream = DocumentStream(
+        shard_paths(cfg.data.path, cfg.data.split),
+        tokenizer_dir,
+        ids.eos,
+        seed=cfg.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        on_error=cfg.data.on_error,
+        expected_docs=expected,
+    )
+    loader = DocumentLoader(stream, num_workers=cfg.data.num_workers)
+    return DataSource(
+        rows=RowStream(loader, cfg.train.seq_len, cfg.packing),
+        loader=loader,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_hash=tokenizer_hash(tokenizer_dir),
+        vocab_size=tok.get_vocab_size(),
+        pad_id=ids.pad,
+    )
+
+
+def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
+    """This rank's share of the logical batch. Example: 10 rows over 4 ranks -> 3, 3, 2, 2."""
+    return rows_per_step // info.world_size + (info.rank < rows_per_step % info.world_size)
+
+
+def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int) -> dict:
+    """What a later run needs to rebuild the same inputs and objective (saved beside the weights)."""
+    return {
+        "layout": cfg.packing.layout,
+        "packing": {
+            "algorithm": "online best-fit-decreasing over a bounded buffer (trainer.data.packing.OnlinePacker)",
+            "buffer_size": cfg.packing.buffer_size,
+            "row_length": cfg.train.seq_len,
+            "long_docs": cfg.packing.long_docs,
+            "unpacked_pad_to": cfg.packing.pad_to,
+            "same_documents_in_every_layout": True,
+        },
+        "positions": {"scheme": cfg.model.pos_emb, "reset_at_document_start": cfg.packing.reset_positions},
+        "attention": {"backend": cfg.attention.backend, "isolate_documents": cfg.attention.isolate_documents},
+        "labels": {
+            "shifted": "inside the loss (labels are stored unshifted)",
+            "ignore_index": -100,
+            "ignored": ["first position of every document or chunk", "padding", "loss-masked tokens"],
+            "eos": "appended to every document and kept as a target",
+        },
+        "loss": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
+        "(all micro-batches, all ranks)",
+        "tokenizer": {"files": "tokenizer/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
+        "engine": engine_name,
+        "world_size": world_size,
+        "tokens_per_step": cfg.train.tokens_per_step,
+    }
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(cfg.run_dir)
+        _seed_everything(cfg.seed)
+        self.data = build_data(cfg, info)
+        if cfg.model.vocab_size is None:
+            cfg.model.vocab_size = self.data.vocab_size
+        elif cfg.model.vocab_size < self.data.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {self.data.vocab_size}")
+        model = build_model(cfg.model, cfg.attention).to(info.device)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+        self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
+        self.step = 0
+        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0}
+        self.last_checkpoint: Path | None = None
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self._resume()
+        group = f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
+        self.metrics = MetricsLogger(
+            self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], group,
+            enabled=info.is_main, resume_step=self.step,
+        )
+        self.flops_per_token = 6 * self.n_params  # + attention, ignored: an estimate for MFU
+        self.peak_flops = peak_flops(info.device)
+
+    def _resume(self) -> None:
+        resume = self.cfg.train.resume
+        if resume is False or resume in ("false", "False"):
+            return
+        path = checkpoint.latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
+        if path is None:
+            if self.info.is_main:
+                print(f"resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0")
+            return
+        meta, rank_state = checkpoint.load_checkpoint(path, self.info, self.engine)
+        self.data.rows.load_state_dict(rank_state["data"])
+        self.step = meta["step"]
+        self.counters = meta["counters"]
+        if self.info.is_main:
+            print(f"resumed from {path} at step {self.step}")
+
+    def fit(self) -> dict:
+        cfg, info = self.cfg, self.info
+        n_rows = rows_for_rank(cfg.train.rows_per_step, info)
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (info.is_main and cfg.logging.progress),
+                   desc="train", dynamic_ncols=True)
+        while self.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            rows = self.data.rows.take(n_rows)
+            mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
+            t_data = time.perf_counter() - t0
+            stats = train_step(self.engine, mbs, info, self.data.pad_id)
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            step_time = time.perf_counter() - t0
+            self.step += 1
+            self.counters["valid_tokens"] += stats.valid_tokens
+            self.counters["allocated_tokens"] += stats.allocated_tokens
+            self.counters["docs"] += stats.docs
+            if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.max_steps:
+                self._log(stats, step_time, t_data)
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
+                            tok_s=f"{stats.valid_tokens / step_time:,.0f}")
+            every = cfg.train.checkpoint_every
+            if (every and self.step % every == 0) or self.step == cfg.train.max_steps:
+                self.save()
+        bar.close()
+        summary = self.metrics.summary({
+            "final_step": self.step,
+            "final_loss": self._last_loss,
+            "total_valid_tokens": self.counters["valid_tokens"],
+            "total_allocated_tokens": self.counters["allocated_tokens"],
+            "skipped_samples": self.data.loader.skipped(),
+            "packing_stats": self.data.rows.stats.state_dict(),
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        })
+        self.metrics.close()
+        return summary
+
+    _last_loss: float | None = None
+
+    def _log(self, stats, step_time: float, data_time: float) -> None:
+        self._last_loss = stats.loss
+        m = {
+            "step": self.step,
+            "loss": stats.loss,
+            "lr": self.engine.lr(),
+            "grad_norm": stats.grad_norm,
+            "valid_tokens": stats.valid_tokens,
+            "allocated_tokens": stats.allocated_tokens,
+            "token_utilization": stats.real_tokens / stats.allocated_tokens,
+            "docs": stats.docs,
+            "docs_per_row": stats.docs / stats.rows,
+            "valid_tokens_per_s": stats.valid_tokens / step_time,
+            "allocated_tokens_per_s": stats.allocated_tokens / step_time,
+            "step_time_s": step_time,
+            "data_time_s": data_time,
+            "peak_mem_gb": peak_mem_gb(self.info.device),
+            "warmup": self.step <= self.cfg.train.warmup_marked_steps,
+        }
+        if self.peak_flops:
+            m["mfu"] = self.flops_per_token * stats.real_tokens / step_time / (self.peak_flops * self.info.world_size)
+        self.metrics.log(m)
+
+    def save(self) -> None:
+        meta = {"counters": self.counters, "engine": self.engine.name, "config": self.cfg.resolved}
+        self.last_checkpoint = checkpoint.save_checkpoint(
+            self.run_dir, self.step, self.info, self.engine,
+            rank_state={"data": self.data.rows.state_dict()},
+            meta=meta,
+            conventions=conventions(self.cfg, self.data, self.engine.name, self.info.world_size),
+            tokenizer_dir=self.data.tokenizer_dir,
+            keep_last=self.cfg.train.keep_last,
+        )
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def shared_run_dir(run_dir: str, info: DistInfo) -> str:
+    """Rank 0's run directory on every rank (Hydra's timestamped default can differ by a second)."""
+    return broadcast_object(str(Path(run_dir).resolve()) if info.is_main else None)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,131 @@
+"""Metrics: one JSON line per logging step in <run dir>/metrics.jsonl, the same values to W&B.
+
+Only rank 0 writes. Keys (documented in the README):
+    step, loss, lr, grad_norm, valid_tokens, allocated_tokens, token_utilization, docs, docs_per_row,
+    valid_tokens_per_s, allocated_tokens_per_s, step_time_s, data_time_s, peak_mem_gb, warmup, [mfu]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.config import WandbConfig
+
+# Dense bf16 peak FLOP/s per device, for MFU. Add yours; unknown devices get no `mfu`.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    """Peak memory so far: CUDA allocator peak on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kb / 2**20
+
+
+class MetricsLogger:
+    """Appends metrics to metrics.jsonl and W&B on rank 0; a no-op elsewhere."""
+
+    def __init__(self, run_dir: str | Path, cfg: WandbConfig, resolved_config: dict, tags: list[str], group: str | None,
+                 enabled: bool, resume_step: int = 0) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb_run = None
+        self._totals = {"valid_tokens": 0, "allocated_tokens": 0, "time": 0.0, "utilization": 0.0, "steps": 0}
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step:
+            self._truncate_after(resume_step)
+        if cfg.mode != "disabled":
+            self.wandb_run = _init_wandb(run_dir, cfg, resolved_config, tags, group)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run rewrites the steps after its checkpoint, so the file holds each step once."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if not metrics.get("warmup", False):
+            t = self._totals
+            t["valid_tokens"] += metrics["valid_tokens"]
+            t["allocated_tokens"] += metrics["allocated_tokens"]
+            t["time"] += metrics["step_time_s"]
+            t["utilization"] += metrics["token_utilization"]
+            t["steps"] += 1
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=metrics["step"])
+
+    def summary(self, extra: dict) -> dict:
+        """Totals and means over the non-warm-up steps logged by this process."""
+        t = self._totals
+        out = {
+            "logged_steps": t["steps"],
+            "mean_token_utilization": t["utilization"] / t["steps"] if t["steps"] else None,
+            "mean_valid_tokens_per_s": t["valid_tokens"] / t["time"] if t["time"] else None,
+            "mean_allocated_tokens_per_s": t["allocated_tokens"] / t["time"] if t["time"] else None,
+            **extra,
+        }
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({k: v for k, v in out.items() if v is not None})
+        return out
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _init_wandb(run_dir, cfg: WandbConfig, resolved_config: dict, tags: list[str], group: str | None):
+    import wandb
+
+    if cfg.mode == "online" and not (os.environ.get("WANDB_API_KEY") or _has_netrc_key()):
+        print("wandb: mode=online but no API key is configured; falling back to offline", file=sys.stderr)
+        mode = "offline"
+    else:
+        mode = cfg.mode
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group or group,
+        tags=sorted(set(tags) | set(cfg.tags)),
+        config=resolved_config,
+        dir=str(run_dir),
+        mode=mode,
+        resume="allow",
+        id=_run_id(run_dir),
+    )
+
+
+def _run_id(run_dir) -> str:
+    """One W&B run per run directory, so a resumed run continues its own W&B run."""
+    path = Path(run_dir) / "wandb_run_id"
+    if not path.exists():
+        import wandb
+
+        path.write_text(wandb.util.generate_id())
+    return path.read_text().strip()
+
+
+def _has_netrc_key() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text()

@@ -1,0 +1,40 @@
+"""Optimizer and learning-rate schedule from `OptimConfig`."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not."""
+    module_name, _, class_name = cfg.target.rpartition(".")
+    optimizer_cls = getattr(importlib.import_module(module_name), class_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return optimizer_cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR at `step`: linear warm-up, then cosine down to `min_ratio`.
+
+    Example, warmup 10, max 110, min 0.1: step 0 -> 0.1, step 9 -> 1.0, step 60 -> 0.55, step 110 -> 0.1.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+    )
