@@ -1,0 +1,20 @@
+"""Session-wide fixtures shared by the test packages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real dataset, prepared once per session (~5 s): the first 1000 documents of the demo
+    corpus (standard-library functions and classes), a 512-token BPE, train shards of 200 documents
+    (5 of them) and one val shard. Returns the directory holding manifest.json; treat it as read-only.
+    """
+    from trainer.prepare import prepare
+
+    out = tmp_path_factory.mktemp("demo_data")
+    prepare("demo", out, vocab_size=512, max_docs=1000, docs_per_shard=200, val_fraction=0.05, seed=0)
+    return out

@@ -1,0 +1,410 @@
+"""`python -m trainer.prepare`: documents -> tokenizer -> shards -> manifest, and its error handling."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+from trainer.data.corpus import ErrorPolicy, PrepareError, sanitize_key, split_module, unique_keys
+from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths, write_shards
+from trainer.data.tokenizer import (
+    EOS_TOKEN,
+    IM_END,
+    IM_START,
+    PAD_TOKEN,
+    load_tokenizer,
+    special_ids,
+    tokenizer_hash,
+    train_tokenizer,
+)
+from trainer.prepare import length_stats, main, prepare, split_train_val
+
+VOCAB = 300  # the smallest useful size (256 bytes + 4 special + a few merges): training takes milliseconds
+
+TEXTS = {
+    "a.txt": "def add(a, b):\n    return a + b\n",
+    "b.txt": "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🎉🚀\n",
+    "sub/c.md": "# Title\n\nSome *markdown* with\ttabs and  double  spaces.\r\nA CRLF line.\r\n",
+    "sub/deeper/d.txt": "x = [i ** 2 for i in range(10)]\n" * 20,
+    "e.txt": "short",
+    "f.txt": "class Foo:\n    '''A docstring.'''\n    pass\n",
+}
+
+
+def write_files(root: Path, files: dict[str, str | bytes]) -> Path:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
+    return root
+
+
+def read_back(data_dir: Path, split: str) -> list[tuple[str, str]]:
+    """(key, text) of every sample in a split, read with webdataset itself."""
+    dataset = wds.WebDataset(shard_paths(data_dir, split), shardshuffle=False)
+    return [(s["__key__"], s[TEXT_FIELD].decode("utf-8")) for s in dataset]
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(source dir, prepared dir) for TEXTS, with 2 documents per shard so there are several shards."""
+    src = write_files(tmp_path_factory.mktemp("src"), TEXTS)
+    out = tmp_path_factory.mktemp("out")
+    prepare(f"text:{src}/**/*", out, vocab_size=VOCAB, docs_per_shard=2, val_fraction=0.2)
+    return src, out
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo corpus
+# ---------------------------------------------------------------------------------------------
+
+MODULE = '''\
+"""Module docstring."""
+import os
+
+X = 1
+
+
+@decorator
+@other.decorator(arg=1)
+def first(a):
+    return a
+\x0c
+Y = 2  # top-level code after the first def belongs to no document
+
+
+async def second():
+    pass
+
+
+@dataclass
+class Third:
+    """A class."""
+
+    def method(self):
+        return 3
+'''
+
+
+def test_split_module_cuts_header_functions_and_classes_with_decorators():
+    docs = split_module(MODULE, "pkg.mod")
+    assert [key for key, _ in docs] == ["pkg__mod", "pkg__mod--first", "pkg__mod--second", "pkg__mod--Third"]
+    texts = dict(docs)
+    assert texts["pkg__mod"] == '"""Module docstring."""\nimport os\n\nX = 1\n\n\n'
+    assert texts["pkg__mod--first"] == "@decorator\n@other.decorator(arg=1)\ndef first(a):\n    return a\n"
+    assert texts["pkg__mod--second"] == "async def second():\n    pass\n"
+    assert texts["pkg__mod--Third"].startswith("@dataclass\nclass Third:\n")
+    assert texts["pkg__mod--Third"].endswith("        return 3\n")
+    for text in texts.values():
+        ast.parse(text)  # every document is whole, valid Python
+
+
+def test_split_module_without_header_or_defs():
+    assert split_module("def f():\n    pass\n", "m") == [("m--f", "def f():\n    pass\n")]
+    assert split_module("A = 1\n", "m") == [("m", "A = 1\n")]
+    assert split_module("", "m") == []
+    with pytest.raises(SyntaxError):
+        split_module("def broken(:\n", "m")
+
+
+def test_keys_are_webdataset_safe_and_unique():
+    assert sanitize_key("json.decoder:JSONDecoder") == "json__decoder--JSONDecoder"
+    assert sanitize_key("notes/day 1.txt") == "notes__day_1__txt"
+    docs = [("k", "1"), ("k", "2"), ("j", "3"), ("k", "4")]
+    assert [key for key, _ in unique_keys(docs)] == ["k", "k-2", "j", "k-3"]
+
+
+def test_demo_dataset(demo_data: Path):
+    """The real demo source (a small subset of this machine's standard library)."""
+    manifest = load_manifest(demo_data)
+    samples = read_back(demo_data, "train") + read_back(demo_data, "val")
+    keys = [key for key, _ in samples]
+    assert len(keys) == len(set(keys)) == 1000
+    assert all("." not in key for key in keys)
+    assert len(manifest["splits"]["train"]["shards"]) >= 4
+    assert manifest["splits"]["val"]["docs"] >= 1
+    for _, text in samples:
+        ast.parse(text)
+    lengths = manifest["splits"]["train"]["lengths"]
+    assert lengths["max"] > 10 * lengths["median"]  # heavy-tailed, as real code is
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trip and manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def test_round_trip_text_source(text_data):
+    src, out = text_data
+    samples = read_back(out, "train") + read_back(out, "val")
+    keys = [key for key, _ in samples]
+    assert len(keys) == len(set(keys)) == len(TEXTS)
+    expected = {sanitize_key(rel): (src / rel).read_bytes().decode("utf-8") for rel in TEXTS}
+    assert dict(samples) == expected
+    assert "sub__deeper__d__txt" in expected  # key = path relative to the glob's fixed directory
+
+
+def test_manifest_counts_match_the_shards(text_data):
+    _, out = text_data
+    manifest = load_manifest(out)
+    tok = load_tokenizer(out / manifest["tokenizer"]["path"])
+    for split, entry in manifest["splits"].items():
+        paths = shard_paths(out, split)
+        assert [Path(p).name for p in paths] == [s["name"] for s in entry["shards"]]
+        all_counts = []
+        for path, shard in zip(paths, entry["shards"], strict=True):
+            texts = [s[TEXT_FIELD].decode() for s in wds.WebDataset([path], shardshuffle=False)]
+            counts = [len(tok.encode(t).ids) + 1 for t in texts]  # + 1: the EOS the stream appends
+            assert shard["docs"] == len(texts) <= 2
+            assert shard["tokens"] == sum(counts)
+            assert shard["bytes"] == os.path.getsize(path)
+            all_counts += counts
+        assert entry["docs"] == len(all_counts)
+        assert entry["tokens"] == sum(all_counts)
+        assert entry["lengths"] == length_stats(all_counts)
+    assert manifest["splits"]["val"]["docs"] >= 1
+    assert sorted(p.name for p in out.glob("*.tar")) == sorted(
+        s["name"] for e in manifest["splits"].values() for s in e["shards"]
+    )
+    assert manifest["tokenizer"]["sha256"] == tokenizer_hash(out / "tokenizer")
+
+
+def test_length_stats_worked_example():
+    stats = length_stats([2, 4, 600])
+    assert (stats["min"], stats["max"], stats["mean"], stats["median"]) == (2, 600, 202.0, 4.0)
+    assert stats["p90"] == pytest.approx(480.8)
+    assert (stats["count_gt_512"], stats["count_gt_2048"]) == (1, 0)
+
+
+def test_split_is_deterministic_and_gives_val_at_least_one_doc():
+    docs = [(f"k{i}", "t") for i in range(3)]
+    train, val = split_train_val(docs, 0.01, seed=0)
+    assert len(val) == 1 and len(train) == 2
+    assert split_train_val(docs, 0.01, seed=0) == (train, val)
+    many = [(f"k{i}", "t") for i in range(2000)]
+    _, val = split_train_val(many, 0.1, seed=1)
+    assert 120 < len(val) < 280
+    assert split_train_val(many, 0.0, seed=0)[1] == []
+
+
+def test_rerun_with_fewer_docs_removes_stale_shards(tmp_path):
+    src = write_files(tmp_path / "src", TEXTS)
+    out = tmp_path / "out"
+    prepare(f"text:{src}/**/*", out, vocab_size=VOCAB, docs_per_shard=1)
+    assert len(list(out.glob("train-*.tar"))) == len(TEXTS) - 1
+    prepare(f"text:{src}/*.txt", out, vocab_size=VOCAB, docs_per_shard=1)
+    manifest = load_manifest(out)
+    assert len(list(out.glob("*.tar"))) == 4 == sum(e["docs"] for e in manifest["splits"].values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_loads_in_transformers_with_matching_special_ids(text_data):
+    transformers = pytest.importorskip("transformers")
+    _, out = text_data
+    manifest = load_manifest(out)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(out / "tokenizer"))
+    ids = manifest["tokenizer"]["special_ids"]
+    assert hf.eos_token == EOS_TOKEN and hf.eos_token_id == ids["eos"]
+    assert hf.pad_token == PAD_TOKEN and hf.pad_token_id == ids["pad"]
+    assert hf.convert_tokens_to_ids([IM_START, IM_END]) == [ids["im_start"], ids["im_end"]]
+    assert len(hf) == manifest["tokenizer"]["vocab_size"]
+    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == f"{IM_START}user\nhi{IM_END}\n{IM_START}assistant\n"
+    tok = load_tokenizer(out / "tokenizer")
+    assert hf("def f(): pass")["input_ids"] == tok.encode("def f(): pass").ids  # HF adds nothing either
+
+
+def test_byte_level_round_trip_and_no_eos_added():
+    tok = train_tokenizer(list(TEXTS.values()) * 5, vocab_size=VOCAB)
+    assert special_ids(tok) == special_ids(tok).__class__(eos=0, pad=1, im_start=2, im_end=3)
+    for text in [*TEXTS.values(), "  leading spaces", "Ωμέγα ∑ \x00 \u2028 tab\tend", "never seen: ЖЩЮ 𝔘𝔫𝔦"]:
+        ids = tok.encode(text).ids
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        assert special_ids(tok).eos not in ids  # the stream appends EOS; the tokenizer never does
+    batch = tok.encode_batch(["a b", "ü"])
+    assert [tok.decode(e.ids) for e in batch] == ["a b", "ü"]
+    assert tok.get_vocab_size() <= VOCAB
+
+
+def test_reusing_a_tokenizer_keeps_its_hash(text_data, tmp_path):
+    src, out = text_data
+    first_hash = load_manifest(out)["tokenizer"]["sha256"]
+    out2 = tmp_path / "out2"
+    manifest = prepare(f"text:{src}/*.txt", out2, tokenizer=str(out / "tokenizer"), vocab_size=999)
+    assert manifest["tokenizer"]["sha256"] == first_hash == tokenizer_hash(out2 / "tokenizer")
+    assert manifest["tokenizer"]["trained"] is False
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out2 / "tokenizer" / name).read_bytes() == (out / "tokenizer" / name).read_bytes()
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(PrepareError, match="no tokenizer at"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(PrepareError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(PrepareError, match="vocab size"):
+        train_tokenizer(["abc"], vocab_size=100)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the file, or a counted skip
+# ---------------------------------------------------------------------------------------------
+
+GOOD_LINE = json.dumps({"id": "good", "text": "fine text"}) + "\n"
+BAD_JSONL = {  # case -> (bytes of the bad line, reason counted under --on-error skip, words in the error)
+    "invalid_json": (b'{"text": "unterminated\n', "invalid_json", "invalid JSON"),
+    "missing_text": (b'{"body": "wrong field"}\n', "missing_text", "no 'text' field"),
+    "not_utf8": (b'{"text": "caf\xe9"}\n', "not_utf8", "not valid UTF-8"),
+    "empty": (b'{"text": "  \\n\\t "}\n', "empty", "empty"),
+    "not_object": (b'["a list"]\n', "invalid_json", "expected a JSON object"),
+}
+BAD_TEXT = {  # case -> (file content, or None for a dangling symlink; reason; words in the error)
+    "not_utf8": (b"caf\xe9 au lait", "not_utf8", "not valid UTF-8"),
+    "empty": (b" \n\t\n", "empty", "empty"),
+    "unreadable": (None, "unreadable", "cannot read"),
+}
+
+
+def make_bad_jsonl(tmp_path: Path, case: str) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b"\n" + BAD_JSONL[case][0] + GOOD_LINE.replace("good", "good2").encode())
+    return path  # the bad line is line 3 (line 2 is blank, which is allowed)
+
+
+def make_bad_text(tmp_path: Path, case: str) -> Path:
+    src = write_files(tmp_path / "src", {"ok1.txt": "one", "ok2.txt": "two"})
+    content = BAD_TEXT[case][0]
+    if content is None:
+        (src / "bad.txt").symlink_to(src / "missing-target.txt")
+    else:
+        (src / "bad.txt").write_bytes(content)
+    return src
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JSONL))
+def test_bad_jsonl_line_is_a_clear_error(tmp_path, case, capsys):
+    path = make_bad_jsonl(tmp_path, case)
+    assert main(["--source", f"jsonl:{path}", "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:3: ")
+    assert BAD_JSONL[case][2] in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JSONL))
+def test_bad_jsonl_line_is_skipped_and_counted(tmp_path, case, capsys):
+    path = make_bad_jsonl(tmp_path, case)
+    manifest = prepare(f"jsonl:{path}", tmp_path / "out", vocab_size=VOCAB, on_error="skip")
+    assert manifest["skipped"] == {BAD_JSONL[case][1]: 1}
+    assert sorted(key for key, _ in read_back(tmp_path / "out", "train") + read_back(tmp_path / "out", "val")) == [
+        "good", "good2"
+    ]
+    assert f"warning: skipping {path}:3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TEXT))
+def test_bad_text_file_is_a_clear_error_or_a_counted_skip(tmp_path, case, capsys):
+    src = make_bad_text(tmp_path, case)
+    source = f"text:{src}/*.txt"
+    assert main(["--source", source, "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src / 'bad.txt'}: ") and BAD_TEXT[case][2] in err
+    manifest = prepare(source, tmp_path / "out", vocab_size=VOCAB, on_error="skip")
+    assert manifest["skipped"] == {BAD_TEXT[case][1]: 1}
+    assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 2
+
+
+def test_jsonl_keys_from_id_or_line_number(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "no id"}\n{"id": "x.1", "body": "custom key"}\n{"id": "x.1", "body": "dup"}\n')
+    manifest = prepare(f"jsonl:{path}", tmp_path / "out", vocab_size=VOCAB, text_key="body", val_fraction=0.0,
+                       on_error="skip")
+    assert manifest["skipped"] == {"missing_text": 1}  # line 1 has no "body"
+    assert manifest["renamed_duplicate_keys"] == 1
+    assert sorted(read_back(tmp_path / "out", "train")) == [("x__1", "custom key"), ("x__1-2", "dup")]
+
+
+def test_user_mistakes_exit_2_without_traceback(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    cases = {
+        "no files match": ["--source", f"text:{tmp_path}/nothing/*.txt"],
+        "unknown source": ["--source", "csv:x.csv"],
+        f"{tmp_path / 'absent.jsonl'}: cannot read": ["--source", f"jsonl:{tmp_path / 'absent.jsonl'}"],
+        "no tokenizer at": ["--source", "demo", "--tokenizer", str(tmp_path / "none")],
+        "val fraction": ["--source", "demo", "--val-fraction", "1.5"],
+    }
+    for words, argv in cases.items():
+        assert main([*argv, "--out", out]) == 2, words
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and "Traceback" not in err
+
+
+def test_main_prints_a_report(text_data, tmp_path, capsys):
+    src, _ = text_data
+    assert main(["--source", f"text:{src}/*.txt", "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB)]) == 0
+    report = capsys.readouterr().out
+    for words in ("train:", "tokens", "p99", "skipped: none", "tokenizer:", "sha256"):
+        assert words in report
+
+
+def test_manifest_and_shard_errors_name_the_file(tmp_path):
+    with pytest.raises(PrepareError, match="manifest.json: no manifest"):
+        load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("[1, 2")
+    with pytest.raises(PrepareError, match="manifest.json: cannot read"):
+        load_manifest(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_write_shards_leaves_no_temp_file_when_interrupted(tmp_path):
+    def samples():
+        for i in range(3):
+            yield f"k{i}", f"text {i}"
+        raise RuntimeError("source failed mid-shard")
+
+    with pytest.raises(RuntimeError):
+        write_shards(samples(), tmp_path, "train", docs_per_shard=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar"]  # complete shards only
+    assert [s["__key__"] for s in wds.WebDataset([str(tmp_path / "train-000000.tar")], shardshuffle=False)] == [
+        "k0", "k1"
+    ]
+
+
+def test_write_shards_rejects_unsafe_keys(tmp_path):
+    with pytest.raises(PrepareError, match="no dot"):
+        write_shards([("a.b", "t")], tmp_path, "train", docs_per_shard=2)
+    with pytest.raises(PrepareError, match="duplicate"):
+        write_shards([("a", "t"), ("a", "u")], tmp_path, "train", docs_per_shard=2)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_prepare_leaves_no_temp_files(text_data):
+    _, out = text_data
+    leftovers = [p for p in out.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_error_policy_counts_skips():
+    messages: list[str] = []
+    policy = ErrorPolicy("skip", warn=messages.append)
+    policy.bad("empty", "a.txt", "document is empty")
+    policy.bad("empty", "b.txt", "document is empty")
+    assert policy.skipped == {"empty": 2}
+    assert messages[0] == "warning: skipping a.txt: document is empty"
+    with pytest.raises(PrepareError, match="^a.txt: boom$"):
+        ErrorPolicy("raise").bad("x", "a.txt", "boom")

@@ -1,0 +1,304 @@
+"""Raw documents from a source: the demo corpus (the standard library), text files, or JSON lines.
+
+Every reader yields `(key, text)` pairs in a deterministic order. Keys are WebDataset keys: webdataset
+splits a tar member name into key and field at the FIRST dot, so a key must hold no dot; `sanitize_key`
+maps module and path separators to `__` and the def separator to `--`, and `unique_keys` makes them unique.
+
+Example: the class `JSONDecoder` in `json/decoder.py` becomes the document `json__decoder--JSONDecoder`,
+and the module's header (docstring and imports) becomes `json__decoder`.
+
+Bad input never surfaces as a library traceback: each reader hands the problem to an `ErrorPolicy`, which
+either raises a `PrepareError` naming the file (and line) or warns and counts the item as skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import io
+import json
+import os
+import re
+import sys
+import sysconfig
+import tokenize
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from tqdm import tqdm
+
+ON_ERROR = ("raise", "skip")
+
+# Directories of the standard library that are not the library itself. Test suites are left out by
+# default: they hold deliberately broken files and would dominate the corpus (20 MB of 34 MB).
+_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
+_TEST_DIRS = {"test", "tests", "idle_test"}
+
+
+class PrepareError(Exception):
+    """Bad input or bad prepared data. The message names the file (and line) and what is wrong.
+
+    `trainer.prepare.main` prints it as `error: <message>` and exits 2, with no traceback.
+    """
+
+
+class ErrorPolicy:
+    """What to do with a bad item: raise at once, or warn, count it by reason and go on.
+
+    Example: policy = ErrorPolicy("skip"); policy.bad("empty", "a.txt", "document is empty")
+    prints "warning: skipping a.txt: document is empty" and leaves policy.skipped == {"empty": 1}.
+    """
+
+    def __init__(self, on_error: str = "raise", warn: Callable[[str], None] | None = None) -> None:
+        if on_error not in ON_ERROR:
+            raise PrepareError(f"--on-error must be one of {ON_ERROR}, got {on_error!r}")
+        self.on_error = on_error
+        self.skipped: Counter[str] = Counter()
+        # tqdm.write keeps a running progress bar intact.
+        self._warn = warn or (lambda msg: tqdm.write(msg, file=sys.stderr))
+
+    def bad(self, reason: str, where: str, what: str) -> None:
+        """Raise, or skip the item, as the policy says."""
+        if self.on_error == "raise":
+            raise PrepareError(f"{where}: {what}")
+        self.skip(reason, where, what)
+
+    def skip(self, reason: str, where: str, what: str) -> None:
+        """Warn and count, whatever the policy (the demo skips its odd files this way)."""
+        self.skipped[reason] += 1
+        self._warn(f"warning: skipping {where}: {what}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------------------------
+
+
+def sanitize_key(name: str) -> str:
+    """A WebDataset-safe key: only [A-Za-z0-9_-], no dots (webdataset splits key from field at a dot).
+
+    Examples:
+        "json.decoder:JSONDecoder" -> "json__decoder--JSONDecoder"
+        "notes/day 1.txt"          -> "notes__day_1__txt"
+    """
+    key = name.replace(".", "__").replace("/", "__").replace("\\", "__").replace(":", "--")
+    key = re.sub(r"[^A-Za-z0-9_-]", "_", key)
+    return key or "_"
+
+
+def unique_keys(docs: Iterable[tuple[str, str]], renamed: Counter[str] | None = None) -> Iterator[tuple[str, str]]:
+    """Make keys unique in stream order: the second `k` becomes `k-2`, the third `k-3`, and so on.
+
+    A module can define the same top-level name twice, and two paths can sanitize to one key. The
+    first occurrence keeps its key, so keys do not change when a later duplicate is added or removed.
+    `renamed["duplicate_key"]` counts the renames.
+    """
+    seen: set[str] = set()
+    for key, text in docs:
+        new_key, n = key, 1
+        while new_key in seen:
+            n += 1
+            new_key = f"{key}-{n}"
+        if new_key != key and renamed is not None:
+            renamed["duplicate_key"] += 1
+        seen.add(new_key)
+        yield new_key, text
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo corpus: the standard library, one document per top-level def / class, plus the header
+# ---------------------------------------------------------------------------------------------
+
+
+def split_module(source: str, module: str) -> list[tuple[str, str]]:
+    """Cut a module into documents: its header, then each top-level function and class, by source lines.
+
+    The header is every line before the first top-level def/class (docstring, imports, constants).
+    A def or class starts at its first decorator. Top-level code between or after the defs (other
+    than the header) belongs to no document. Raises SyntaxError if `source` does not parse.
+
+    Example, module "m":
+        1  '''Doc.'''                 ->  ("m",          "'''Doc.'''\\nimport os\\n")
+        2  import os
+        3  @cache                     ->  ("m--f",       "@cache\\ndef f():\\n    return 1\\n")
+        4  def f():
+        5      return 1
+        6  class C:                   ->  ("m--C",       "class C:\\n    x = 1\\n")
+        7      x = 1
+    """
+    tree = ast.parse(source)
+    # Split on "\n" only: ast counts lines that way, while str.splitlines also breaks at form feeds.
+    lines = io.StringIO(source).readlines()
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    starts = [min([n.lineno] + [d.lineno for d in n.decorator_list]) for n in defs]
+
+    docs = []
+    header = "".join(lines[: starts[0] - 1] if defs else lines)
+    if header.strip():
+        docs.append((sanitize_key(module), header))
+    for node, start in zip(defs, starts, strict=True):
+        docs.append((sanitize_key(f"{module}:{node.name}"), "".join(lines[start - 1 : node.end_lineno])))
+    return docs
+
+
+def module_name(rel_path: Path) -> str:
+    """Dotted module name of a file relative to its library root.
+
+    Examples: json/decoder.py -> "json.decoder", json/__init__.py -> "json", os.py -> "os".
+    """
+    parts = list(rel_path.with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def stdlib_files(include_tests: bool = False) -> tuple[Path, list[Path]]:
+    """The standard library's root and its `.py` files on this machine, sorted; site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = _NOT_STDLIB | (set() if include_tests else _TEST_DIRS)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def decode_python(data: bytes) -> str:
+    """Source bytes to text, honouring a PEP 263 coding cookie; newlines normalized to "\\n"."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    text = data.decode(encoding)
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def demo_docs(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str]]:
+    """Documents of the standard library. Files that cannot be read, decoded or parsed are skipped
+    and counted (`policy.skipped`), whatever the policy says: the demo has no user to blame."""
+    root, files = stdlib_files(include_tests)
+    for path in tqdm(files, desc="reading stdlib", unit="file", disable=None):
+        try:
+            source = decode_python(path.read_bytes())
+            docs = split_module(source, module_name(path.relative_to(root)))
+        except OSError as e:
+            policy.skip("unreadable", str(path), f"cannot read: {e.strerror or e}")
+            continue
+        except (UnicodeDecodeError, SyntaxError, LookupError) as e:
+            reason = "syntax_error" if isinstance(e, SyntaxError) else "not_decodable"
+            policy.skip(reason, str(path), f"{type(e).__name__}: {e}")
+            continue
+        yield from docs
+
+
+# ---------------------------------------------------------------------------------------------
+# User sources: text files and JSON lines
+# ---------------------------------------------------------------------------------------------
+
+
+def glob_root(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: keys are paths relative to it.
+
+    Examples: "data/docs/**/*.md" -> "data/docs", "notes/*.txt" -> "notes", "*.txt" -> ".".
+    """
+    parts = Path(pattern).parts
+    fixed = []
+    for part in parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return str(Path(*fixed)) if fixed else "."
+
+
+def read_text_file(path: str, policy: ErrorPolicy) -> str | None:
+    """A file's text, or None after reporting why it is unusable (unreadable, not UTF-8, empty)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        policy.bad("unreadable", path, f"cannot read: {e.strerror or e}")
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        policy.bad("not_utf8", path, f"not valid UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r})")
+        return None
+    if not text.strip():
+        policy.bad("empty", path, "document is empty (only whitespace)")
+        return None
+    return text
+
+
+def text_docs(pattern: str, policy: ErrorPolicy) -> Iterator[tuple[str, str]]:
+    """One document per file matching `pattern` (recursive `**` allowed), sorted by path."""
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
+    if not paths:
+        raise PrepareError(f"no files match {pattern!r}")
+    root = glob_root(pattern)
+    for path in tqdm(paths, desc="reading files", unit="file", disable=None):
+        text = read_text_file(path, policy)
+        if text is not None:
+            yield sanitize_key(os.path.relpath(path, root)), text
+
+
+def jsonl_docs(path: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
+    """One document per line of a JSON-lines file: the `text_key` field; key from `id`, else the line.
+
+    Blank lines are ignored. Example: line 3 of `a.jsonl`, {"text": "hi"} -> key "a__jsonl--L3";
+    {"id": "doc.7", "text": "hi"} -> key "doc__7".
+    """
+    try:
+        handle = open(path, "rb")
+    except OSError as e:
+        policy.bad("unreadable", path, f"cannot read: {e.strerror or e}")
+        return
+    name = os.path.basename(path)
+    with handle:
+        for lineno, raw in enumerate(tqdm(handle, desc="reading jsonl", unit="line", disable=None), start=1):
+            where = f"{path}:{lineno}"
+            parsed = _parse_jsonl_line(raw, where, policy, text_key)
+            if parsed is None:
+                continue
+            text, doc_id = parsed
+            yield sanitize_key(str(doc_id) if doc_id is not None else f"{name}:L{lineno}"), text
+
+
+def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str) -> tuple[str, object] | None:
+    """(text, id or None) from one line, or None for a blank or bad line (reported to `policy`)."""
+    if not raw.strip():
+        return None
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        policy.bad("not_utf8", where, f"not valid UTF-8 (byte {e.start} of the line)")
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        policy.bad("invalid_json", where, f"invalid JSON: {e.msg} (column {e.colno})")
+        return None
+    if not isinstance(record, dict):
+        policy.bad("invalid_json", where, f"expected a JSON object, got {type(record).__name__}")
+        return None
+    if text_key not in record:
+        policy.bad("missing_text", where, f"no {text_key!r} field (fields: {sorted(record)[:8]})")
+        return None
+    text = record[text_key]
+    if not isinstance(text, str):
+        policy.bad("missing_text", where, f"field {text_key!r} is {type(text).__name__}, not a string")
+        return None
+    if not text.strip():
+        policy.bad("empty", where, "document is empty (only whitespace)")
+        return None
+    return text, record.get("id")
+
+
+def read_source(source: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
+    """Documents of `source`: "demo", "text:GLOB" or "jsonl:PATH"; keys not yet deduplicated."""
+    kind, _, arg = source.partition(":")
+    if kind == "demo" and not arg:
+        return demo_docs(policy)
+    if kind == "text" and arg:
+        return text_docs(arg, policy)
+    if kind == "jsonl" and arg:
+        return jsonl_docs(arg, policy, text_key)
+    raise PrepareError(f"unknown source {source!r}; expected 'demo', 'text:GLOB' or 'jsonl:PATH'")

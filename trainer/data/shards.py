@@ -1,0 +1,201 @@
+"""The prepared dataset on disk: WebDataset tar shards plus one `manifest.json`.
+
+Layout of a prepared directory:
+
+    <out>/manifest.json          written last; the only file readers need to find everything else
+    <out>/tokenizer/             Hugging Face layout (see trainer.data.tokenizer)
+    <out>/train-000000.tar ...   one sample per document
+    <out>/val-000000.tar ...
+
+Sample schema (fixed): each document is two tar members, `<key>.txt` holding the UTF-8 text, which
+webdataset reads back as {"__key__": key, "txt": bytes}. Keys hold no dot (webdataset cuts the member
+name into key and field at the first dot) and are unique across the dataset.
+
+Every file is written atomically (temp file in the same directory, then `os.replace`), so a reader
+never sees half a shard, and an interrupted run leaves no manifest (the old one is removed first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import webdataset as wds
+from tqdm import tqdm
+
+from trainer.data.corpus import PrepareError
+
+TEXT_FIELD = "txt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = "packtrain-shards/1"
+SCHEMA = {
+    "__key__": "str: unique document id, no dots (webdataset splits a member name at its first dot)",
+    TEXT_FIELD: "bytes: the document text, UTF-8, without EOS (the stream appends one EOS per document)",
+}
+FILE_MODE = 0o644  # mkstemp creates 0600 files; prepared data is meant to be shared
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One written shard."""
+
+    name: str
+    """File name relative to the output directory, e.g. "train-000000.tar"."""
+    docs: int
+    """Documents (samples) in the shard."""
+    bytes: int
+    """Size of the tar file."""
+
+
+def shard_name(prefix: str, index: int) -> str:
+    """Example: shard_name("train", 3) -> "train-000003.tar"."""
+    return f"{prefix}-{index:06d}.tar"
+
+
+class _OpenShard:
+    """A shard being written to a temp file; `commit` renames it into place, `abort` deletes it."""
+
+    def __init__(self, out_dir: Path, name: str) -> None:
+        self.path = out_dir / name
+        fd, self.tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+        # PAX, not webdataset's default USTAR: keys may be longer than USTAR's 100-character names.
+        # mtime=0 makes the same documents give byte-identical shards.
+        self.tar = wds.TarWriter(self.file, encoder=False, mtime=0, format="PAX_FORMAT")
+        self.docs = 0
+        self.text_bytes = 0
+
+    def write(self, key: str, data: bytes) -> None:
+        self.tar.write({"__key__": key, TEXT_FIELD: data})
+        self.docs += 1
+        self.text_bytes += len(data)
+
+    def commit(self) -> ShardInfo:
+        self.tar.close()
+        self.file.close()
+        os.chmod(self.tmp, FILE_MODE)
+        os.replace(self.tmp, self.path)
+        return ShardInfo(name=self.path.name, docs=self.docs, bytes=self.path.stat().st_size)
+
+    def abort(self) -> None:
+        # Close the tar stream first: left open, its finalizer would write to the closed file.
+        with contextlib.suppress(Exception):
+            self.tar.close()
+        self.file.close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+
+def write_shards(
+    samples: Iterable[tuple[str, str]],
+    out_dir: str | Path,
+    prefix: str,
+    docs_per_shard: int,
+    max_shard_bytes: int | None = None,
+) -> list[ShardInfo]:
+    """Write (key, text) samples, in order, to `<out_dir>/<prefix>-000000.tar`, `-000001.tar`, ...
+
+    A shard closes after `docs_per_shard` documents, or before the text that would take it past
+    `max_shard_bytes` of text (a single larger document still gets a shard of its own).
+    Example: 5 samples, docs_per_shard=2 -> shards of 2, 2 and 1 documents. No samples -> no shards.
+    """
+    if docs_per_shard < 1:
+        raise PrepareError(f"docs per shard must be >= 1, got {docs_per_shard}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[ShardInfo] = []
+    seen: set[str] = set()
+    shard: _OpenShard | None = None
+    try:
+        for key, text in tqdm(samples, desc=f"writing {prefix}", unit="doc", disable=None):
+            _check_key(key, seen)
+            data = text.encode("utf-8")
+            if shard is not None and _is_full(shard, len(data), docs_per_shard, max_shard_bytes):
+                shards.append(shard.commit())
+                shard = None
+            if shard is None:
+                shard = _OpenShard(out_dir, shard_name(prefix, len(shards)))
+            shard.write(key, data)
+        if shard is not None:
+            shards.append(shard.commit())
+            shard = None
+    finally:
+        if shard is not None:  # an error mid-shard: leave no temp file behind
+            shard.abort()
+    return shards
+
+
+def _is_full(shard: _OpenShard, next_bytes: int, docs_per_shard: int, max_shard_bytes: int | None) -> bool:
+    if shard.docs >= docs_per_shard:
+        return True
+    return max_shard_bytes is not None and shard.text_bytes + next_bytes > max_shard_bytes
+
+
+def _check_key(key: str, seen: set[str]) -> None:
+    if not key or "." in key:
+        raise PrepareError(f"bad sample key {key!r}: keys must be non-empty and hold no dot")
+    if key in seen:
+        raise PrepareError(f"duplicate sample key {key!r}")
+    seen.add(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to a temp file next to `path`, then rename it over `path`: readers see the old
+    file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_manifest(data_dir: str | Path, manifest: dict) -> Path:
+    """Write `<data_dir>/manifest.json` atomically; return its path."""
+    path = Path(data_dir) / MANIFEST_FILE
+    atomic_write_bytes(path, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
+    return path
+
+
+def load_manifest(data_dir: str | Path) -> dict:
+    """Read `<data_dir>/manifest.json`, with an error naming the file if it is missing or bad."""
+    path = Path(data_dir) / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise PrepareError(f"{path}: no manifest; prepare the data first (python -m trainer.prepare --out "
+                           f"{data_dir} ...), or the last run was interrupted") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PrepareError(f"{path}: cannot read the manifest ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise PrepareError(f"{path}: format {found!r}, expected {FORMAT_VERSION!r}; prepare the data again")
+    return manifest
+
+
+def shard_paths(data_dir: str | Path, split: str) -> list[str]:
+    """Absolute paths of a split's shards, in manifest order; an error if a split or file is missing."""
+    manifest = load_manifest(data_dir)
+    splits = manifest["splits"]
+    if split not in splits:
+        raise PrepareError(f"{Path(data_dir) / MANIFEST_FILE}: no split {split!r} (has {sorted(splits)})")
+    paths = [str((Path(data_dir) / shard["name"]).resolve()) for shard in splits[split]["shards"]]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise PrepareError(f"shard listed in {Path(data_dir) / MANIFEST_FILE} is missing: {missing[0]}")
+    return paths
