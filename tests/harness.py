@@ -1,0 +1,49 @@
+"""A small multi-process harness: run a function on N real ranks of a gloo process group.
+
+    results = run_distributed(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> picklable
+
+Workers are spawned (fresh interpreters, no forked OpenMP state) and return through files; an exception
+in any rank fails the call with that rank's traceback. Never mocks: real torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # report, then let the parent fail the test
+        result = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = ()) -> list:
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+                           start_method="spawn", join=True)
+        results = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+    errors = [f"rank {r}:\n{value}" for r, (status, value) in enumerate(results) if status == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [value for _, value in results]

@@ -1,0 +1,136 @@
+"""The step's objective on real gloo ranks: sum of token losses / global valid targets, however split.
+
+Same logical batches, different splits (ranks with uneven token counts, gradient accumulation,
+layouts) must end with the same parameters. SGD with momentum makes the parameters a direct function
+of the gradients (Adam's normalization would hide a wrong scale: it is invariant to it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from trainer.config import DistributedConfig
+from trainer.data.batch import Document
+from trainer.data.packing import OnlinePacker
+from trainer.data.pipeline import PackingConfig, micro_batches
+from trainer.distributed import DistInfo, init_distributed, parallelize
+from trainer.model import AttentionConfig, GPTConfig, build_model
+from trainer.step import train_step
+
+SEQ_LEN = 32
+PAD = 1
+MODEL = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32, max_seq_len=SEQ_LEN)
+
+
+def make_steps(num_steps: int = 3, docs_per_step: int = 12, seed: int = 0) -> list[list[Document]]:
+    """Random documents (lengths 2..SEQ_LEN, EOS = 0 last) grouped into logical batches."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for s in range(num_steps):
+        docs = []
+        for d in range(docs_per_step):
+            n = int(rng.integers(2, SEQ_LEN + 1))
+            tokens = np.append(rng.integers(2, MODEL.vocab_size, size=n - 1), 0)
+            docs.append(Document(key=f"s{s}d{d}", tokens=tokens))
+        steps.append(docs)
+    return steps
+
+
+def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int) -> dict:
+    """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents."""
+    torch.manual_seed(0)
+    info = init_distributed(DistributedConfig(device="cpu")) if world_size > 1 else DistInfo(0, 1, 0, torch.device("cpu"))
+    model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
+    cfg = PackingConfig(layout=layout)
+    losses, counts = [], []
+    for step_docs in shares:
+        rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(step_docs[rank]))
+        mbs = micro_batches(rows, cfg, SEQ_LEN, mb_tokens, PAD)
+        stats = train_step(engine, mbs, info, PAD)
+        losses.append(stats.loss)
+        counts.append(stats.valid_tokens)
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
+            "valid": counts}
+
+
+def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= tol, f"{name}: max abs diff {diff:.3g}"
+
+
+def split(steps, fractions: list[float]) -> list[list[list[Document]]]:
+    """Per step, consecutive slices of its documents, one per rank, in the given proportions of docs."""
+    out = []
+    for docs in steps:
+        cuts = np.cumsum([0] + [round(f * len(docs)) for f in fractions])
+        cuts[-1] = len(docs)
+        out.append([docs[cuts[r] : cuts[r + 1]] for r in range(len(fractions))])
+    return out
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return make_steps()
+
+
+@pytest.fixture(scope="module")
+def one_rank(steps):
+    return train(0, 1, split(steps, [1.0]), "packed", mb_tokens=2 * SEQ_LEN)
+
+
+SCENARIOS = {  # name: (fractions of each step's documents for rank 0 and rank 1, layout, micro-batch tokens)
+    "uneven_packed": ([0.25, 0.75], "packed", 2 * SEQ_LEN),
+    "rank1_empty": ([1.0, 0.0], "packed", 2 * SEQ_LEN),
+    "unpacked": ([0.6, 0.4], "unpacked", 3 * SEQ_LEN),
+}
+
+
+def train_scenarios(rank: int, world_size: int, steps) -> dict:
+    """All two-rank scenarios in one spawn of the process group (spawning costs seconds per rank)."""
+    return {name: train(rank, world_size, split(steps, fr), layout, mb) for name, (fr, layout, mb) in SCENARIOS.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(steps):
+    return run_distributed(train_scenarios, 2, args=(steps,))
+
+
+def test_two_uneven_ranks_equal_one_rank(steps, one_rank, two_ranks):
+    shares = split(steps, SCENARIOS["uneven_packed"][0])
+    tokens = [[sum(map(len, s[r])) for s in shares] for r in range(2)]
+    assert all(t1 > 2 * t0 for t0, t1 in zip(*tokens, strict=True))  # rank 1 holds > 2x the tokens of rank 0
+    for r in two_ranks:
+        result = r["uneven_packed"]
+        assert_same_params(result["params"], one_rank["params"])
+        np.testing.assert_allclose(result["losses"], one_rank["losses"], rtol=1e-6)
+        assert result["valid"] == one_rank["valid"]
+
+
+def test_a_rank_without_documents_still_joins_the_step(one_rank, two_ranks):
+    for r in two_ranks:
+        assert_same_params(r["rank1_empty"]["params"], one_rank["params"])
+
+
+def test_two_ranks_unpacked_equal_one_rank_packed(one_rank, two_ranks):
+    assert_same_params(two_ranks[1]["unpacked"]["params"], one_rank["params"])
+
+
+def test_gradient_accumulation_one_vs_many_micro_batches(steps):
+    one = train(0, 1, split(steps, [1.0]), "packed", mb_tokens=64 * SEQ_LEN)
+    many = train(0, 1, split(steps, [1.0]), "packed", mb_tokens=SEQ_LEN)
+    assert_same_params(one["params"], many["params"])
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "bucketed"])
+def test_layouts_end_with_the_same_parameters(steps, one_rank, layout):
+    other = train(0, 1, split(steps, [1.0]), layout, mb_tokens=2 * SEQ_LEN)
+    assert other["valid"] == one_rank["valid"]
+    np.testing.assert_allclose(other["losses"], one_rank["losses"], rtol=1e-6)
+    assert_same_params(other["params"], one_rank["params"])
