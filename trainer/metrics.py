@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import sys
+import uuid
 from pathlib import Path
 
 import torch
@@ -120,9 +121,7 @@ def _run_id(run_dir) -> str:
     """One W&B run per run directory, so a resumed run continues its own W&B run."""
     path = Path(run_dir) / "wandb_run_id"
     if not path.exists():
-        import wandb
-
-        path.write_text(wandb.util.generate_id())
+        path.write_text(uuid.uuid4().hex[:8])
     return path.read_text().strip()
 
 

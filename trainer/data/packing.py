@@ -1,14 +1,16 @@
 """Bin packing of documents into rows of length T: the online packer and the offline references.
 
-The online packer holds a bounded buffer of documents sorted by length. Each emitted row is filled
-best-fit-decreasing from the buffer: the longest buffered document first, then repeatedly the
-longest one that still fits the space left. With a buffer of many documents, the small ones close
-the gaps that the long ones leave, so online rows come out nearly as full as offline packing's.
+The online packer holds a bounded buffer of documents. Each emitted row starts with the OLDEST
+buffered document (so no document waits more than about `buffer_size` rows, and long and short
+documents leave in stream order rather than longest first), and the rest of the row is filled
+best-fit-decreasing from the buffer: repeatedly the longest document that still fits the space left.
+With a buffer of many documents, the small ones close the gaps, so online rows come out nearly as full
+as offline best-fit-decreasing's (see bench/RESULTS.md).
 
-Example, T = 10, buffer lengths [7, 5, 4, 3, 2, 2, 1]:
-    row 1: 7, then the longest <= 3 is 3          -> [7, 3]        (10/10)
-    row 2: 5, then 4, then the longest <= 1 is 1  -> [5, 4, 1]     (10/10)
-    row 3: 2, 2                                    -> [2, 2]        (flushed at end of stream)
+Example, T = 10, documents arriving A(3) B(7) C(2) D(5) E(4) F(1) G(2), then the end of the stream:
+    row 1: oldest A(3); longest <= 7 is B(7)                          -> [A, B]          (10/10)
+    row 2: oldest C(2); longest <= 8 is D(5), <= 3 is G(2), <= 1 is F -> [C, D, G, F]    (10/10)
+    row 3: oldest E(4)                                                -> [E]             (4/10)
 
 Documents longer than T never reach the packer whole: `split_long` cuts them into chunks of at most T
 (or truncates or drops them, by policy), and `PackingStats` counts what it did.
@@ -87,11 +89,11 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
 
 
 class OnlinePacker:
-    """Streams documents in, rows of at most `seq_len` tokens out, by best-fit-decreasing over a buffer.
+    """Streams documents in, rows of at most `seq_len` tokens out: oldest document first, best fit after.
 
-    `push(doc)` returns the rows that became ready (at most one per push once the buffer is full);
-    `flush()` empties the buffer at the end of the stream. Deterministic: ties between documents of
-    equal length go first-in, first-out, and nothing here is random.
+    `push(doc)` returns the rows that became ready (one per push once the buffer holds more than
+    `buffer_size` documents); `flush()` empties the buffer at the end of the stream. Deterministic:
+    among documents of equal length the oldest goes first, and nothing here is random.
     """
 
     def __init__(self, seq_len: int, buffer_size: int = 1024) -> None:
@@ -100,8 +102,10 @@ class OnlinePacker:
         self.seq_len = seq_len
         self.buffer_size = buffer_size
         self._lengths: list[int] = []  # sorted, one entry per buffered document
-        self._by_length: dict[int, deque[Document]] = {}
-        self._order = 0  # arrival counter, only to restore the buffer in arrival order
+        self._by_length: dict[int, deque[tuple[int, Document]]] = {}  # length -> (arrival, doc), oldest first
+        self._arrivals: deque[tuple[int, Document]] = deque()  # every buffered doc in arrival order (+ taken ones)
+        self._taken: set[int] = set()  # arrivals already packed by best fit, dropped lazily from _arrivals
+        self._next_arrival = 0
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -110,8 +114,11 @@ class OnlinePacker:
         n = len(doc)
         if not 0 < n <= self.seq_len:
             raise ValueError(f"document {doc.key!r} has {n} tokens; the packer takes 1..{self.seq_len} (split first)")
+        entry = (self._next_arrival, doc)
+        self._next_arrival += 1
         bisect.insort(self._lengths, n)
-        self._by_length.setdefault(n, deque()).append(doc)
+        self._by_length.setdefault(n, deque()).append(entry)
+        self._arrivals.append(entry)
         if len(self._lengths) > self.buffer_size:
             return [self._emit_row()]
         return []
@@ -128,45 +135,56 @@ class OnlinePacker:
             yield from self.push(doc)
         yield from self.flush()
 
-    def _take(self, index: int) -> Document:
-        n = self._lengths.pop(index)
-        queue = self._by_length[n]
-        doc = queue.popleft()
-        if not queue:
-            del self._by_length[n]
-        return doc
-
     def _emit_row(self) -> list[Document]:
-        lengths = self._lengths
-        row = [self._take(len(lengths) - 1)]
-        space = self.seq_len - len(row[0])
-        while space > 0 and lengths:
+        lengths, by_length, arrivals, taken = self._lengths, self._by_length, self._arrivals, self._taken
+        while arrivals[0][0] in taken:
+            taken.discard(arrivals.popleft()[0])
+        _, first = arrivals.popleft()
+        n = len(first)
+        # The oldest document is also the oldest of its length, so it heads that length's queue.
+        queue = by_length[n]
+        queue.popleft()
+        if not queue:
+            del by_length[n]
+        del lengths[bisect.bisect_left(lengths, n)]
+        row, space = [first], self.seq_len - n
+        while space > 0:  # best fit: the longest document that still fits, oldest among equals
             i = bisect.bisect_right(lengths, space) - 1
             if i < 0:
                 break
-            doc = self._take(i)
+            n = lengths.pop(i)
+            queue = by_length[n]
+            arrival, doc = queue.popleft()
+            if not queue:
+                del by_length[n]
+            taken.add(arrival)
             row.append(doc)
-            space -= len(doc)
+            space -= n
         return row
+
+    def buffered(self) -> list[Document]:
+        """The buffered documents in arrival order."""
+        return [doc for arrival, doc in self._arrivals if arrival not in self._taken]
 
     def state_dict(self) -> dict:
         """The buffered documents (tokens included), so a resumed run packs exactly as this one would."""
-        docs = [doc for n in sorted(self._by_length) for doc in self._by_length[n]]
         return {
             "seq_len": self.seq_len,
             "buffer_size": self.buffer_size,
-            "docs": [(d.key, d.tokens, d.loss_mask) for d in docs],
+            "docs": [(d.key, d.tokens, d.loss_mask) for d in self.buffered()],
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len:
             raise ValueError(f"packer state is for seq_len={state['seq_len']}, this packer has {self.seq_len}")
-        self._lengths.clear()
-        self._by_length.clear()
+        self.__init__(self.seq_len, self.buffer_size)
         for key, tokens, mask in state["docs"]:
             doc = Document(key=key, tokens=np.asarray(tokens), loss_mask=None if mask is None else np.asarray(mask))
+            entry = (self._next_arrival, doc)
+            self._next_arrival += 1
             bisect.insort(self._lengths, len(doc))
-            self._by_length.setdefault(len(doc), deque()).append(doc)
+            self._by_length.setdefault(len(doc), deque()).append(entry)
+            self._arrivals.append(entry)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""`python -m trainer.train` end to end, as users launch it: real Hydra, shards, checkpoints, W&B files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.harness import free_port
+from trainer.train import strip_launcher_args
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "model=tiny",
+    "train.seq_len=128",
+    "model.max_seq_len=128",
+    "train.tokens_per_step=1024",
+    "train.micro_batch_tokens=512",
+    "data.num_workers=1",
+    "data.shuffle_buffer=64",
+    "packing.buffer_size=64",
+    "attention=sdpa_docs",
+    "logging.progress=false",
+    "logging.wandb.mode=disabled",
+]
+METRIC_KEYS = {
+    "step", "loss", "lr", "grad_norm", "valid_tokens", "allocated_tokens", "token_utilization", "docs",
+    "docs_per_row", "valid_tokens_per_s", "allocated_tokens_per_s", "step_time_s", "peak_mem_gb", "warmup",
+}
+
+
+def run_train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None,
+              extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
+                                                  *SMALL, *overrides, *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(demo_data, tmp_path_factory) -> dict[str, Path]:
+    """The same seed in each layout, 20 steps, fp32 on CPU."""
+    runs = {}
+    for layout in ("packed", "unpacked", "bucketed"):
+        run_dir = tmp_path_factory.mktemp(f"run_{layout}")
+        run_train(run_dir, demo_data, f"packing={layout}", "train.max_steps=20", "train.checkpoint_every=10")
+        runs[layout] = run_dir
+    return runs
+
+
+def test_layouts_see_the_same_documents_and_the_same_loss_curve(layout_runs):
+    packed = metrics(layout_runs["packed"])
+    assert len(packed) == 20
+    for layout in ("unpacked", "bucketed"):
+        other = metrics(layout_runs[layout])
+        assert [m["valid_tokens"] for m in other] == [m["valid_tokens"] for m in packed]
+        assert [m["docs"] for m in other] == [m["docs"] for m in packed]
+        diff = np.abs(np.array([m["loss"] for m in other]) - np.array([m["loss"] for m in packed]))
+        assert diff.max() <= 1e-4, f"{layout}: max loss difference {diff.max():.3g}"
+        # ...while the padding differs: packing allocates fewer positions for the same targets.
+        assert sum(m["allocated_tokens"] for m in other) > sum(m["allocated_tokens"] for m in packed)
+    losses = [m["loss"] for m in packed]
+    assert losses[-1] < losses[0] - 0.5  # and it learns
+
+
+def test_metrics_lines_hold_every_documented_key(layout_runs):
+    for line in metrics(layout_runs["packed"]):
+        assert METRIC_KEYS <= set(line)
+        assert 0 < line["token_utilization"] <= 1
+        assert line["valid_tokens"] < line["allocated_tokens"]
+    warm = [m["warmup"] for m in metrics(layout_runs["packed"])]
+    assert warm[:2] == [True, True] and not any(warm[2:])
+    summary = json.loads((layout_runs["packed"] / "summary.json").read_text())
+    assert summary["final_step"] == 20 and summary["skipped_samples"] == {}
+
+
+def test_checkpoint_holds_weights_tokenizer_and_conventions(layout_runs, demo_data):
+    ckpts = sorted((layout_runs["unpacked"] / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_000010", "step_000020"]
+    last = ckpts[-1]
+    conv = json.loads((last / "conventions.json").read_text())
+    manifest = json.loads((demo_data / "manifest.json").read_text())
+    assert conv["layout"] == "unpacked"
+    assert conv["packing"]["row_length"] == 128
+    assert conv["positions"]["reset_at_document_start"] is True
+    assert conv["attention"]["isolate_documents"] is True
+    assert conv["labels"]["ignore_index"] == -100
+    assert conv["tokenizer"]["sha256"] == manifest["tokenizer"]["sha256"]
+    assert (last / "tokenizer" / "tokenizer.json").read_bytes() == (demo_data / "tokenizer" / "tokenizer.json").read_bytes()
+    engine = torch.load(last / "engine.pt", weights_only=False)
+    assert "wte.weight" in "".join(engine["model"]) and engine["optimizer"]["state"]
+
+
+def test_resume_continues_exactly(layout_runs, tmp_path, demo_data):
+    """Interrupted after step 10 (its checkpoint), resumed: steps 11..20 repeat the uninterrupted run."""
+    whole = layout_runs["packed"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000020")
+    proc = run_train(resumed, demo_data, "packing=packed", "train.max_steps=20", "train.checkpoint_every=10",
+                     "train.resume=true")
+    assert "resumed from" in proc.stdout
+    a, b = metrics(whole), metrics(resumed)
+    assert [m["step"] for m in b] == list(range(1, 21))  # steps after the checkpoint were rewritten, not duplicated
+    for x, y in zip(a[10:], b[10:], strict=True):
+        assert x["valid_tokens"] == y["valid_tokens"] and x["docs"] == y["docs"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-6, (x["step"], x["loss"], y["loss"])
+
+
+def test_torchrun_two_processes_and_deepspeed_style_local_rank(demo_data, tmp_path):
+    run_dir = tmp_path / "ddp"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                str(free_port()), "-m"]
+    run_train(run_dir, demo_data, "train.max_steps=3", launcher=launcher)
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3]  # rank 0 alone writes
+    assert lines[0]["valid_tokens"] > 0
+    ckpt = run_dir / "checkpoints" / "step_000003"
+    assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    # A single process given the argument the deepspeed launcher appends.
+    run_train(tmp_path / "single", demo_data, "train.max_steps=1", extra_args=("--local_rank=0",))
+
+
+def test_wandb_offline_writes_a_real_run(demo_data, tmp_path):
+    run_dir = tmp_path / "wb"
+    run_train(run_dir, demo_data, "train.max_steps=2", "logging.wandb.mode=offline")
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb"))  # the binary run log wandb sync would upload
+
+
+def test_strip_launcher_args_keeps_hydra_overrides(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_launcher_args(["train", "model=tiny", "--local_rank=3"]) == ["train", "model=tiny"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert strip_launcher_args(["train", "--local_rank", "2", "seed=1"]) == ["train", "seed=1"]
+    assert os.environ["LOCAL_RANK"] == "2"
+
+
+def test_unknown_config_key_is_a_clear_error(demo_data, tmp_path):
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={tmp_path}",
+           "+train.max_stepz=3", "logging.wandb.mode=disabled"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "unknown key(s) in config section 'train': ['max_stepz']" in proc.stderr
