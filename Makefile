@@ -5,7 +5,6 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch. On a CUDA machine: make TORCH_SPEC='torch>=2.5' ...
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DATA  ?= data/demo
-DEMO_RUN   ?= runs/demo
 
 .PHONY: install demo test lint clean
 install: $(VENV)/.installed
@@ -16,9 +15,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# Prepare the demo corpus once (the standard library's own source), show the packing report, train.
 demo: install
-	$(PY) -m trainer.prepare --source demo --out $(DEMO_DATA)
-	$(PY) -m trainer.report $(DEMO_DATA)
+	@test -f $(DEMO_DATA)/manifest.json || $(PY) -m trainer.prepare --source demo --out $(DEMO_DATA) --docs-per-shard 500
+	$(PY) bench/packing.py --from-shards $(DEMO_DATA) --seq-len 512
+	$(PY) -m trainer.train experiment=demo data.path=$(DEMO_DATA)
 
 test: install
 	$(PY) -m pytest -q

@@ -155,6 +155,7 @@ class Trainer:
             rows = self.data.rows.take(n_rows)
             mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
             t_data = time.perf_counter() - t0
+            lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
             stats = train_step(self.engine, mbs, info, self.data.pad_id)
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
@@ -164,7 +165,7 @@ class Trainer:
             self.counters["allocated_tokens"] += stats.allocated_tokens
             self.counters["docs"] += stats.docs
             if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.max_steps:
-                self._log(stats, step_time, t_data)
+                self._log(stats, lr, step_time, t_data)
             bar.update(1)
             bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
                             tok_s=f"{stats.valid_tokens / step_time:,.0f}")
@@ -187,12 +188,12 @@ class Trainer:
 
     _last_loss: float | None = None
 
-    def _log(self, stats, step_time: float, data_time: float) -> None:
+    def _log(self, stats, lr: float, step_time: float, data_time: float) -> None:
         self._last_loss = stats.loss
         m = {
             "step": self.step,
             "loss": stats.loss,
-            "lr": self.engine.lr(),
+            "lr": lr,
             "grad_norm": stats.grad_norm,
             "valid_tokens": stats.valid_tokens,
             "allocated_tokens": stats.allocated_tokens,

@@ -49,8 +49,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step:
-            self._truncate_after(resume_step)
+        self._truncate_after(resume_step)  # a fresh run (step 0) in an old run dir starts a fresh file
         if cfg.mode != "disabled":
             self.wandb_run = _init_wandb(run_dir, cfg, resolved_config, tags, group)
 
