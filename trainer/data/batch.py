@@ -196,7 +196,7 @@ def valid_targets(doc: Document) -> int:
     Example: tokens [5, 9, 2(EOS)] -> 2 targets (9 and EOS); with loss_mask [1, 0, 1] -> 1 (EOS).
     """
     if doc.loss_mask is None:
-        return len(doc) - 1
+        return max(0, len(doc) - 1)
     return int(doc.loss_mask[1:].sum())
 
 

@@ -60,6 +60,8 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
         truncate -> [1 2 3 4]                                      (5 tokens counted as truncated)
         drop     -> []                                             (9 tokens counted as dropped)
     """
+    if policy not in LONG_DOC_POLICIES:
+        raise ValueError(f"unknown long-document policy {policy!r}; expected one of {LONG_DOC_POLICIES}")
     stats.docs_in += 1
     stats.tokens_in += len(doc)
     if len(doc) <= max_len:
@@ -103,7 +105,7 @@ class OnlinePacker:
         self.buffer_size = buffer_size
         self._lengths: list[int] = []  # sorted, one entry per buffered document
         self._by_length: dict[int, deque[tuple[int, Document]]] = {}  # length -> (arrival, doc), oldest first
-        self._arrivals: deque[tuple[int, Document]] = deque()  # every buffered doc in arrival order (+ taken ones)
+        self._arrivals: deque[tuple[int, int]] = deque()  # (arrival, length) in arrival order, taken ones too
         self._taken: set[int] = set()  # arrivals already packed by best fit, dropped lazily from _arrivals
         self._next_arrival = 0
 
@@ -118,7 +120,7 @@ class OnlinePacker:
         self._next_arrival += 1
         bisect.insort(self._lengths, n)
         self._by_length.setdefault(n, deque()).append(entry)
-        self._arrivals.append(entry)
+        self._arrivals.append((entry[0], n))
         if len(self._lengths) > self.buffer_size:
             return [self._emit_row()]
         return []
@@ -139,11 +141,10 @@ class OnlinePacker:
         lengths, by_length, arrivals, taken = self._lengths, self._by_length, self._arrivals, self._taken
         while arrivals[0][0] in taken:
             taken.discard(arrivals.popleft()[0])
-        _, first = arrivals.popleft()
-        n = len(first)
+        _, n = arrivals.popleft()
         # The oldest document is also the oldest of its length, so it heads that length's queue.
         queue = by_length[n]
-        queue.popleft()
+        _, first = queue.popleft()
         if not queue:
             del by_length[n]
         del lengths[bisect.bisect_left(lengths, n)]
@@ -164,7 +165,8 @@ class OnlinePacker:
 
     def buffered(self) -> list[Document]:
         """The buffered documents in arrival order."""
-        return [doc for arrival, doc in self._arrivals if arrival not in self._taken]
+        docs = {arrival: doc for queue in self._by_length.values() for arrival, doc in queue}
+        return [docs[arrival] for arrival, _ in self._arrivals if arrival not in self._taken]
 
     def state_dict(self) -> dict:
         """The buffered documents (tokens included), so a resumed run packs exactly as this one would."""
@@ -184,7 +186,7 @@ class OnlinePacker:
             self._next_arrival += 1
             bisect.insort(self._lengths, len(doc))
             self._by_length.setdefault(len(doc), deque()).append(entry)
-            self._arrivals.append(entry)
+            self._arrivals.append((entry[0], len(doc)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +209,8 @@ def greedy_concat(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Offline FFD: longest first, each into the first open bin with room (max segment tree, O(n log n))."""
+    if any(n < 1 for n in lengths):
+        raise ValueError("document lengths must be >= 1")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     size = 1
     while size < max(1, len(lengths)):
