@@ -1,0 +1,38 @@
+"""The GPT model and its attention adapter: single-device code, no ranks."""
+
+from trainer.model.attention import (
+    BACKENDS,
+    AttentionConfig,
+    BackendUnavailable,
+    Segments,
+    block_diagonal_mask,
+    document_block_mask,
+    document_ids,
+    resolve_backend,
+    segment_attention,
+    to_additive_mask,
+    varlen_attention,
+)
+from trainer.model.flash import flash_varlen_args
+from trainer.model.gpt import GPT, GPTConfig, ModelOutput, build_model, model_inputs, shifted_cross_entropy
+
+__all__ = [
+    "BACKENDS",
+    "GPT",
+    "AttentionConfig",
+    "BackendUnavailable",
+    "GPTConfig",
+    "ModelOutput",
+    "Segments",
+    "block_diagonal_mask",
+    "build_model",
+    "document_block_mask",
+    "document_ids",
+    "flash_varlen_args",
+    "model_inputs",
+    "resolve_backend",
+    "segment_attention",
+    "shifted_cross_entropy",
+    "to_additive_mask",
+    "varlen_attention",
+]

@@ -1,0 +1,285 @@
+"""A GPT-2-style decoder that takes padded rows or packed rows with document boundaries.
+
+Single-device code: no ranks, no process groups. Parallel wrapping happens after `build_model`.
+
+Two layouts reach `GPT.forward`:
+    padded  (cu_seqlens=None)  one sequence per row, causal attention within each row.
+    packed  (cu_seqlens given) several documents per row; the (B, L) positions are flattened to B * L
+            tokens and attention stays inside each segment of cu_seqlens (see trainer.model.attention).
+Labels arrive unshifted (-100 at each segment start and on padding) and are shifted here, so the loss is
+the same sum over the same targets in both layouts; the caller divides by its own count of targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.model.attention import AttentionConfig, Segments, segment_attention
+
+POS_EMBS = ("learned", "rope")
+
+
+@dataclass
+class GPTConfig:
+    """Model shape. Sizes live in configs/model/*.yaml with the same keys."""
+
+    vocab_size: int | None = None
+    """Embedding rows; None = take the tokenizer's vocabulary size at build time (see `build_model`)."""
+    n_layer: int = 12
+    """Transformer blocks."""
+    n_head: int = 12
+    """Attention heads per block; n_embd must divide by it."""
+    n_embd: int = 768
+    """Width of the residual stream."""
+    max_seq_len: int = 1024
+    """Longest row length L the model accepts; sizes the learned position table."""
+    dropout: float = 0.0
+    """Dropout on embeddings and residual branches (none inside attention: varlen kernels differ in support)."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    pos_emb: str = "learned"
+    """'learned' absolute position embeddings (GPT-2) or 'rope' rotary embeddings applied to q and k."""
+    rope_theta: float = 10000.0
+    """RoPE base: frequencies are theta^(-2i / head_dim). Unused with learned embeddings."""
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layer)."""
+
+    def __post_init__(self) -> None:
+        if self.pos_emb not in POS_EMBS:
+            raise ValueError(f"pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError("RoPE needs an even head dimension")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None
+    """(B, L, V) next-token logits, or None with return_logits=False."""
+    loss_sum: torch.Tensor | None
+    """fp32 scalar: summed cross entropy over valid targets (labels given), else None."""
+    num_targets: torch.Tensor | None
+    """int64 scalar: how many targets were summed, for the caller's denominator."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ---------------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each (B, L, 1, head_dim / 2) in fp32, from (B, L) positions.
+
+    Positions may reset at each document: with isolated attention only differences of positions within
+    one document enter q . k, so a constant offset per document changes nothing (up to rounding).
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles_BLF = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, L, D/2)
+    return angles_BLF.cos()[:, :, None, :], angles_BLF.sin()[:, :, None, :]
+
+
+def apply_rope(x_BLHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) by the position's angle (the GPT-NeoX / Llama "rotate half" layout)."""
+    x1, x2 = x_BLHD.float().chunk(2, dim=-1)  # (B, L, H, D/2) each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x_BLHD.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: AttentionConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.attention = attention
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: Segments | None
+    ) -> torch.Tensor:
+        B, L, C = x.shape
+        q, k, v = self.c_attn(x).view(B, L, 3, self.n_head, self.head_dim).unbind(2)  # (B, L, H, D) each
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if segments is None:
+            # Padded rows, or packed rows under one causal mask (isolate_documents=False).
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
+        else:
+            flat = (B * L, self.n_head, self.head_dim)
+            y = segment_attention(
+                q.reshape(flat), k.reshape(flat), v.reshape(flat), segments,
+                self.attention.backend, self.attention.flex_compile,
+            )  # (B * L, H, D)
+        return self.resid_dropout(self.c_proj(y.reshape(B, L, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig, attention: AttentionConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, attention)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope, segments: Segments | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, segments)
+        return x + self.mlp(self.ln_2(x))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross entropy, number of targets) with logits at t predicting labels at t + 1.
+
+    Labels are unshifted with -100 at each segment start, so the shift never asks the last token of
+    one document to predict the first token of the next. Example, one row [a0 a1 | b0 b1]:
+        labels  = [-100 a1 -100 b1]  -> targets of positions 0..2 = [a1 -100 b1]
+    a1 is predicted from a0, b1 from b0, and a1 (A's EOS) predicts nothing from B.
+    """
+    logits_BTV = logits[:, :-1, :]  # (B, L - 1, V)
+    targets_BT = labels[:, 1:]
+    loss_sum = F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    return loss_sum, (targets_BT != IGNORE_INDEX).sum()
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("GPTConfig.vocab_size is None: build through build_model(..., vocab_size=tokenizer size)")
+        self.cfg = cfg
+        self.attention = attention or AttentionConfig()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, self.attention) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
+                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+
+    def num_params(self) -> int:
+        """Parameters, the tied embedding counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
+
+        cu_seqlens=None: padded rows, causal within each row. Given: packed rows, causal within each
+        segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
+        required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
+        """
+        B, L = input_ids.shape
+        if L > self.cfg.max_seq_len:
+            raise ValueError(f"rows of length {L} exceed max_seq_len={self.cfg.max_seq_len}")
+        if position_ids is None:
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        segments = None
+        if cu_seqlens is not None and self.attention.isolate_documents:
+            if max_seqlen is None:
+                raise ValueError("packed rows need max_seqlen (a Python int computed with cu_seqlens)")
+            segments = Segments(cu_seqlens, max_seqlen)
+
+        x = self.wte(input_ids)  # (B, L, C)
+        if self.wpe is not None:
+            x = x + self.wpe(position_ids)
+        rope = None
+        if self.cfg.pos_emb == "rope":
+            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x, rope, segments)
+        logits = self.lm_head(self.ln_f(x))  # (B, L, V)
+
+        loss_sum = num_targets = None
+        if labels is not None:
+            loss_sum, num_targets = shifted_cross_entropy(logits, labels)
+        return ModelOutput(logits=logits if return_logits else None, loss_sum=loss_sum, num_targets=num_targets)
+
+
+def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None) -> GPT:
+    """The model for `cfg`, with `cfg.vocab_size = None` filled from `vocab_size` (the tokenizer's).
+
+    A set cfg.vocab_size wins (e.g. padded up to a multiple of 64 for faster matmuls) but must hold the
+    tokenizer's ids.
+    """
+    if cfg.vocab_size is None:
+        if vocab_size is None:
+            raise ValueError("vocab_size is null in the model config: pass the tokenizer's vocab_size to build_model")
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    elif vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise ValueError(f"model vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids")
+    return GPT(cfg, attention)
+
+
+def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
+    """Forward kwargs for a Batch: packed layouts pass their boundaries, the others go the padded path.
+
+    packed=None follows batch.layout ('packed' -> cu_seqlens/max_seqlen; 'unpacked'/'bucketed' -> None).
+    Example: model(**model_inputs(batch)).loss_sum / batch.num_valid_targets
+    """
+    if packed is None:
+        packed = batch.layout == "packed"
+    return dict(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        labels=batch.labels,
+        cu_seqlens=batch.cu_seqlens if packed else None,
+        max_seqlen=batch.max_seqlen if packed else None,
+    )
