@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import trainer.model
@@ -41,7 +42,10 @@ def test_every_yaml_key_has_a_one_line_comment(path):
 
 @pytest.mark.parametrize("path", MODEL_YAMLS, ids=lambda p: p.name)
 def test_model_yaml_keys_are_exactly_the_config_fields(path):
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    # Composed as the trainer composes it (max_seq_len may follow train.seq_len by interpolation).
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        composed = compose(config_name="config", overrides=[f"model={path.stem}"])
+    cfg = OmegaConf.to_container(composed.model, resolve=True)
     assert set(cfg) == {f.name for f in dataclasses.fields(GPTConfig)}
     assert cfg["vocab_size"] is None  # taken from the tokenizer at build time
     model_cfg = GPTConfig(**cfg)

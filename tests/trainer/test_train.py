@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "model=tiny",
     "train.seq_len=128",
-    "model.max_seq_len=128",
     "train.tokens_per_step=1024",
     "train.micro_batch_tokens=512",
     "data.num_workers=1",
