@@ -13,6 +13,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev]'
+# DeepSpeed (the `deepspeed` extra; CI runs its tests) is a source package built against the torch above,
+# hence no build isolation. DS_BUILD_OPS=0: no compiled ops (a GPU machine JIT-builds those it uses; on CPU
+# the engine skips the shared-memory kernel and uses plain gloo).
+	DS_BUILD_OPS=0 PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.15'
 	touch $@
 
 # Prepare the demo corpus once (the standard library's own source), show the packing report, train.

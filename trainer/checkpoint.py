@@ -1,7 +1,8 @@
 """Checkpoints: written atomically (temp dir + rename), the last K kept, resumable by every rank.
 
 Layout of `<run dir>/checkpoints/step_000050/`:
-    engine.pt            model, optimizer and LR schedule (rank 0; replicated under DDP)
+    engine.pt            model, optimizer and LR schedule (DDP: replicated, written by rank 0)
+    deepspeed/           or, under DeepSpeed, its own checkpoint: one ZeRO shard per rank (engine.save)
     rank_00000.pt ...    each rank's data-stream state and RNG states
     meta.json            step, token counters, world size, engine
     conventions.json     how inputs and objective were built (see `conventions`)
@@ -72,9 +73,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{info.rank:05d}.pt")
-    engine_state = engine.state_dict()
+    engine.save(tmp)  # collective
     if info.is_main:
-        torch.save(engine_state, tmp / "engine.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
         (tmp / "conventions.json").write_text(json.dumps(conventions, indent=2))
         shutil.copytree(tokenizer_dir, tmp / "tokenizer")
@@ -105,7 +105,10 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dic
             f"{path} was written by {meta['world_size']} ranks and this run has {info.world_size}: "
             "each rank resumes its own data stream, so the world size must match"
         )
-    engine.load_state_dict(torch.load(path / "engine.pt", map_location=info.device, weights_only=False))
+    if meta.get("engine", engine.name) != engine.name:
+        raise ValueError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
+                         "resume with the same distributed= config")
+    engine.load(path)
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", weights_only=False)
     set_rng_state(rank_state.pop("rng"))
     return meta, rank_state

@@ -1,8 +1,17 @@
 """Process groups, named reductions, and the one place where a model gets wrapped for several ranks.
 
-The training step talks to an `Engine`: `micro_step` (forward + backward of one micro-batch, gradient
-sync only on the last one) and `optimizer_step`. `parallelize` builds the engine for the configured
-backend; the model itself never imports torch.distributed.
+The training step talks to an engine: `micro_step` (forward + backward of one micro-batch, gradient
+sync only on the last one) and `optimizer_step`; the checkpoint code calls `save(dir)` / `load(dir)`.
+`parallelize` builds the engine for the configured backend: `DDPEngine` here, or the DeepSpeed engine
+(trainer/deepspeed_engine.py, imported only then). The model itself never imports torch.distributed.
+
+What every engine has:
+    name                   'ddp', 'deepspeed_zero2', ... (recorded in the checkpoint's conventions.json)
+    module                 the model as built (single-device code)
+    grad_average_factor    what the step multiplies the loss by to undo the engine's gradient averaging
+    equal_micro_batches    True if every rank must run the same number of micro-batches per step
+    micro_step(inputs, loss_scale, sync) -> (loss_sum, num_targets)
+    optimizer_step() -> grad_norm;  lr();  save(directory);  load(directory)
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,10 +102,12 @@ class DDPEngine:
     """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).
 
     DDP averages gradients over ranks; `grad_average_factor` tells the step to multiply the loss by
-    the world size so that what remains is sum(token losses) / global valid targets.
+    the world size so that what remains is sum(token losses) / global valid targets. Gradients are
+    all-reduced once, after the last micro-batch, so ranks may run different numbers of micro-batches.
     """
 
     name = "ddp"
+    equal_micro_batches = False
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str):
         self.module = model
@@ -104,6 +116,7 @@ class DDPEngine:
         self.grad_clip = grad_clip
         self.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
         self.device = info.device
+        self.is_main = info.is_main
         if info.world_size > 1:
             ids = [info.device.index] if info.device.type == "cuda" else None
             self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -150,9 +163,25 @@ class DDPEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
+    def save(self, directory: Path) -> None:
+        """Collective. The state is replicated, so rank 0 alone writes `engine.pt`."""
+        state = self.state_dict()
+        if self.is_main:
+            torch.save(state, directory / "engine.pt")
+
+    def load(self, directory: Path) -> None:
+        self.load_state_dict(torch.load(directory / "engine.pt", map_location=self.device, weights_only=False))
+
 
 def parallelize(model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig, grad_clip: float, dtype: str):
-    """Wrap a built model (already on its device) into the configured engine."""
+    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine.
+
+    The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
+    """
     if cfg.engine == "ddp":
         return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
-    raise ValueError(f"distributed.engine must be 'ddp', got {cfg.engine!r}")
+    if cfg.engine == "deepspeed":
+        from trainer.deepspeed_engine import DeepSpeedEngine  # only here: plain runs never import deepspeed
+
+        return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+    raise ValueError(f"distributed.engine must be 'ddp' or 'deepspeed', got {cfg.engine!r}")

@@ -1,0 +1,128 @@
+"""DeepSpeed ZeRO (stage 1, 2 or 3) behind the engine interface of `trainer.distributed`.
+
+Imported by `parallelize` only when distributed.engine=deepspeed, so plain runs never import deepspeed.
+DeepSpeed gets the client optimizer and LR schedule (trainer.optim), so DDP and ZeRO runs are comparable.
+
+How the objective survives DeepSpeed. The step scales each micro-batch's summed loss by
+grad_average_factor / global valid targets; DeepSpeed would then change it in three ways, each undone:
+  * it divides the loss by gradient_accumulation_steps: the config says 1 and backward() is told
+    scale_wrt_gas=False, since the step already divides by the targets of all micro-batches;
+  * it averages gradients over the data-parallel ranks: grad_average_factor = that world size, as for DDP;
+  * it counts micro-batches to find the accumulation boundary: the step says which micro-batch is the
+    last one (set_gradient_accumulation_boundary), since the count varies from step to step and by rank.
+ZeRO-2/3 reduce gradients in every micro-batch and ZeRO-3 gathers weights in every forward, so all ranks
+must run the same number of micro-batches: `equal_micro_batches` makes the step pad the shorter ranks
+with empty micro-batches (no targets, so no gradient). For example, 3 micro-batches on rank 0 and 1 on
+rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is the boundary on both.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.config import DistributedConfig
+from trainer.distributed import DistInfo
+
+CHECKPOINT_TAG = "deepspeed"
+"""Sub-directory of a packtrain checkpoint that holds DeepSpeed's files (one ZeRO shard per rank)."""
+
+
+def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, device: torch.device) -> dict:
+    """The DeepSpeed config dict for a run; batch sizes are placeholders because the step owns batching.
+
+    Example: zero_stage=2, grad_clip=1.0, dtype='bf16' -> {'zero_optimization': {'stage': 2},
+    'gradient_clipping': 1.0, 'bf16': {'enabled': True}, 'gradient_accumulation_steps': 1, ...}.
+    bf16 is DeepSpeed's own mixed precision (bf16 weights and gradients, fp32 master weights in the
+    optimizer), not DDP's autocast over fp32 weights.
+    """
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # DeepSpeed's sample counter only
+        "gradient_accumulation_steps": 1,  # no loss division; the step marks the boundary itself
+        "gradient_clipping": grad_clip,  # same rule as torch's clip_grad_norm_; 0 disables
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,  # any torch optimizer (the client's) under ZeRO
+        "zero_force_ds_cpu_optimizer": False,  # offload keeps the client optimizer, not DeepSpeedCPUAdam
+        "steps_per_print": 2**31 - 1,  # packtrain logs its own metrics
+    }
+
+
+class DeepSpeedEngine:
+    """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
+
+    equal_micro_batches = True
+
+    def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
+                 grad_clip: float, dtype: str):
+        deepspeed = _import_deepspeed(info.device)
+        if not dist.is_initialized():  # one process without a launcher: DeepSpeed still wants a group
+            backend = "nccl" if info.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+        self.name = f"deepspeed_zero{cfg.zero_stage}"
+        self.module = model
+        self.ds, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(cfg, grad_clip, dtype, info.device),
+        )
+        self.grad_average_factor = self.ds.dp_world_size
+
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
+        self.ds.set_gradient_accumulation_boundary(sync)
+        out = self.ds(**inputs)
+        self.ds.backward(out.loss_sum * loss_scale, scale_wrt_gas=False)
+        return out.loss_sum.detach(), out.num_targets.detach()
+
+    def optimizer_step(self) -> float:
+        """Clip, step, advance the schedule, zero the gradients (all inside DeepSpeed); the global grad norm."""
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.ds.get_lr()[0]
+
+    def save(self, directory: Path) -> None:
+        """Collective: every rank writes its ZeRO shard (and rank 0 the module and schedule) under the tag."""
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory / CHECKPOINT_TAG}")
+
+
+def _import_deepspeed(device: torch.device):
+    """deepspeed, set up for `device`: its accelerator matches, and on CPU plain gloo carries the collectives.
+
+    On CPU DeepSpeed would JIT-compile a shared-memory all-reduce kernel (35-80 s, needs g++ and the
+    Python headers) the first time it sets up communication, unless the install built it
+    (DS_BUILD_SHM_COMM=1). Only its inference all-reduce uses that kernel; training goes through
+    torch.distributed, so an install without it marks it unavailable instead of compiling it.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+    except ImportError as e:
+        raise ImportError("distributed.engine=deepspeed needs deepspeed: pip install -e '.[deepspeed]' "
+                          "(see the Makefile for the CPU flags)") from e
+    accelerator = get_accelerator().device_name()
+    if accelerator != device.type:
+        raise RuntimeError(f"DeepSpeed's accelerator is {accelerator!r} but distributed.device is {device.type!r}; "
+                           f"set DS_ACCELERATOR={device.type}")
+    if device.type == "cpu" and not installed_ops.get("deepspeed_shm_comm", False):
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
