@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 
 from tests.harness import free_port, run_distributed
 from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
-from tests.trainer.test_train import metrics, run_train
+from tests.trainer.test_train import ROOT, metrics, run_train
 from trainer import checkpoint
 from trainer.config import DistributedConfig, OptimConfig
 from trainer.data.packing import OnlinePacker
@@ -162,6 +163,17 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
         assert ("deepspeed" in run["files"]) == (engine != "ddp")
         if engine != "ddp":
             assert "written by engine 'ddp'" in run["wrong_engine_error"]
+
+
+def test_a_ddp_engine_never_imports_deepspeed():
+    code = ("import sys, torch, trainer.train; from trainer.config import DistributedConfig; "
+            "from trainer.distributed import DistInfo, parallelize; "
+            "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1); "
+            "parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), "
+            "DistInfo(0, 1, 0, torch.device('cpu')), DistributedConfig(device='cpu'), 0.0, 'fp32'); "
+            "assert not [m for m in sys.modules if m.startswith('deepspeed')], 'deepspeed was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_path):
