@@ -113,13 +113,13 @@ class Trainer:
         elif cfg.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {self.data.vocab_size}")
         model = build_model(cfg.model, cfg.attention).to(info.device)
+        self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0}
         self.last_checkpoint: Path | None = None
-        self.n_params = sum(p.numel() for p in model.parameters())
         self._resume()
         group = f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
         self.metrics = MetricsLogger(
