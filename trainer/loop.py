@@ -108,11 +108,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         _seed_everything(cfg.seed)
         self.data = build_data(cfg, info)
-        if cfg.model.vocab_size is None:
-            cfg.model.vocab_size = self.data.vocab_size
-        elif cfg.model.vocab_size < self.data.vocab_size:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {self.data.vocab_size}")
-        model = build_model(cfg.model, cfg.attention).to(info.device)
+        model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size).to(info.device)
         self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
