@@ -300,10 +300,15 @@ def torch_varlen_args(
 
 
 def _sdpa_docs(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """Causal SDPA once per segment [bounds[i], bounds[i + 1]): exact, no mask materialized."""
+    """Causal SDPA once per segment [bounds[i], bounds[i + 1]): exact, no mask materialized.
+
+    `split` (not slicing) cuts the segments, so backward concatenates the segment gradients once instead
+    of zero-filling a full (N, H, D) gradient per segment.
+    """
+    lengths = [end - start for start, end in itertools.pairwise(bounds)]
     outs = []
-    for start, end in itertools.pairwise(bounds):
-        q_1HTD, k_1HTD, v_1HTD = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))
+    for q_THD, k_THD, v_THD in zip(q_NHD.split(lengths), k_NHD.split(lengths), v_NHD.split(lengths), strict=True):
+        q_1HTD, k_1HTD, v_1HTD = (t.transpose(0, 1).unsqueeze(0) for t in (q_THD, k_THD, v_THD))
         out_1HTD = F.scaled_dot_product_attention(q_1HTD, k_1HTD, v_1HTD, is_causal=True)
         outs.append(out_1HTD.squeeze(0).transpose(0, 1))  # (T, H, D)
     return torch.cat(outs, dim=0)
