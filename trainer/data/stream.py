@@ -29,10 +29,10 @@ import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.batch import Document
+from trainer.data.shards import TEXT_FIELD
 
 log = logging.getLogger(__name__)
 
-TEXT_FIELD = "txt"
 ON_ERROR = ("raise", "skip")
 
 
