@@ -25,3 +25,7 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo_data")
     prepare("demo", out, vocab_size=512, max_docs=1000, docs_per_shard=200, val_fraction=0.05, seed=0)
     return out
+
+
+# A headless chromium for tests that render pages (skips without one, fails under CI=true): see tests/browser.py.
+from tests.browser import browser  # noqa: E402, F401

@@ -38,8 +38,19 @@ class TrainConfig:
     """False, True (latest checkpoint in the run dir) or a checkpoint path."""
     warmup_marked_steps: int = 2
     """The first N steps are flagged warmup=true in metrics."""
+    eval_every: int = 50
+    """Evaluate the held-out split every N steps and at the end; 0 disables evaluation."""
+    eval_docs: int | None = None
+    """Evaluate only the first N held-out documents (None = all of them)."""
+    eval_layout: str = "packed"
+    """Layout of the eval batches: 'packed' (isolated documents, fast) or 'unpacked'; the same val_loss either way."""
 
     def __post_init__(self) -> None:
+        if self.eval_layout not in ("packed", "unpacked"):
+            raise ValueError(f"train.eval_layout must be 'packed' or 'unpacked', got {self.eval_layout!r}")
+        if self.eval_every < 0 or (self.eval_docs is not None and self.eval_docs < 1):
+            raise ValueError(f"train.eval_every must be >= 0 and train.eval_docs null or >= 1, "
+                             f"got {self.eval_every} and {self.eval_docs}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.tokens_per_step < self.seq_len:
@@ -82,6 +93,23 @@ class OptimConfig:
     """Linear warm-up steps."""
     min_lr_ratio: float = 0.1
     """Cosine decays to lr * min_lr_ratio at train.max_steps."""
+
+
+NORMALIZATIONS = ("global_tokens", "document_mean", "micro_batch_mean", "row_mean")
+
+
+@dataclass
+class LossConfig:
+    normalization: str = "global_tokens"
+    """How token losses become the step's objective (see trainer.step.loss_weights):
+    'global_tokens' sum / valid targets of the whole step (all micro-batches, all ranks);
+    'document_mean' each document's mean, averaged over the step's documents;
+    'micro_batch_mean' each micro-batch's mean, averaged over micro-batches and ranks (layout-dependent);
+    'row_mean' each row's mean, averaged over rows (layout-dependent)."""
+
+    def __post_init__(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
 
 
 ENGINES = ("ddp", "deepspeed")
@@ -138,6 +166,7 @@ class RunConfig:
     packing: PackingConfig
     model: GPTConfig
     attention: AttentionConfig
+    loss: LossConfig
     optim: OptimConfig
     distributed: DistributedConfig
     logging: LoggingConfig
@@ -168,6 +197,7 @@ def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
         packing=_build(PackingConfig, cfg["packing"], "packing"),
         model=_build(GPTConfig, cfg["model"], "model"),
         attention=_build(AttentionConfig, cfg["attention"], "attention"),
+        loss=_build(LossConfig, cfg.get("loss", {}), "loss"),
         optim=_build(OptimConfig, optim, "optim"),
         distributed=_build(DistributedConfig, cfg["distributed"], "distributed"),
         logging=_build(LoggingConfig, logging_cfg, "logging"),

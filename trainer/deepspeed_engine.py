@@ -79,8 +79,15 @@ class DeepSpeedEngine:
         """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
         self.ds.set_gradient_accumulation_boundary(sync)
         out = self.ds(**inputs)
-        self.ds.backward(out.loss_sum * loss_scale, scale_wrt_gas=False)
-        return out.loss_sum.detach(), out.num_targets.detach()
+        objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
+        self.ds.backward(objective * loss_scale, scale_wrt_gas=False)
+        return objective.detach(), out.loss_sum.detach()
+
+    @torch.no_grad()
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed token loss and target count; collective under ZeRO-3 (weights are gathered per forward)."""
+        out = self.ds(**inputs, return_logits=False)
+        return out.loss_sum, out.num_targets
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients (all inside DeepSpeed); the global grad norm."""

@@ -10,7 +10,8 @@ What every engine has:
     module                 the model as built (single-device code)
     grad_average_factor    what the step multiplies the loss by to undo the engine's gradient averaging
     equal_micro_batches    True if every rank must run the same number of micro-batches per step
-    micro_step(inputs, loss_scale, sync) -> (loss_sum, num_targets)
+    micro_step(inputs, loss_scale, sync) -> (objective_sum, loss_sum)   backward of objective_sum * loss_scale
+    eval_forward(inputs) -> (loss_sum, num_targets)                     no gradient (the caller sets eval mode)
     optimizer_step() -> grad_norm;  lr();  save(directory);  load(directory)
 """
 
@@ -126,13 +127,25 @@ class DDPEngine:
             self.grad_average_factor = 1
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`."""
+        """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.
+
+        Returns (objective sum, plain summed token loss): the objective is the weighted sum when the
+        inputs carry loss_weights (trainer.step.loss_weights), else the plain sum.
+        """
         no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
         with no_sync:
             with self._autocast():
                 out = self.wrapped(**inputs)
-            (out.loss_sum * loss_scale).backward()
-        return out.loss_sum.detach(), out.num_targets.detach()
+            objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
+            (objective * loss_scale).backward()
+        return objective.detach(), out.loss_sum.detach()
+
+    @torch.no_grad()
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed token loss and target count of one micro-batch, without gradients or DDP communication."""
+        with self._autocast():
+            out = self.module(**inputs, return_logits=False)
+        return out.loss_sum, out.num_targets
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""

@@ -22,6 +22,7 @@ from trainer.data.shards import load_manifest, shard_paths
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 from trainer.distributed import DistInfo, broadcast_object, parallelize
+from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.metrics import MetricsLogger, peak_flops, peak_mem_gb
 from trainer.model import build_model
 from trainer.optim import build_optimizer, build_scheduler
@@ -36,6 +37,7 @@ class DataSource:
     tokenizer_hash: str
     vocab_size: int
     pad_id: int
+    eos_id: int
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
@@ -64,7 +66,18 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         tokenizer_hash=tokenizer_hash(tokenizer_dir),
         vocab_size=tok.get_vocab_size(),
         pad_id=ids.pad,
+        eos_id=ids.eos,
     )
+
+
+LOSS_DEFINITIONS = {
+    "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
+    "(all micro-batches, all ranks)",
+    "document_mean": "mean token cross-entropy of each document (a chunk of a split document counts as one), "
+    "averaged over the documents of the whole optimizer step (all ranks)",
+    "micro_batch_mean": "mean token cross-entropy of each micro-batch, averaged over the micro-batches of all ranks",
+    "row_mean": "mean token cross-entropy of each row, averaged over the rows of the whole optimizer step (all ranks)",
+}
 
 
 def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
@@ -92,8 +105,15 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
             "ignored": ["first position of every document or chunk", "padding", "loss-masked tokens"],
             "eos": "appended to every document and kept as a target",
         },
-        "loss": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
-        "(all micro-batches, all ranks)",
+        "loss": {
+            "normalization": cfg.loss.normalization,
+            "definition": LOSS_DEFINITIONS[cfg.loss.normalization],
+        },
+        "eval": {
+            "split": "val", "order": "manifest shards permuted with seed 0, file order, no shuffle",
+            "docs": cfg.train.eval_docs, "long_docs": "split", "layout": cfg.train.eval_layout,
+            "val_loss": "sum of token cross-entropies / eval targets (all ranks)",
+        },
         "tokenizer": {"files": "tokenizer/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
         "engine": engine_name,
         "world_size": world_size,
@@ -114,16 +134,27 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
         self.step = 0
-        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0}
+        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0}
         self.last_checkpoint: Path | None = None
+        self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
+        self.last_eval: EvalResult | None = None
         self._resume()
         group = f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], group,
             enabled=info.is_main, resume_step=self.step,
         )
+        if info.is_main:  # what trainer.report compares runs by
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.resolved, indent=2, default=str))
         self.flops_per_token = 6 * self.n_params  # + attention, ignored: an estimate for MFU
         self.peak_flops = peak_flops(info.device)
+
+    def _build_evaluator(self) -> Evaluator:
+        cfg = self.cfg
+        docs = load_eval_docs(cfg.data.path, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
+                              cfg.train.eval_docs, cfg.data.on_error)
+        return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
+                         self.data.pad_id)
 
     def _resume(self) -> None:
         resume = self.cfg.train.resume
@@ -137,7 +168,7 @@ class Trainer:
         meta, rank_state = checkpoint.load_checkpoint(path, self.info, self.engine)
         self.data.rows.load_state_dict(rank_state["data"])
         self.step = meta["step"]
-        self.counters = meta["counters"]
+        self.counters = {**self.counters, **meta["counters"]}
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}")
 
@@ -152,7 +183,7 @@ class Trainer:
             mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
             t_data = time.perf_counter() - t0
             lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-            stats = train_step(self.engine, mbs, info, self.data.pad_id)
+            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization)
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
             step_time = time.perf_counter() - t0
@@ -160,8 +191,11 @@ class Trainer:
             self.counters["valid_tokens"] += stats.valid_tokens
             self.counters["allocated_tokens"] += stats.allocated_tokens
             self.counters["docs"] += stats.docs
-            if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.max_steps:
-                self._log(stats, lr, step_time, t_data)
+            self.counters["elapsed_s"] += step_time
+            last = self.step == cfg.train.max_steps
+            evaluation = self._evaluate() if self._eval_due(last) else None
+            if evaluation or self.step % cfg.logging.log_every == 0 or last:
+                self._log(stats, lr, step_time, t_data, evaluation)
             bar.update(1)
             bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
                             tok_s=f"{stats.valid_tokens / step_time:,.0f}")
@@ -169,9 +203,18 @@ class Trainer:
             if (every and self.step % every == 0) or self.step == cfg.train.max_steps:
                 self.save()
         bar.close()
+        ev = self.last_eval
         summary = self.metrics.summary({
             "final_step": self.step,
             "final_loss": self._last_loss,
+            "final_val_loss": ev.val_loss if ev else None,
+            "final_val_ppl": ev.val_ppl if ev else None,
+            "val_tokens": ev.val_tokens if ev else None,
+            "val_docs": ev.val_docs if ev else None,
+            "loss_normalization": self.cfg.loss.normalization,
+            "world_size": info.world_size,
+            "elapsed_s": self.counters["elapsed_s"],
+            "peak_mem_gb": peak_mem_gb(info.device),
             "total_valid_tokens": self.counters["valid_tokens"],
             "total_allocated_tokens": self.counters["allocated_tokens"],
             "skipped_samples": self.data.loader.skipped(),
@@ -184,11 +227,20 @@ class Trainer:
 
     _last_loss: float | None = None
 
-    def _log(self, stats, lr: float, step_time: float, data_time: float) -> None:
+    def _eval_due(self, last: bool) -> bool:
+        return self.evaluator is not None and (last or self.step % self.cfg.train.eval_every == 0)
+
+    def _evaluate(self) -> dict:
+        t0 = time.perf_counter()
+        self.last_eval = self.evaluator.run(self.engine)
+        return {**vars(self.last_eval), "eval_time_s": time.perf_counter() - t0}
+
+    def _log(self, stats, lr: float, step_time: float, data_time: float, evaluation: dict | None) -> None:
         self._last_loss = stats.loss
         m = {
             "step": self.step,
             "loss": stats.loss,
+            "token_loss": stats.token_loss,
             "lr": lr,
             "grad_norm": stats.grad_norm,
             "valid_tokens": stats.valid_tokens,
@@ -200,12 +252,13 @@ class Trainer:
             "allocated_tokens_per_s": stats.allocated_tokens / step_time,
             "step_time_s": step_time,
             "data_time_s": data_time,
+            "elapsed_s": self.counters["elapsed_s"],
             "peak_mem_gb": peak_mem_gb(self.info.device),
             "warmup": self.step <= self.cfg.train.warmup_marked_steps,
         }
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * stats.real_tokens / step_time / (self.peak_flops * self.info.world_size)
-        self.metrics.log(m)
+        self.metrics.log({**m, **(evaluation or {})})
 
     def save(self) -> None:
         meta = {"counters": self.counters, "engine": self.engine.name, "config": self.cfg.resolved}

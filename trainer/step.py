@@ -1,4 +1,6 @@
-"""One optimizer step over one logical batch, normalized by the global valid-target count.
+"""One optimizer step over one logical batch, and the loss normalizations it can optimize.
+
+The default objective, `global_tokens`:
 
     loss = sum over every valid target of the step (all micro-batches, all ranks) of its cross-entropy
            / number of those targets
@@ -7,6 +9,18 @@ The count is all-reduced once, before any micro-batch runs; each micro-batch's s
 scaled by 1 / count (times the world size, to undo DDP's or DeepSpeed's averaging). There is no
 per-row, per-micro-batch or per-rank mean anywhere, so the gradient is the same however the documents
 of the step are split into rows, micro-batches and ranks.
+
+The other normalizations (`loss.normalization`) exist to measure what common alternatives change. Each
+is a mean over *units* of the mean token loss within each unit, written as one weighted sum:
+
+    loss = sum over targets t of ce(t) / targets(unit(t))  /  units of the step (all ranks)
+
+    document_mean     unit = document (a chunk of a split document counts as one): layout-invariant
+    micro_batch_mean  unit = micro-batch: depends on how documents are grouped into micro-batches
+    row_mean          unit = row: a packed row of 3 documents weighs as much as one unpacked document
+
+Units without targets (padding, an empty rank's placeholder) count for nothing. `loss_weights` builds
+the per-token weights; this module is the only place that defines them.
 
 The same all-reduce carries each rank's micro-batch count: engines that communicate inside every
 micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones.
@@ -17,8 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from trainer.data.batch import Batch, Document, collate_rows
+from trainer.config import NORMALIZATIONS
+from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
 from trainer.distributed import DistInfo, dist_sum
 from trainer.model import model_inputs
 
@@ -28,6 +44,9 @@ class StepStats:
     """Global (all-rank) figures of one optimizer step."""
 
     loss: float
+    """The optimized objective (see the module docstring)."""
+    token_loss: float
+    """Sum of token losses / valid targets: the same as `loss` under global_tokens, comparable across modes."""
     grad_norm: float
     valid_tokens: int
     allocated_tokens: int
@@ -43,12 +62,41 @@ def empty_batch(pad_id: int) -> Batch:
     return collate_rows([[Document(key="<empty>", tokens=np.array([pad_id]))]], 1, pad_id, "packed")
 
 
-def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int) -> StepStats:
+def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None, int]:
+    """(B, L) weights aligned with `batch.labels`, and the number of units holding a target.
+
+    A target's weight is 1 / (targets of its unit); non-targets weigh 0. global_tokens needs no weights
+    (None) and its units are the targets themselves. Example, one packed row [a0 a1 a2 | b0 b1 | pad]
+    (labels [-100 a1 a2 -100 b1 -100]):
+        document_mean     weights [0 1/2 1/2 0 1 0], 2 units
+        row_mean          weights [0 1/3 1/3 0 1/3 0], 1 unit (as micro_batch_mean for a one-row batch)
+    """
+    valid_BL = batch.labels != IGNORE_INDEX
+    if normalization == "global_tokens":
+        return None, int(valid_BL.sum())
+    B, L = batch.shape
+    if normalization == "document_mean":  # unit = segment of cu_seqlens (padding segments hold no target)
+        unit_BL = torch.bucketize(torch.arange(B * L), batch.cu_seqlens[1:].long(), right=True).view(B, L)
+    elif normalization == "row_mean":
+        unit_BL = torch.arange(B)[:, None].expand(B, L)
+    elif normalization == "micro_batch_mean":
+        unit_BL = torch.zeros(B, L, dtype=torch.long)
+    else:
+        raise ValueError(f"loss.normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    counts = torch.bincount(unit_BL[valid_BL], minlength=int(unit_BL.max()) + 1)
+    weights = torch.where(valid_BL, 1.0 / counts.clamp(min=1)[unit_BL].float(), 0.0)
+    return weights, int((counts > 0).sum())
+
+
+def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
+               normalization: str = "global_tokens") -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step."""
+    weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.world_size  # micro-batches per rank, e.g. [3, 0, 0, 0] on rank 0 of 4
     counts[info.rank] = len(micro_batches)
     local = [
         sum(mb.num_valid_targets for mb in micro_batches),
+        sum(units for _, units in weighted),
         sum(mb.num_allocated for mb in micro_batches),
         sum(mb.num_tokens for mb in micro_batches),
         sum(mb.num_docs for mb in micro_batches),
@@ -56,22 +104,27 @@ def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int) 
         *counts,
     ]
     totals = dist_sum(local, info.device)
-    valid, allocated, real, docs, rows = (int(x) for x in totals[:5])
+    valid, units, allocated, real, docs, rows = (int(x) for x in totals[:6])
     if valid == 0:
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
-    loss_scale = engine.grad_average_factor / valid
+    loss_scale = engine.grad_average_factor / units
 
-    most = int(max(totals[5:])) if engine.equal_micro_batches else len(micro_batches)
+    most = int(max(totals[6:])) if engine.equal_micro_batches else len(micro_batches)
     batches = list(micro_batches) + [empty_batch(pad_id)] * (max(1, most) - len(micro_batches))
-    loss_sum = 0.0
-    for i, mb in enumerate(batches):
+    weights = [w for w, _ in weighted] + [None] * (len(batches) - len(micro_batches))
+    objective_sum = loss_sum = 0.0
+    for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(mb.to(info.device, non_blocking=True))
-        mb_loss_sum, _ = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
+        if w is not None:
+            inputs["loss_weights"] = w.to(info.device, non_blocking=True)
+        mb_objective, mb_loss_sum = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
+        objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()
     grad_norm = engine.optimizer_step()
-    (global_loss_sum,) = dist_sum([float(loss_sum)], info.device)
+    global_objective, global_loss_sum = dist_sum([float(objective_sum), float(loss_sum)], info.device)
     return StepStats(
-        loss=global_loss_sum / valid,
+        loss=global_objective / units,
+        token_loss=global_loss_sum / valid,
         grad_norm=grad_norm,
         valid_tokens=valid,
         allocated_tokens=allocated,

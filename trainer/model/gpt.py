@@ -72,6 +72,8 @@ class ModelOutput:
     """fp32 scalar: summed cross entropy over valid targets (labels given), else None."""
     num_targets: torch.Tensor | None
     """int64 scalar: how many targets were summed, for the caller's denominator."""
+    weighted_loss_sum: torch.Tensor | None = None
+    """fp32 scalar: sum of loss_weights[t] * cross entropy of target t (loss_weights given), else None."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,6 +181,22 @@ def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return loss_sum, (targets_BT != IGNORE_INDEX).sum()
 
 
+def weighted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed cross entropy, number of targets, sum of weights[t] * cross entropy of target t).
+
+    `weights` (B, L) is aligned with the unshifted labels: weights[b, t] weighs the target labels[b, t]
+    (predicted from position t - 1). Example: weights = 1 / (targets of the token's document) makes the
+    weighted sum the sum of per-document mean losses.
+    """
+    targets_BT = labels[:, 1:]
+    ce_BT = F.cross_entropy(
+        logits[:, :-1, :].transpose(1, 2).float(), targets_BT, ignore_index=IGNORE_INDEX, reduction="none"
+    )  # (B, L - 1), 0 where ignored
+    return ce_BT.sum(), (targets_BT != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None) -> None:
         super().__init__()
@@ -218,12 +236,14 @@ class GPT(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         return_logits: bool = True,
+        loss_weights: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
 
         cu_seqlens=None: padded rows, causal within each row. Given: packed rows, causal within each
         segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
+        loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
         """
         B, L = input_ids.shape
         if L > self.cfg.max_seq_len:
@@ -247,10 +267,13 @@ class GPT(nn.Module):
             x = block(x, rope, segments)
         logits = self.lm_head(self.ln_f(x))  # (B, L, V)
 
-        loss_sum = num_targets = None
-        if labels is not None:
+        loss_sum = num_targets = weighted = None
+        if labels is not None and loss_weights is not None:
+            loss_sum, num_targets, weighted = weighted_cross_entropy(logits, labels, loss_weights)
+        elif labels is not None:
             loss_sum, num_targets = shifted_cross_entropy(logits, labels)
-        return ModelOutput(logits=logits if return_logits else None, loss_sum=loss_sum, num_targets=num_targets)
+        return ModelOutput(logits=logits if return_logits else None, loss_sum=loss_sum, num_targets=num_targets,
+                           weighted_loss_sum=weighted)
 
 
 def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None) -> GPT:

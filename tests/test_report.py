@@ -1,0 +1,354 @@
+"""trainer.report: run dirs in, a table, verdicts, plots, report.md and a self-contained report.html out.
+
+Hand-built run dirs (config.json, metrics.jsonl, summary.json written here) check every number against a
+value computed by hand; one test reads real tiny runs of `trainer.train`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from trainer import report
+from trainer.report import (
+    TABLE_COLUMNS,
+    differing_keys,
+    flatten,
+    key_class,
+    load_runs,
+    make_report,
+    throughput,
+    time_to_reach,
+    unpacked_match,
+    verdict,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {
+    "seed": 0,
+    "train": {"seq_len": 128, "tokens_per_step": 1024, "micro_batch_tokens": 512, "max_steps": 6, "grad_clip": 1.0,
+              "dtype": "fp32", "checkpoint_every": 50, "keep_last": 2, "resume": False, "warmup_marked_steps": 2,
+              "eval_every": 3, "eval_docs": None, "eval_layout": "packed"},
+    "data": {"path": "reportdata/demo", "split": "train", "num_workers": 1, "shuffle_buffer": 64, "on_error": "raise"},
+    "packing": {"layout": "packed", "buffer_size": 64, "long_docs": "split", "reset_positions": True,
+                "pad_to": "longest"},
+    "model": {"vocab_size": 512, "n_layer": 2, "n_head": 2, "n_embd": 64, "max_seq_len": 128, "dropout": 0.0,
+              "bias": True, "pos_emb": "learned", "rope_theta": 10000.0, "init_std": 0.02},
+    "attention": {"backend": "sdpa_docs", "isolate_documents": True, "flex_compile": True},
+    "loss": {"normalization": "global_tokens"},
+    "optim": {"_target_": "torch.optim.AdamW", "lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8,
+              "weight_decay": 0.1, "warmup_steps": 10, "min_lr_ratio": 0.1},
+    "distributed": {"engine": "ddp", "backend": "auto", "device": "auto", "zero_stage": 0, "offload": False},
+    "logging": {"log_every": 1, "progress": False, "wandb": {"mode": "disabled", "project": "packtrain"}},
+}
+LOSSES = [4.0, 3.5, 3.0, 2.5, 2.2, 2.0]
+
+
+def make_run(root: Path, name: str, overrides: dict | None = None, losses: list[float] = LOSSES,
+             step_times: list[float] | None = None, utilization: float = 0.5, docs: list[int] | None = None,
+             token_losses: list[float] | None = None, val: dict[int, float] | None = None,
+             summary: bool = True) -> Path:
+    """A run dir as trainer.train writes it: 1000 valid tokens per step, `utilization` of the positions."""
+    run = root / name
+    run.mkdir(parents=True)
+    config = copy.deepcopy(CONFIG)
+    for key, value in (overrides or {}).items():
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    (run / "config.json").write_text(json.dumps(config))
+    step_times = step_times or [1.0] * len(losses)
+    val = {3: 3.2, 6: 2.4} if val is None else val
+    lines, elapsed = [], 0.0
+    for i, loss in enumerate(losses):
+        step, elapsed = i + 1, elapsed + step_times[i]
+        m = {"step": step, "loss": loss, "token_loss": (token_losses or losses)[i], "lr": 1e-3, "grad_norm": 1.0,
+             "valid_tokens": 1000, "allocated_tokens": int(1000 / utilization), "token_utilization": utilization,
+             "docs": (docs or [8] * len(losses))[i], "docs_per_row": 1.0,
+             "valid_tokens_per_s": 1000 / step_times[i], "allocated_tokens_per_s": 1000 / utilization / step_times[i],
+             "step_time_s": step_times[i], "data_time_s": 0.01, "elapsed_s": elapsed, "peak_mem_gb": 0.5 + i / 100,
+             "warmup": step <= 2}
+        if step in val:
+            m.update(val_loss=val[step], val_tokens=500, val_docs=5, val_ppl=2.718 ** val[step], eval_time_s=0.1)
+        lines.append(json.dumps(m))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if summary:
+        (run / "summary.json").write_text(json.dumps({"final_step": len(losses), "final_loss": losses[-1],
+                                                      "world_size": 1, "peak_mem_gb": 0.6}))
+    return run
+
+
+def one(root: Path, name: str, **kw) -> report.Run:
+    return load_runs([make_run(root, name, **kw)])[0]
+
+
+def pair(tmp_path: Path, ref_kw: dict, run_kw: dict) -> tuple[report.Run, report.Run]:
+    return one(tmp_path, "ref", **ref_kw), one(tmp_path, "run", **run_kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config keys
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_flatten_and_key_classes():
+    assert flatten({"seed": 0, "optim": {"lr": 0.1, "betas": [0.9, 0.95]}}) == {
+        "seed": 0, "optim.lr": 0.1, "optim.betas": (0.9, 0.95)}
+    assert key_class("logging.wandb.mode") == "ignored"
+    assert key_class("train.checkpoint_every") == "ignored"
+    assert key_class("packing.layout") == "same objective"
+    assert key_class("distributed.backend") == "same objective"
+    assert key_class("attention.isolate_documents") == "ablation"
+    assert key_class("packing.buffer_size") == "other"
+    assert key_class("seed") == "other"
+
+
+def test_differing_keys_ignore_logging_and_checkpoint_cadence(tmp_path):
+    runs = load_runs([
+        make_run(tmp_path, "a"),
+        make_run(tmp_path, "b", {"packing.layout": "unpacked", "logging.log_every": 5, "train.keep_last": 9}),
+        make_run(tmp_path, "c", {"seed": 1, "train.checkpoint_every": 2, "hydra.run.dir": "x"}),
+    ])
+    assert differing_keys([r.config for r in runs]) == ["packing.layout", "seed"]
+    assert differing_keys([runs[0].config, runs[0].config]) == []
+    # An old run without a `loss` section trained with global_tokens: no difference.
+    old = json.loads((tmp_path / "a" / "config.json").read_text())
+    del old["loss"]
+    (tmp_path / "a" / "config.json").write_text(json.dumps(old))
+    assert differing_keys([load_runs([tmp_path / "a"])[0].config, runs[0].config]) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verdicts
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_same_objective_within_tolerance(tmp_path):
+    ref, run = pair(tmp_path, {"overrides": {"packing.layout": "unpacked"}, "step_times": [2.0] * 6},
+                    {"losses": [x + 3e-7 for x in LOSSES], "utilization": 1.0})
+    # max gap 3e-7; 1000 tokens per 1 s vs per 2 s; utilization 50% -> 100%.
+    assert verdict(run, ref, 1e-4) == (
+        "same objective: max |Δloss| 3e-07 over 6 steps; 2x valid tokens/s; utilization 50.0% -> 100.0%")
+    assert verdict(ref, ref, 1e-4) == "reference run"
+
+
+def test_loss_gap_above_tolerance_is_not_comparable(tmp_path):
+    ref, run = pair(tmp_path, {"overrides": {"packing.layout": "unpacked"}},
+                    {"losses": [*LOSSES[:4], 2.23, 2.0]})
+    text = verdict(run, ref, 1e-4)
+    assert text.startswith("not comparable: loss gap 0.03 above tolerance 0.0001 (same documents per step;")
+    assert "packing.layout unpacked -> packed" in text
+    assert verdict(run, ref, 0.05).startswith("same objective: max |Δloss| 0.03 over 6 steps")
+
+
+def test_different_seed_is_not_comparable_naming_every_key(tmp_path):
+    ref, run = pair(tmp_path, {}, {"overrides": {"seed": 1}})
+    assert verdict(run, ref, 1e-4) == "not comparable: different seed (0 vs 1)"
+    both = one(tmp_path, "both", overrides={"seed": 1, "optim.lr": 0.001, "packing.layout": "unpacked"})
+    assert verdict(both, ref, 1e-4) == "not comparable: different optim.lr (0.003 vs 0.001), different seed (0 vs 1)"
+    buffer = one(tmp_path, "buffer", overrides={"packing.buffer_size": 128})
+    assert verdict(buffer, ref, 1e-4) == "not comparable: different packing.buffer_size (64 vs 128)"
+
+
+def test_isolation_ablation_names_the_setting_and_its_effect(tmp_path):
+    ref, run = pair(tmp_path, {}, {"overrides": {"attention.isolate_documents": False},
+                                   "losses": [*LOSSES[:5], 2.05], "val": {3: 3.2, 6: 2.5}})
+    assert verdict(run, ref, 1e-4) == (
+        "ablation attention.isolate_documents true -> false: final train loss 2.0000 -> 2.0500 (+0.05) at step 6, "
+        "final val loss 2.4000 -> 2.5000 (+0.1) at step 6, at equal documents per step (6 steps)")
+
+
+def test_ablation_with_different_documents_per_step_is_not_comparable(tmp_path):
+    ref, run = pair(tmp_path, {}, {"overrides": {"packing.reset_positions": False}, "docs": [8, 8, 9, 8, 8, 8]})
+    assert verdict(run, ref, 1e-4) == (
+        "not comparable: different documents per step (from step 3: docs 8 vs 9, valid tokens 1000 vs 1000) "
+        "although only packing.reset_positions true -> false differs")
+
+
+def test_normalization_ablation_compares_token_loss(tmp_path):
+    ref, run = pair(tmp_path, {}, {"overrides": {"loss.normalization": "document_mean"},
+                                   "losses": [5.0] * 6, "token_losses": [*LOSSES[:5], 1.9]})
+    assert verdict(run, ref, 1e-4).startswith(
+        "ablation loss.normalization global_tokens -> document_mean: final train loss 2.0000 -> 1.9000 (-0.1)")
+
+
+def test_layout_dependent_normalization_reports_the_loss_difference(tmp_path):
+    row_mean = {"loss.normalization": "row_mean"}
+    ref, run = pair(tmp_path, {"overrides": {**row_mean, "packing.layout": "unpacked"}},
+                    {"overrides": row_mean, "losses": [*LOSSES[:5], 2.02]})
+    assert verdict(run, ref, 1e-4) == (
+        "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
+        "packing.layout unpacked -> packed changes it by up to 0.02 over 6 steps (final 2.0000 -> 2.0200 (+0.02)); "
+        "1x valid tokens/s; utilization 50.0% -> 50.0%")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers of the table
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_speed_up_and_time_to_reach_by_hand(tmp_path):
+    unpacked = one(tmp_path, "u", overrides={"packing.layout": "unpacked"}, step_times=[2.0] * 6)
+    packed = one(tmp_path, "p", step_times=[5, 5, 1, 1, 2, 1], losses=[4.0, 3.0, 2.4, 2.0, 1.9, 1.8])
+    slow = one(tmp_path, "s", overrides={"seed": 1}, losses=[4.0, 3.0, 2.5, 2.4, 2.2, 2.1])
+    # Steady steps 3..6: 4 x 1000 tokens in 1 + 1 + 2 + 1 s = 800 tokens/s, vs 4000 / 8 s = 500: 1.60x.
+    assert throughput(packed) == pytest.approx(800.0)
+    assert throughput(unpacked) == pytest.approx(500.0)
+    # The reference's final loss is 2.0; the packed run first reaches it at step 4, after 5 + 5 + 1 + 1 s.
+    assert time_to_reach(packed, 2.0) == (12.0, 4)
+    assert time_to_reach(slow, 2.0) is None
+    assert time_to_reach(unpacked, 2.0) == (12.0, 6)
+    table = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
+             for row in report.table_rows([unpacked, packed, slow], unpacked)}
+    assert table["p"]["speed-up vs unpacked"] == "1.60x vs u"
+    assert table["u"]["speed-up vs unpacked"] == "1.00x vs u"
+    assert table["p"]["time to ref. loss"] == "12.0 s (step 4)"
+    assert table["s"]["time to ref. loss"] == "n/a"
+    assert table["p"]["max |Δ train loss|"] == "0.6 (6 steps)"  # |3.0 - 3.5| ... |2.4 - 3.0| = 0.6
+    assert table["p"]["differs"] == "packing.layout=packed, seed=0"
+    assert table["p"]["token utilization"] == "50.0%"
+    assert table["p"]["valid tokens/s"] == "800"
+    assert table["p"]["allocated tokens/s"] == "1,600"
+    assert table["p"]["peak mem (GB)"] == "0.60"
+    assert table["u"]["notes"] == "reference"
+
+
+def test_unpacked_match_prefers_the_closest_settings(tmp_path):
+    runs = load_runs([
+        make_run(tmp_path, "u0", {"packing.layout": "unpacked"}),
+        make_run(tmp_path, "u1", {"packing.layout": "unpacked", "seed": 1}),
+        make_run(tmp_path, "p1", {"seed": 1}),
+        make_run(tmp_path, "b0", {"packing.layout": "bucketed"}),
+    ])
+    assert [unpacked_match(r, runs).name for r in runs] == ["u0", "u1", "u1", "u0"]
+    packed_only = load_runs([tmp_path / "p1", tmp_path / "b0"])
+    assert unpacked_match(packed_only[0], packed_only) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files written
+# ---------------------------------------------------------------------------------------------------
+
+PNGS = ["loss_vs_step.png", "loss_vs_time.png", "val_loss_vs_step.png", "valid_tokens_per_s.png",
+        "token_utilization.png", "doc_lengths.png"]
+
+
+class _HTMLCheck(HTMLParser):
+    """Collects every src/href and img, and checks that non-void tags nest and close."""
+
+    VOID = {"meta", "link", "img", "br", "hr", "input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.urls: list[str] = []
+        self.imgs: list[dict] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.urls += [v for k, v in attrs.items() if k in ("src", "href")]
+        if tag == "img":
+            self.imgs.append(attrs)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(f"unexpected </{tag}>")
+
+
+def write_data(root: Path, histogram: bool = True) -> Path:
+    data = root / "reportdata" / "demo"
+    data.mkdir(parents=True)
+    lengths = {"min": 3, "max": 900, "mean": 80.0}
+    if histogram:
+        lengths["histogram"] = {"edges": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+                                "counts": [0, 1, 4, 10, 30, 60, 50, 20, 8, 2]}
+    (data / "manifest.json").write_text(json.dumps({"splits": {"train": {"lengths": lengths}}}))
+    return data
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    """A Hydra-style sweep under <root>/multirun/: jobs 0 (packed), 1 (unpacked), 2 (seed 1), 10 (crashed:
+    no summary.json); the data dir at <root>/reportdata/demo, found relative to the run dirs' parents."""
+    write_data(tmp_path)
+    sweep = tmp_path / "multirun" / "2025-06-01"
+    make_run(sweep, "0", losses=[x + 1e-7 for x in LOSSES], step_times=[1.0] * 6, utilization=0.99)
+    make_run(sweep, "1", {"packing.layout": "unpacked"}, step_times=[2.0] * 6, utilization=0.4)
+    make_run(sweep, "2", {"seed": 1}, losses=[4.1, 3.6, 3.1, 2.6, 2.3, 2.1])
+    make_run(sweep, "10", {"packing.layout": "unpacked", "attention.isolate_documents": False},
+             losses=LOSSES[:4], summary=False)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return sweep
+
+
+def test_report_writes_table_plots_markdown_and_self_contained_html(sweep, capsys):
+    assert report.main([str(sweep)]) == 0  # the default --out of one sweep dir is the sweep dir
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(sweep / name) for name in [*PNGS, "report.md", "report.html"]]
+    for name in PNGS:
+        data = (sweep / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 2000, name
+
+    md = (sweep / "report.md").read_text()
+    for column in TABLE_COLUMNS:
+        assert column.replace("|", "\\|") in md
+    for name in PNGS:
+        assert f"]({name})" in md  # relative paths, next to report.md
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| run", "| 0", "| 1", "| 2", "| 10"]  # job order
+    assert "Reference run: **1**" in md
+    assert "- **0**: same objective: max |Δloss| 1e-07 over 6 steps; 2x valid tokens/s; utilization 40.0% -> 99.0%" in md
+    assert "- **2**: not comparable: different seed (0 vs 1)" in md
+    assert "- **10**: ablation attention.isolate_documents true -> false" in md
+    assert "no summary.json (crashed or still running)" in rows[4]
+    assert "| 2.00x vs 1 |" in rows[1]
+
+    page = (sweep / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    check = _HTMLCheck()
+    check.feed(page)
+    check.close()
+    assert not check.errors and not check.stack, (check.errors, check.stack)
+    assert not [u for u in check.urls if re.match(r"(?i)\s*(https?:)?//", u)]
+    assert len(check.imgs) == len(PNGS)
+    assert all(img["src"].startswith("data:image/png;base64,") and img["alt"] for img in check.imgs)
+    assert "<script" not in page.lower()
+    for column in TABLE_COLUMNS:
+        assert f"<th>{column}</th>" in page
+
+
+def test_missing_histogram_and_val_loss_become_notes(tmp_path, capsys):
+    write_data(tmp_path, histogram=False)
+    runs = [make_run(tmp_path / "runs", name, {"packing.layout": layout}, val={})
+            for name, layout in [("p", "packed"), ("u", "unpacked")]]
+    out = tmp_path / "out"
+    assert report.main([*map(str, runs), "--out", str(out), "--reference", "p"]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(set(PNGS) - {"doc_lengths.png", "val_loss_vs_step.png"})
+    md = (out / "report.md").read_text()
+    assert "Document-length histogram: not available" in md and "no length histogram" in md
+    assert "Validation loss: no run logged val_loss" in md
+    assert "Reference run: **p**" in md
+
+
+def test_cli_errors(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "empty")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {tmp_path / 'empty'}: no runs found (a run dir holds metrics.jsonl " \
+                                  f"and config.json; a sweep dir holds run dirs one level down)"
+    make_run(tmp_path, "a")
+    with pytest.raises(report.ReportError, match="--reference nope: no such run"):
+        make_report([tmp_path / "a"], tmp_path / "out", reference="nope")

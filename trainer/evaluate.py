@@ -1,0 +1,104 @@
+"""Held-out evaluation: the same documents, in the same order, every time, in every layout and world size.
+
+The eval set is the prepared `val` split read in a fixed order (shards as listed in the manifest permuted
+with seed 0, no sample shuffle), cut to `train.eval_docs` documents, long documents split into chunks of
+seq_len. Rank r of W evaluates documents r, r + W, r + 2W, ...; packing (or not) only lays them out.
+
+    val_loss = sum of token losses over every eval target (all ranks) / number of those targets
+    val_ppl  = exp(val_loss)
+
+so, as with the training objective, the number does not depend on the layout, the micro-batch size or
+the world size (tested). Evaluation reads its own stream (the training stream and its position are
+untouched), runs the model in eval mode without gradients (no dropout, no RNG drawn), and is rebuilt
+identically after a resume.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.data.batch import Batch, Document
+from trainer.data.packing import OnlinePacker, PackingStats, split_long
+from trainer.data.pipeline import PackingConfig, micro_batches
+from trainer.data.shards import load_manifest, shard_paths
+from trainer.data.stream import DocumentStream
+from trainer.distributed import DistInfo, dist_sum
+from trainer.model import model_inputs
+from trainer.step import empty_batch
+
+EVAL_SPLIT = "val"
+
+
+@dataclass
+class EvalResult:
+    val_loss: float
+    val_ppl: float
+    val_tokens: int
+    """Eval targets, all ranks."""
+    val_docs: int
+    """Eval documents (chunks of split documents count once each), all ranks."""
+
+
+def load_eval_docs(data_path: str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
+                   max_docs: int | None, on_error: str = "raise") -> list[Document]:
+    """The first `max_docs` documents of the val split in a fixed order, each split into chunks of <= seq_len.
+
+    Example: max_docs=3 over a val split whose fixed order is [v7, v2, v9, ...] with len(v2) = 2.5 x seq_len
+    -> [v7, v2#0, v2#1, v2#2, v9].
+    """
+    manifest = load_manifest(data_path)
+    split = manifest["splits"].get(EVAL_SPLIT)
+    if not split or not split["docs"]:
+        raise ValueError(f"{Path(data_path) / 'manifest.json'}: the '{EVAL_SPLIT}' split has no documents; "
+                         "prepare with --val-fraction > 0 or set train.eval_every=0")
+    stream = DocumentStream(
+        shard_paths(data_path, EVAL_SPLIT), tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
+        on_error=on_error, expected_docs={s["name"]: s["docs"] for s in split["shards"]},
+    )
+    docs: list[Document] = []
+    for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split
+        docs.extend(chunk)
+        if max_docs is not None and len(docs) >= max_docs:
+            break
+    stats = PackingStats()
+    return [piece for doc in docs[:max_docs] for piece in split_long(doc, seq_len, "split", stats)]
+
+
+class Evaluator:
+    """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
+
+    def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
+                 micro_batch_tokens: int, pad_id: int) -> None:
+        self.info = info
+        self.pad_id = pad_id
+        mine = docs[info.rank :: info.world_size]
+        rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
+        self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
+                                                  pad_id)
+        self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
+
+    def run(self, engine) -> EvalResult:
+        """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each)."""
+        info = self.info
+        counts = [0.0] * info.world_size
+        counts[info.rank] = len(self.batches)
+        most = int(max(dist_sum(counts, info.device)))
+        batches = self.batches + [empty_batch(self.pad_id)] * (most - len(self.batches))
+        module = engine.module
+        was_training = module.training
+        module.eval()
+        try:
+            loss_sum = 0.0
+            for mb in batches:
+                mb_loss, _ = engine.eval_forward(model_inputs(mb.to(info.device, non_blocking=True)))
+                loss_sum = loss_sum + mb_loss.float()  # a tensor: no host sync per micro-batch
+        finally:
+            module.train(was_training)
+        total_loss, tokens, docs = dist_sum([float(loss_sum), self.tokens, self.docs], info.device)
+        if tokens == 0:
+            raise RuntimeError("the eval set has no targets (every val document is a single token?)")
+        val_loss = total_loss / tokens
+        return EvalResult(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=int(tokens),
+                          val_docs=int(docs))

@@ -1,0 +1,779 @@
+"""`python -m trainer.report RUN_OR_SWEEP_DIR... [--out DIR]`: compare training runs at a glance.
+
+    python -m trainer.report runs/packed runs/unpacked --out report/
+    python -m trainer.report multirun/2025-06-01/12-00-00        # a Hydra sweep: the report lands in it
+
+A run dir (what `trainer.train` writes on rank 0) holds config.json, metrics.jsonl and, once the run has
+finished, summary.json; a sweep dir holds run dirs one level down. The report derives what differs between
+the runs from their configs, compares each run with a reference run (`--reference`, else the unpacked run,
+else the first), and writes report.md, a self-contained report.html (plots inlined) and the PNG plots.
+
+Each run gets a verdict from the numbers, by the kind of keys its config changes (KEY_CLASSES below):
+    same objective    only settings that must not change the loss (layout, backend, micro-batching, ranks)
+                      and the per-step losses agree within --tolerance
+    layout-dependent  the same, under a normalization that depends on the layout on purpose (row_mean, ...)
+    ablation          a setting that changes the objective on purpose (document isolation, positions, ...),
+                      compared at equal documents per step
+    not comparable    anything else (seed, data, model size, optimizer, ...), or numbers that contradict the above
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: no display, PNGs only
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------
+# What a config key means for a comparison: the one table to edit when the trainer gains a setting.
+# Keys are the dotted paths of config.json ("packing.layout"); `world_size` comes from summary.json.
+# ---------------------------------------------------------------------------------------------------
+
+IGNORED = "ignored"  # never changes what the run computes: not shown, not compared
+SAME_OBJECTIVE = "same objective"  # must not change the loss of any step: runs differing here must agree
+ABLATION = "ablation"  # changes the objective on purpose: compared at equal documents per step
+OTHER = "other"  # everything not listed: a different experiment, not comparable step by step
+
+KEY_CLASSES: dict[str, set[str]] = {
+    IGNORED: {
+        "logging.*", "hydra.*", "run_dir", "output_dir",
+        "train.checkpoint_every", "train.keep_last", "train.resume",
+    },
+    SAME_OBJECTIVE: {
+        "packing.layout", "packing.pad_to", "attention.backend", "attention.flex_compile",
+        "train.micro_batch_tokens", "train.warmup_marked_steps", "train.eval_every", "train.eval_layout",
+        "data.num_workers", "distributed.*", "world_size",
+    },
+    ABLATION: {
+        "attention.isolate_documents", "packing.reset_positions", "model.pos_emb", "loss.normalization",
+    },
+}
+LAYOUT_INVARIANT_NORMALIZATIONS = {"global_tokens", "document_mean"}
+DEFAULTS: dict[str, Any] = {"loss.normalization": "global_tokens"}
+"""Values of keys that older runs lack (their trainer behaved this way)."""
+
+DEFAULT_TOLERANCE = 1e-4
+TABLE_COLUMNS = [
+    "run", "differs", "steps", "final train loss", "final val loss", "max |Δ train loss|",
+    "token utilization", "valid tokens/s", "allocated tokens/s", "speed-up vs unpacked",
+    "time to ref. loss", "peak mem (GB)", "notes",
+]
+
+Series = dict[int, float]  # optimizer step -> value
+
+
+class ReportError(Exception):
+    """A user mistake (no runs, unknown reference): printed as `error: ...`, exit code 2."""
+
+
+def key_class(key: str) -> str:
+    """The class of a dotted config key (KEY_CLASSES; a trailing `.*` covers a whole section).
+
+    Example: "logging.wandb.mode" -> "ignored", "packing.layout" -> "same objective",
+    "model.pos_emb" -> "ablation", "seed" -> "other".
+    """
+    for cls, patterns in KEY_CLASSES.items():
+        for pattern in patterns:
+            if key == pattern or (pattern.endswith(".*") and key.startswith(pattern[:-1])):
+                return cls
+    return OTHER
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading runs
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One run dir, as read from disk."""
+
+    name: str
+    path: Path
+    config: dict[str, Any]
+    """Flattened to dotted keys, DEFAULTS filled in."""
+    metrics: list[dict[str, Any]]
+    """One dict per logged step, sorted by step, each step once."""
+    summary: dict[str, Any] | None
+    """None when summary.json is missing (the run crashed or is still running)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> one dict of dotted keys; lists become tuples (comparable, hashable).
+
+    Example: {"seed": 0, "optim": {"lr": 0.1, "betas": [0.9, 0.95]}}
+          -> {"seed": 0, "optim.lr": 0.1, "optim.betas": (0.9, 0.95)}
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "metrics.jsonl").is_file() or (path / "config.json").is_file()
+
+
+def _natural_key(path: Path) -> list:
+    """Sort key putting Hydra's sweep dirs in job order: 0, 1, 2, ..., 10 (not 0, 1, 10, 2)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
+def find_run_dirs(arg: Path) -> list[Path]:
+    """The run dir itself, or the run dirs directly under a sweep dir (in job order)."""
+    if not arg.is_dir():
+        raise ReportError(f"{arg}: not a directory")
+    if is_run_dir(arg):
+        return [arg]
+    runs = sorted((p for p in arg.iterdir() if p.is_dir() and is_run_dir(p)), key=_natural_key)
+    if not runs:
+        raise ReportError(f"{arg}: no runs found (a run dir holds metrics.jsonl and config.json; "
+                          f"a sweep dir holds run dirs one level down)")
+    return runs
+
+
+def read_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """metrics.jsonl -> one dict per step, sorted; an unreadable line (a crash mid-write) is noted and skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    if not path.is_file():
+        notes.append("no metrics.jsonl")
+        return []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record  # a rewritten step (resume) keeps its last line
+        except (ValueError, KeyError, TypeError):
+            notes.append(f"metrics.jsonl line {i} unreadable (skipped)")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_run(path: Path, name: str) -> Run:
+    notes: list[str] = []
+    raw_config = _read_json(path / "config.json")
+    if raw_config is None:
+        notes.append("no config.json")
+    config = {**DEFAULTS, **flatten(raw_config or {})}
+    summary = _read_json(path / "summary.json")
+    if summary is None:
+        notes.append("no summary.json (crashed or still running)")
+    elif summary.get("world_size") is not None:
+        config["world_size"] = summary["world_size"]
+    return Run(name, path, config, read_metrics(path / "metrics.jsonl", notes), summary, notes)
+
+
+def run_names(paths: Sequence[Path]) -> list[str]:
+    """Each run's dir name; "parent/name" where two runs share a name (two sweeps' job "0")."""
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def load_runs(args: Iterable[Path]) -> list[Run]:
+    paths = [run for arg in args for run in find_run_dirs(Path(arg))]
+    runs = [load_run(p, name) for p, name in zip(paths, run_names(paths), strict=True)]
+    if any("world_size" not in r.config for r in runs):  # unknown for one run: compare no run on it
+        for r in runs:
+            r.config.pop("world_size", None)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-run numbers
+# ---------------------------------------------------------------------------------------------------
+
+
+def series(run: Run, key: str) -> Series:
+    return {m["step"]: m[key] for m in run.metrics if m.get(key) is not None}
+
+
+def train_loss(run: Run) -> Series:
+    """token_loss (sum of token losses / valid targets: comparable across normalizations), else loss."""
+    return {m["step"]: m.get("token_loss", m.get("loss")) for m in run.metrics if m.get("loss") is not None}
+
+
+def elapsed(run: Run) -> Series:
+    """Training wall time at each logged step: elapsed_s, or (older runs) the running sum of step_time_s."""
+    if run.metrics and all("elapsed_s" in m for m in run.metrics):
+        return series(run, "elapsed_s")
+    total, out = 0.0, {}
+    for m in run.metrics:
+        total += m.get("step_time_s", 0.0)
+        out[m["step"]] = total
+    return out
+
+
+def steady(run: Run) -> list[dict[str, Any]]:
+    """The non-warm-up steps (all steps when every step is marked warm-up, as in very short runs)."""
+    return [m for m in run.metrics if not m.get("warmup", False)] or run.metrics
+
+
+def throughput(run: Run, key: str = "valid_tokens") -> float | None:
+    """Tokens per second of step time over the steady steps (summary.json's mean_*_tokens_per_s).
+
+    Example: steps of 100 tokens in 1 s and 300 tokens in 1 s -> 200.0.
+    """
+    steps = steady(run)
+    seconds = sum(m.get("step_time_s", 0.0) for m in steps)
+    return sum(m.get(key, 0) for m in steps) / seconds if seconds else None
+
+
+def mean_utilization(run: Run) -> float | None:
+    values = [m["token_utilization"] for m in steady(run) if "token_utilization" in m]
+    return sum(values) / len(values) if values else None
+
+
+def peak_memory(run: Run) -> float | None:
+    values = list(series(run, "peak_mem_gb").values())
+    if run.summary and run.summary.get("peak_mem_gb") is not None:
+        values.append(run.summary["peak_mem_gb"])
+    return max(values) if values else None
+
+
+def last(s: Series) -> float | None:
+    return s[max(s)] if s else None
+
+
+def max_abs_gap(a: Series, b: Series) -> tuple[float, int] | None:
+    """(max |a - b|, number of shared steps) over the steps both series hold; None if they share none.
+
+    Example: {1: 2.0, 2: 1.5, 3: 1.0} vs {1: 2.0, 2: 1.4} -> (0.1, 2) (up to float rounding).
+    """
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        return None
+    return max(abs(a[s] - b[s]) for s in shared), len(shared)
+
+
+def time_to_reach(run: Run, target: float, tolerance: float = 0.0) -> tuple[float, int] | None:
+    """(elapsed seconds, step) at the first logged step whose train loss is <= target + tolerance (a run
+    with the same objective reaches the reference's final loss however float rounding falls); None if never.
+
+    Example: losses 3.0, 2.5, 2.0 at elapsed 1, 2, 3 s with target 2.5 -> (2.0, 2).
+    """
+    times = elapsed(run)
+    for step, loss in sorted(train_loss(run).items()):
+        if loss <= target + tolerance and step in times:
+            return times[step], step
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Comparing configs
+# ---------------------------------------------------------------------------------------------------
+
+
+def fmt_value(value: Any) -> str:
+    """A config value the way a Hydra override writes it: true, null, 0.003, [0.9, 0.95]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(fmt_value(v) for v in value) + "]"
+    return str(value)
+
+
+def differing_keys(configs: Sequence[dict[str, Any]]) -> list[str]:
+    """Keys (not ignored) whose values are not all equal across the configs; a missing key is null.
+
+    Example: [{"seed": 0, "packing.layout": "packed", "logging.log_every": 1},
+              {"seed": 0, "packing.layout": "unpacked", "logging.log_every": 5}] -> ["packing.layout"]
+    """
+    keys = sorted(set().union(*configs)) if configs else []
+    return [k for k in keys if key_class(k) != IGNORED and any(c.get(k) != configs[0].get(k) for c in configs)]
+
+
+def describe(run: Run, keys: Sequence[str]) -> str:
+    """The run's values of `keys` as overrides: "packing.layout=unpacked, seed=1"."""
+    return ", ".join(f"{k}={fmt_value(run.config.get(k))}" for k in keys)
+
+
+def unpacked_match(run: Run, runs: Sequence[Run]) -> Run | None:
+    """The run with packing.layout=unpacked whose other settings differ from `run` in the fewest keys."""
+    def distance(other: Run) -> tuple[int, int]:
+        keys = differing_keys([run.config, other.config])
+        return len([k for k in keys if k not in ("packing.layout", "packing.pad_to")]), runs.index(other)
+
+    candidates = [r for r in runs if r.config.get("packing.layout") == "unpacked"]
+    return min(candidates, key=distance, default=None)
+
+
+def choose_reference(runs: Sequence[Run], name: str | None) -> Run:
+    """`--reference NAME`, else the first unpacked run, else the first run."""
+    if name is not None:
+        for run in runs:
+            if run.name == name:
+                return run
+        raise ReportError(f"--reference {name}: no such run (runs: {', '.join(r.name for r in runs)})")
+    return next((r for r in runs if r.config.get("packing.layout") == "unpacked"), runs[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verdicts
+# ---------------------------------------------------------------------------------------------------
+
+
+def _num(x: float | None, spec: str = ".2g") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def data_mismatch(run: Run, ref: Run) -> str | None:
+    """Where the per-step documents differ: the first shared step whose `docs` or `valid_tokens` differ.
+
+    Example: docs 12 vs 13 at step 3 -> "from step 3: docs 12 vs 13, valid tokens 900 vs 910".
+    """
+    mine, theirs = {m["step"]: m for m in run.metrics}, {m["step"]: m for m in ref.metrics}
+    for step in sorted(set(mine) & set(theirs)):
+        a, b = theirs[step], mine[step]
+        if (a.get("docs"), a.get("valid_tokens")) != (b.get("docs"), b.get("valid_tokens")):
+            return (f"from step {step}: docs {a.get('docs')} vs {b.get('docs')}, "
+                    f"valid tokens {a.get('valid_tokens')} vs {b.get('valid_tokens')}")
+    return None
+
+
+def _speed_and_utilization(run: Run, ref: Run) -> str:
+    speed = _ratio(throughput(run), throughput(ref))
+    return (f"{_num(speed, '.2f')}x valid tokens/s; utilization "
+            f"{_num(mean_utilization(ref), '.1%')} -> {_num(mean_utilization(run), '.1%')}")
+
+
+def _changes(run: Run, ref: Run, keys: Sequence[str]) -> str:
+    """"packing.layout packed -> unpacked, ..." (reference value first)."""
+    return ", ".join(f"{k} {fmt_value(ref.config.get(k))} -> {fmt_value(run.config.get(k))}" for k in keys)
+
+
+def verdict(run: Run, ref: Run, tolerance: float) -> str:
+    """One line comparing `run` with the reference, from the kind of keys that differ and the numbers."""
+    if run is ref:
+        return "reference run"
+    if not run.metrics or not ref.metrics:
+        return f"not comparable: {'this' if not run.metrics else 'the reference'} run logged no metrics"
+    keys = differing_keys([ref.config, run.config])
+    other = [k for k in keys if key_class(k) == OTHER]
+    if other:
+        return "not comparable: " + ", ".join(
+            f"different {k} ({fmt_value(ref.config.get(k))} vs {fmt_value(run.config.get(k))})" for k in other)
+    ablation = [k for k in keys if key_class(k) == ABLATION]
+    if ablation:
+        return ablation_verdict(run, ref, ablation, [k for k in keys if k not in ablation])
+    return same_objective_verdict(run, ref, keys, tolerance)
+
+
+def same_objective_verdict(run: Run, ref: Run, keys: Sequence[str], tolerance: float) -> str:
+    """Only objective-neutral keys differ: the optimized loss must agree step by step (or, under a
+    layout-dependent normalization, the loss difference is the price of that normalization)."""
+    gap = max_abs_gap(series(ref, "loss"), series(run, "loss"))
+    if gap is None:
+        return "not comparable: no shared logged steps"
+    value, n = gap
+    norm = run.config.get("loss.normalization")
+    changed = _changes(run, ref, keys) if keys else "nothing (identical settings)"
+    if norm not in LAYOUT_INVARIANT_NORMALIZATIONS:
+        final = _delta(last(series(run, "loss")), last(series(ref, "loss")))
+        return (f"layout-dependent objective: under loss.normalization={norm} the loss depends on the layout; "
+                f"{changed} changes it by up to {_num(value)} over {n} steps (final {final}); "
+                + _speed_and_utilization(run, ref))
+    if value <= tolerance:
+        return f"same objective: max |Δloss| {_num(value)} over {n} steps; " + _speed_and_utilization(run, ref)
+    mismatch = data_mismatch(run, ref)
+    why = f"documents per step differ {mismatch}" if mismatch else "same documents per step"
+    return (f"not comparable: loss gap {_num(value)} above tolerance {_num(tolerance)} "
+            f"({why}; expected equal losses, only {changed} differs)")
+
+
+def _delta(new: float | None, old: float | None) -> str:
+    """"3.2100 -> 3.2500 (+0.04)": a final value against the reference's."""
+    if new is None or old is None:
+        return f"{_num(old, '.4f')} -> {_num(new, '.4f')}"
+    return f"{old:.4f} -> {new:.4f} ({new - old:+.2g})"
+
+
+def ablation_verdict(run: Run, ref: Run, ablation: Sequence[str], neutral: Sequence[str]) -> str:
+    """A setting changes the objective on purpose: its effect on the final losses, at equal documents."""
+    mismatch = data_mismatch(run, ref)
+    if mismatch:
+        return (f"not comparable: different documents per step ({mismatch}) although only "
+                f"{_changes(run, ref, [*ablation, *neutral])} differs")
+    train_ref, train_run = train_loss(ref), train_loss(run)
+    shared = sorted(set(train_ref) & set(train_run))
+    if not shared:
+        return "not comparable: no shared logged steps"
+    val_ref, val_run = series(ref, "val_loss"), series(run, "val_loss")
+    shared_val = sorted(set(val_ref) & set(val_run))
+    text = (f"ablation {_changes(run, ref, ablation)}: final train loss "
+            f"{_delta(train_run[shared[-1]], train_ref[shared[-1]])} at step {shared[-1]}")
+    if shared_val:
+        step = shared_val[-1]
+        text += f", final val loss {_delta(val_run[step], val_ref[step])} at step {step}"
+    else:
+        text += ", final val loss n/a"
+    text += f", at equal documents per step ({len(shared)} steps)"
+    if neutral:
+        text += f"; also differs in {_changes(run, ref, neutral)} (objective-neutral)"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------------
+
+
+def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERANCE) -> list[list[str]]:
+    """One row of strings per run, in TABLE_COLUMNS order."""
+    diff = differing_keys([r.config for r in runs])
+    target = last(train_loss(ref))
+    rows = []
+    for run in runs:
+        gap = None if run is ref else max_abs_gap(train_loss(ref), train_loss(run))
+        match = unpacked_match(run, runs)
+        speed = _ratio(throughput(run), throughput(match)) if match else None
+        reached = time_to_reach(run, target, tolerance) if target is not None else None
+        notes = (["reference"] if run is ref else []) + run.notes
+        rows.append([
+            run.name,
+            describe(run, diff) or "—",
+            str(max(series(run, "step"), default=0)),
+            _num(last(train_loss(run)), ".4f"),
+            _num(last(series(run, "val_loss")), ".4f"),
+            "—" if run is ref else (_num(gap[0]) + f" ({gap[1]} steps)" if gap else "n/a"),
+            _num(mean_utilization(run), ".1%"),
+            _num(throughput(run), ",.0f"),
+            _num(throughput(run, "allocated_tokens"), ",.0f"),
+            f"{speed:.2f}x vs {match.name}" if speed is not None and match else "n/a",
+            f"{reached[0]:.1f} s (step {reached[1]})" if reached else "n/a",
+            _num(peak_memory(run), ".2f"),
+            "; ".join(notes),
+        ])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------------
+
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
+
+
+def _style(i: int, n_points: int) -> dict[str, Any]:
+    """Thin lines told apart by colour, dash and marker even where curves coincide: markers are hollow
+    (overlapping shapes stay visible) and staggered (run i starts at a different point)."""
+    every = max(1, n_points // 8)
+    return {"color": f"C{i % 10}", "linestyle": LINESTYLES[i % len(LINESTYLES)], "linewidth": 1.0,
+            "marker": MARKERS[i % len(MARKERS)], "markersize": 6, "markerfacecolor": "none",
+            "markevery": (i % every, every)}
+
+
+def _line_plot(runs: Sequence[Run], y: Callable[[Run], Series], x: Callable[[Run], Series] | None,
+               xlabel: str, ylabel: str, title: str) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        ys = y(run)
+        xs = x(run) if x else {s: float(s) for s in ys}
+        steps = [s for s in sorted(ys) if s in xs]
+        ax.plot([xs[s] for s in steps], [ys[s] for s in steps], label=run.name, **_style(i, len(steps)))
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_loss_vs_step(runs: Sequence[Run]) -> plt.Figure:
+    return _line_plot(runs, train_loss, None, "step", "train loss (token_loss)", "Train loss vs step")
+
+
+def plot_loss_vs_time(runs: Sequence[Run]) -> plt.Figure:
+    return _line_plot(runs, train_loss, elapsed, "training time elapsed_s (s)", "train loss (token_loss)",
+                      "Train loss vs wall-clock time")
+
+
+def plot_val_loss(runs: Sequence[Run]) -> plt.Figure:
+    return _line_plot(runs, lambda r: series(r, "val_loss"), None, "step", "val loss", "Validation loss vs step")
+
+
+def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
+    fig = _line_plot(runs, lambda r: {s: 100 * u for s, u in series(r, "token_utilization").items()}, None,
+                     "step", "token utilization (%)", "Token utilization (non-padding / allocated positions)")
+    fig.axes[0].set_ylim(0, 105)
+    return fig
+
+
+def plot_throughput(runs: Sequence[Run]) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    values = [throughput(r) or 0.0 for r in runs]
+    bars = ax.bar(range(len(runs)), values, color=[f"C{i % 10}" for i in range(len(runs))])
+    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize="small")
+    ax.set_xticks(range(len(runs)), [r.name for r in runs], rotation=20, ha="right")
+    ax.set(ylabel="valid tokens/s", title="Valid tokens/s per run (mean over non-warm-up steps)")
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+@dataclass
+class Corpus:
+    """A training split's document-length histogram (token counts, log2 bins) from manifest.json."""
+
+    label: str
+    edges: list[float]
+    counts: list[int]
+    seq_lens: list[int]
+
+
+def find_data_dir(data_path: str, run_dir: Path) -> Path | None:
+    """The data dir holding manifest.json: `data_path` as given (relative to the cwd), else relative to
+    the run dir's parents (where training ran from when the run dir is under it)."""
+    for base in [Path("."), *run_dir.resolve().parents]:
+        candidate = base / data_path
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    return None
+
+
+def load_corpora(runs: Sequence[Run]) -> tuple[list[Corpus], list[str]]:
+    """The histogram of each distinct training corpus, and a note for each one that has none."""
+    corpora: dict[Path, Corpus] = {}
+    notes: list[str] = []
+    for run in runs:
+        data_path, split = run.config.get("data.path"), run.config.get("data.split", "train")
+        data_dir = find_data_dir(str(data_path), run.path) if data_path else None
+        if data_dir is None:
+            notes.append(f"run {run.name}: data dir {data_path!r} not found (no manifest.json there)")
+            continue
+        key = data_dir.resolve()
+        if key not in corpora:
+            hist = (json.loads((data_dir / "manifest.json").read_text()).get("splits", {}).get(split, {})
+                    .get("lengths", {}).get("histogram"))
+            if not hist or len(hist.get("edges", [])) != len(hist.get("counts", [])) + 1:
+                notes.append(f"{data_dir / 'manifest.json'} has no lengths.histogram for split {split!r} "
+                             f"(prepare the data again with the current trainer.prepare)")
+                corpora[key] = Corpus(str(data_path), [], [], [])
+                continue
+            corpora[key] = Corpus(f"{data_path} ({split})", hist["edges"], hist["counts"], [])
+        seq_len = run.config.get("train.seq_len")
+        if seq_len and seq_len not in corpora[key].seq_lens:
+            corpora[key].seq_lens.append(seq_len)
+    return [c for c in corpora.values() if c.counts], list(dict.fromkeys(notes))
+
+
+def plot_doc_lengths(corpora: Sequence[Corpus]) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, corpus in enumerate(corpora):
+        ax.stairs(corpus.counts, corpus.edges, fill=True, alpha=0.35, color=f"C{i % 10}", label=corpus.label)
+        for j, seq_len in enumerate(corpus.seq_lens):
+            ax.axvline(seq_len, color=f"C{i % 10}", linestyle=LINESTYLES[(j + 1) % len(LINESTYLES)],
+                       linewidth=1.5, label=f"train.seq_len={seq_len}")
+    if all(c.edges[0] > 0 for c in corpora):
+        ax.set_xscale("log", base=2)
+    ax.set(xlabel="document length (tokens, EOS included)", ylabel="documents",
+           title="Training corpus: document lengths")
+    ax.legend(fontsize="small")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing the report
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Everything report.md and report.html show, already formatted."""
+
+    reference: str
+    tolerance: float
+    rows: list[list[str]]
+    verdicts: list[tuple[str, str]]
+    images: list[tuple[str, str]]
+    """(PNG file name, caption)."""
+    notes: list[str]
+
+
+def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """Save each plot that has data into `out`: (file name, caption) of each, and a note for each left out."""
+    corpora, corpus_notes = load_corpora(runs)
+    has_val = any(series(r, "val_loss") for r in runs)
+    plots: list[tuple[str, str, Callable[[], plt.Figure]]] = [
+        ("loss_vs_step.png", "Train loss vs step", lambda: plot_loss_vs_step(runs)),
+        ("loss_vs_time.png", "Train loss vs training wall-clock time", lambda: plot_loss_vs_time(runs)),
+        *([("val_loss_vs_step.png", "Validation loss vs step", lambda: plot_val_loss(runs))] if has_val else []),
+        ("valid_tokens_per_s.png", "Valid tokens/s per run (non-warm-up mean)", lambda: plot_throughput(runs)),
+        ("token_utilization.png", "Token utilization over steps", lambda: plot_utilization(runs)),
+        *([("doc_lengths.png", "Document lengths of the training corpus, train.seq_len marked",
+            lambda: plot_doc_lengths(corpora))] if corpora else []),
+    ]
+    for name, _, make in plots:
+        fig = make()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+    notes = [] if has_val else ["Validation loss: no run logged val_loss (train.eval_every=0?)."]
+    if not corpora:
+        notes.append("Document-length histogram not available: " + ("; ".join(corpus_notes) or "no data.path") + ".")
+    else:
+        notes += [f"Document-length histogram: {n}." for n in corpus_notes]
+    return [(name, caption) for name, caption, _ in plots], notes
+
+
+def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> Report:
+    images, notes = write_plots(runs, out)
+    notes += [f"{r.name}: {n}" for r in runs for n in r.notes]
+    return Report(
+        reference=ref.name,
+        tolerance=tolerance,
+        rows=table_rows(runs, ref, tolerance),
+        verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref],
+        images=images,
+        notes=notes,
+    )
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: Report) -> str:
+    lines = [
+        "# Training runs report",
+        "",
+        f"Reference run: **{report.reference}**. Tolerance for equal losses: {_num(report.tolerance)} (absolute).",
+        "",
+        "| " + " | ".join(_md_cell(c) for c in TABLE_COLUMNS) + " |",
+        "|" + "---|" * len(TABLE_COLUMNS),
+        *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in report.rows),
+        "",
+        "## Verdicts (against the reference run)",
+        "",
+        *(f"- **{name}**: {text}" for name, text in report.verdicts),
+        "",
+        "## Plots",
+        "",
+    ]
+    for name, caption in report.images:
+        lines += [f"![{caption}]({name})", ""]
+    if report.notes:
+        lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
+    return "\n".join(lines)
+
+
+HTML_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+figure { margin: 1.5em 0; }
+img { max-width: 100%; height: auto; }
+"""
+
+
+def render_html(report: Report, out: Path) -> str:
+    """Self-contained HTML: inline style, PNGs as base64 data URIs, no scripts, no external URLs."""
+    e = html.escape
+    header = "".join(f"<th>{e(c)}</th>" for c in TABLE_COLUMNS)
+    body = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in report.rows)
+    verdicts = "\n".join(f"<li><strong>{e(n)}</strong>: {e(t)}</li>" for n, t in report.verdicts)
+    figures = "\n".join(
+        f'<figure><img src="data:image/png;base64,{base64.b64encode((out / name).read_bytes()).decode()}" '
+        f'alt="{e(caption)}"><figcaption>{e(caption)}</figcaption></figure>'
+        for name, caption in report.images)
+    notes = "".join(f"<li>{e(n)}</li>" for n in report.notes)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Training runs report</title>
+<link rel="icon" href="data:,">
+<style>{HTML_STYLE}</style>
+</head>
+<body>
+<h1>Training runs report</h1>
+<p>Reference run: <strong>{e(report.reference)}</strong>. Tolerance for equal losses: {e(_num(report.tolerance))} (absolute).</p>
+<table>
+<thead><tr>{header}</tr></thead>
+<tbody>
+{body}
+</tbody>
+</table>
+<h2>Verdicts (against the reference run)</h2>
+<ul>
+{verdicts}
+</ul>
+<h2>Plots</h2>
+{figures}
+{f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
+</body>
+</html>
+"""
+
+
+def default_out(args: Sequence[Path]) -> Path:
+    """The sweep dir when exactly one sweep dir is given, else ./report."""
+    if len(args) == 1 and args[0].is_dir() and not is_run_dir(args[0]):
+        return args[0]
+    return Path("report")
+
+
+def make_report(args: Sequence[Path], out: Path | None = None, reference: str | None = None,
+                tolerance: float = DEFAULT_TOLERANCE) -> list[Path]:
+    """Read the runs, write the PNGs, report.md and report.html into `out`; the paths written."""
+    runs = load_runs(args)
+    ref = choose_reference(runs, reference)
+    out = out or default_out(args)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(runs, ref, tolerance, out)
+    (out / "report.md").write_text(render_markdown(report))
+    (out / "report.html").write_text(render_html(report, out))
+    return [out / name for name, _ in report.images] + [out / "report.md", out / "report.html"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="+", type=Path, metavar="RUN_OR_SWEEP_DIR")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default: the sweep dir given, or report/)")
+    p.add_argument("--reference", default=None, help="run name to compare against (default: the unpacked run)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="max |loss difference| for 'same objective' (default 1e-4, fp32)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        paths = make_report(args.dirs, args.out, args.reference, args.tolerance)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
