@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch. On a CUDA machine: make TORCH_SPEC='torch>=2.5' ...
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DATA  ?= data/demo
+DEMO_SWEEP := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .PHONY: install demo test lint clean
 install: $(VENV)/.installed
@@ -19,11 +20,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	DS_BUILD_OPS=0 PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-build-isolation 'deepspeed>=0.15'
 	touch $@
 
-# Prepare the demo corpus once (the standard library's own source), show the packing report, train.
+# Prepare the demo corpus once (the standard library's own source), show the packing report, train the tiny
+# model packed and unpacked on the same documents, and write the ablation report.
 demo: install
 	@test -f $(DEMO_DATA)/manifest.json || $(PY) -m trainer.prepare --source demo --out $(DEMO_DATA) --docs-per-shard 500
 	$(PY) bench/packing.py --from-shards $(DEMO_DATA) --seq-len 512
-	$(PY) -m trainer.train experiment=demo data.path=$(DEMO_DATA)
+	$(PY) -m trainer.train -m experiment=demo data.path=$(DEMO_DATA) hydra.sweep.dir=$(DEMO_SWEEP)
+	$(PY) -m trainer.report $(DEMO_SWEEP)
+	@echo "report: $(DEMO_SWEEP)/report.html (and report.md)"
 
 test: install
 	$(PY) -m pytest -q

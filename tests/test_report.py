@@ -7,10 +7,12 @@ value computed by hand; one test reads real tiny runs of `trainer.train`.
 from __future__ import annotations
 
 import copy
+import html
 import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -127,6 +129,25 @@ def test_differing_keys_ignore_logging_and_checkpoint_cadence(tmp_path):
     assert differing_keys([load_runs([tmp_path / "a"])[0].config, runs[0].config]) == []
 
 
+def test_old_and_crashed_runs_fall_back(tmp_path):
+    """No token_loss, elapsed_s or `loss` section (older trainer), a line cut by a crash, a resumed step."""
+    run_dir = make_run(tmp_path, "old", losses=[4.0, 3.0, 2.0], step_times=[1.0, 2.0, 3.0], summary=False)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        del m["token_loss"], m["elapsed_s"]
+    rewritten = {**lines[1], "loss": 2.9}  # step 2 again after a resume: the last line wins
+    text = "".join(json.dumps(m) + "\n" for m in [*lines, rewritten]) + '{"step": 4, "lo'
+    (run_dir / "metrics.jsonl").write_text(text)
+    config = json.loads((run_dir / "config.json").read_text())
+    del config["loss"]
+    (run_dir / "config.json").write_text(json.dumps(config))
+    run = load_runs([run_dir])[0]
+    assert report.train_loss(run) == {1: 4.0, 2: 2.9, 3: 2.0}
+    assert report.elapsed(run) == {1: 1.0, 2: 3.0, 3: 6.0}  # the running sum of step_time_s
+    assert run.config["loss.normalization"] == "global_tokens"
+    assert run.notes == ["no summary.json (crashed or still running)", "metrics.jsonl line 5 unreadable (skipped)"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Verdicts
 # ---------------------------------------------------------------------------------------------------
@@ -137,7 +158,7 @@ def test_same_objective_within_tolerance(tmp_path):
                     {"losses": [x + 3e-7 for x in LOSSES], "utilization": 1.0})
     # max gap 3e-7; 1000 tokens per 1 s vs per 2 s; utilization 50% -> 100%.
     assert verdict(run, ref, 1e-4) == (
-        "same objective: max |Δloss| 3e-07 over 6 steps; 2x valid tokens/s; utilization 50.0% -> 100.0%")
+        "same objective: max |Δloss| 3e-07 over 6 steps; 2.00x valid tokens/s; utilization 50.0% -> 100.0%")
     assert verdict(ref, ref, 1e-4) == "reference run"
 
 
@@ -165,6 +186,9 @@ def test_isolation_ablation_names_the_setting_and_its_effect(tmp_path):
     assert verdict(run, ref, 1e-4) == (
         "ablation attention.isolate_documents true -> false: final train loss 2.0000 -> 2.0500 (+0.05) at step 6, "
         "final val loss 2.4000 -> 2.5000 (+0.1) at step 6, at equal documents per step (6 steps)")
+    also_layout = one(tmp_path, "also", overrides={"attention.isolate_documents": False, "packing.layout": "unpacked"})
+    assert verdict(also_layout, ref, 1e-4).endswith(
+        "; also differs in packing.layout packed -> unpacked (objective-neutral)")
 
 
 def test_ablation_with_different_documents_per_step_is_not_comparable(tmp_path):
@@ -188,7 +212,7 @@ def test_layout_dependent_normalization_reports_the_loss_difference(tmp_path):
     assert verdict(run, ref, 1e-4) == (
         "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
         "packing.layout unpacked -> packed changes it by up to 0.02 over 6 steps (final 2.0000 -> 2.0200 (+0.02)); "
-        "1x valid tokens/s; utilization 50.0% -> 50.0%")
+        "1.00x valid tokens/s; utilization 50.0% -> 50.0%")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,55 +302,76 @@ def write_data(root: Path, histogram: bool = True) -> Path:
     return data
 
 
-@pytest.fixture
-def sweep(tmp_path) -> Path:
-    """A Hydra-style sweep under <root>/multirun/: jobs 0 (packed), 1 (unpacked), 2 (seed 1), 10 (crashed:
-    no summary.json); the data dir at <root>/reportdata/demo, found relative to the run dirs' parents."""
-    write_data(tmp_path)
-    sweep = tmp_path / "multirun" / "2025-06-01"
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """A Hydra-style sweep under <root>/multirun/: jobs 0 (packed), 1 (unpacked), 2 (seed 1), 10 (isolation
+    off, crashed: no summary.json); the data dir at <root>/reportdata/demo, found relative to the run dirs'
+    parents. Reported once with the default --out (the sweep dir); returns it and the paths written."""
+    root = tmp_path_factory.mktemp("sweep")
+    write_data(root)
+    sweep = root / "multirun" / "2025-06-01"
     make_run(sweep, "0", losses=[x + 1e-7 for x in LOSSES], step_times=[1.0] * 6, utilization=0.99)
     make_run(sweep, "1", {"packing.layout": "unpacked"}, step_times=[2.0] * 6, utilization=0.4)
     make_run(sweep, "2", {"seed": 1}, losses=[4.1, 3.6, 3.1, 2.6, 2.3, 2.1])
     make_run(sweep, "10", {"packing.layout": "unpacked", "attention.isolate_documents": False},
              losses=LOSSES[:4], summary=False)
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
-    return sweep
+    return sweep, make_report([sweep])
 
 
-def test_report_writes_table_plots_markdown_and_self_contained_html(sweep, capsys):
-    assert report.main([str(sweep)]) == 0  # the default --out of one sweep dir is the sweep dir
-    printed = capsys.readouterr().out.split()
-    assert printed == [str(sweep / name) for name in [*PNGS, "report.md", "report.html"]]
-    for name in PNGS:
-        data = (sweep / name).read_bytes()
-        assert data.startswith(b"\x89PNG") and len(data) > 2000, name
-
-    md = (sweep / "report.md").read_text()
-    for column in TABLE_COLUMNS:
-        assert column.replace("|", "\\|") in md
-    for name in PNGS:
-        assert f"]({name})" in md  # relative paths, next to report.md
-    rows = [line for line in md.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0] for row in rows] == ["| run", "| 0", "| 1", "| 2", "| 10"]  # job order
-    assert "Reference run: **1**" in md
-    assert "- **0**: same objective: max |Δloss| 1e-07 over 6 steps; 2x valid tokens/s; utilization 40.0% -> 99.0%" in md
-    assert "- **2**: not comparable: different seed (0 vs 1)" in md
-    assert "- **10**: ablation attention.isolate_documents true -> false" in md
-    assert "no summary.json (crashed or still running)" in rows[4]
-    assert "| 2.00x vs 1 |" in rows[1]
-
-    page = (sweep / "report.html").read_text()
+def check_html(page: str, n_images: int) -> None:
+    """Well nested, no script, no URL leaving the file, every image an inline PNG with alt text."""
     assert page.startswith("<!DOCTYPE html>")
     check = _HTMLCheck()
     check.feed(page)
     check.close()
     assert not check.errors and not check.stack, (check.errors, check.stack)
     assert not [u for u in check.urls if re.match(r"(?i)\s*(https?:)?//", u)]
-    assert len(check.imgs) == len(PNGS)
+    assert len(check.imgs) == n_images
     assert all(img["src"].startswith("data:image/png;base64,") and img["alt"] for img in check.imgs)
     assert "<script" not in page.lower()
     for column in TABLE_COLUMNS:
-        assert f"<th>{column}</th>" in page
+        assert f"<th>{html.escape(column)}</th>" in page
+
+
+def check_files(out: Path, paths: list[Path], pngs: list[str]) -> str:
+    """Every PNG written and non-empty, the markdown holding every column and image; the markdown."""
+    assert paths == [out / name for name in [*pngs, "report.md", "report.html"]]
+    for name in pngs:
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 2000, name
+    md = (out / "report.md").read_text()
+    for column in TABLE_COLUMNS:
+        assert column.replace("|", "\\|") in md
+    for name in pngs:
+        assert f"]({name})" in md  # relative paths, next to report.md
+    check_html((out / "report.html").read_text(), len(pngs))
+    return md
+
+
+def test_report_writes_table_plots_markdown_and_self_contained_html(sweep):
+    out, paths = sweep  # the default --out of one sweep dir is the sweep dir
+    md = check_files(out, paths, PNGS)
+    rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| run", "| 0", "| 1", "| 2", "| 10"]  # job order
+    assert "Reference run: **1**" in md
+    assert ("- **0**: same objective: max |Δloss| 1e-07 over 6 steps; 2.00x valid tokens/s; "
+            "utilization 40.0% -> 99.0%") in md
+    assert "- **2**: not comparable: different seed (0 vs 1)" in md
+    assert "- **10**: ablation attention.isolate_documents true -> false" in md
+    assert "no summary.json (crashed or still running)" in rows[4]
+    # Run 0 reaches the reference's final loss 2.0 (within the tolerance) at step 6, after 6 x 1 s.
+    assert "| 2.00x vs 1 | 6.0 s (step 6) |" in rows[1]
+
+
+def test_report_html_renders_without_console_errors(sweep, browser):
+    from tests.browser import console_errors, images_rendered
+
+    out, _ = sweep
+    browser.get((out / "report.html").as_uri())
+    assert console_errors(browser) == []
+    assert images_rendered(browser)
+    assert browser.execute_script("return document.images.length") == len(PNGS)
 
 
 def test_missing_histogram_and_val_loss_become_notes(tmp_path, capsys):
@@ -335,9 +380,10 @@ def test_missing_histogram_and_val_loss_become_notes(tmp_path, capsys):
             for name, layout in [("p", "packed"), ("u", "unpacked")]]
     out = tmp_path / "out"
     assert report.main([*map(str, runs), "--out", str(out), "--reference", "p"]) == 0
-    assert sorted(p.name for p in out.glob("*.png")) == sorted(set(PNGS) - {"doc_lengths.png", "val_loss_vs_step.png"})
+    printed = [Path(line) for line in capsys.readouterr().out.split()]
+    check_files(out, printed, [p for p in PNGS if p not in ("doc_lengths.png", "val_loss_vs_step.png")])
     md = (out / "report.md").read_text()
-    assert "Document-length histogram: not available" in md and "no length histogram" in md
+    assert "Document-length histogram not available: " in md and "has no lengths.histogram" in md
     assert "Validation loss: no run logged val_loss" in md
     assert "Reference run: **p**" in md
 
@@ -347,8 +393,41 @@ def test_cli_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "empty")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {tmp_path / 'empty'}: no runs found (a run dir holds metrics.jsonl " \
-                                  f"and config.json; a sweep dir holds run dirs one level down)"
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'empty'}: no runs found (a run dir holds metrics.jsonl "
+                                   f"and config.json; a sweep dir holds run dirs one level down)")
+    proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "nope")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {tmp_path / 'nope'}: not a directory")
     make_run(tmp_path, "a")
     with pytest.raises(report.ReportError, match="--reference nope: no such run"):
         make_report([tmp_path / "a"], tmp_path / "out", reference="nope")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real runs of trainer.train
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_over_real_tiny_runs(demo_data, tmp_path):
+    """Packed, unpacked and seed=1, 6 steps each (the three trainings run side by side)."""
+    from tests.trainer.test_train import run_train
+
+    variants = {"packed": ["packing=packed"], "unpacked": ["packing=unpacked"], "seed1": ["packing=packed", "seed=1"]}
+    with ThreadPoolExecutor(len(variants)) as pool:
+        list(pool.map(lambda item: run_train(tmp_path / item[0], demo_data, "train.max_steps=6", "train.eval_every=3",
+                                             "train.checkpoint_every=0", *item[1]), variants.items()))
+    out = tmp_path / "report"
+    paths = make_report([tmp_path / name for name in variants], out)
+    manifest = json.loads((demo_data / "manifest.json").read_text())
+    has_histogram = "histogram" in manifest["splits"]["train"]["lengths"]
+    md = check_files(out, paths, [p for p in PNGS if has_histogram or p != "doc_lengths.png"])
+    verdicts = dict(line[4:].split("**: ", 1) for line in md.splitlines() if line.startswith("- **"))
+    assert verdicts["seed1"] == "not comparable: different seed (0 vs 1)"
+    assert verdicts["packed"].startswith("same objective: max |Δloss| ")  # same documents, same loss
+    rows = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
+            for row in report.table_rows(load_runs([tmp_path / n for n in variants]),
+                                         load_runs([tmp_path / "unpacked"])[0])}
+    for row in rows.values():
+        assert row["steps"] == "6" and row["final val loss"] != "n/a" and row["valid tokens/s"] != "n/a"
+    assert rows["packed"]["speed-up vs unpacked"].endswith("x vs unpacked")

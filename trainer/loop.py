@@ -139,9 +139,9 @@ class Trainer:
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
         self.last_eval: EvalResult | None = None
         self._resume()
-        group = f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
+        self.wandb_group = cfg.logging.wandb.group or f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
         self.metrics = MetricsLogger(
-            self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], group,
+            self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], self.wandb_group,
             enabled=info.is_main, resume_step=self.step,
         )
         if info.is_main:  # what trainer.report compares runs by
@@ -212,6 +212,7 @@ class Trainer:
             "val_tokens": ev.val_tokens if ev else None,
             "val_docs": ev.val_docs if ev else None,
             "loss_normalization": self.cfg.loss.normalization,
+            "wandb_group": self.wandb_group,
             "world_size": info.world_size,
             "elapsed_s": self.counters["elapsed_s"],
             "peak_mem_gb": peak_mem_gb(info.device),

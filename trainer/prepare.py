@@ -214,12 +214,14 @@ def length_stats(counts: Sequence[int]) -> dict:
     """Summary of document lengths in tokens (EOS included). All zeros for an empty split.
 
     Example: [2, 4, 600] -> min 2, max 600, mean 202.0, median 4.0, p90 480.8, p99 588.08,
-    count_gt_512 1, count_gt_2048 0, count_gt_8192 0.
+    count_gt_512 1, count_gt_2048 0, count_gt_8192 0, histogram with power-of-two edges
+    [1, 2, 4, ..., 1024] and counts [0, 1, 1, 0, 0, 0, 0, 0, 0, 1] (bins [lo, hi), the last one closed).
     """
     a = np.asarray(counts, dtype=np.int64)
     if a.size == 0:
         return {"min": 0, "max": 0, "mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0,
-                **{f"count_gt_{t}": 0 for t in LONG_THRESHOLDS}}
+                **{f"count_gt_{t}": 0 for t in LONG_THRESHOLDS}, "histogram": {"edges": [1], "counts": []}}
+    edges = 2 ** np.arange(0, max(1, int(np.ceil(np.log2(max(2, a.max()))))) + 1)
     return {
         "min": int(a.min()),
         "max": int(a.max()),
@@ -228,6 +230,7 @@ def length_stats(counts: Sequence[int]) -> dict:
         "p90": round(float(np.percentile(a, 90)), 2),
         "p99": round(float(np.percentile(a, 99)), 2),
         **{f"count_gt_{t}": int((a > t).sum()) for t in LONG_THRESHOLDS},
+        "histogram": {"edges": edges.tolist(), "counts": np.histogram(a, bins=edges)[0].tolist()},
     }
 
 

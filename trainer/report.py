@@ -437,7 +437,10 @@ def ablation_verdict(run: Run, ref: Run, ablation: Sequence[str], neutral: Seque
         text += ", final val loss n/a"
     text += f", at equal documents per step ({len(shared)} steps)"
     if neutral:
-        text += f"; also differs in {_changes(run, ref, neutral)} (objective-neutral)"
+        norms = {run.config.get("loss.normalization"), ref.config.get("loss.normalization")}
+        effect = ("objective-neutral" if norms <= LAYOUT_INVARIANT_NORMALIZATIONS
+                  else "which changes a layout-dependent normalization too")
+        text += f"; also differs in {_changes(run, ref, neutral)} ({effect})"
     return text
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.config import from_container
@@ -43,8 +44,11 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
     container = OmegaConf.to_container(raw, resolve=True)
-    run_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
     cfg = from_container(container, run_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
+        cfg.logging.wandb.group = Path(hydra_cfg.sweep.dir).name  # every run of one sweep in one W&B group
     info = init_distributed(cfg.distributed)
     cfg.run_dir = shared_run_dir(run_dir, info)
     summary = Trainer(cfg, info).fit()

@@ -179,6 +179,7 @@ def test_length_stats_worked_example():
     assert (stats["min"], stats["max"], stats["mean"], stats["median"]) == (2, 600, 202.0, 4.0)
     assert stats["p90"] == pytest.approx(480.8)
     assert (stats["count_gt_512"], stats["count_gt_2048"]) == (1, 0)
+    assert stats["histogram"] == {"edges": [2**i for i in range(11)], "counts": [0, 1, 1, 0, 0, 0, 0, 0, 0, 1]}
 
 
 def test_split_is_deterministic_and_gives_val_at_least_one_doc():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from trainer.config import DistributedConfig
+from trainer.config import NORMALIZATIONS, DistributedConfig
 from trainer.data.batch import Document
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import PackingConfig, micro_batches
@@ -39,7 +39,8 @@ def make_steps(num_steps: int = 3, docs_per_step: int = 12, seed: int = 0) -> li
     return steps
 
 
-def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int) -> dict:
+def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
+          normalization: str = "global_tokens") -> dict:
     """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents."""
     torch.manual_seed(0)
     info = init_distributed(DistributedConfig(device="cpu")) if world_size > 1 else DistInfo(0, 1, 0, torch.device("cpu"))
@@ -52,7 +53,7 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     for step_docs in shares:
         rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(step_docs[rank]))
         mbs = micro_batches(rows, cfg, SEQ_LEN, mb_tokens, PAD)
-        stats = train_step(engine, mbs, info, PAD)
+        stats = train_step(engine, mbs, info, PAD, normalization)
         losses.append(stats.loss)
         counts.append(stats.valid_tokens)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
@@ -89,12 +90,14 @@ SCENARIOS = {  # name: (fractions of each step's documents for rank 0 and rank 1
     "uneven_packed": ([0.25, 0.75], "packed", 2 * SEQ_LEN),
     "rank1_empty": ([1.0, 0.0], "packed", 2 * SEQ_LEN),
     "unpacked": ([0.6, 0.4], "unpacked", 3 * SEQ_LEN),
+    "document_mean": ([0.25, 0.75], "packed", 2 * SEQ_LEN),
 }
 
 
 def train_scenarios(rank: int, world_size: int, steps) -> dict:
     """All two-rank scenarios in one spawn of the process group (spawning costs seconds per rank)."""
-    return {name: train(rank, world_size, split(steps, fr), layout, mb) for name, (fr, layout, mb) in SCENARIOS.items()}
+    return {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
+                        else "global_tokens") for name, (fr, layout, mb) in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +137,11 @@ def test_layouts_end_with_the_same_parameters(steps, one_rank, layout):
     assert other["valid"] == one_rank["valid"]
     np.testing.assert_allclose(other["losses"], one_rank["losses"], rtol=1e-6)
     assert_same_params(other["params"], one_rank["params"])
+
+
+def test_document_mean_over_two_uneven_ranks_equals_one_rank(steps, two_ranks):
+    """The document count of the denominator is global too: no rank averages over its own documents."""
+    one = train(0, 1, split(steps, [1.0]), "unpacked", mb_tokens=SEQ_LEN, normalization="document_mean")
+    for r in two_ranks:
+        np.testing.assert_allclose(r["document_mean"]["losses"], one["losses"], rtol=1e-6)
+        assert_same_params(r["document_mean"]["params"], one["params"])

@@ -28,6 +28,7 @@ SMALL = [
     "attention=sdpa_docs",
     "logging.progress=false",
     "logging.wandb.mode=disabled",
+    "train.eval_every=10",
 ]
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "valid_tokens", "allocated_tokens", "token_utilization", "docs",
@@ -71,6 +72,10 @@ def test_layouts_see_the_same_documents_and_the_same_loss_curve(layout_runs):
         assert diff.max() <= 1e-4, f"{layout}: max loss difference {diff.max():.3g}"
         # ...while the padding differs: packing allocates fewer positions for the same targets.
         assert sum(m["allocated_tokens"] for m in other) > sum(m["allocated_tokens"] for m in packed)
+        for a, b in zip(other, packed, strict=True):  # held-out loss at steps 10 and 20, equal too
+            assert ("val_loss" in a) == ("val_loss" in b) == (a["step"] % 10 == 0)
+            if "val_loss" in a:
+                assert a["val_tokens"] == b["val_tokens"] and abs(a["val_loss"] - b["val_loss"]) <= 1e-4
     losses = [m["loss"] for m in packed]
     assert losses[-1] < losses[0] - 0.5  # and it learns
 
@@ -84,6 +89,11 @@ def test_metrics_lines_hold_every_documented_key(layout_runs):
     assert warm[:2] == [True, True] and not any(warm[2:])
     summary = json.loads((layout_runs["packed"] / "summary.json").read_text())
     assert summary["final_step"] == 20 and summary["skipped_samples"] == {}
+    last = metrics(layout_runs["packed"])[-1]
+    assert summary["final_val_loss"] == last["val_loss"] and summary["val_tokens"] == last["val_tokens"] > 0
+    assert abs(last["val_ppl"] - np.exp(last["val_loss"])) <= 1e-6 * last["val_ppl"]
+    config = json.loads((layout_runs["packed"] / "config.json").read_text())
+    assert config["packing"]["layout"] == "packed" and config["loss"]["normalization"] == "global_tokens"
 
 
 def test_checkpoint_holds_weights_tokenizer_and_conventions(layout_runs, demo_data):
@@ -117,6 +127,7 @@ def test_resume_continues_exactly(layout_runs, tmp_path, demo_data):
     for x, y in zip(a[10:], b[10:], strict=True):
         assert x["valid_tokens"] == y["valid_tokens"] and x["docs"] == y["docs"]
         assert abs(x["loss"] - y["loss"]) <= 1e-6, (x["step"], x["loss"], y["loss"])
+    assert b[-1]["val_tokens"] == a[-1]["val_tokens"] and abs(b[-1]["val_loss"] - a[-1]["val_loss"]) <= 1e-6
 
 
 def test_torchrun_two_processes_and_deepspeed_style_local_rank(demo_data, tmp_path):
@@ -156,3 +167,31 @@ def test_unknown_config_key_is_a_clear_error(demo_data, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "unknown key(s) in config section 'train': ['max_stepz']" in proc.stderr
+
+
+def test_eval_leaves_training_untouched_with_dropout(demo_data, tmp_path):
+    """Evaluating every 2 steps draws no random number and reads no training document: with dropout on,
+    the training losses equal those of a run without eval, step for step."""
+    common = ("train.max_steps=6", "model.dropout=0.2", "train.checkpoint_every=0")
+    run_train(tmp_path / "eval", demo_data, *common, "train.eval_every=2")
+    run_train(tmp_path / "noeval", demo_data, *common, "train.eval_every=0")
+    with_eval, without = metrics(tmp_path / "eval"), metrics(tmp_path / "noeval")
+    assert [m["step"] for m in with_eval if "val_loss" in m] == [2, 4, 6]
+    assert not any("val_loss" in m for m in without)
+    assert [m["loss"] for m in with_eval] == [m["loss"] for m in without]
+
+
+def test_multirun_sweep_preset(demo_data, tmp_path):
+    """`-m experiment=packing_ablation`: one sweep dir, a run dir per layout named by it, one W&B group."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "trainer.train", "-m", "experiment=packing_ablation", f"data.path={demo_data}",
+           f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=3", "train.eval_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert runs == ["0_layout=packed", "1_layout=unpacked", "2_layout=bucketed"]
+    docs = {tuple(m["docs"] for m in metrics(sweep / r)) for r in runs}
+    assert len(docs) == 1  # the same documents per step in every run
+    groups = {json.loads((sweep / r / "summary.json").read_text())["wandb_group"] for r in runs}
+    assert groups == {"sweep"}  # the sweep directory's name
