@@ -65,6 +65,14 @@ DEFAULTS: dict[str, Any] = {"loss.normalization": "global_tokens"}
 """Values of keys that older runs lack (their trainer behaved this way)."""
 
 DEFAULT_TOLERANCE = 1e-4
+"""Max |Δloss| allowed over the first EARLY_STEPS shared steps of runs with the same objective (fp32)."""
+EARLY_STEPS = 10
+"""Float rounding differs between layouts (different summation orders) by ~1e-7 of the loss. Training then
+amplifies it (Adam turns tiny gradient differences into full-size updates), so two runs of one objective
+drift apart slowly: ~1e-6 at step 10, ~1e-3 by step 100 on the demo. A changed objective differs from step 1
+on, by far more than 1e-4. So the strict test is on the early steps, and later steps only have to stay within
+DRIFT_TOLERANCE (relative) of each other."""
+DRIFT_TOLERANCE = 1e-2
 TABLE_COLUMNS = [
     "run", "differs", "steps", "final train loss", "final val loss", "max |Δ train loss|",
     "token utilization", "valid tokens/s", "allocated tokens/s", "speed-up vs unpacked",
@@ -389,11 +397,19 @@ def verdict(run: Run, ref: Run, tolerance: float) -> str:
 
 def same_objective_verdict(run: Run, ref: Run, keys: Sequence[str], tolerance: float) -> str:
     """Only objective-neutral keys differ: the optimized loss must agree step by step (or, under a
-    layout-dependent normalization, the loss difference is the price of that normalization)."""
-    gap = max_abs_gap(series(ref, "loss"), series(run, "loss"))
+    layout-dependent normalization, the loss difference is the price of that normalization).
+
+    Same objective means: max |Δloss| <= tolerance over the first EARLY_STEPS shared steps, and
+    |Δloss| <= DRIFT_TOLERANCE x loss on every shared step (see DRIFT_TOLERANCE).
+    """
+    ref_loss, run_loss = series(ref, "loss"), series(run, "loss")
+    gap = max_abs_gap(ref_loss, run_loss)
     if gap is None:
         return "not comparable: no shared logged steps"
     value, n = gap
+    early_steps = sorted(set(ref_loss) & set(run_loss))[:EARLY_STEPS]
+    early = max(abs(ref_loss[s] - run_loss[s]) for s in early_steps)
+    drift = max(abs(ref_loss[s] - run_loss[s]) / max(abs(ref_loss[s]), 1e-12) for s in ref_loss if s in run_loss)
     norm = run.config.get("loss.normalization")
     changed = _changes(run, ref, keys) if keys else "nothing (identical settings)"
     if norm not in LAYOUT_INVARIANT_NORMALIZATIONS:
@@ -401,12 +417,19 @@ def same_objective_verdict(run: Run, ref: Run, keys: Sequence[str], tolerance: f
         return (f"layout-dependent objective: under loss.normalization={norm} the loss depends on the layout; "
                 f"{changed} changes it by up to {_num(value)} over {n} steps (final {final}); "
                 + _speed_and_utilization(run, ref))
-    if value <= tolerance:
-        return f"same objective: max |Δloss| {_num(value)} over {n} steps; " + _speed_and_utilization(run, ref)
+    if early <= tolerance and drift <= DRIFT_TOLERANCE:
+        text = f"same objective: max |Δloss| {_num(early)} over "
+        if n <= EARLY_STEPS:
+            text += f"{n} steps; "
+        else:
+            text += (f"the first {len(early_steps)} steps ({_num(value)} over all {n}: float rounding amplified "
+                     f"by training, within {DRIFT_TOLERANCE:.0%}); ")
+        return text + _speed_and_utilization(run, ref)
     mismatch = data_mismatch(run, ref)
     why = f"documents per step differ {mismatch}" if mismatch else "same documents per step"
-    return (f"not comparable: loss gap {_num(value)} above tolerance {_num(tolerance)} "
-            f"({why}; expected equal losses, only {changed} differs)")
+    found = (f"loss gap {_num(early)} over the first {len(early_steps)} steps above tolerance {_num(tolerance)}"
+             if early > tolerance else f"loss drifts {drift:.1%} apart (above {DRIFT_TOLERANCE:.0%})")
+    return f"not comparable: {found} ({why}; expected equal losses, only {changed} differs)"
 
 
 def _delta(new: float | None, old: float | None) -> str:
@@ -645,6 +668,23 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
     return [(name, caption) for name, caption, _ in plots], notes
 
 
+def layout_verdicts(runs: Sequence[Run], ref: Run, tolerance: float) -> list[tuple[str, str]]:
+    """Each packed or bucketed run against its unpacked counterpart, where that is not the reference.
+
+    In a sweep over two axes (e.g. normalization x layout) the reference answers one question; this answers
+    the other: does the layout change the objective under each setting? Only pairs that differ in
+    objective-neutral keys alone are listed. Example: "4_row_mean_packed vs 5_row_mean_unpacked".
+    """
+    out = []
+    for run in runs:
+        match = unpacked_match(run, runs)
+        if match is None or match is run or match is ref:
+            continue
+        if all(key_class(k) in (SAME_OBJECTIVE, IGNORED) for k in differing_keys([run.config, match.config])):
+            out.append((f"{run.name} vs {match.name}", verdict(run, match, tolerance)))
+    return out
+
+
 def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> Report:
     images, notes = write_plots(runs, out)
     notes += [f"{r.name}: {n}" for r in runs for n in r.notes]
@@ -652,7 +692,8 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         reference=ref.name,
         tolerance=tolerance,
         rows=table_rows(runs, ref, tolerance),
-        verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref],
+        verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
+                                                                                                     tolerance),
         images=images,
         notes=notes,
     )
@@ -672,7 +713,7 @@ def render_markdown(report: Report) -> str:
         "|" + "---|" * len(TABLE_COLUMNS),
         *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in report.rows),
         "",
-        "## Verdicts (against the reference run)",
+        "## Verdicts (against the reference run; each run against its unpacked counterpart)",
         "",
         *(f"- **{name}**: {text}" for name, text in report.verdicts),
         "",
@@ -724,7 +765,7 @@ def render_html(report: Report, out: Path) -> str:
 {body}
 </tbody>
 </table>
-<h2>Verdicts (against the reference run)</h2>
+<h2>Verdicts (against the reference run; each run against its unpacked counterpart)</h2>
 <ul>
 {verdicts}
 </ul>
