@@ -197,3 +197,5 @@ def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_p
     assert [m["step"] for m in b] == [1, 2, 3]
     assert a[2]["valid_tokens"] == b[2]["valid_tokens"] and a[2]["docs"] == b[2]["docs"]
     assert abs(a[2]["loss"] - b[2]["loss"]) <= 1e-6 and a[2]["lr"] == b[2]["lr"]
+    # The final eval ran under ZeRO-3 on both ranks (weights gathered in each forward), and again after resume.
+    assert a[2]["val_tokens"] == b[2]["val_tokens"] > 0 and abs(a[2]["val_loss"] - b[2]["val_loss"]) <= 1e-6

@@ -107,6 +107,7 @@ def test_checkpoint_holds_weights_tokenizer_and_conventions(layout_runs, demo_da
     assert conv["positions"]["reset_at_document_start"] is True
     assert conv["attention"]["isolate_documents"] is True
     assert conv["labels"]["ignore_index"] == -100
+    assert conv["loss"]["normalization"] == "global_tokens" and conv["eval"]["split"] == "val"
     assert conv["tokenizer"]["sha256"] == manifest["tokenizer"]["sha256"]
     assert (last / "tokenizer" / "tokenizer.json").read_bytes() == (demo_data / "tokenizer" / "tokenizer.json").read_bytes()
     engine = torch.load(last / "engine.pt", weights_only=False)
