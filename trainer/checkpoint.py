@@ -22,8 +22,17 @@ import numpy as np
 import torch
 
 from trainer.distributed import DistInfo, barrier
+from trainer.errors import UserError
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that this run cannot resume from (not one, another world size or engine)."""
+
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
+TMP_PREFIX = ".tmp-"
+"""A checkpoint being written: `.tmp-step_000050/`, renamed to `step_000050/` once every rank has written its
+part. A kill at any moment leaves either the complete renamed directory or a `.tmp-` one, which is never loaded."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -36,6 +45,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
     return steps[-1][1] if steps else None
+
+
+def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Directories of saves that were interrupted (the process died before the rename)."""
+    root = checkpoint_root(run_dir)
+    return sorted(p for p in root.glob(f"{TMP_PREFIX}step_*") if p.is_dir()) if root.is_dir() else []
 
 
 def rng_state() -> dict:
@@ -67,7 +82,7 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}"
+    tmp = root / f"{TMP_PREFIX}step_{step:06d}"
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -88,9 +103,16 @@ def save_checkpoint(
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and the leftovers of interrupted saves. A checkpoint
+    is renamed out of the `step_` namespace before it is deleted, so a kill mid-delete never leaves a partial
+    `step_` directory behind."""
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
     for _, path in steps[: max(0, len(steps) - max(1, keep_last))]:
-        shutil.rmtree(path)
+        doomed = path.with_name(f"{TMP_PREFIX}deleting-{path.name}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    for leftover in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dict]:
@@ -98,15 +120,16 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dic
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
-        raise FileNotFoundError(f"{path} is not a packtrain checkpoint (no meta.json)")
+        raise CheckpointError(f"{path} is not a packtrain checkpoint (no meta.json): give train.resume a "
+                              "checkpoints/step_NNNNNN directory, or true for the run dir's latest")
     meta = json.loads(meta_file.read_text())
     if meta["world_size"] != info.world_size:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} was written by {meta['world_size']} ranks and this run has {info.world_size}: "
             "each rank resumes its own data stream, so the world size must match"
         )
     if meta.get("engine", engine.name) != engine.name:
-        raise ValueError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
+        raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                          "resume with the same distributed= config")
     engine.load(path)
     rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", weights_only=False)

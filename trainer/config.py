@@ -7,10 +7,13 @@ nothing below the entry point sees the raw Hydra object.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.data.pipeline import PackingConfig
+from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig
 
 DTYPES = ("fp32", "bf16")
@@ -44,8 +47,13 @@ class TrainConfig:
     """Evaluate only the first N held-out documents (None = all of them)."""
     eval_layout: str = "packed"
     """Layout of the eval batches: 'packed' (isolated documents, fast) or 'unpacked'; the same val_loss either way."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: 'stop' (exit with the step number, nothing applied, no
+    checkpoint of it) or 'skip' (no update on any rank; optimizer and schedule untouched; counted)."""
 
     def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if self.eval_layout not in ("packed", "unpacked"):
             raise ValueError(f"train.eval_layout must be 'packed' or 'unpacked', got {self.eval_layout!r}")
         if self.eval_every < 0 or (self.eval_docs is not None and self.eval_docs < 1):
@@ -53,8 +61,16 @@ class TrainConfig:
                              f"got {self.eval_every} and {self.eval_docs}")
         if self.dtype not in DTYPES:
             raise ValueError(f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.tokens_per_step < self.seq_len:
-            raise ValueError(f"train.tokens_per_step ({self.tokens_per_step}) must be >= train.seq_len ({self.seq_len})")
+        if self.seq_len < 2:
+            raise ValueError(f"train.seq_len must be >= 2, got {self.seq_len}: a row needs two positions for one "
+                             "next-token target, so nothing could train (try train.seq_len=512)")
+        rows, left = divmod(self.tokens_per_step, self.seq_len)
+        if rows < 1 or left:
+            nearest = " or ".join(f"{n * self.seq_len} ({n} row{'s' * (n > 1)})" for n in (rows, rows + 1) if n >= 1)
+            raise ValueError(
+                f"train.tokens_per_step ({self.tokens_per_step}) must be a positive multiple of train.seq_len "
+                f"({self.seq_len}), since a step is a whole number of rows: use train.tokens_per_step={nearest}"
+            )
         if self.micro_batch_tokens < self.seq_len:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.micro_batch_tokens}) must hold one row of train.seq_len ({self.seq_len})"
@@ -67,16 +83,39 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/demo"
-    """Directory written by `python -m trainer.prepare`."""
+    path: str | None = None
+    """Directory written by `python -m trainer.prepare` (manifest.json, tokenizer/, shards). With `urls` it is
+    optional: its manifest's per-shard document counts are then checked and its tokenizer is the default."""
+    urls: str | list[str] | None = None
+    """Training shards as WebDataset writes them, instead of the manifest's list: brace patterns
+    (`/d/train-{000000..000013}.tar`), globs, local paths, http(s):// URLs, `pipe:` commands; a string or a list."""
+    val_urls: str | list[str] | None = None
+    """Held-out shards (same syntax) for the eval; default: the val split of the manifest, if there is one."""
+    tokenizer: str | None = None
+    """Directory holding tokenizer.json; default: the one of the prepared directory (data.path)."""
     split: str = "train"
-    """Split of the manifest to train on."""
+    """Split of the manifest to train on (data.path without data.urls)."""
     num_workers: int = 1
     """DataLoader workers per rank (tokenization runs there)."""
     shuffle_buffer: int = 1000
     """Documents in each reader's shuffle buffer."""
     on_error: str = "raise"
-    """'raise' or 'skip' (warn and count) for bad samples."""
+    """'raise' or 'skip' (warn and count) for bad samples and for shards still unreadable after the retries."""
+    retries: int = 2
+    """Re-reads of a shard after a transient failure (connection refused or reset, a transfer cut short, HTTP
+    408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
+    it already gave. Local files and HTTP 4xx are not retried."""
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        if self.retries < 0:
+            raise ValueError(f"data.retries must be >= 0, got {self.retries}")
+        for key in ("urls", "val_urls"):
+            value = getattr(self, key)
+            if not (value is None or isinstance(value, str) or (isinstance(value, list) and value
+                                                                 and all(isinstance(v, str) for v in value))):
+                raise ValueError(f"data.{key} must be a string or a non-empty list of strings, got {value!r}")
 
 
 @dataclass
@@ -153,6 +192,9 @@ class LoggingConfig:
     """Write metrics every N optimizer steps."""
     progress: bool = True
     """tqdm progress bar on rank 0."""
+    record_doc_keys: bool = False
+    """Each rank appends the keys of the documents it trained on to <run dir>/doc_keys/rank_NNNNN.jsonl
+    (one line per step): an audit of what was consumed, e.g. exactly once per epoch across a resume."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -176,15 +218,60 @@ class RunConfig:
 
 
 def _build(cls, section: dict[str, Any], name: str):
+    """cls(**section); a ConfigError for an unknown key, a value of the wrong type or one cls rejects.
+
+    Example: _build(TrainConfig, {"seq_len": "abc"}, "train") -> ConfigError "train.seq_len must be an
+    integer, got 'abc'".
+    """
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section '{name}' must hold keys, got {section!r}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(section) - known)
     if unknown:
-        raise ValueError(f"unknown key(s) in config section '{name}': {unknown}; expected some of {sorted(known)}")
-    return cls(**section)
+        raise ConfigError(f"unknown key(s) in config section '{name}': {unknown}; expected some of {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in section.items():
+        if not _fits(value, hints[key]):
+            raise ConfigError(f"{name}.{key} must be {_describe(hints[key])}, got {value!r}")
+    try:
+        return cls(**section)
+    except (ValueError, TypeError) as e:  # the section's own checks (__post_init__)
+        message = str(e)
+        raise ConfigError(message if message.startswith(f"{name}.") else f"{name}: {message}") from e
+
+
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", type(None): "null", str: "a string"}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a config value has a field's numeric or Boolean type (int, float, bool, None, unions of them).
+
+    Strings, containers and nested sections pass: Hydra reads `data.path=2024` as an int, and each section
+    checks its own choices. Example: _fits(3, float) is True (YAML writes 3.0 as 3), _fits(True, int) is False.
+    """
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is str:
+        return True
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, type(None)):
+        return isinstance(value, hint)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    return _SCALARS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
-    """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig, rejecting unknown keys."""
+    """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig; a ConfigError for unknown keys and bad values."""
+    if not _fits(cfg.get("seed"), int):
+        raise ConfigError(f"seed must be an integer, got {cfg.get('seed')!r}")
     optim = dict(cfg["optim"])
     optim["target"] = optim.pop("_target_", OptimConfig.target)
     optim["betas"] = tuple(optim.get("betas", OptimConfig.betas))

@@ -59,6 +59,7 @@ class DeepSpeedEngine:
     """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
 
     equal_micro_batches = True
+    can_discard = False  # ds.step() clips and applies in one call: a non-finite loss stops before it
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):

@@ -13,6 +13,8 @@ What every engine has:
     micro_step(inputs, loss_scale, sync) -> (objective_sum, loss_sum)   backward of objective_sum * loss_scale
     eval_forward(inputs) -> (loss_sum, num_targets)                     no gradient (the caller sets eval mode)
     optimizer_step() -> grad_norm;  lr();  save(directory);  load(directory)
+    can_discard            True if clip_gradients() / apply_gradients() / discard_gradients() split the step
+                           (DDP), so a non-finite step can be dropped; DeepSpeed steps in one call
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config import DistributedConfig
+from trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,28 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     device = _pick_device(cfg.device, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(minutes=10)
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # launched by torchrun
+            store = _attempt_store(rank, world_size, timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with keys prefixed by the restart attempt.
+
+    After an elastic restart (`torchrun --max-restarts`), the restarted ranks meet in the same TCPStore as the
+    failed attempt (torch 2.13's agent keeps it); without a prefix, gloo reads the dead ranks' addresses from
+    the previous attempt and fails with "Connection refused" (seen on every other restart here).
+    """
+    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=not use_agent_store and rank == 0, timeout=timeout, multi_tenant=not use_agent_store,
+    )
+    return dist.PrefixStore(f"packtrain/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def _pick_device(choice: str, local_rank: int) -> torch.device:
@@ -62,11 +85,11 @@ def _pick_device(choice: str, local_rank: int) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("distributed.device=cuda but no CUDA device is visible")
+            raise ConfigError("distributed.device=cuda but no CUDA device is visible: use distributed.device=auto or cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if choice != "cpu":
-        raise ValueError(f"distributed.device must be auto, cpu or cuda, got {choice!r}")
+        raise ConfigError(f"distributed.device must be auto, cpu or cuda, got {choice!r}")
     return torch.device("cpu")
 
 
@@ -109,6 +132,8 @@ class DDPEngine:
 
     name = "ddp"
     equal_micro_batches = False
+    can_discard = True
+    """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str):
         self.module = model
@@ -149,12 +174,25 @@ class DDPEngine:
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""
+        norm = self.clip_gradients()
+        self.apply_gradients()
+        return norm
+
+    def clip_gradients(self) -> float:
+        """The global gradient norm (before clipping); clips in place. Gradients are already all-reduced, so
+        every rank computes the same norm."""
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit)
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit))
+
+    def apply_gradients(self) -> None:
+        """Optimizer step, schedule step, gradients zeroed."""
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients: parameters, optimizer state and schedule stay as they are."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.config import DataConfig
 from trainer.data.batch import Batch, Document
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.data.shards import load_manifest, shard_paths
+from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.distributed import DistInfo, dist_sum
 from trainer.model import model_inputs
@@ -41,21 +42,28 @@ class EvalResult:
     """Eval documents (chunks of split documents count once each), all ranks."""
 
 
-def load_eval_docs(data_path: str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
+def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
                    max_docs: int | None, on_error: str = "raise") -> list[Document]:
-    """The first `max_docs` documents of the val split in a fixed order, each split into chunks of <= seq_len.
+    """The first `max_docs` held-out documents in a fixed order, each split into chunks of <= seq_len.
 
-    Example: max_docs=3 over a val split whose fixed order is [v7, v2, v9, ...] with len(v2) = 2.5 x seq_len
-    -> [v7, v2#0, v2#1, v2#2, v9].
+    `data` is the run's data config (held-out shards: data.val_urls, else the manifest's val split) or a
+    prepared directory. Example: max_docs=3 over val shards whose fixed order is [v7, v2, v9, ...] with
+    len(v2) = 2.5 x seq_len -> [v7, v2#0, v2#1, v2#2, v9].
     """
-    manifest = load_manifest(data_path)
-    split = manifest["splits"].get(EVAL_SPLIT)
-    if not split or not split["docs"]:
-        raise ValueError(f"{Path(data_path) / 'manifest.json'}: the '{EVAL_SPLIT}' split has no documents; "
-                         "prepare with --val-fraction > 0 or set train.eval_every=0")
+    if data is None:
+        raise ShardSourceError("load_eval_docs needs the data config (cfg.data) when data.urls is used")
+    if not isinstance(data, DataConfig):
+        data = DataConfig(path=str(data))
+    source = resolve_source(data)
+    if not source.val_urls:
+        if source.manifest is not None and data.val_urls is None:
+            raise ShardSourceError(f"{source.manifest}: the '{EVAL_SPLIT}' split has no documents; set "
+                                   "data.val_urls=SHARDS, prepare with --val-fraction > 0, or set train.eval_every=0")
+        raise ShardSourceError("no held-out shards for the eval: data.urls is set but data.val_urls is not; set "
+                               "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
     stream = DocumentStream(
-        shard_paths(data_path, EVAL_SPLIT), tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
-        on_error=on_error, expected_docs={s["name"]: s["docs"] for s in split["shards"]},
+        source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
+        on_error=on_error, expected_docs=source.expected_docs, retries=data.retries,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split

@@ -17,16 +17,19 @@ from tqdm import tqdm
 
 from trainer import checkpoint
 from trainer.config import RunConfig
+from trainer.data.batch import check_token_ids
 from trainer.data.pipeline import RowStream, micro_batches
-from trainer.data.shards import load_manifest, shard_paths
+from trainer.data.sources import resolve_source
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 from trainer.distributed import DistInfo, broadcast_object, parallelize
+from trainer.errors import ConfigError
 from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
-from trainer.metrics import MetricsLogger, peak_flops, peak_mem_gb
+from trainer.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
 from trainer.model import build_model
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import train_step
+from trainer.preemption import PreemptionHandler
+from trainer.step import NonFiniteError, train_step
 
 
 @dataclass
@@ -41,29 +44,32 @@ class DataSource:
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
-    """This rank's row stream over the prepared shards (its own slots of the rank x worker split)."""
-    manifest = load_manifest(cfg.data.path)
-    tokenizer_dir = Path(cfg.data.path) / manifest["tokenizer"]["path"]
-    tok = load_tokenizer(tokenizer_dir)
-    ids = special_ids(tok)
-    expected = {s["name"]: s["docs"] for s in manifest["splits"][cfg.data.split]["shards"]}
+    """This rank's row stream over the training shards (its own slots of the rank x worker split).
+
+    The shards and tokenizer come from `resolve_source` (data.path, or data.urls / data.tokenizer), checked
+    here at startup: a pattern that matches nothing fails before any training.
+    """
+    source = resolve_source(cfg.data)
+    tok = load_tokenizer(source.tokenizer_dir)
+    ids = special_ids(tok, source.tokenizer_dir)
     stream = DocumentStream(
-        shard_paths(cfg.data.path, cfg.data.split),
-        tokenizer_dir,
+        source.train_urls,
+        source.tokenizer_dir,
         ids.eos,
         seed=cfg.seed,
         rank=info.rank,
         world_size=info.world_size,
         shuffle_buffer=cfg.data.shuffle_buffer,
         on_error=cfg.data.on_error,
-        expected_docs=expected,
+        expected_docs=source.expected_docs,
+        retries=cfg.data.retries,
     )
     loader = DocumentLoader(stream, num_workers=cfg.data.num_workers)
     return DataSource(
         rows=RowStream(loader, cfg.train.seq_len, cfg.packing),
         loader=loader,
-        tokenizer_dir=tokenizer_dir,
-        tokenizer_hash=tokenizer_hash(tokenizer_dir),
+        tokenizer_dir=source.tokenizer_dir,
+        tokenizer_hash=tokenizer_hash(source.tokenizer_dir),
         vocab_size=tok.get_vocab_size(),
         pad_id=ids.pad,
         eos_id=ids.eos,
@@ -126,15 +132,19 @@ class Trainer:
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.run_dir)
+        if cfg.train.on_nonfinite == "skip" and cfg.distributed.engine != "ddp":
+            raise ConfigError("train.on_nonfinite=skip needs distributed.engine=ddp (DeepSpeed clips and applies the "
+                             "update in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
         _seed_everything(cfg.seed)
         self.data = build_data(cfg, info)
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size).to(info.device)
+        self.model_vocab_size = model.cfg.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
         self.step = 0
-        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0}
+        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0}
         self.last_checkpoint: Path | None = None
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
         self.last_eval: EvalResult | None = None
@@ -144,6 +154,7 @@ class Trainer:
             self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], self.wandb_group,
             enabled=info.is_main, resume_step=self.step,
         )
+        self.doc_keys = DocKeysLog(self.run_dir, info.rank, self.step) if cfg.logging.record_doc_keys else None
         if info.is_main:  # what trainer.report compares runs by
             (self.run_dir / "config.json").write_text(json.dumps(cfg.resolved, indent=2, default=str))
         self.flops_per_token = 6 * self.n_params  # + attention, ignored: an estimate for MFU
@@ -151,7 +162,7 @@ class Trainer:
 
     def _build_evaluator(self) -> Evaluator:
         cfg = self.cfg
-        docs = load_eval_docs(cfg.data.path, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
+        docs = load_eval_docs(cfg.data, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
                               cfg.train.eval_docs, cfg.data.on_error)
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
                          self.data.pad_id)
@@ -160,6 +171,9 @@ class Trainer:
         resume = self.cfg.train.resume
         if resume is False or resume in ("false", "False"):
             return
+        if self.info.is_main:
+            for partial in checkpoint.incomplete_checkpoints(self.run_dir):
+                print(f"resume: ignoring incomplete checkpoint {partial} (its save was interrupted; never loaded)")
         path = checkpoint.latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
         if path is None:
             if self.info.is_main:
@@ -173,36 +187,34 @@ class Trainer:
             print(f"resumed from {path} at step {self.step}")
 
     def fit(self) -> dict:
+        """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and return."""
         cfg, info = self.cfg, self.info
-        n_rows = rows_for_rank(cfg.train.rows_per_step, info)
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (info.is_main and cfg.logging.progress),
                    desc="train", dynamic_ncols=True)
-        while self.step < cfg.train.max_steps:
-            t0 = time.perf_counter()
-            rows = self.data.rows.take(n_rows)
-            mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
-            t_data = time.perf_counter() - t0
-            lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization)
-            if info.device.type == "cuda":
-                torch.cuda.synchronize(info.device)
-            step_time = time.perf_counter() - t0
-            self.step += 1
-            self.counters["valid_tokens"] += stats.valid_tokens
-            self.counters["allocated_tokens"] += stats.allocated_tokens
-            self.counters["docs"] += stats.docs
-            self.counters["elapsed_s"] += step_time
-            last = self.step == cfg.train.max_steps
-            evaluation = self._evaluate() if self._eval_due(last) else None
-            if evaluation or self.step % cfg.logging.log_every == 0 or last:
-                self._log(stats, lr, step_time, t_data, evaluation)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
-                            tok_s=f"{stats.valid_tokens / step_time:,.0f}")
-            every = cfg.train.checkpoint_every
-            if (every and self.step % every == 0) or self.step == cfg.train.max_steps:
-                self.save()
-        bar.close()
+        preemption = PreemptionHandler()
+        preempted = None
+        try:
+            while self.step < cfg.train.max_steps:
+                stats, step_time = self._train_one_step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
+                                tok_s=f"{stats.valid_tokens / step_time:,.0f}")
+                every = cfg.train.checkpoint_every
+                saved = (every and self.step % every == 0) or self.step == cfg.train.max_steps
+                if saved:
+                    self.save()
+                if preemption.requested(info.device):  # collective: every rank stops at this same step
+                    if not saved:
+                        self.save()
+                    preempted = preemption.signal_name or "a signal on another rank"
+                    break
+        finally:
+            preemption.close()
+            bar.close()
+            self.data.rows.close()  # DataLoader workers end here, whether training ended, stopped or failed
+        if preempted and info.is_main:
+            print(f"preempted ({preempted}) after step {self.step}; checkpoint: {self.last_checkpoint}; "
+                  "continue with train.resume=true and the same hydra.run.dir", flush=True)
         ev = self.last_eval
         summary = self.metrics.summary({
             "final_step": self.step,
@@ -218,13 +230,50 @@ class Trainer:
             "peak_mem_gb": peak_mem_gb(info.device),
             "total_valid_tokens": self.counters["valid_tokens"],
             "total_allocated_tokens": self.counters["allocated_tokens"],
+            "total_docs": self.counters["docs"],
+            "skipped_steps": self.counters["skipped_steps"],
             "skipped_samples": self.data.loader.skipped(),
             "packing_stats": self.data.rows.stats.state_dict(),
+            "preempted": preempted,
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         })
         self.metrics.close()
         return summary
+
+    def _train_one_step(self):
+        """Build this rank's batches, run the step, count, evaluate and log. Returns (stats, step time)."""
+        cfg, info = self.cfg, self.info
+        t0 = time.perf_counter()
+        rows = self.data.rows.take(rows_for_rank(cfg.train.rows_per_step, info))
+        mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
+        for mb in mbs:  # on the host, before any kernel can index out of range
+            check_token_ids(mb, self.model_vocab_size)
+        t_data = time.perf_counter() - t0
+        lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
+        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        step_time = time.perf_counter() - t0
+        self.step += 1
+        if not stats.finite:
+            if cfg.train.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {self.step}: non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}); the "
+                    f"update was not applied and no checkpoint of it was written (last good checkpoint: "
+                    f"{self.last_checkpoint}); lower optim.lr, or set train.on_nonfinite=skip to drop such steps")
+            self.counters["skipped_steps"] += 1
+        self.counters["valid_tokens"] += stats.valid_tokens
+        self.counters["allocated_tokens"] += stats.allocated_tokens
+        self.counters["docs"] += stats.docs
+        self.counters["elapsed_s"] += step_time
+        if self.doc_keys is not None:
+            self.doc_keys.log(self.step, [doc.key for row in rows for doc in row])
+        last = self.step == cfg.train.max_steps
+        evaluation = self._evaluate() if self._eval_due(last) else None
+        if evaluation or self.step % cfg.logging.log_every == 0 or last or not stats.finite:
+            self._log(stats, lr, step_time, t_data, evaluation)
+        return stats, step_time
 
     _last_loss: float | None = None
 
@@ -254,6 +303,8 @@ class Trainer:
             "step_time_s": step_time,
             "data_time_s": data_time,
             "elapsed_s": self.counters["elapsed_s"],
+            "skipped_steps": self.counters["skipped_steps"],
+            "nonfinite": not stats.finite,
             "peak_mem_gb": peak_mem_gb(self.info.device),
             "warmup": self.step <= self.cfg.train.warmup_marked_steps,
         }

@@ -54,11 +54,7 @@ class MetricsLogger:
             self.wandb_run = _init_wandb(run_dir, cfg, resolved_config, tags, group)
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint, so the file holds each step once."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        truncate_jsonl_after(self.path, step)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -93,6 +89,35 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Keep the lines of `path` with "step" <= step: a resumed run rewrites the steps after its checkpoint, so
+    the file holds each step once (a line cut short by a crash is dropped too)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class DocKeysLog:
+    """<run dir>/doc_keys/rank_NNNNN.jsonl: {"step": s, "keys": [...]} per step, the documents (and chunks,
+    `key#k`) this rank trained on, in order. Every rank writes its own file."""
+
+    def __init__(self, run_dir: str | Path, rank: int, resume_step: int) -> None:
+        self.path = Path(run_dir) / "doc_keys" / f"rank_{rank:05d}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl_after(self.path, resume_step)
+
+    def log(self, step: int, keys: list[str]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "keys": keys}) + "\n")
 
 
 def _init_wandb(run_dir, cfg: WandbConfig, resolved_config: dict, tags: list[str], group: str | None):

@@ -171,7 +171,7 @@ def _unit_hash(key: str, seed: int) -> float:
 def _load_reusable_tokenizer(path: str | Path) -> Tokenizer:
     """An existing tokenizer, checked: it has the special tokens and adds no tokens of its own."""
     tok = load_tokenizer(path)
-    special_ids(tok)
+    special_ids(tok, path)
     check_no_added_tokens(tok)
     return tok
 

@@ -22,12 +22,17 @@ is a mean over *units* of the mean token loss within each unit, written as one w
 Units without targets (padding, an empty rank's placeholder) count for nothing. `loss_weights` builds
 the per-token weights; this module is the only place that defines them.
 
+A step whose global loss or gradient norm is not finite is not applied (engines that can look before they
+step; DeepSpeed stops before its step on a non-finite loss): `StepStats.finite` tells the loop, which stops
+or skips by `train.on_nonfinite`. Every rank sees the same all-reduced loss and norm, so they all decide alike.
+
 The same all-reduce carries each rank's micro-batch count: engines that communicate inside every
 micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +41,7 @@ import torch
 from trainer.config import NORMALIZATIONS
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
 from trainer.distributed import DistInfo, dist_sum
+from trainer.errors import UserError
 from trainer.model import model_inputs
 
 
@@ -55,6 +61,12 @@ class StepStats:
     rows: int
     micro_batches: int
     """On this rank."""
+    finite: bool = True
+    """False: the loss or the gradient norm was NaN/inf and the update was not applied."""
+
+
+class NonFiniteError(UserError, RuntimeError):
+    """A non-finite loss or gradient norm that the run was told to stop on (train.on_nonfinite=stop)."""
 
 
 def empty_batch(pad_id: int) -> Batch:
@@ -120,8 +132,20 @@ def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
         mb_objective, mb_loss_sum = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()
-    grad_norm = engine.optimizer_step()
     global_objective, global_loss_sum = dist_sum([float(objective_sum), float(loss_sum)], info.device)
+    if engine.can_discard:
+        grad_norm = engine.clip_gradients()
+        finite = math.isfinite(global_objective) and math.isfinite(grad_norm)
+        if finite:
+            engine.apply_gradients()
+        else:
+            engine.discard_gradients()
+    else:
+        if not math.isfinite(global_objective):
+            raise NonFiniteError(f"non-finite loss {global_objective / units} (stopped before DeepSpeed's step; "
+                                 "train.on_nonfinite=skip needs distributed.engine=ddp)")
+        grad_norm = engine.optimizer_step()
+        finite = math.isfinite(grad_norm)
     return StepStats(
         loss=global_objective / units,
         token_loss=global_loss_sum / valid,
@@ -132,4 +156,5 @@ def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
         docs=docs,
         rows=rows,
         micro_batches=len(micro_batches),
+        finite=finite,
     )

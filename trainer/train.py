@@ -2,24 +2,44 @@
 
     python -m trainer.train data.path=data/demo packing=unpacked train.max_steps=50
     torchrun --nproc_per_node=2 -m trainer.train data.path=data/demo
+
+A user's mistake (a bad override or config value, a missing data directory, a bad shard or tokenizer, an
+attention backend this machine cannot run) ends the run with one line on stderr, `error: <what is wrong and
+what to do>`, and exit status 2. A bug keeps its traceback; HYDRA_FULL_ERROR=1 shows the traceback of every error.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import from_container
-from trainer.distributed import init_distributed
+from trainer.config import RunConfig, from_container
+from trainer.data.stream import DataStreamError
+from trainer.distributed import DistInfo, init_distributed
+from trainer.errors import ConfigError, UserError, one_line, original_message
 from trainer.loop import Trainer, shared_run_dir, write_summary
+from trainer.model import resolve_backend
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+USER_ERRORS = (UserError, DataStreamError, CompactHydraException)
+"""Errors whose message is the whole story. A bad shard (DataStreamError) and Hydra's own override and
+composition errors are the user's mistakes too, though not UserError subclasses."""
+EXIT_USER_ERROR = 2
+
+_user_full_error: bool | None = None
+"""HYDRA_FULL_ERROR=1 as the user set it; cli() sets the variable itself for Hydra (see there)."""
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -43,13 +63,27 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
-    container = OmegaConf.to_container(raw, resolve=True)
+    """One training run (one job of a sweep under -m)."""
+    try:
+        run(raw)
+    except USER_ERRORS as e:  # caught inside the job, so Hydra prints no "Error executing job ..." line above ours
+        if _tracebacks_wanted():
+            raise
+        exit_with_error(user_message(e))
+
+
+def run(raw: DictConfig) -> None:
+    try:
+        container = OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as e:  # e.g. an override `model.n_layer=${oops}`
+        raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from e
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     cfg = from_container(container, run_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
         cfg.logging.wandb.group = Path(hydra_cfg.sweep.dir).name  # every run of one sweep in one W&B group
     info = init_distributed(cfg.distributed)
+    check_attention_backend(cfg, info)
     cfg.run_dir = shared_run_dir(run_dir, info)
     summary = Trainer(cfg, info).fit()
     if info.is_main:
@@ -72,11 +106,81 @@ def _format_summary(s: dict) -> str:
     ])
 
 
+def check_attention_backend(cfg: RunConfig, info: DistInfo) -> None:
+    """Refuse, before data and model are built, an attention backend that cannot train on this device and dtype.
+
+    Raises BackendUnavailable naming why and what to use; the model would raise the same at its first forward.
+    """
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what attention sees under autocast
+    resolve_backend(cfg.attention.backend, info.device, dtype, requires_grad=True)
+
+
+def user_message(error: BaseException) -> str:
+    """The one line shown for a user error: its own message, without torch's DataLoader-worker wrapping
+    or Hydra's config search path.
+
+    Example: Hydra's "In 'config': Could not find 'attention/x'\n\nAvailable options in 'attention':\n\tauto
+    ..." -> "In 'config': Could not find 'attention/x'; Available options in 'attention': auto; ...".
+    """
+    if not isinstance(error, CompactHydraException):
+        return one_line(original_message(error))
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and cause.full_key:
+        return (f"unknown config key {cause.full_key!r}: check its spelling "
+                "(`python -m trainer.train --cfg job` prints every key)")
+    text = str(error).split("Config search path:")[0]
+    if isinstance(error, OverrideParseException) and error.override not in text:
+        text = f"cannot parse the override {error.override!r}: {text}"
+    if isinstance(cause, OmegaConfBaseException):
+        text += "\n" + str(cause).splitlines()[0]
+    return one_line(text)
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Print `error: <message>` on stderr and exit with status 2 (on every rank that got here)."""
+    stop_worker_processes()
+    sys.stderr.write(f"error: {message}\n")  # one write: lines of several ranks on one pipe do not interleave
+    sys.stderr.flush()
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def stop_worker_processes() -> None:
+    """Kill this process's multiprocessing children (its DataLoader workers) when the run ends in an error.
+
+    The workers ignore SIGTERM (trainer/data/workers.py), and the error's traceback keeps their DataLoader
+    alive, so multiprocessing's exit handler, which terminates and then joins them, would wait forever.
+    """
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+
+
+def _tracebacks_wanted() -> bool:
+    if _user_full_error is not None:
+        return _user_full_error
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 def cli() -> None:
+    global _user_full_error
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    main()
+    # Without HYDRA_FULL_ERROR=1 Hydra prints any error itself, as a trimmed traceback and a hint, and exits 1.
+    # Set it so its override and composition errors reach us; the user's own setting still decides below.
+    _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except BaseException as e:
+        if isinstance(e, USER_ERRORS) and not _user_full_error:  # Hydra's own errors, raised before the job
+            exit_with_error(user_message(e))
+        stop_worker_processes()  # a bug: its traceback follows, and the process must still end
+        raise
+    finally:
+        if not _user_full_error:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        _user_full_error = None
 
 
 if __name__ == "__main__":

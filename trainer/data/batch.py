@@ -22,11 +22,14 @@ so no real token ever attends to it and it is never a target.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from trainer.errors import UserError
 
 IGNORE_INDEX = -100
 
@@ -202,3 +205,62 @@ def valid_targets(doc: Document) -> int:
 
 def flatten(rows: Iterable[Sequence[Document]]) -> list[Document]:
     return [doc for row in rows for doc in row]
+
+
+class TokenIdError(UserError, ValueError):
+    """A batch holds token ids the model has no embedding for."""
+
+
+def check_token_ids(batch: Batch, vocab_size: int) -> None:
+    """Raise TokenIdError if an id in `batch.input_ids` is negative or >= vocab_size, naming the documents.
+
+    Such ids mean the data was tokenized with another tokenizer than the one the model was built for.
+    Unchecked, they fail deep in the embedding (an IndexError on CPU, a device-side assert on CUDA) without
+    saying which data is at fault. Call it on the host batch, before `.to(device)`: one pass over the ids.
+    Example: vocab_size 512, id 600 in document "json__decoder" -> "token id 600 is outside the model's
+    vocabulary (vocab_size 512) in document 'json__decoder' ...".
+    """
+    ids_N = batch.input_ids.reshape(-1)
+    bad_N = (ids_N < 0) | (ids_N >= vocab_size)
+    if not bool(bad_N.any()):
+        return
+    bad_ids = ids_N[bad_N]
+    worst = int(bad_ids.max()) if int(bad_ids.max()) >= vocab_size else int(bad_ids.min())
+    positions = torch.nonzero(bad_N).flatten().tolist()
+    keys = _segment_keys(batch)
+    if keys is None:  # cannot tell documents from padding: name the rows
+        kind, where = "rows", sorted({str(p // batch.input_ids.shape[1]) for p in positions}, key=int)
+    else:
+        segment_of = np.searchsorted(np.asarray(batch.cu_seqlens.tolist()[1:]), positions, side="right")
+        names = (repr(keys[s]) if keys[s] is not None else "padding" for s in segment_of)
+        kind, where = "document(s)", list(dict.fromkeys(names))
+    named = f"{kind} " + ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+    fix = f", or raise model.vocab_size to at least {worst + 1}" if worst >= vocab_size else ""
+    raise TokenIdError(
+        f"token id {worst} is outside the model's vocabulary (vocab_size {vocab_size}) in {named} "
+        f"({len(positions)} position(s) of this micro-batch): the data was tokenized with another tokenizer than the "
+        f"one the model was built for; train on data prepared with the model's tokenizer "
+        f"(python -m trainer.prepare --tokenizer DIR){fix}"
+    )
+
+
+def _segment_keys(batch: Batch) -> list[str | None] | None:
+    """The document key of each segment of `cu_seqlens`, None for a row's padding tail; None if ambiguous.
+
+    collate_rows lays out each row as its documents, then one padding segment if room is left: padding
+    ends its row, has only -100 labels and repeats one id. A one-token document at the end of a row looks
+    the same; then the count of documents disagrees with `doc_keys` and the answer is None.
+    Example: rows [[A(3), B(2)], [C(4)]], row_len 5 -> segments [3, 2 | 4, 1] -> ['A', 'B', 'C', None].
+    """
+    row_len = batch.input_ids.shape[1]
+    ids_N, labels_N = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
+    is_pad = [
+        end % row_len == 0
+        and bool((labels_N[start:end] == IGNORE_INDEX).all())
+        and bool((ids_N[start:end] == ids_N[start]).all())
+        for start, end in itertools.pairwise(batch.cu_seqlens.tolist())
+    ]
+    if len(is_pad) - sum(is_pad) != len(batch.doc_keys):
+        return None
+    keys = iter(batch.doc_keys)
+    return [None if pad else next(keys) for pad in is_pad]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from trainer.errors import UserError
+
 ON_ERROR = ("raise", "skip")
 
 # Directories of the standard library that are not the library itself. Test suites are left out by
@@ -36,10 +38,10 @@ _NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 
 
-class PrepareError(Exception):
+class PrepareError(UserError):
     """Bad input or bad prepared data. The message names the file (and line) and what is wrong.
 
-    `trainer.prepare.main` prints it as `error: <message>` and exits 2, with no traceback.
+    `trainer.prepare.main` and `trainer.train` print it as `error: <message>` and exit 2, with no traceback.
     """
 
 
@@ -284,12 +286,23 @@ def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str
         return None
     text = record[text_key]
     if not isinstance(text, str):
-        policy.bad("missing_text", where, f"field {text_key!r} is {type(text).__name__}, not a string")
+        policy.bad("text_not_string", where, f"field {text_key!r} is {_json_kind(text)}, not a string: each line needs "
+                   f"its document as a JSON string there (pick another field with --text-key, or skip such lines "
+                   f"with --on-error skip)")
         return None
     if not text.strip():
         policy.bad("empty", where, "document is empty (only whitespace)")
         return None
     return text, record.get("id")
+
+
+def _json_kind(value: object) -> str:
+    """How JSON names a parsed value, with a short preview. Example: 42 -> "a number (42)", None -> "null"."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    preview = json.dumps(value)
+    return f"{kind.get(type(value), type(value).__name__)} ({preview if len(preview) <= 40 else preview[:37] + '...'})"
 
 
 def read_source(source: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:

@@ -80,6 +80,12 @@ class RowStream:
                 self._ready.extend(self.packer.push(piece))
         return [self._ready.popleft() for _ in range(min(num_rows, len(self._ready)))]
 
+    def close(self) -> None:
+        """Stop reading: closes the document iterator (and with it any DataLoader workers)."""
+        if self._doc_iter is not None and hasattr(self._doc_iter, "close"):
+            self._doc_iter.close()
+        self._doc_iter = None
+
     def state_dict(self) -> dict:
         docs_state = self.docs.state_dict() if hasattr(self.docs, "state_dict") else None
         return {

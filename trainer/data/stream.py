@@ -13,23 +13,34 @@ Resuming: a slot's position is (epoch, samples drawn from its shuffle buffer thi
 before tokenization is deterministic for the seed, so a resumed slot replays its epoch up to that
 position without tokenizing (a sequential read of the shards it already consumed) and continues with
 exactly the next document: nothing repeated, nothing skipped.
+
+Shards are local paths, http(s) URLs or pipe: commands (trainer.data.sources reads them). A transient
+failure (a transfer cut short, connection refused, HTTP 5xx, a failed command) restarts that shard from
+its beginning, up to `retries` times; the samples it already gave are read again but not passed on, so
+the sample sequence is the same as without the failure. Example: a shard of 200 samples cut after 120
+-> the retry reads samples 1..120 silently and passes on 121..200.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import random
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.batch import Document
 from trainer.data.shards import TEXT_FIELD
+from trainer.data.sources import ShardReadError, read_shard, url_file_name
+from trainer.data.workers import init_worker, shutdown_workers, track
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +83,13 @@ class DocumentStream(IterableDataset):
         on_error: str = "raise",
         epochs: int | None = None,
         expected_docs: dict[str, int] | None = None,
+        retries: int = 2,
+        retry_backoff_s: float = 1.0,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
         if not shards:
             raise DataStreamError("no shards given")
         self.shards = [str(s) for s in shards]
@@ -88,6 +103,10 @@ class DocumentStream(IterableDataset):
         self.on_error = on_error
         self.epochs = epochs
         self.expected_docs = expected_docs or {}
+        """Documents per shard file name (e.g. "train-000003.tar"), checked when a shard is read through."""
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        """Wait before the first retry of a shard; it doubles with each further one."""
         self.resume_states: dict[int, SlotState] = {}
         self.worker_rotation = 0
         self._tokenizer = None
@@ -118,24 +137,47 @@ class DocumentStream(IterableDataset):
         """(shard, key, sample) in file order; sample None marks a shard that could not be read."""
         for shard in shards:
             state.shard = shard
-            count, key = 0, None
-            try:
-                for sample in wds.tariterators.tarfile_samples([{"url": shard}]):
-                    key = sample["__key__"]
-                    count += 1
-                    yield shard, key, sample
-            except Exception as exn:  # webdataset/tarfile errors: wrap with where they happened
-                where = f"after sample {key!r}" if key else "before its first sample"
-                self._bad(state, "unreadable_shard", f"{shard}: cannot read shard ({where}): {exn}")
-                yield shard, key or "", None
-                continue
-            expected = self.expected_docs.get(Path(shard).name)
-            if expected is not None and count != expected:
+            count = yield from self._shard_samples(shard, state)
+            expected = self.expected_docs.get(url_file_name(shard))
+            if count is not None and expected is not None and count != expected:
                 self._bad(
                     state,
                     "truncated_shard",
                     f"{shard}: read {count} samples but the manifest lists {expected} (truncated or replaced shard?)",
                 )
+
+    def _shard_samples(self, shard: str, state: SlotState) -> Generator[tuple[str, str, dict | None], None, int | None]:
+        """Yields one shard's (shard, key, sample) and returns their count; None after an unreadable shard.
+
+        A transient failure restarts the shard, skipping the `count` samples already given (the last of
+        them must have the same key, or the shard changed between attempts).
+        """
+        count, key, attempt = 0, None, 0
+        while True:
+            try:
+                for i, sample in enumerate(read_shard(shard)):
+                    if i < count:  # given by an earlier attempt
+                        if i == count - 1 and sample["__key__"] != key:
+                            raise ShardReadError(f"sample {i + 1} is {sample['__key__']!r} on this attempt, "
+                                                 f"{key!r} on the last: the shard changed", transient=False)
+                        continue
+                    key = sample["__key__"]
+                    count += 1
+                    yield shard, key, sample
+                return count
+            except ShardReadError as exn:
+                where = f"after sample {key!r}" if key else "before its first sample"
+                if not exn.transient or attempt == self.retries:
+                    tries = f"; {attempt + 1} attempts" if attempt else ""
+                    self._bad(state, "unreadable_shard", f"{shard}: cannot read shard ({where}{tries}): {exn}")
+                    yield shard, key or "", None
+                    return None
+                delay = self.retry_backoff_s * 2**attempt
+                attempt += 1
+                again = f", skipping the {count} samples already passed on" if count else ""
+                log.warning("%s: cannot read shard (%s): %s; retry %d of %d in %.1f s from the shard's start%s",
+                            shard, where, exn, attempt, self.retries, delay, again)
+                time.sleep(delay)
 
     def _shuffled(self, items: Iterator, rng: random.Random) -> Iterator:
         """Buffered shuffle: fill `shuffle_buffer` items, then emit a random one per item read."""
@@ -254,15 +296,24 @@ class DocumentLoader:
             prefetch_factor=self.prefetch_factor if self.num_workers else None,
             persistent_workers=False,
             collate_fn=_identity,
+            worker_init_fn=functools.partial(init_worker, os.getpid()),
+            # Its own generator: the DataLoader draws its base seed from it when iterated, never from the
+            # global RNG, whose state a resumed run has just restored for dropout.
+            generator=torch.Generator().manual_seed(0),
         )
         while self._pending:
             yield self._pending.pop(0)
-        for slot, state, docs in loader:
-            self.slot_states[slot] = state
-            self.chunks_consumed += 1
-            self._pending = list(docs)
-            while self._pending:
-                yield self._pending.pop(0)
+        batches = iter(loader)
+        track(batches)
+        try:
+            for slot, state, docs in batches:
+                self.slot_states[slot] = state
+                self.chunks_consumed += 1
+                self._pending = list(docs)
+                while self._pending:
+                    yield self._pending.pop(0)
+        finally:  # on exhaustion, on an error, and when the consumer closes this generator
+            shutdown_workers(batches)
 
     def skipped(self) -> dict[str, int]:
         """Samples skipped under on_error=skip, summed over this rank's slots."""

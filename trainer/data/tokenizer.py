@@ -149,12 +149,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise PrepareError(f"{file}: not a valid tokenizers JSON file ({e})") from e
 
 
-def special_ids(tok: Tokenizer) -> SpecialIds:
-    """Ids of the four special tokens; an error naming the ones `tok` lacks."""
+def special_ids(tok: Tokenizer, where: str | Path | None = None) -> SpecialIds:
+    """Ids of the four special tokens; an error naming the ones `tok` lacks (and `where` it came from, if given).
+
+    Example: a tokenizer with <|endoftext|> and <|pad|> only -> PrepareError "tokenizer lacks the special
+    tokens ['<|im_start|>', '<|im_end|>'] ...".
+    """
     ids = {name: tok.token_to_id(token) for name, token in zip(("eos", "pad", "im_start", "im_end"), SPECIAL_TOKENS, strict=True)}
     missing = [token for token, i in zip(SPECIAL_TOKENS, ids.values(), strict=True) if i is None]
     if missing:
-        raise PrepareError(f"tokenizer lacks the special tokens {missing}; this project needs {list(SPECIAL_TOKENS, strict=True)}")
+        prefix = f"{tokenizer_file(where)}: " if where is not None else ""
+        raise PrepareError(
+            f"{prefix}tokenizer lacks the special tokens {missing}; this project needs all of {list(SPECIAL_TOKENS)}: "
+            "use a tokenizer trained by `python -m trainer.prepare` (it adds them), or add them to yours as special tokens"
+        )
     return SpecialIds(**ids)
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.errors import UserError
 from trainer.model import flash
 
 BACKENDS = ("auto", "flash", "torch_varlen", "flex", "sdpa_docs", "dense")
@@ -59,7 +60,7 @@ class AttentionConfig:
             raise ValueError(f"unknown attention backend {self.backend!r}; expected one of {BACKENDS}")
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(UserError, RuntimeError):
     """The requested attention backend cannot run on this device / dtype / installation."""
 
 
@@ -238,14 +239,13 @@ def backend_unavailable_reason(
         if _torch_varlen_fn() is None:
             return f"this torch ({torch.__version__}) has no torch.nn.attention.varlen; it needs torch >= 2.9"
         if dtype not in VARLEN_DTYPES:
-            return f"varlen_attn runs in float16/bfloat16 only, got {dtype} (train under bf16 autocast)"
+            return f"varlen_attn runs in float16/bfloat16 only, got {dtype} (train under bf16 autocast: train.dtype=bf16)"
         return None
     if backend == "flex":
         if _flex_fn() is None:
             return f"this torch ({torch.__version__}) has no FlexAttention"
         if device.type == "cpu" and requires_grad:
-            return ("FlexAttention has no backward on CPU in PyTorch (forward only); "
-                    "use sdpa_docs to train on CPU, or run flex under torch.no_grad()")
+            return "FlexAttention has no backward on CPU in PyTorch (forward only, e.g. under torch.no_grad())"
         return None
     if backend in ("sdpa_docs", "dense"):
         return None
@@ -259,6 +259,8 @@ def resolve_backend(
 
     `auto` walks flash > torch_varlen > flex > sdpa_docs, taking flex only on CUDA: on CPU it has no
     backward and compiles for tens of seconds, so training and evaluation would run different kernels.
+    An explicit backend is honoured or refused, never swapped for another: every backend `auto` can pick
+    isolates documents, and the error names the one it would pick here.
     """
     if backend == "auto":
         for candidate in AUTO_ORDER:
@@ -269,7 +271,11 @@ def resolve_backend(
         return "sdpa_docs"
     reason = backend_unavailable_reason(backend, device, dtype, requires_grad)
     if reason is not None:
-        raise BackendUnavailable(f"attention backend {backend!r} is unavailable: {reason}")
+        instead = resolve_backend("auto", device, dtype, requires_grad)
+        raise BackendUnavailable(
+            f"attention backend {backend!r} is unavailable: {reason}; use attention=auto, which picks the fastest "
+            f"backend that runs here and keeps documents isolated ({instead} on this machine)"
+        )
     return backend
 
 

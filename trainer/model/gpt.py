@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.errors import ConfigError
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
 
 POS_EMBS = ("learned", "rope")
@@ -287,7 +288,8 @@ def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | No
             raise ValueError("vocab_size is null in the model config: pass the tokenizer's vocab_size to build_model")
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     elif vocab_size is not None and cfg.vocab_size < vocab_size:
-        raise ValueError(f"model vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids")
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids: "
+                          f"set model.vocab_size=null (the tokenizer's size) or >= {vocab_size}")
     return GPT(cfg, attention)
 
 

@@ -1,0 +1,256 @@
+"""A user's mistake ends `python -m trainer.train` with one `error: ...` line and exit status 2, no traceback.
+
+The cheap cases (errors found before any DataLoader starts) run through the real `cli()` one after another
+in ONE subprocess (a Python start costs ~2 s); errors raised in a DataLoader worker, the HYDRA_FULL_ERROR=1
+escape hatch and torchrun each get a real `python -m trainer.train` of their own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch._utils import ExceptionWrapper
+
+from tests.harness import free_port
+from tests.trainer.test_train import ROOT, SMALL
+from trainer.data.stream import DataStreamError
+from trainer.errors import one_line, original_message
+from trainer.model import BackendUnavailable, resolve_backend
+
+# Runs each argv through trainer.train.cli() in this one process; writes [[exit status, stderr], ...] as JSON.
+DRIVER = r"""
+import contextlib, io, json, sys
+from trainer.train import cli
+cases, out_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        sys.argv = ["trainer.train", *argv]
+        try:
+            cli()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    results.append([code, err.getvalue()])
+with open(out_path, "w") as f:
+    json.dump(results, f)
+"""
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+
+
+def assert_one_error_line(code: int, stderr: str, *phrases: str) -> str:
+    """Exit status 2 and stderr holding exactly one line, `error: ...`, with every phrase in it."""
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+    return lines[0]
+
+
+def train_cli(run_dir: Path, data: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data directories with one thing wrong each
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_of(demo_data: Path, dest: Path) -> Path:
+    shutil.copytree(demo_data, dest)
+    return dest
+
+
+def rewrite_train_shards(data: Path, rewrite) -> None:
+    for shard in sorted(data.glob("train-*.tar")):
+        rewrite(shard)
+
+
+def truncate(shard: Path) -> None:
+    """Cut the shard inside the fourth member's data: a tar whose end is missing."""
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[3].offset_data + 1
+    shard.write_bytes(shard.read_bytes()[:cut])
+
+
+def symlink_second_sample(shard: Path) -> None:
+    """Keep the first 5 samples, the second one's text turned into a symlink to the first's."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()[:5]]
+    with tarfile.open(shard, "w") as tar:
+        for i, (member, data) in enumerate(members):
+            if i == 1:
+                member.type, member.linkname, member.size = tarfile.SYMTYPE, members[0][0].name, 0
+                tar.addfile(member)
+            else:
+                tar.addfile(member, io.BytesIO(data))
+
+
+def drop_special_tokens(data: Path) -> None:
+    path = data / "tokenizer" / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|pad|>"]
+    spec["model"]["vocab"].pop("<|pad|>")
+    path.write_text(json.dumps(spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistakes found before any DataLoader starts: one subprocess for all of them
+# ---------------------------------------------------------------------------------------------
+
+CHEAP = {  # name -> (overrides, phrases the error line must hold)
+    "unknown_group_option": (["attention=bogus"], ["Could not find 'attention/bogus'", "sdpa_docs"]),
+    "malformed_override": (["train.seq_len=[1"], ["cannot parse the override 'train.seq_len=[1'"]),
+    "unknown_key": (["train.bogus=1"], ["unknown config key 'train.bogus'", "--cfg job"]),
+    "unknown_key_appended": (["+train.bogus=1"], ["unknown key(s) in config section 'train': ['bogus']"]),
+    "wrong_type": (["train.seq_len=abc"], ["train.seq_len must be an integer, got 'abc'"]),
+    "bad_choice": (["packing.layout=zigzag"], ["packing.layout must be one of"]),
+    "seq_len_below_2": (["train.seq_len=1"], ["train.seq_len must be >= 2, got 1"]),
+    "tokens_per_step_not_rows": (
+        ["train.tokens_per_step=1000"],
+        ["a positive multiple of train.seq_len (128)", "train.tokens_per_step=896 (7 rows) or 1024 (8 rows)"],
+    ),
+    "unresolvable": (["model.n_layer=${oops}"], ["cannot resolve model.n_layer"]),
+    # An explicit backend is refused where it cannot train (CPU, or fp32, or flash-attn missing), never swapped.
+    "flash_unavailable": (["attention=flash"], ["attention backend 'flash' is unavailable", "attention=auto"]),
+    "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),
+    "no_data_dir": (["data.path=MISSING"], ["no manifest", "python -m trainer.prepare"]),
+    "bad_tokenizer": (["data.path=NO_PAD"], ["tokenizer lacks the special tokens ['<|pad|>']"]),
+}
+
+
+@pytest.fixture(scope="module")
+def cheap_results(demo_data, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    root = tmp_path_factory.mktemp("cheap")
+    no_pad = copy_of(demo_data, root / "no_pad")
+    drop_special_tokens(no_pad)
+    paths = {"data.path=MISSING": f"data.path={root / 'missing'}", "data.path=NO_PAD": f"data.path={no_pad}"}
+    cases = [
+        [f"data.path={demo_data}", f"hydra.run.dir={root / name}", *SMALL, *(paths.get(o, o) for o in overrides)]
+        for name, (overrides, _) in CHEAP.items()
+    ]
+    out = root / "results.json"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases), str(out)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return dict(zip(CHEAP, map(tuple, json.loads(out.read_text())), strict=True))
+
+
+@pytest.mark.parametrize("name", list(CHEAP))
+def test_a_mistake_found_before_training_is_one_error_line(cheap_results, name):
+    code, stderr = cheap_results[name]
+    assert_one_error_line(code, stderr, *CHEAP[name][1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Mistakes found in a DataLoader worker, HYDRA_FULL_ERROR=1, torchrun: a process each
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_truncated_shard_read_in_a_worker_is_one_error_line_and_the_process_ends(demo_data, tmp_path):
+    data = copy_of(demo_data, tmp_path / "data")
+    rewrite_train_shards(data, truncate)
+    t0 = time.perf_counter()
+    proc = train_cli(tmp_path / "run", data, "train.max_steps=2")
+    line = assert_one_error_line(proc.returncode, proc.stderr, "cannot read shard", "train-00000")
+    assert "Caught DataStreamError" not in line and "DataLoader worker" not in line  # the original message only
+    assert time.perf_counter() - t0 < 60  # the worker (which ignores SIGTERM) does not keep the process alive
+
+
+def test_a_shard_member_that_is_not_a_file_is_one_error_line_naming_the_shard(demo_data, tmp_path):
+    data = copy_of(demo_data, tmp_path / "data")
+    rewrite_train_shards(data, symlink_second_sample)  # webdataset skips the symlink: 4 samples, not the manifest's count
+    proc = train_cli(tmp_path / "run", data, "train.max_steps=2")
+    assert_one_error_line(proc.returncode, proc.stderr, ".tar: read 4 samples but the manifest lists ")
+
+
+# A bug (not a user's mistake) in the step, with the DataLoader worker running: python -m trainer.train otherwise.
+BUG = r"""
+import sys
+import trainer.loop
+def train_step(*args, **kwargs):
+    raise RuntimeError("a bug in the step")
+trainer.loop.train_step = train_step
+from trainer.train import cli
+sys.argv = ["trainer.train", *sys.argv[1:]]
+cli()
+"""
+
+
+def test_a_bug_keeps_its_traceback_and_the_process_still_ends(demo_data, tmp_path):
+    cmd = [sys.executable, "-c", BUG, f"data.path={demo_data}", f"hydra.run.dir={tmp_path}", *SMALL, "train.max_steps=2"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr and "RuntimeError: a bug in the step" in proc.stderr
+    assert "\nerror: " not in "\n" + proc.stderr
+    assert time.perf_counter() - t0 < 60  # its DataLoader worker ignores SIGTERM, yet the process ends
+
+
+def test_hydra_full_error_keeps_the_traceback(demo_data, tmp_path):
+    proc = train_cli(tmp_path / "run", demo_data, "train.seq_len=1", env={**ENV, "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "trainer.errors.ConfigError: train.seq_len must be >= 2" in proc.stderr
+    assert "\nerror: " not in "\n" + proc.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_reports_the_mistake_and_the_launch_fails_fast(demo_data, tmp_path):
+    """The check runs after the process group is up: both ranks print the line and exit; torchrun fails."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                str(free_port()), "-m", "trainer.train"]
+    cmd = [*launcher, f"data.path={demo_data}", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, "attention=flash"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert time.perf_counter() - t0 < 60
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("attention backend 'flash' is unavailable" in e for e in errors), proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces, in process
+# ---------------------------------------------------------------------------------------------
+
+
+def test_original_message_unwraps_an_error_re_raised_from_a_dataloader_worker():
+    def raise_in_worker() -> None:
+        try:
+            try:
+                raise OSError("disk")
+            except OSError as e:
+                raise DataStreamError("a.tar: cannot read shard (before its first sample): disk\nsecond line") from e
+        except DataStreamError:
+            ExceptionWrapper(where="in DataLoader worker process 0").reraise()
+
+    with pytest.raises(DataStreamError) as caught:
+        raise_in_worker()
+    assert str(caught.value).startswith("Caught DataStreamError in DataLoader worker process 0.")
+    assert original_message(caught.value) == "a.tar: cannot read shard (before its first sample): disk\nsecond line"
+    assert original_message(ValueError("plain")) == "plain"
+
+
+def test_one_line_joins_lines():
+    assert one_line("a\n\n  b:\n\tc\n") == "a; b: c"
+
+
+def test_an_explicit_backend_is_refused_not_swapped():
+    with pytest.raises(BackendUnavailable, match="attention=auto") as caught:
+        resolve_backend("flash", torch.device("cpu"), torch.float32)
+    assert "sdpa_docs on this machine" in str(caught.value)
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_docs"  # auto may pick

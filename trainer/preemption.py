@@ -1,0 +1,43 @@
+"""Preemption: SIGTERM or SIGUSR1 on any rank -> every rank finishes its step, checkpoints it, exits 0.
+
+Slurm sends SIGTERM when it preempts a job (and, with `--signal=B:USR1@120`, USR1 before the time limit);
+Kubernetes sends SIGTERM before it kills a pod. The handler only records the signal. After each step the
+ranks agree through one all-reduce (MAX of "a signal arrived here"), so a signal seen by one rank alone
+stops them all at the same step, and the checkpoint they write together is that step's.
+
+    handler = PreemptionHandler()            # main thread, before training
+    ...after each optimizer step...
+    if handler.requested(device): save, report handler.signal_name, return
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from trainer.distributed import dist_max
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Records SIGTERM / SIGUSR1; restores the previous handlers on `close()`."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():  # Python installs handlers only there
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def requested(self, device) -> bool:
+        """Collective: True on every rank if any rank got a signal since training started."""
+        return dist_max(float(self.signal_name is not None), device) > 0
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
