@@ -47,3 +47,21 @@ def run_distributed(fn, world_size: int = 2, args: tuple = ()) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [value for _, value in results]
+
+
+def require_module(name: str, install: str):
+    """Import an optional dependency a test needs: skip without it, but fail under CI=true, where every
+    dependency must be installed (a missing one would otherwise hide the test)."""
+    import importlib
+
+    import pytest
+
+    from tests.browser import ci_is_set
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        message = f"{name} is not installed ({install})"
+        if ci_is_set():
+            pytest.fail(f"{message}; CI=true: tests never skip on a missing dependency")
+        pytest.skip(message)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 
+from tests.harness import require_module
 from trainer.data.corpus import ErrorPolicy, PrepareError, sanitize_key, split_module, unique_keys
 from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths, write_shards
 from trainer.data.tokenizer import (
@@ -209,7 +210,7 @@ def test_rerun_with_fewer_docs_removes_stale_shards(tmp_path):
 
 
 def test_tokenizer_loads_in_transformers_with_matching_special_ids(text_data):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers", "pip install -e '.[dev]'")
     _, out = text_data
     manifest = load_manifest(out)
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(out / "tokenizer"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import free_port, require_module
 from tests.trainer.test_train import SMALL, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,8 +52,8 @@ def test_torchrun_sh_two_processes(torchrun_run):
     check_run(torchrun_run, "ddp")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_sh_two_processes_matches_torchrun_ddp(demo_data, tmp_path, torchrun_run):
+    require_module("deepspeed", "pip install -e '.[deepspeed]'")
     run_dir = tmp_path / "deepspeed"
     proc = launch("deepspeed.sh", run_dir, demo_data, MASTER_PORT=str(free_port()))
     assert "--local_rank=1" in proc.stdout + proc.stderr  # the launcher's argument reached trainer.train

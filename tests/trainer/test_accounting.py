@@ -1,0 +1,123 @@
+"""Every training document is trained on once per epoch, counted from what the ranks actually consumed.
+
+2 ranks x 2 DataLoader workers (4 readers) over 10 shards for about 2.5 epochs, with `logging.record_doc_keys`:
+each rank writes the keys of the documents (and chunks `key#k`) of every step it ran. A resume in the middle
+of the first epoch must consume exactly the same keys, step by step and rank by rank, as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.test_cluster import torchrun
+from tests.trainer.test_train import metrics, run_train
+from trainer.data.packing import PackingStats, split_long
+from trainer.data.shards import shard_paths
+from trainer.data.stream import DocumentStream
+from trainer.data.tokenizer import load_tokenizer, special_ids
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN, TOKENS_PER_STEP = 128, 2048
+COMMON = ("data.num_workers=2", "data.shuffle_buffer=8", "packing.buffer_size=8", "train.eval_every=0",
+          f"train.seq_len={SEQ_LEN}", f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_tokens=1024",
+          "logging.record_doc_keys=true", "train.checkpoint_every=10", "train.keep_last=10")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from trainer.prepare import prepare
+
+    out = tmp_path_factory.mktemp("accounting")
+    # 8 shards of 30 documents: each of the 4 readers holds 2 shards, the same number of documents (readers with
+    # unequal documents drift apart by whole shards per epoch; see the README, "What is counted where").
+    prepare("demo", out, vocab_size=300, max_docs=240, docs_per_shard=30, val_fraction=0.0, seed=0)
+    assert len(shard_paths(out, "train")) == 8
+    return out
+
+
+def epoch_chunks(data: Path) -> Counter:
+    """The chunks of one epoch (documents split at SEQ_LEN, as the trainer does), read once, in one process."""
+    tok_dir = data / "tokenizer"
+    stream = DocumentStream(shard_paths(data, "train"), tok_dir, special_ids(load_tokenizer(tok_dir)).eos, epochs=1)
+    stats = PackingStats()
+    return Counter(piece.key for _, _, docs in stream for doc in docs for piece in split_long(doc, SEQ_LEN, "split",
+                                                                                          stats))
+
+
+def consumed(run_dir: Path) -> dict[int, dict[int, list[str]]]:
+    """{rank: {step: keys}} from the doc_keys files."""
+    out = {}
+    for path in sorted((run_dir / "doc_keys").glob("rank_*.jsonl")):
+        rank = int(path.stem.split("_")[1])
+        out[rank] = {r["step"]: r["keys"] for r in map(json.loads, path.read_text().splitlines())}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> dict[str, Path]:
+    epoch = epoch_chunks(corpus)
+    tokens = json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["tokens"]
+    steps = math.ceil(2.5 * tokens / TOKENS_PER_STEP)
+    root = tmp_path_factory.mktemp("acc_runs")
+    whole = root / "whole"
+    run_train(whole, corpus, *COMMON, f"train.max_steps={steps}", launcher=torchrun())
+    resumed = root / "resumed"
+    shutil.copytree(whole, resumed)
+    for ckpt in sorted((resumed / "checkpoints").glob("step_*"))[1:]:  # keep step 10, in the first epoch
+        shutil.rmtree(ckpt)
+    assert 10 * TOKENS_PER_STEP < tokens
+    run_train(resumed, corpus, *COMMON, f"train.max_steps={steps}", "train.resume=true", launcher=torchrun())
+    return {"whole": whole, "resumed": resumed, "epoch": epoch, "steps": steps}
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 9, open): each reader (rank x worker) runs its own epochs, and "
+                   "readers drift apart (ranks consume rows, not documents, at the same rate), so over 2.5 epochs "
+                   "a few chunks are read a 4th time before others a 3rd; global once-per-epoch needs epochs in "
+                   "lockstep across readers")
+def test_every_chunk_is_consumed_once_per_epoch(runs):
+    epoch = runs["epoch"]
+    assert all(n == 1 for n in epoch.values())  # chunk keys are unique within an epoch
+    counts = Counter(k for steps in consumed(runs["whole"]).values() for keys in steps.values() for k in keys)
+    assert set(counts) == set(epoch)  # nothing unknown, nothing never seen
+    # ~2.5 epochs went through: each chunk twice or three times, never once (lost) or four times (repeated).
+    assert set(counts.values()) == {2, 3}, Counter(counts.values())
+    total = sum(counts.values())
+    assert 2 * len(epoch) < total < 3 * len(epoch)
+
+
+def test_no_chunk_is_lost_and_drift_stays_within_one_epoch(runs):
+    """What holds today: every chunk of the epoch is read at least twice in ~2.5 epochs and no chunk more than
+    once beyond the others' count + 1 (readers stay within one epoch of each other)."""
+    counts = Counter(k for steps in consumed(runs["whole"]).values() for keys in steps.values() for k in keys)
+    assert set(counts) == set(runs["epoch"])
+    assert min(counts.values()) == 2 and max(counts.values()) <= 4
+
+
+def test_counters_agree_with_the_consumed_keys(runs):
+    for run in ("whole", "resumed"):
+        per_step = Counter()
+        for steps in consumed(runs[run]).values():
+            for step, keys in steps.items():
+                per_step[step] += len(keys)
+        lines = metrics(runs[run])
+        assert [m["step"] for m in lines] == list(range(1, runs["steps"] + 1))
+        assert {m["step"]: m["docs"] for m in lines} == dict(per_step)
+        summary = json.loads((runs[run] / "summary.json").read_text())
+        assert summary["total_docs"] == sum(per_step.values())
+
+
+def test_a_resume_mid_epoch_consumes_exactly_the_same_keys(runs):
+    whole, resumed = consumed(runs["whole"]), consumed(runs["resumed"])
+    assert sorted(whole) == sorted(resumed) == [0, 1]
+    for rank in whole:
+        assert whole[rank] == resumed[rank]
+    a, b = metrics(runs["whole"]), metrics(runs["resumed"])
+    for x, y in zip(a[10:], b[10:], strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-6, x["step"]
