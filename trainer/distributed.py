@@ -65,6 +65,15 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group together: a barrier, then destroy it on every rank. Without it the ranks tear
+    down gloo's connections (and rank 0 its store) in whatever order they exit, and a rank still reading one
+    can abort ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """torchrun's store, with keys prefixed by the restart attempt.
 

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import RunConfig, from_container
 from trainer.data.stream import DataStreamError
-from trainer.distributed import DistInfo, init_distributed
+from trainer.distributed import DistInfo, init_distributed, shutdown_distributed
 from trainer.errors import ConfigError, UserError, one_line, original_message
 from trainer.loop import Trainer, shared_run_dir, write_summary
 from trainer.model import resolve_backend
@@ -88,7 +88,8 @@ def run(raw: DictConfig) -> None:
     summary = Trainer(cfg, info).fit()
     if info.is_main:
         write_summary(Path(cfg.run_dir), summary)
-        print(_format_summary(summary))
+        print(_format_summary(summary), flush=True)
+    shutdown_distributed()
 
 
 def _format_summary(s: dict) -> str:
