@@ -2,6 +2,7 @@
 # The Slurm preemption loop for real, on this one CPU machine (Debian, root; not part of the test suite):
 #   bench/slurm_preemption.sh                      # both variants, ~5 min on 2 cores
 #   VARIANTS=usr1 bench/slurm_preemption.sh        # one of: requeue usr1
+#   bench/slurm_preemption.sh setup                # only install and start Slurm (then: sinfo, sbatch ...)
 #
 # 1. Installs and starts a one-node Slurm (slurm-wlm, munge) unless it is running: idempotent.
 # 2. Trains a reference run (torchrun, no Slurm) and, per variant, `sbatch launch/slurm.sbatch` of the same
@@ -236,6 +237,7 @@ PY
 }
 
 setup_slurm
+[ "${1:-}" = setup ] && exit 0
 for j in $(squeue -h -n "$JOB_NAME" -o %i); do log "cancelling leftover job $j"; scancel "$j"; done
 prepare
 results=()

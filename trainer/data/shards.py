@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tarfile
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -199,3 +200,26 @@ def shard_paths(data_dir: str | Path, split: str) -> list[str]:
     if missing:
         raise PrepareError(f"shard listed in {Path(data_dir) / MANIFEST_FILE} is missing: {missing[0]}")
     return paths
+
+
+_MEMBER_KINDS = {tarfile.DIRTYPE: "a directory", tarfile.SYMTYPE: "a symlink", tarfile.LNKTYPE: "a hard link"}
+
+
+def non_sample_members(shard: str | Path, limit: int = 3) -> list[str]:
+    """Members of a local shard that webdataset skips without a word: non-regular files, names without an
+    extension. Example: ["'b.txt' (a symlink)", "'notes' (no extension)"]. [] for remote or unreadable shards."""
+    found: list[str] = []
+    if not Path(shard).is_file():
+        return found
+    try:
+        with tarfile.open(shard, "r|*") as tar:
+            for member in tar:
+                if not member.isreg():
+                    found.append(f"{member.name!r} ({_MEMBER_KINDS.get(member.type, 'not a regular file')})")
+                elif "." not in Path(member.name).name:
+                    found.append(f"{member.name!r} (no extension)")
+                if len(found) == limit:
+                    break
+    except (OSError, tarfile.TarError):
+        pass
+    return found

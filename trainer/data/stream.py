@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.batch import Document
-from trainer.data.shards import TEXT_FIELD
+from trainer.data.shards import TEXT_FIELD, non_sample_members
 from trainer.data.sources import ShardReadError, read_shard, url_file_name
 from trainer.data.workers import init_worker, shutdown_workers, track
 
@@ -143,7 +143,9 @@ class DocumentStream(IterableDataset):
                 self._bad(
                     state,
                     "truncated_shard",
-                    f"{shard}: read {count} samples but the manifest lists {expected} (truncated or replaced shard?)",
+                    f"{shard}: read {count} samples but the manifest lists {expected}{_why_short(shard)}; copy the shard "
+                    "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
+                    "or set data.on_error=skip",
                 )
 
     def _shard_samples(self, shard: str, state: SlotState) -> Generator[tuple[str, str, dict | None], None, int | None]:
@@ -340,6 +342,13 @@ class DocumentLoader:
         self.slot_states = {int(slot): SlotState(**s) for slot, s in state["slot_states"].items()}
         self.chunks_consumed = state["chunks_consumed"]
         self._pending = [Document(key=k, tokens=np.asarray(t), loss_mask=m) for k, t, m in state["pending"]]
+
+
+def _why_short(shard: str) -> str:
+    odd = non_sample_members(shard)
+    if odd:
+        return f"; it holds members that are not samples, which webdataset skips: {', '.join(odd)}"
+    return " (truncated or replaced shard?)"
 
 
 def _identity(x):
