@@ -167,7 +167,10 @@ run_variant() {
     deadline=$(( $(date +%s) + 300 ))
     while :; do
         state=$(job_state "$job")
-        [ "$state" = COMPLETED ] && grep -q 'resumed from' "$out" && break
+        if [ "$state" = COMPLETED ]; then
+            grep -q 'resumed from' "$out" && break
+            cat "$out"; die "[$variant] job $job completed without a restart (the signal came too late?)"
+        fi
         case $state in FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY) cat "$out"; die "[$variant] job $job $state";; esac
         [ "$(date +%s)" -lt "$deadline" ] || { cat "$out"; die "[$variant] job $job not done 300 s after the signal"; }
         sleep 1

@@ -106,6 +106,11 @@ class DataConfig:
     408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
     it already gave. Local files and HTTP 4xx are not retried."""
 
+    epoch_lockstep: bool = True
+    """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
+    readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
+    document is trained on exactly once per epoch. False: each reader runs its own epochs (they drift apart)."""
+
     def __post_init__(self) -> None:
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")

@@ -22,7 +22,7 @@ from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.sources import resolve_source
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
-from trainer.distributed import DistInfo, broadcast_object, parallelize
+from trainer.distributed import DistInfo, broadcast_object, dist_sum, parallelize
 from trainer.errors import ConfigError
 from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
@@ -64,7 +64,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         expected_docs=source.expected_docs,
         retries=cfg.data.retries,
     )
-    loader = DocumentLoader(stream, num_workers=cfg.data.num_workers)
+    loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
     return DataSource(
         rows=RowStream(loader, cfg.train.seq_len, cfg.packing),
         loader=loader,
@@ -241,11 +241,28 @@ class Trainer:
         self.metrics.close()
         return summary
 
+    def _take_rows(self, n_rows: int) -> list:
+        """This rank's rows of the next step. With data.epoch_lockstep, a rank whose readers finished the epoch
+        has packed what it held and contributes fewer (or no) rows until every rank has finished; then all
+        start the next epoch together. Collective (two tiny all-reduces per step)."""
+        rows_stream = self.data.rows
+        if not self.cfg.data.epoch_lockstep:
+            return rows_stream.take(n_rows)
+        for _ in range(3):
+            (waiting,) = dist_sum([float(rows_stream.exhausted)], self.info.device)
+            if waiting == self.info.world_size:  # every rank is done with the epoch
+                rows_stream.next_epoch()
+            rows = rows_stream.take(n_rows)
+            (total,) = dist_sum([float(len(rows))], self.info.device)
+            if total > 0:
+                return rows
+        raise RuntimeError("a whole epoch gave no documents on any rank (empty or all-skipped training shards?)")
+
     def _train_one_step(self):
         """Build this rank's batches, run the step, count, evaluate and log. Returns (stats, step time)."""
         cfg, info = self.cfg, self.info
         t0 = time.perf_counter()
-        rows = self.data.rows.take(rows_for_rank(cfg.train.rows_per_step, info))
+        rows = self._take_rows(rows_for_rank(cfg.train.rows_per_step, info))
         mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
         for mb in mbs:  # on the host, before any kernel can index out of range
             check_token_ids(mb, self.model_vocab_size)

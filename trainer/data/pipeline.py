@@ -80,6 +80,11 @@ class RowStream:
                 self._ready.extend(self.packer.push(piece))
         return [self._ready.popleft() for _ in range(min(num_rows, len(self._ready)))]
 
+    def next_epoch(self) -> None:
+        """Continue after the end of a finite (lockstep: one epoch) document stream: iterate it again."""
+        self._doc_iter = None
+        self.exhausted = False
+
     def close(self) -> None:
         """Stop reading: closes the document iterator (and with it any DataLoader workers)."""
         if self._doc_iter is not None and hasattr(self._doc_iter, "close"):
@@ -93,6 +98,7 @@ class RowStream:
             "packer": self.packer.state_dict(),
             "ready": [[(d.key, d.tokens, d.loss_mask) for d in row] for row in self._ready],
             "stats": self.stats.state_dict(),
+            "exhausted": self.exhausted,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -102,7 +108,7 @@ class RowStream:
         self._ready = deque([[Document(k, t, m) for k, t, m in row] for row in state["ready"]])
         self.stats.load_state_dict(state["stats"])
         self._doc_iter = None
-        self.exhausted = False
+        self.exhausted = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
 
 
 def micro_batches(

@@ -108,6 +108,8 @@ class DocumentStream(IterableDataset):
         self.retry_backoff_s = retry_backoff_s
         """Wait before the first retry of a shard; it doubles with each further one."""
         self.resume_states: dict[int, SlotState] = {}
+        self.stop_epoch: int | None = None
+        """Set by a lockstep DocumentLoader: every slot stops when it reaches this epoch."""
         self.worker_rotation = 0
         self._tokenizer = None
         self._replaying = False
@@ -241,7 +243,9 @@ class DocumentStream(IterableDataset):
         slot, num_slots = self.slot()
         state = dataclasses.replace(self.resume_states.get(slot, SlotState()))
         state.skipped = dict(state.skipped)
-        while self.epochs is None or state.epoch < self.epochs:
+        while (self.epochs is None or state.epoch < self.epochs) and (
+            self.stop_epoch is None or state.epoch < self.stop_epoch
+        ):
             shards = self.epoch_shards(state.epoch, slot, num_slots)
             rng_seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
             samples = self._shuffled(self._raw_samples(shards, state), random.Random(rng_seed))
@@ -280,17 +284,27 @@ class DocumentLoader:
     and the documents left in the current chunk, which is all a resumed run needs.
     """
 
-    def __init__(self, stream: DocumentStream, num_workers: int = 0, prefetch_factor: int = 4) -> None:
+    def __init__(self, stream: DocumentStream, num_workers: int = 0, prefetch_factor: int = 4,
+                 lockstep: bool = False) -> None:
         self.stream = stream
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
+        self.lockstep = lockstep
+        """One epoch per iteration: iterating ends when all this rank's slots have finished the epoch."""
         self.slot_states: dict[int, SlotState] = {}
         self.chunks_consumed = 0
+        self.epoch_chunks = 0
+        """Chunks consumed in the current lockstep epoch (which worker comes next)."""
+        self.lockstep_epoch = 0
+        """The epoch the current lockstep iteration covers. Kept, not derived from the slots: when every slot
+        has delivered its last chunk but documents of it are still pending, the epoch has not ended yet."""
         self._pending: list[Document] = []
 
     def __iter__(self) -> Iterator[Document]:
         self.stream.resume_states = dict(self.slot_states)
-        self.stream.worker_rotation = self.chunks_consumed % max(1, self.num_workers)
+        consumed = self.epoch_chunks if self.lockstep else self.chunks_consumed
+        self.stream.worker_rotation = consumed % max(1, self.num_workers)
+        self.stream.stop_epoch = self.lockstep_epoch + 1 if self.lockstep else None
         loader = DataLoader(
             self.stream,
             batch_size=None,
@@ -311,9 +325,12 @@ class DocumentLoader:
             for slot, state, docs in batches:
                 self.slot_states[slot] = state
                 self.chunks_consumed += 1
+                self.epoch_chunks += 1
                 self._pending = list(docs)
                 while self._pending:
                     yield self._pending.pop(0)
+            self.epoch_chunks = 0  # every slot finished the epoch (lockstep) or the finite stream ended
+            self.lockstep_epoch += 1
         finally:  # on exhaustion, on an error, and when the consumer closes this generator
             shutdown_workers(batches)
 
@@ -329,6 +346,8 @@ class DocumentLoader:
         return {
             "slot_states": {slot: dataclasses.asdict(s) for slot, s in self.slot_states.items()},
             "chunks_consumed": self.chunks_consumed,
+            "epoch_chunks": self.epoch_chunks,
+            "lockstep_epoch": self.lockstep_epoch,
             "num_workers": self.num_workers,
             "pending": [(d.key, d.tokens, d.loss_mask) for d in self._pending],
         }
@@ -341,6 +360,8 @@ class DocumentLoader:
             )
         self.slot_states = {int(slot): SlotState(**s) for slot, s in state["slot_states"].items()}
         self.chunks_consumed = state["chunks_consumed"]
+        self.epoch_chunks = state.get("epoch_chunks", 0)
+        self.lockstep_epoch = state.get("lockstep_epoch", 0)
         self._pending = [Document(key=k, tokens=np.asarray(t), loss_mask=m) for k, t, m in state["pending"]]
 
 
