@@ -1,8 +1,9 @@
 """Every training document is trained on once per epoch, counted from what the ranks actually consumed.
 
-2 ranks x 2 DataLoader workers (4 readers) over 10 shards for about 2.5 epochs, with `logging.record_doc_keys`:
+2 ranks x 2 DataLoader workers (4 readers) over 8 shards for about 2.5 epochs, with `logging.record_doc_keys`:
 each rank writes the keys of the documents (and chunks `key#k`) of every step it ran. A resume in the middle
-of the first epoch must consume exactly the same keys, step by step and rank by rank, as the uninterrupted run.
+of an epoch, and one inside a rank's wait at an epoch end (data.epoch_lockstep), must consume exactly the same
+keys, step by step and rank by rank, as the uninterrupted run.
 """
 
 from __future__ import annotations
