@@ -148,8 +148,9 @@ def exit_with_error(message: str) -> NoReturn:
 def stop_worker_processes() -> None:
     """Kill this process's multiprocessing children (its DataLoader workers) when the run ends in an error.
 
-    The workers ignore SIGTERM (trainer/data/workers.py), and the error's traceback keeps their DataLoader
-    alive, so multiprocessing's exit handler, which terminates and then joins them, would wait forever.
+    A second line of defence: the loop already shuts its workers down on every exit path (Trainer.fit, and
+    trainer/data/workers.py at exit). The workers ignore SIGTERM, so if one were left, multiprocessing's exit
+    handler, which terminates and then joins them without a timeout, would wait forever.
     """
     for child in multiprocessing.active_children():
         child.kill()
