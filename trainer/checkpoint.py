@@ -2,8 +2,10 @@
 
 Layout of `<run dir>/checkpoints/step_000050/`:
     engine.pt            model, optimizer and LR schedule (DDP: replicated, written by rank 0)
+    model.safetensors    the weights alone (DDP), for loaders that trust only safetensors
     deepspeed/           or, under DeepSpeed, its own checkpoint: one ZeRO shard per rank (engine.save)
     rank_00000.pt ...    each rank's data-stream state and RNG states
+Every .pt is plain data and tensors, read with weights_only=True (trainer.safe_io).
     meta.json            step, token counters, world size, engine
     conventions.json     how inputs and objective were built (see `conventions`)
     tokenizer/           the tokenizer files the weights were trained with
@@ -23,6 +25,7 @@ import torch
 
 from trainer.distributed import DistInfo, barrier
 from trainer.errors import UserError
+from trainer.safe_io import load_state, save_state
 
 
 class CheckpointError(UserError, ValueError):
@@ -87,7 +90,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    torch.save({"rng": rng_state(), **rank_state}, tmp / f"rank_{info.rank:05d}.pt")
+    save_state({"rng": rng_state(), **rank_state}, tmp / f"rank_{info.rank:05d}.pt")
     engine.save(tmp)  # collective
     if info.is_main:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
@@ -132,6 +135,6 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dic
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                          "resume with the same distributed= config")
     engine.load(path)
-    rank_state = torch.load(path / f"rank_{info.rank:05d}.pt", weights_only=False)
+    rank_state = load_state(path / f"rank_{info.rank:05d}.pt")
     set_rng_state(rank_state.pop("rng"))
     return meta, rank_state

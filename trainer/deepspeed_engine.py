@@ -27,6 +27,7 @@ from torch import nn
 
 from trainer.config import DistributedConfig
 from trainer.distributed import DistInfo
+from trainer.safe_io import load_state
 
 CHECKPOINT_TAG = "deepspeed"
 """Sub-directory of a packtrain checkpoint that holds DeepSpeed's files (one ZeRO shard per rank)."""
@@ -104,10 +105,37 @@ class DeepSpeedEngine:
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
 
     def load(self, directory: Path) -> None:
+        check_deepspeed_files(directory / CHECKPOINT_TAG)  # DeepSpeed itself unpickles with weights_only=False
         path, _ = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory / CHECKPOINT_TAG}")
+
+
+DEEPSPEED_SAFE_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The only non-plain types in DeepSpeed's ZeRO-1/2/3 checkpoints (found by loading them with weights_only=True)."""
+
+
+def check_deepspeed_files(directory: Path) -> None:
+    """Load every file of a DeepSpeed checkpoint with `weights_only=True`, allowing DEEPSPEED_SAFE_GLOBALS only.
+
+    DeepSpeed's `load_checkpoint` calls `torch.load(weights_only=False)` and has no switch for it, so this
+    check runs first: a file carrying anything else (a pickle that would run code) is refused before DeepSpeed
+    opens it. What remains: the file could change between this check and DeepSpeed's read.
+    """
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_SAFE_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    with torch.serialization.safe_globals(allowed):
+        for path in sorted(directory.glob("*.pt")):
+            load_state(path, map_location="cpu")
 
 
 def _import_deepspeed(device: torch.device):

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from trainer.config import DistributedConfig
 from trainer.errors import ConfigError
+from trainer.safe_io import load_state, save_state
 
 
 @dataclass(frozen=True)
@@ -227,10 +229,13 @@ class DDPEngine:
         """Collective. The state is replicated, so rank 0 alone writes `engine.pt`."""
         state = self.state_dict()
         if self.is_main:
-            torch.save(state, directory / "engine.pt")
+            save_state(state, directory / "engine.pt")
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()
+                       if k != "lm_head.weight"},  # tied to wte.weight; safetensors refuses shared storage
+                      directory / "model.safetensors")
 
     def load(self, directory: Path) -> None:
-        self.load_state_dict(torch.load(directory / "engine.pt", map_location=self.device, weights_only=False))
+        self.load_state_dict(load_state(directory / "engine.pt", map_location=self.device))
 
 
 def parallelize(model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig, grad_clip: float, dtype: str):

@@ -22,6 +22,7 @@ import torch
 
 from tests.harness import free_port, run_distributed
 from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from trainer.safe_io import load_state
 
 pytestmark = pytest.mark.slow
 
@@ -239,7 +240,7 @@ def test_sigterm_and_crash_leave_no_process_behind(demo_data, tmp_path):
     # The last checkpoint is the good step 1: nothing non-finite was written over it.
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert ckpts == ["step_000001"]
-    state = torch.load(run_dir / "checkpoints" / "step_000001" / "engine.pt", weights_only=False)
+    state = load_state(run_dir / "checkpoints" / "step_000001" / "engine.pt")
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
@@ -296,6 +297,6 @@ def test_skip_policy_counts_skipped_steps(demo_data, tmp_path):
     assert [m["nonfinite"] for m in lines] == [False, True, True, True]
     assert [m["skipped_steps"] for m in lines] == [0, 1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["skipped_steps"] == 3
-    state = torch.load(run_dir / "checkpoints" / "step_000004" / "engine.pt", weights_only=False)
+    state = load_state(run_dir / "checkpoints" / "step_000004" / "engine.pt")
     assert all(torch.isfinite(t).all() for t in state["model"].values())
     assert state["scheduler"]["last_epoch"] == 1  # only step 1 advanced the schedule

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tests.harness import free_port
+from trainer.safe_io import load_state
 from trainer.train import strip_launcher_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ def test_checkpoint_holds_weights_tokenizer_and_conventions(layout_runs, demo_da
     assert conv["loss"]["normalization"] == "global_tokens" and conv["eval"]["split"] == "val"
     assert conv["tokenizer"]["sha256"] == manifest["tokenizer"]["sha256"]
     assert (last / "tokenizer" / "tokenizer.json").read_bytes() == (demo_data / "tokenizer" / "tokenizer.json").read_bytes()
-    engine = torch.load(last / "engine.pt", weights_only=False)
+    engine = load_state(last / "engine.pt")
     assert "wte.weight" in "".join(engine["model"]) and engine["optimizer"]["state"]
 
 
