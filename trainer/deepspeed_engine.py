@@ -18,11 +18,13 @@ rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from trainer.config import DistributedConfig
@@ -70,6 +72,7 @@ class DeepSpeedEngine:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
         self.name = f"deepspeed_zero{cfg.zero_stage}"
+        self.zero_stage = cfg.zero_stage
         self.module = model
         self.ds, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -103,6 +106,20 @@ class DeepSpeedEngine:
     def save(self, directory: Path) -> None:
         """Collective: every rank writes its ZeRO shard (and rank 0 the module and schedule) under the tag."""
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+        weights = self.full_weights()  # collective under ZeRO-3
+        if self.ds.global_rank == 0:
+            save_file(weights, directory / "model.safetensors")
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the CPU (gathered from every rank under ZeRO-3), tied head left out."""
+        import deepspeed
+
+        params = list(self.module.parameters())
+        gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.zero_stage == 3 \
+            else contextlib.nullcontext()
+        with gather:
+            return {k: v.detach().float().cpu().clone().contiguous() for k, v in self.module.state_dict().items()
+                    if k != "lm_head.weight"}
 
     def load(self, directory: Path) -> None:
         check_deepspeed_files(directory / CHECKPOINT_TAG)  # DeepSpeed itself unpickles with weights_only=False

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.browser import ci_is_set
 from tests.harness import free_port, run_distributed
@@ -197,6 +198,9 @@ def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_p
     assert json.loads((last / "conventions.json").read_text())["engine"] == "deepspeed_zero3"
     assert json.loads((last / "meta.json").read_text())["engine"] == "deepspeed_zero3"
     assert len(list((last / "deepspeed").glob("*optim_states.pt"))) == 2  # one ZeRO shard per rank
+    weights = load_file(last / "model.safetensors")  # gathered from both ranks' ZeRO-3 partitions
+    assert weights["wte.weight"].shape == (512, 64) and weights["blocks.0.attn.c_attn.weight"].shape == (192, 64)
+    assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in weights.values())
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")
