@@ -8,6 +8,7 @@ in any rank fails the call with that rank's traceback. Never mocks: real torch.d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -34,6 +35,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
     except BaseException:  # report, then let the parent fail the test
         result = ("error", traceback.format_exc())
     finally:
+        # Leave together: a rank that tears gloo down while another still talks to it can abort (SIGABRT,
+        # "terminate called without an active exception"). Every rank reaches this line, errors included.
+        with contextlib.suppress(Exception):
+            dist.barrier()
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
