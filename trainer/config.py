@@ -39,6 +39,9 @@ class TrainConfig:
     """Checkpoints kept in <run dir>/checkpoints."""
     resume: bool | str = False
     """False, True (latest checkpoint in the run dir) or a checkpoint path."""
+    init_from: str | None = None
+    """A checkpoint directory whose weights start this run (fine-tuning): weights only; the optimizer, LR
+    schedule, step count and data stream start fresh. Its tokenizer must be the data's (see TokenizerConfig)."""
     warmup_marked_steps: int = 2
     """The first N steps are flagged warmup=true in metrics."""
     eval_every: int = 50
@@ -81,6 +84,9 @@ class TrainConfig:
         return self.tokens_per_step // self.seq_len
 
 
+LOSS_ON = ("all", "assistant")
+
+
 @dataclass
 class DataConfig:
     path: str | None = None
@@ -106,6 +112,10 @@ class DataConfig:
     408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
     it already gave. Local files and HTTP 4xx are not retried."""
 
+    loss_on: str = "all"
+    """Which tokens are targets: 'all' (every token but each document's first) or 'assistant' (chat data only:
+    the tokens of assistant turns, content and the turn's closing <|im_end|>; system/user turns and the
+    template's role headers are inputs only)."""
     epoch_lockstep: bool = True
     """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
     readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
@@ -116,6 +126,8 @@ class DataConfig:
             raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.retries < 0:
             raise ValueError(f"data.retries must be >= 0, got {self.retries}")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"data.loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
         for key in ("urls", "val_urls"):
             value = getattr(self, key)
             if not (value is None or isinstance(value, str) or (isinstance(value, list) and value
@@ -204,6 +216,20 @@ class LoggingConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    add_tokens: list[str] = field(default_factory=list)
+    """Special tokens appended to the tokenizer of `train.init_from`'s checkpoint (existing ids unchanged); the
+    data must have been prepared with the same extension (`trainer.prepare --add-tokens`). The embedding and the
+    tied head grow by one row per token, initialized to the mean of the existing rows."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.add_tokens, list) or not all(isinstance(t, str) and t for t in self.add_tokens):
+            raise ValueError(f"tokenizer.add_tokens must be a list of non-empty strings, got {self.add_tokens!r}")
+        if len(set(self.add_tokens)) != len(self.add_tokens):
+            raise ValueError(f"tokenizer.add_tokens lists a token twice: {self.add_tokens}")
+
+
+@dataclass
 class RunConfig:
     """The whole run: what `python -m trainer.train` composes."""
 
@@ -218,6 +244,7 @@ class RunConfig:
     distributed: DistributedConfig
     logging: LoggingConfig
     run_dir: str
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     resolved: dict[str, Any] = field(default_factory=dict)
     """The resolved config as plain containers (for W&B and the checkpoint)."""
 
@@ -294,5 +321,6 @@ def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
         distributed=_build(DistributedConfig, cfg["distributed"], "distributed"),
         logging=_build(LoggingConfig, logging_cfg, "logging"),
         run_dir=run_dir,
+        tokenizer=_build(TokenizerConfig, cfg.get("tokenizer", {}), "tokenizer"),
         resolved=cfg,
     )
