@@ -30,6 +30,7 @@ from trainer.model import build_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import PreemptionHandler
 from trainer.step import NonFiniteError, train_step
+from trainer.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
 
 
 @dataclass
@@ -137,7 +138,10 @@ class Trainer:
                              "update in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
         _seed_everything(cfg.seed)
         self.data = build_data(cfg, info)
-        model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size).to(info.device)
+        self.resume_path = self._resume_path()
+        model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size)
+        self.init_record = self._init_from(model) if self.resume_path is None else None
+        model = model.to(info.device)
         self.model_vocab_size = model.cfg.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
         optimizer = build_optimizer(model, cfg.optim)
@@ -167,18 +171,45 @@ class Trainer:
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
                          self.data.pad_id)
 
-    def _resume(self) -> None:
+    def _resume_path(self) -> Path | None:
+        """The checkpoint train.resume names (true: the run dir's latest), or None: a fresh start."""
         resume = self.cfg.train.resume
         if resume is False or resume in ("false", "False"):
-            return
+            return None
         if self.info.is_main:
             for partial in checkpoint.incomplete_checkpoints(self.run_dir):
                 print(f"resume: ignoring incomplete checkpoint {partial} (its save was interrupted; never loaded)")
         path = checkpoint.latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
+        if path is None and self.info.is_main:
+            print(f"resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0")
+        return path
+
+    def _init_from(self, model) -> dict | None:
+        """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
+        partitions the loaded weights); optimizer, schedule, step and data start fresh. A requeued run that
+        finds its own checkpoint resumes from that instead (train.resume), never from init_from again."""
+        source, add = self.cfg.train.init_from, self.cfg.tokenizer.add_tokens
+        if not source:
+            if add:
+                raise ConfigError(f"tokenizer.add_tokens={add} extends the tokenizer of train.init_from's checkpoint: "
+                                  "set train.init_from=CHECKPOINT too")
+            return None
+        record = init_from_checkpoint(model, source, self.data.tokenizer_dir, self.data.tokenizer_hash, list(add))
+        if self.info.is_main:
+            grown = f"; tokenizer extended by {add} (new rows = mean of the old)" if add else ""
+            print(f"init_from: weights of {source} (its step {record['step']}){grown}; optimizer, schedule, step "
+                  "and data start fresh")
+        return record
+
+    def _resume(self) -> None:
+        path = self.resume_path
         if path is None:
-            if self.info.is_main:
-                print(f"resume: no checkpoint in {self.run_dir / 'checkpoints'}; starting from step 0")
             return
+        ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"] if (path / "conventions.json").is_file() else None
+        if ckpt_hash is not None and ckpt_hash != self.data.tokenizer_hash:
+            raise ConfigError(tokenizer_mismatch(path, self.data.tokenizer_dir, self.data.tokenizer_hash, "train.resume"))
+        if (path / "conventions.json").is_file():  # a fine-tuning run keeps the record of where it started
+            self.init_record = checkpoint_conventions(path).get("init_from")
         meta, rank_state = checkpoint.load_checkpoint(path, self.info, self.engine)
         self.data.rows.load_state_dict(rank_state["data"])
         self.step = meta["step"]
@@ -335,7 +366,8 @@ class Trainer:
             self.run_dir, self.step, self.info, self.engine,
             rank_state={"data": self.data.rows.state_dict()},
             meta=meta,
-            conventions=conventions(self.cfg, self.data, self.engine.name, self.info.world_size),
+            conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size),
+                         "init_from": self.init_record},
             tokenizer_dir=self.data.tokenizer_dir,
             keep_last=self.cfg.train.keep_last,
         )

@@ -41,6 +41,7 @@ from trainer.data.tokenizer import (
     TOKENIZER_FILE,
     check_no_added_tokens,
     count_tokens,
+    extend_tokenizer,
     load_tokenizer,
     save_tokenizer,
     special_ids,
@@ -70,14 +71,21 @@ def prepare(
     text_key: str = "text",
     on_error: str = "raise",
     max_docs: int | None = None,
+    add_tokens: Sequence[str] = (),
 ) -> dict:
     """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json).
 
     `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json) instead of training
     one; `max_docs` keeps only the first documents of the source (for quick, small datasets).
+    `add_tokens` appends special tokens to that reused tokenizer (e.g. the tokenizer of a checkpoint to be
+    fine-tuned with `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged.
     """
     _check_options(val_fraction, docs_per_shard, max_docs)
     reused = _load_reusable_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the slow part
+    if add_tokens and reused is None:
+        raise PrepareError("--add-tokens extends an existing tokenizer: give it with --tokenizer (e.g. the "
+                           "checkpoint's <run dir>/checkpoints/step_NNNNNN/tokenizer)")
+    extended = extend_tokenizer(reused, add_tokens) if add_tokens else None
     out = Path(out)
     _clear_leftovers(out)
     policy = ErrorPolicy(on_error)
@@ -89,6 +97,9 @@ def prepare(
     train, val = split_train_val(docs, val_fraction, seed)
     if reused is None:
         tok = train_tokenizer([text for _, text in train], vocab_size)
+        save_tokenizer(tok, out / TOKENIZER_DIR)
+    elif extended is not None:
+        tok = extended
         save_tokenizer(tok, out / TOKENIZER_DIR)
     else:
         tok = reused
@@ -107,6 +118,7 @@ def prepare(
             "special_ids": asdict(special_ids(tok)),
             "sha256": tokenizer_hash(out / TOKENIZER_DIR),
             "trained": tokenizer is None,
+            **({"added_tokens": list(add_tokens), "base_sha256": tokenizer_hash(tokenizer)} if add_tokens else {}),
         },
         "splits": {
             name: _write_split(out, name, split, tok, docs_per_shard, max_shard_bytes)
@@ -273,6 +285,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-key", default="text", help="jsonl: the field holding the text (default 'text')")
     p.add_argument("--on-error", choices=ON_ERROR, default="raise", help="text/jsonl: stop at, or skip, bad items")
     p.add_argument("--max-docs", type=int, default=None, help="keep only the first N documents")
+    p.add_argument("--add-tokens", nargs="+", default=[], metavar="TOKEN",
+                   help="append these special tokens to the --tokenizer (train with tokenizer.add_tokens=[...])")
     return p.parse_args(argv)
 
 
@@ -283,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
             val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
             seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
+            add_tokens=args.add_tokens,
         )
     except (PrepareError, OSError) as e:  # OSError: the output cannot be written (permissions, disk full)
         print(f"error: {e}", file=sys.stderr)

@@ -101,3 +101,81 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: s
         raise WeightsError(f"{where} does not fit this model ({'; '.join(p for p in parts if p)}): "
                            "use the same model= config as the run that wrote it")
     model.load_state_dict(weights, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Starting a run from a checkpoint's weights (train.init_from), and the tokenizer that must go with them
+# ---------------------------------------------------------------------------------------------------
+
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "max_seq_len", "bias", "pos_emb", "rope_theta")
+"""GPTConfig fields that must match between a checkpoint and the model it initializes (dropout, init may differ)."""
+
+
+def tokenizer_mismatch(path: str | Path, data_tokenizer: str | Path, data_hash: str, purpose: str) -> str:
+    """The refusal for a checkpoint whose tokenizer is not the data's: both hashes and the supported path."""
+    ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"]
+    return (f"{purpose}: {path} was trained with tokenizer sha256 {ckpt_hash}, but the data's tokenizer "
+            f"({data_tokenizer}) is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with "
+            f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / 'tokenizer'}); to add "
+            "tokens, prepare with that --tokenizer and --add-tokens TOKEN ..., and train with "
+            "tokenizer.add_tokens=[TOKEN,...]")
+
+
+def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Path, data_hash: str,
+                         add_tokens: list[str]) -> dict:
+    """Load the weights of checkpoint `path` into `model` (built for the data's tokenizer); returns the record
+    for conventions.json. Only weights: the caller's optimizer, schedule and data stream stay fresh.
+
+    Same tokenizer (same sha256): the weights load as they are. Otherwise the data's tokenizer must be the
+    checkpoint's extended by exactly `add_tokens` (tokenizer.extend_tokenizer): the embedding (and the tied
+    head) then grows by one row per new token, each the mean of the checkpoint's token rows, so every old
+    token's logits are unchanged. Anything else is refused with both hashes named.
+    """
+    from trainer.data.tokenizer import extension_problem, load_tokenizer, tokenizer_hash
+
+    path = Path(path)
+    ckpt_cfg, meta = model_config(path), checkpoint_meta(path)
+    differ = [f"{k}: checkpoint {getattr(ckpt_cfg, k)!r}, this run {getattr(model.cfg, k)!r}"
+              for k in SHAPE_KEYS if getattr(ckpt_cfg, k) != getattr(model.cfg, k)]
+    if differ:
+        raise WeightsError(f"train.init_from: {path} is another model ({'; '.join(differ)}): use the model= config "
+                           "it was trained with (its meta.json holds it)")
+    weights = load_weights(path)
+    ckpt_tok_dir = tokenizer_dir(path)
+    ckpt_hash = tokenizer_hash(ckpt_tok_dir)
+    record = {"checkpoint": str(path.resolve()), "step": meta.get("step"), "tokenizer_sha256": ckpt_hash}
+    if ckpt_hash != data_hash or add_tokens:
+        if not add_tokens:
+            raise WeightsError(tokenizer_mismatch(path, data_tokenizer, data_hash, "train.init_from"))
+        base, extended = load_tokenizer(ckpt_tok_dir), load_tokenizer(data_tokenizer)
+        problem = extension_problem(base, extended, add_tokens)
+        if problem:
+            raise WeightsError(f"tokenizer.add_tokens={add_tokens}: the data's tokenizer ({data_tokenizer}, sha256 "
+                               f"{data_hash}) is not the checkpoint's (sha256 {ckpt_hash}) extended by them: "
+                               f"{problem}. Prepare the data with --tokenizer {ckpt_tok_dir} --add-tokens "
+                               f"{' '.join(add_tokens)}")
+        weights["wte.weight"] = grow_rows(weights["wte.weight"], model.wte.weight.shape[0], base.get_vocab_size(),
+                                          len(add_tokens))
+        record["extension"] = {"base_sha256": ckpt_hash, "added_tokens": list(add_tokens),
+                               "new_ids": [base.get_vocab_size() + i for i in range(len(add_tokens))],
+                               "new_rows": "mean of the checkpoint's token embedding rows (tied head alike)"}
+    load_into(model, weights, where=path / WEIGHTS_FILE)
+    return record
+
+
+def grow_rows(table_VC: torch.Tensor, rows: int, base_vocab: int, added: int) -> torch.Tensor:
+    """`table_VC` grown to `rows` rows; rows of the `added` new ids (base_vocab, base_vocab + 1, ...) and any
+    appended row hold the mean of the first `base_vocab` rows (the old tokens').
+
+    Example: a (512, C) embedding grown to 514 rows for 2 new tokens keeps rows 0..511 and adds two copies of
+    their mean. (With model.vocab_size padded above the tokenizer, the new ids' padding rows are overwritten.)
+    With a tied head, a new token's logit is then the mean of the old logits' pre-activations, never
+    dominating, and the old tokens' logits are unchanged (their rows are).
+    """
+    if rows < table_VC.shape[0]:
+        raise WeightsError(f"the model has {rows} embedding rows, fewer than the checkpoint's {table_VC.shape[0]}")
+    mean_C = table_VC[:base_vocab].float().mean(dim=0).to(table_VC.dtype)
+    extra = mean_C.expand(rows - table_VC.shape[0], -1)
+    out_VC = torch.cat([table_VC, extra], dim=0).contiguous()
+    out_VC[base_vocab : base_vocab + added] = mean_C
+    return out_VC

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from trainer.data.corpus import PrepareError
@@ -200,3 +200,49 @@ def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, de
 
 def _json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extending a trained tokenizer (tokenizer.add_tokens): new ids after the old ones, nothing else changed
+# ---------------------------------------------------------------------------------------------------
+
+
+def extend_tokenizer(tok: Tokenizer, new_tokens: Sequence[str]) -> Tokenizer:
+    """A copy of `tok` with `new_tokens` appended as special tokens: ids V, V + 1, ... (V = tok's size).
+
+    Every existing id keeps its token, and texts without the new tokens encode exactly as before. Example:
+    a 512-token tokenizer extended by ["<|tool|>"] encodes "<|tool|>" as [512] and "hello" unchanged.
+    """
+    taken = [t for t in new_tokens if tok.token_to_id(t) is not None]
+    if taken:
+        raise PrepareError(f"cannot add {taken}: the tokenizer already has them (ids "
+                           f"{[tok.token_to_id(t) for t in taken]})")
+    if len(set(new_tokens)) != len(new_tokens):
+        raise PrepareError(f"tokens to add are listed twice: {list(new_tokens)}")
+    out = Tokenizer.from_str(tok.to_str())
+    out.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in new_tokens])
+    return out
+
+
+def extension_problem(base: Tokenizer, extended: Tokenizer, new_tokens: Sequence[str]) -> str | None:
+    """Why `extended` is not `base` with exactly `new_tokens` appended (in order), or None if it is.
+
+    Checked: the BPE model (vocabulary and merges), pre-tokenizer and decoder are identical, every old
+    id maps to the same token, and the new tokens hold ids V, V + 1, ... with nothing else added.
+    """
+    a, b = json.loads(base.to_str()), json.loads(extended.to_str())
+    for part in ("model", "pre_tokenizer", "decoder", "normalizer", "post_processor"):
+        if a.get(part) != b.get(part):
+            return f"its {part.replace('_', '-')} differs from the checkpoint's"
+    size = base.get_vocab_size()
+    want = {t: size + i for i, t in enumerate(new_tokens)}
+    old = base.get_vocab(with_added_tokens=True)
+    new = extended.get_vocab(with_added_tokens=True)
+    changed = sorted(t for t, i in old.items() if new.get(t) != i)
+    if changed:
+        return f"tokens of the checkpoint's tokenizer changed id: {changed[:5]}"
+    added = {t: i for t, i in new.items() if t not in old}
+    if added != want:
+        return (f"it adds {sorted(added, key=added.get)} at ids {sorted(added.values())}, not "
+                f"{list(new_tokens)} at ids {list(want.values())}")
+    return None
