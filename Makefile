@@ -6,8 +6,10 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DATA  ?= data/demo
 DEMO_SWEEP := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
+CHAT_DATA  ?= data/demo-chat
+SFT_RUN    := runs/sft/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: install demo test lint clean
+.PHONY: install demo sft test lint clean
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -28,6 +30,20 @@ demo: install
 	$(PY) -m trainer.train -m experiment=demo data.path=$(DEMO_DATA) hydra.sweep.dir=$(DEMO_SWEEP)
 	$(PY) -m trainer.report $(DEMO_SWEEP)
 	@echo "report: $(DEMO_SWEEP)/report.html (and report.md)"
+
+# After `make demo`: fine-tune its packed checkpoint on chat data built from the same corpus (questions about
+# stdlib functions answered from their docstrings), loss on the assistant's turns only; export the result to the
+# Hugging Face format and answer a question with it.
+sft: install
+	@ckpt=$$(ls -d runs/demo/*/0_layout=packed/checkpoints/step_* 2>/dev/null | sort | tail -1); \
+	test -n "$$ckpt" || { echo "error: no demo checkpoint under runs/demo: run make demo first" >&2; exit 2; }; \
+	set -e; \
+	test -f $(CHAT_DATA)/manifest.json || $(PY) -m trainer.prepare --source demo-chat --out $(CHAT_DATA) \
+		--tokenizer $$ckpt/tokenizer; \
+	$(PY) -m trainer.train experiment=sft data.path=$(CHAT_DATA) train.init_from=$$ckpt hydra.run.dir=$(SFT_RUN); \
+	$(PY) -m trainer.export $$(ls -d $(SFT_RUN)/checkpoints/step_* | tail -1) --out $(SFT_RUN)/hf; \
+	$(PY) -m trainer.generate $(SFT_RUN)/hf --chat --prompt "What does json.dumps do?" --max-new-tokens 60
+	@echo "fine-tuned model (Hugging Face format): $(SFT_RUN)/hf"
 
 test: install
 	$(PY) -m pytest -q

@@ -46,8 +46,9 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
                    max_docs: int | None, on_error: str = "raise") -> list[Document]:
     """The first `max_docs` held-out documents in a fixed order, each split into chunks of <= seq_len.
 
-    `data` is the run's data config (held-out shards: data.val_urls, else the manifest's val split) or a
-    prepared directory. Example: max_docs=3 over val shards whose fixed order is [v7, v2, v9, ...] with
+    `data` is the run's data config (held-out shards: data.val_urls, else the manifest's val split; data.loss_on:
+    which tokens are targets, as in training) or a prepared directory (every token a target).
+    Example: max_docs=3 over val shards whose fixed order is [v7, v2, v9, ...] with
     len(v2) = 2.5 x seq_len -> [v7, v2#0, v2#1, v2#2, v9].
     """
     if data is None:
@@ -63,7 +64,7 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
                                "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
-        on_error=on_error, expected_docs=source.expected_docs, retries=data.retries,
+        on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split

@@ -6,6 +6,7 @@ The optimizer step itself lives in `trainer.step`; wrapping for several ranks in
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from trainer import checkpoint
 from trainer.config import RunConfig
 from trainer.data.batch import check_token_ids
 from trainer.data.pipeline import RowStream, micro_batches
-from trainer.data.sources import resolve_source
+from trainer.data.shards import load_manifest
+from trainer.data.sources import ShardSource, resolve_source
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 from trainer.distributed import DistInfo, broadcast_object, dist_sum, parallelize
@@ -31,6 +33,8 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import PreemptionHandler
 from trainer.step import NonFiniteError, train_step
 from trainer.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +55,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
     here at startup: a pattern that matches nothing fails before any training.
     """
     source = resolve_source(cfg.data)
+    check_loss_on(cfg.data.loss_on, source)
     tok = load_tokenizer(source.tokenizer_dir)
     ids = special_ids(tok, source.tokenizer_dir)
     stream = DocumentStream(
@@ -64,6 +69,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         on_error=cfg.data.on_error,
         expected_docs=source.expected_docs,
         retries=cfg.data.retries,
+        loss_on=cfg.data.loss_on,
     )
     loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
     return DataSource(
@@ -77,6 +83,20 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
     )
 
 
+def check_loss_on(loss_on: str, source: ShardSource) -> None:
+    """data.loss_on=assistant needs chat data: a manifest with a "chat" entry (trainer.prepare writes it for
+    chat sources). Shards without a manifest (data.urls alone) cannot be checked: a warning."""
+    if loss_on != "assistant":
+        return
+    if source.manifest is None:
+        log.warning("data.loss_on=assistant: no manifest.json beside the shards, so nothing shows they hold ChatML "
+                    "conversations; documents without assistant turns will give no targets")
+        return
+    if "chat" not in load_manifest(source.manifest.parent):
+        raise ConfigError(f"data.loss_on=assistant needs chat data prepared with --source chat:PATH or demo-chat; "
+                          f"{source.manifest.parent} holds plain text (or set data.loss_on=all)")
+
+
 LOSS_DEFINITIONS = {
     "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
     "(all micro-batches, all ranks)",
@@ -84,6 +104,14 @@ LOSS_DEFINITIONS = {
     "averaged over the documents of the whole optimizer step (all ranks)",
     "micro_batch_mean": "mean token cross-entropy of each micro-batch, averaged over the micro-batches of all ranks",
     "row_mean": "mean token cross-entropy of each row, averaged over the rows of the whole optimizer step (all ranks)",
+}
+
+
+LOSS_ON_TARGETS = {
+    "all": "every token but the first of each document or chunk",
+    "assistant": "the tokens of assistant turns only (content and the closing <|im_end|>; a token counts if its "
+    "characters overlap one); role headers, system/user turns, the newline after <|im_end|> and EOS are inputs "
+    "(trainer.data.chat)",
 }
 
 
@@ -110,7 +138,10 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
             "shifted": "inside the loss (labels are stored unshifted)",
             "ignore_index": -100,
             "ignored": ["first position of every document or chunk", "padding", "loss-masked tokens"],
-            "eos": "appended to every document and kept as a target",
+            "eos": "appended to every document and kept as a target"
+            + (" (with loss_on=assistant: an input only)" if cfg.data.loss_on == "assistant" else ""),
+            "loss_on": cfg.data.loss_on,
+            "targets": LOSS_ON_TARGETS[cfg.data.loss_on],
         },
         "loss": {
             "normalization": cfg.loss.normalization,

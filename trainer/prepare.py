@@ -3,9 +3,13 @@
     python -m trainer.prepare --source demo --out data/demo
     python -m trainer.prepare --source 'text:notes/**/*.md' --out data/notes --tokenizer data/demo/tokenizer
     python -m trainer.prepare --source jsonl:corpus.jsonl --out data/c --text-key body --on-error skip
+    python -m trainer.prepare --source demo-chat --out data/demo-chat --tokenizer data/demo/tokenizer
 
 Sources: `demo` (the standard library, split into functions/classes), `text:GLOB` (one file = one
-document), `jsonl:PATH` (one line = one document). The whole corpus is held in memory.
+document), `jsonl:PATH` (one line = one document), `chat:PATH` (one line = one conversation,
+{"messages": [{"role": ..., "content": ...}, ...]}, rendered by the tokenizer's chat template; see
+trainer.data.chat) and `demo-chat` (questions about the standard library answered from its docstrings).
+The whole corpus is held in memory.
 
 Steps: read and deduplicate keys; split train/val by a hash of each key (stable when documents are
 added); shuffle each split with --seed; train the tokenizer on the train split (or copy --tokenizer);
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from trainer.data.chat import chat_summary, chat_template, is_chat_source, read_chat_source
 from trainer.data.corpus import ON_ERROR, ErrorPolicy, PrepareError, read_source, unique_keys
 from trainer.data.shards import (
     FORMAT_VERSION,
@@ -38,6 +43,7 @@ from trainer.data.shards import (
     write_shards,
 )
 from trainer.data.tokenizer import (
+    CHAT_TEMPLATE,
     TOKENIZER_FILE,
     check_no_added_tokens,
     count_tokens,
@@ -48,6 +54,7 @@ from trainer.data.tokenizer import (
     tokenizer_file,
     tokenizer_hash,
     train_tokenizer,
+    upgrade_chat_template,
     write_hf_configs,
 )
 
@@ -90,7 +97,12 @@ def prepare(
     _clear_leftovers(out)
     policy = ErrorPolicy(on_error)
     renamed: Counter[str] = Counter()
-    docs = list(itertools.islice(unique_keys(read_source(source, policy, text_key), renamed), max_docs))
+    chat = is_chat_source(source)
+    if chat:  # rendered by the template the dataset's tokenizer/ will hold
+        raw = read_chat_source(source, policy, chat_template(tokenizer) if tokenizer is not None else CHAT_TEMPLATE)
+    else:
+        raw = read_source(source, policy, text_key)
+    docs = list(itertools.islice(unique_keys(raw, renamed), max_docs))
     if not docs:
         raise PrepareError(f"no documents in {source!r} (skipped: {dict(policy.skipped) or 'none'})")
 
@@ -127,6 +139,8 @@ def prepare(
         "skipped": dict(sorted(policy.skipped.items())),
         "renamed_duplicate_keys": renamed["duplicate_key"],
     }
+    if chat:  # the trainer's data.loss_on=assistant requires it
+        manifest["chat"] = chat_summary([text for _, text in docs])
     write_manifest(out, manifest)
     _remove_stale_shards(out, manifest)
     return manifest
@@ -199,6 +213,7 @@ def _copy_tokenizer(src_dir: str | Path, tok_dir: Path) -> None:
     if all(path.is_file() for path in configs):
         for path in configs:
             atomic_write_bytes(tok_dir / path.name, path.read_bytes())
+        upgrade_chat_template(tok_dir)  # a config written before the template marked assistant turns
     else:
         write_hf_configs(tok_dir)
 
@@ -266,6 +281,10 @@ def format_report(manifest: dict, out: str | Path) -> str:
                      f"p90 {s['p90']}, p99 {s['p99']}, max {s['max']}; {over}")
     skipped = ", ".join(f"{reason}={n}" for reason, n in manifest["skipped"].items()) or "none"
     lines.append(f"  skipped: {skipped}; renamed duplicate keys: {manifest['renamed_duplicate_keys']}")
+    if "chat" in manifest:
+        chat = manifest["chat"]
+        lines.append(f"  chat: {chat['conversations']:,} conversations, {chat['assistant_turns']:,} assistant turns "
+                     f"({chat['template']}); train on the assistant's tokens only with data.loss_on=assistant")
     tok = manifest["tokenizer"]
     lines.append(f"  tokenizer: {Path(out) / tok['path']} (vocab {tok['vocab_size']}, "
                  f"{'trained' if tok['trained'] else 'copied'}, sha256 {tok['sha256'][:16]}...)")
@@ -274,7 +293,7 @@ def format_report(manifest: dict, out: str | Path) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--source", required=True, help="demo | text:GLOB | jsonl:PATH")
+    p.add_argument("--source", required=True, help="demo | demo-chat | text:GLOB | jsonl:PATH | chat:PATH")
     p.add_argument("--out", required=True, help="output directory (shards, tokenizer/, manifest.json)")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size when training (default 8192)")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory instead of training one")
@@ -283,7 +302,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shard-bytes", type=int, default=None, help="also close a shard before this much text")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split and the shuffle")
     p.add_argument("--text-key", default="text", help="jsonl: the field holding the text (default 'text')")
-    p.add_argument("--on-error", choices=ON_ERROR, default="raise", help="text/jsonl: stop at, or skip, bad items")
+    p.add_argument("--on-error", choices=ON_ERROR, default="raise",
+                   help="text/jsonl/chat: stop at, or skip (warn and count), bad items")
     p.add_argument("--max-docs", type=int, default=None, help="keep only the first N documents")
     p.add_argument("--add-tokens", nargs="+", default=[], metavar="TOKEN",
                    help="append these special tokens to the --tokenizer (train with tokenizer.add_tokens=[...])")

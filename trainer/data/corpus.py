@@ -113,12 +113,13 @@ def unique_keys(docs: Iterable[tuple[str, str]], renamed: Counter[str] | None = 
 # ---------------------------------------------------------------------------------------------
 
 
-def split_module(source: str, module: str) -> list[tuple[str, str]]:
+def split_module(source: str, module: str, tree: ast.Module | None = None) -> list[tuple[str, str]]:
     """Cut a module into documents: its header, then each top-level function and class, by source lines.
 
     The header is every line before the first top-level def/class (docstring, imports, constants).
     A def or class starts at its first decorator. Top-level code between or after the defs (other
-    than the header) belongs to no document. Raises SyntaxError if `source` does not parse.
+    than the header) belongs to no document. Raises SyntaxError if `source` does not parse (`tree`, if
+    given, is `ast.parse(source)` done already).
 
     Example, module "m":
         1  '''Doc.'''                 ->  ("m",          "'''Doc.'''\\nimport os\\n")
@@ -129,7 +130,7 @@ def split_module(source: str, module: str) -> list[tuple[str, str]]:
         6  class C:                   ->  ("m--C",       "class C:\\n    x = 1\\n")
         7      x = 1
     """
-    tree = ast.parse(source)
+    tree = ast.parse(source) if tree is None else tree
     # Split on "\n" only: ast counts lines that way, while str.splitlines also breaks at form feeds.
     lines = io.StringIO(source).readlines()
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
@@ -175,14 +176,14 @@ def decode_python(data: bytes) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def demo_docs(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str]]:
-    """Documents of the standard library. Files that cannot be read, decoded or parsed are skipped
-    and counted (`policy.skipped`), whatever the policy says: the demo has no user to blame."""
+def stdlib_modules(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str, ast.Module]]:
+    """(module name, source, syntax tree) of each standard-library file. Files that cannot be read, decoded
+    or parsed are skipped and counted (`policy.skipped`), whatever the policy says: the demo has no user to blame."""
     root, files = stdlib_files(include_tests)
     for path in tqdm(files, desc="reading stdlib", unit="file", disable=None):
         try:
             source = decode_python(path.read_bytes())
-            docs = split_module(source, module_name(path.relative_to(root)))
+            tree = ast.parse(source)
         except OSError as e:
             policy.skip("unreadable", str(path), f"cannot read: {e.strerror or e}")
             continue
@@ -190,7 +191,13 @@ def demo_docs(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tupl
             reason = "syntax_error" if isinstance(e, SyntaxError) else "not_decodable"
             policy.skip(reason, str(path), f"{type(e).__name__}: {e}")
             continue
-        yield from docs
+        yield module_name(path.relative_to(root)), source, tree
+
+
+def demo_docs(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str]]:
+    """Documents of the standard library: `split_module` of each file `stdlib_modules` gives."""
+    for module, source, tree in stdlib_modules(policy, include_tests):
+        yield from split_module(source, module, tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +293,7 @@ def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str
         return None
     text = record[text_key]
     if not isinstance(text, str):
-        policy.bad("text_not_string", where, f"field {text_key!r} is {_json_kind(text)}, not a string: each line needs "
+        policy.bad("text_not_string", where, f"field {text_key!r} is {json_kind(text)}, not a string: each line needs "
                    f"its document as a JSON string there (pick another field with --text-key, or skip such lines "
                    f"with --on-error skip)")
         return None
@@ -296,17 +303,19 @@ def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str
     return text, record.get("id")
 
 
-def _json_kind(value: object) -> str:
+def json_kind(value: object) -> str:
     """How JSON names a parsed value, with a short preview. Example: 42 -> "a number (42)", None -> "null"."""
     if value is None:
         return "null"
-    kind = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
-    preview = json.dumps(value)
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}
+    preview = json.dumps(value, ensure_ascii=False)
     return f"{kind.get(type(value), type(value).__name__)} ({preview if len(preview) <= 40 else preview[:37] + '...'})"
 
 
 def read_source(source: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """Documents of `source`: "demo", "text:GLOB" or "jsonl:PATH"; keys not yet deduplicated."""
+    """Documents of `source`: "demo", "text:GLOB" or "jsonl:PATH"; keys not yet deduplicated. Chat sources
+    ("chat:PATH", "demo-chat") need the tokenizer's template: trainer.data.chat.read_chat_source reads them."""
     kind, _, arg = source.partition(":")
     if kind == "demo" and not arg:
         return demo_docs(policy)
@@ -314,4 +323,5 @@ def read_source(source: str, policy: ErrorPolicy, text_key: str = "text") -> Ite
         return text_docs(arg, policy)
     if kind == "jsonl" and arg:
         return jsonl_docs(arg, policy, text_key)
-    raise PrepareError(f"unknown source {source!r}; expected 'demo', 'text:GLOB' or 'jsonl:PATH'")
+    raise PrepareError(f"unknown source {source!r}; expected 'demo', 'demo-chat', 'text:GLOB', 'jsonl:PATH' or "
+                       "'chat:PATH'")

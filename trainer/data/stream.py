@@ -3,7 +3,8 @@
 Each (rank, worker) pair is one *slot*. Every epoch the shard list is permuted with the seed, and slot
 s of S reads shards[s::S], so across all ranks x workers every document is read exactly once per epoch.
 Inside a slot, samples pass a shuffle buffer, are decoded and checked, tokenized in batches by the fast
-tokenizer, and get EOS appended.
+tokenizer, and get EOS appended. With loss_on="assistant" (chat data) each document also gets a `loss_mask`,
+computed from its text: only the assistant turns' tokens are targets (trainer.data.chat.assistant_token_mask).
 
 Example, 5 shards, 2 ranks x 2 workers (S = 4), epoch permutation [3, 0, 4, 1, 2]:
     rank 0 worker 0 (slot 0) reads shards [3, 2];  rank 0 worker 1 (slot 1) reads [0]
@@ -38,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.data.batch import Document
+from trainer.data.chat import assistant_token_mask
 from trainer.data.shards import TEXT_FIELD, non_sample_members
 from trainer.data.sources import ShardReadError, read_shard, url_file_name
 from trainer.data.workers import init_worker, shutdown_workers, track
@@ -45,6 +47,7 @@ from trainer.data.workers import init_worker, shutdown_workers, track
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip")
+LOSS_ON = ("all", "assistant")
 
 
 class DataStreamError(RuntimeError):
@@ -85,9 +88,12 @@ class DocumentStream(IterableDataset):
         expected_docs: dict[str, int] | None = None,
         retries: int = 2,
         retry_backoff_s: float = 1.0,
+        loss_on: str = "all",
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be one of {LOSS_ON}, got {loss_on!r}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if not shards:
@@ -107,6 +113,8 @@ class DocumentStream(IterableDataset):
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         """Wait before the first retry of a shard; it doubles with each further one."""
+        self.loss_on = loss_on
+        """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
         self.resume_states: dict[int, SlotState] = {}
         self.stop_epoch: int | None = None
         """Set by a lockstep DocumentLoader: every slot stops when it reaches this epoch."""
@@ -232,11 +240,16 @@ class DocumentStream(IterableDataset):
 
             self._tokenizer = load_tokenizer(self.tokenizer_path)
         docs = []
-        for key, enc in zip(keys, self._tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        for key, text, enc in zip(keys, texts, encodings, strict=True):
             tokens = np.empty(len(enc.ids) + 1, dtype=np.int32)
             tokens[:-1] = enc.ids
             tokens[-1] = self.eos_id
-            docs.append(Document(key=key, tokens=tokens))
+            loss_mask = None
+            if self.loss_on == "assistant":
+                loss_mask = np.zeros(len(tokens), dtype=bool)  # the appended EOS stays an input only
+                loss_mask[:-1] = assistant_token_mask(text, enc.offsets)
+            docs.append(Document(key=key, tokens=tokens, loss_mask=loss_mask))
         return docs
 
     def __iter__(self) -> Iterator[tuple[int, SlotState, list[Document]]]:

@@ -39,8 +39,22 @@ TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 
 # ChatML: each message is "<|im_start|>{role}\n{content}<|im_end|>\n"; a generation prompt opens the
-# assistant's turn. Read by `transformers`' apply_chat_template, never by this package.
+# assistant's turn. The assistant's content and its <|im_end|> sit in a {% generation %} block, which marks
+# them for `transformers`' return_assistant_tokens_mask and does not change the text. Rendered by
+# trainer.data.chat (prepare) and by `transformers`' apply_chat_template.
 CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '" + IM_START + "' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '" + IM_END + "' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '" + IM_END + "' }}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '" + IM_START + "assistant\\n' }}{% endif %}"
+)
+# The template before the generation block (the same text). A copied tokenizer_config.json holding it is
+# given CHAT_TEMPLATE (trainer.prepare), so that a tokenizer prepared earlier marks assistant tokens too.
+UNMARKED_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '" + IM_START + "' + message['role'] + '\\n' + message['content'] + '" + IM_END + "' + '\\n' }}"
     "{% endfor %}"
@@ -130,6 +144,18 @@ def write_hf_configs(out_dir: str | Path, model_max_length: int = 8192) -> None:
     out_dir = Path(out_dir)
     atomic_write_bytes(out_dir / "tokenizer_config.json", _json_bytes(tokenizer_config(model_max_length)))
     atomic_write_bytes(out_dir / "special_tokens_map.json", _json_bytes(special_tokens_map()))
+
+
+def upgrade_chat_template(out_dir: str | Path) -> None:
+    """Give a tokenizer_config.json that still holds UNMARKED_CHAT_TEMPLATE the current CHAT_TEMPLATE (the same
+    text, assistant turns marked); leave any other config as it is. tokenizer.json, and so its hash, is untouched."""
+    file = Path(out_dir) / "tokenizer_config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and config.get("chat_template") == UNMARKED_CHAT_TEMPLATE:
+        atomic_write_bytes(file, _json_bytes({**config, "chat_template": CHAT_TEMPLATE}))
 
 
 def tokenizer_file(path: str | Path) -> Path:

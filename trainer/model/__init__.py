@@ -14,7 +14,15 @@ from trainer.model.attention import (
     varlen_attention,
 )
 from trainer.model.flash import flash_varlen_args
-from trainer.model.gpt import GPT, GPTConfig, ModelOutput, build_model, model_inputs, shifted_cross_entropy
+from trainer.model.gpt import (
+    GPT,
+    GPTConfig,
+    KVCache,
+    ModelOutput,
+    build_model,
+    model_inputs,
+    shifted_cross_entropy,
+)
 
 __all__ = [
     "BACKENDS",
@@ -22,6 +30,7 @@ __all__ = [
     "AttentionConfig",
     "BackendUnavailable",
     "GPTConfig",
+    "KVCache",
     "ModelOutput",
     "Segments",
     "block_diagonal_mask",

@@ -8,6 +8,9 @@ Two layouts reach `GPT.forward`:
             tokens and attention stays inside each segment of cu_seqlens (see trainer.model.attention).
 Labels arrive unshifted (-100 at each segment start and on padding) and are shifted here, so the loss is
 the same sum over the same targets in both layouts; the caller divides by its own count of targets.
+
+Decoding (trainer.generate) passes a `KVCache` on the padded path: each forward appends its keys and values,
+and the next one attends to them instead of recomputing the prefix.
 """
 
 from __future__ import annotations
@@ -101,6 +104,58 @@ def apply_rope(x_BLHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 # ---------------------------------------------------------------------------------------------------
+# Key/value cache for incremental decoding
+# ---------------------------------------------------------------------------------------------------
+
+
+class LayerCache:
+    """One block's keys and values of every position decoded so far, each (B, T, H, D)."""
+
+    def __init__(self) -> None:
+        self.k_BTHD: torch.Tensor | None = None
+        self.v_BTHD: torch.Tensor | None = None
+
+    def append(self, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the L new positions; returns the keys and values of all T positions, new ones last."""
+        if self.k_BTHD is not None:
+            k_BLHD, v_BLHD = torch.cat([self.k_BTHD, k_BLHD], dim=1), torch.cat([self.v_BTHD, v_BLHD], dim=1)
+        self.k_BTHD, self.v_BTHD = k_BLHD, v_BLHD
+        return k_BLHD, v_BLHD
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, one `LayerCache` per block, for the padded path.
+
+    The first forward with a fresh cache (the prompt, "prefill") is the ordinary causal forward; each later
+    one appends its positions, which attend to every cached position and causally among themselves. Position
+    ids continue from `length`. Example, a prompt of 5 tokens, then one token at a time:
+        model(ids_B5, cache=c)         positions 0..4, c.length == 5
+        model(next_B1, cache=c)        position 5, attends to 0..5, c.length == 6
+    """
+
+    def __init__(self, n_layer: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layer)]
+        self.length = 0
+        """Positions cached (every layer holds this many)."""
+
+
+def cached_attention(q_BLHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
+    """Attention of L new positions over T = past + L keys (the last L are the new ones); (B, L, H, D).
+
+    New position i sits at past + i and sees keys 0..past + i. Example, past 3, L 2: query 0 sees keys
+    0..3, query 1 sees 0..4. SDPA's is_causal aligns the mask top-left, right only when T == L (prefill).
+    """
+    L, T = q_BLHD.shape[1], k_BTHD.shape[1]
+    q, k, v = q_BLHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2)  # (B, H, ·, D)
+    if T == L:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:  # one new token (L == 1) sees every key: no mask needed
+        mask_LT = None if L == 1 else torch.ones(L, T, dtype=torch.bool, device=q.device).tril(T - L)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_LT)
+    return y.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------------
 
@@ -115,13 +170,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: Segments | None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: Segments | None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, L, C = x.shape
         q, k, v = self.c_attn(x).view(B, L, 3, self.n_head, self.head_dim).unbind(2)  # (B, L, H, D) each
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if segments is None:
+        if cache is not None:  # decoding: attend to the cached positions too (padded path only)
+            y = cached_attention(q, *cache.append(k, v))
+        elif segments is None:
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
@@ -155,8 +213,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, segments: Segments | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, segments)
+    def forward(
+        self, x: torch.Tensor, rope, segments: Segments | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, segments, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -238,6 +298,7 @@ class GPT(nn.Module):
         max_seqlen: int | None = None,
         return_logits: bool = True,
         loss_weights: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
 
@@ -245,12 +306,18 @@ class GPT(nn.Module):
         segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
+        cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
+        then means cache.length .. cache.length + L - 1 (see `KVCache`).
         """
         B, L = input_ids.shape
-        if L > self.cfg.max_seq_len:
-            raise ValueError(f"rows of length {L} exceed max_seq_len={self.cfg.max_seq_len}")
+        past = 0 if cache is None else cache.length
+        if past + L > self.cfg.max_seq_len:
+            what = f"{past} cached + {L} new positions" if cache is not None else f"rows of length {L}"
+            raise ValueError(f"{what} exceed max_seq_len={self.cfg.max_seq_len}")
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("a KVCache decodes padded rows: pass cu_seqlens=None")
         if position_ids is None:
-            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+            position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
         segments = None
         if cu_seqlens is not None and self.attention.isolate_documents:
             if max_seqlen is None:
@@ -264,8 +331,10 @@ class GPT(nn.Module):
         if self.cfg.pos_emb == "rope":
             rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x, rope, segments)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, segments, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.length += L
         logits = self.lm_head(self.ln_f(x))  # (B, L, V)
 
         loss_sum = num_targets = weighted = None

@@ -1,0 +1,92 @@
+"""Export a checkpoint as a Hugging Face GPT-2 model directory: `python -m trainer.export CHECKPOINT --out DIR`.
+
+    python -m trainer.export runs/demo/packed/checkpoints/step_000100 --out exports/demo
+    python -c "from transformers import AutoTokenizer, GPT2LMHeadModel; \\
+               m = GPT2LMHeadModel.from_pretrained('exports/demo'); t = AutoTokenizer.from_pretrained('exports/demo')"
+
+DIR then holds:
+    config.json               GPT2LMHeadModel: sizes, n_positions = max_seq_len, gelu_new (tanh GELU), tied head
+    model.safetensors         the weights under GPT-2 names (Conv1D weights transposed; see trainer.hf)
+    generation_config.json    generation stops at <|endoftext|> or <|im_end|>
+    tokenizer.json, tokenizer_config.json (with the ChatML chat template), special_tokens_map.json
+    conventions.json          the checkpoint's: how the weights were trained (provenance)
+
+Only learned-position models export (GPT-2 has no RoPE). The checkpoint is read from its model.safetensors
+(trainer.weights): engine.pt is never loaded. A user mistake ends as `error: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from trainer import hf
+from trainer.data.tokenizer import load_tokenizer, special_ids
+from trainer.errors import UserError
+from trainer.model import GPT
+from trainer.weights import load_model, model_config, tokenizer_dir
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CONVENTIONS_FILE = "conventions.json"
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the GPT-2 directory of packtrain checkpoint `checkpoint` into `out`; returns `out`."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    hf.check_exportable(model_config(checkpoint))  # before reading any weights
+    if out.resolve() == checkpoint.resolve() or (out / "meta.json").exists():
+        raise hf.ExportError(f"--out {out} is a checkpoint directory: give a new or export directory")
+    model = load_model(checkpoint)
+    write_gpt2(model, tokenizer_dir(checkpoint), out)
+    shutil.copyfile(checkpoint / CONVENTIONS_FILE, out / CONVENTIONS_FILE)
+    return out
+
+
+def write_gpt2(model: GPT, tok_dir: str | Path, out: str | Path) -> None:
+    """config.json, model.safetensors, generation_config.json and the tokenizer files of `model` into `out`."""
+    tok_dir, out = Path(tok_dir), Path(out)
+    ids = special_ids(load_tokenizer(tok_dir), where=tok_dir)
+    missing = [name for name in TOKENIZER_FILES if not (tok_dir / name).is_file()]
+    if missing:
+        raise hf.ExportError(f"{tok_dir} lacks {missing}: the tokenizer was not saved by trainer.prepare")
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf.gpt2_config(model.cfg, ids, dtype=model.wte.weight.dtype)
+    save_file(hf.gpt2_state_dict(model), str(out / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+    _write_json(out / hf.CONFIG_FILE, config)
+    _write_json(out / hf.GENERATION_CONFIG_FILE, hf.generation_config(ids))
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tok_dir / name, out / name)
+    # transformers warns on inputs longer than model_max_length: make it the model's context, not the tokenizer's.
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    _write_json(out / "tokenizer_config.json", {**tok_config, "model_max_length": model.cfg.max_seq_len})
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", type=Path, help="a checkpoint directory: <run dir>/checkpoints/step_NNNNNN")
+    p.add_argument("--out", type=Path, required=True, help="the Hugging Face model directory to write")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out)
+    except (UserError, OSError) as e:  # OSError: the output cannot be written (permissions, disk full)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out} (GPT2LMHeadModel)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
