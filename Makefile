@@ -40,7 +40,7 @@ sft: install
 	set -e; \
 	test -f $(CHAT_DATA)/manifest.json || $(PY) -m trainer.prepare --source demo-chat --out $(CHAT_DATA) \
 		--tokenizer $$ckpt/tokenizer; \
-	$(PY) -m trainer.train experiment=sft data.path=$(CHAT_DATA) train.init_from=$$ckpt hydra.run.dir=$(SFT_RUN); \
+	$(PY) -m trainer.train experiment=sft data.path=$(CHAT_DATA) "train.init_from='$$ckpt'" hydra.run.dir=$(SFT_RUN); \
 	$(PY) -m trainer.export $$(ls -d $(SFT_RUN)/checkpoints/step_* | tail -1) --out $(SFT_RUN)/hf; \
 	$(PY) -m trainer.generate $(SFT_RUN)/hf --chat --prompt "What does json.dumps do?" --max-new-tokens 60
 	@echo "fine-tuned model (Hugging Face format): $(SFT_RUN)/hf"

@@ -132,6 +132,9 @@ def user_message(error: BaseException) -> str:
     text = str(error).split("Config search path:")[0]
     if isinstance(error, OverrideParseException) and error.override not in text:
         text = f"cannot parse the override {error.override!r}: {text}"
+    if isinstance(error, OverrideParseException) and "=" in error.override.partition("=")[2]:
+        key, _, value = error.override.partition("=")
+        text += f" (a value holding '=' or other special characters must be quoted: \"{key}='{value}'\")"
     if isinstance(cause, OmegaConfBaseException):
         text += "\n" + str(cause).splitlines()[0]
     return one_line(text)

@@ -65,8 +65,13 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The state dict in `<path>/model.safetensors` (safetensors: loading never runs code), tied key omitted."""
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
-        raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or one written "
-                           "before the weights were saved on their own)")
+        engine_file = Path(path) / "engine.pt"
+        if engine_file.is_file():  # a DDP checkpoint from before model.safetensors: its plain-data engine state
+            from trainer.safe_io import load_state  # weights_only=True: refuses anything but data and tensors
+
+            return {k: v for k, v in load_state(engine_file, map_location="cpu")["model"].items() if k != TIED_KEY}
+        raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one "
+                           "written before the weights were saved on their own)")
     try:
         return load_file(str(file))
     except Exception as e:  # safetensors raises its own SafetensorError for a corrupt or truncated file

@@ -125,6 +125,12 @@ CHEAP = {  # name -> (overrides, phrases the error line must hold)
         ["a positive multiple of train.seq_len (128)", "train.tokens_per_step=896 (7 rows) or 1024 (8 rows)"],
     ),
     "unresolvable": (["model.n_layer=${oops}"], ["cannot resolve model.n_layer"]),
+    "unquoted_equals_in_value": (  # e.g. a path into a sweep's `0_layout=packed` run directory
+        ["train.init_from=runs/s/0_layout=packed/checkpoints/step_000100"],
+        ["must be quoted", "\"train.init_from='runs/s/0_layout=packed/checkpoints/step_000100'\""],
+    ),
+    "init_from_not_a_checkpoint": (["train.init_from=/nonexistent/step_000001"],
+                                   ["/nonexistent/step_000001 is not a packtrain checkpoint"]),
     # An explicit backend is refused where it cannot train (CPU, or fp32, or flash-attn missing), never swapped.
     "flash_unavailable": (["attention=flash"], ["attention backend 'flash' is unavailable", "attention=auto"]),
     "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,18 @@ def test_init_from_loads_weights_only(pretrained, demo_data, tmp_path):
     assert doc_keys(run_dir)[:2] == doc_keys(pretrained)[:2]
     conv = json.loads((ckpt(run_dir, 2) / "conventions.json").read_text())
     assert conv["init_from"]["checkpoint"] == str(source.resolve()) and conv["init_from"]["step"] == 4
+
+
+@pytest.mark.slow
+def test_init_from_reads_a_checkpoint_from_before_model_safetensors(pretrained, demo_data, tmp_path):
+    """Older DDP checkpoints hold the weights only in engine.pt: read with weights_only=True, the same weights."""
+    old = tmp_path / "old_ckpt"
+    shutil.copytree(ckpt(pretrained, 4), old)
+    (old / "model.safetensors").unlink()
+    run_dir = tmp_path / "ft"
+    run_train(run_dir, demo_data, f"train.init_from={old}", "optim.lr=0", "train.max_steps=1", "train.checkpoint_every=1")
+    loaded, original = load_file(ckpt(run_dir, 1) / "model.safetensors"), load_file(ckpt(pretrained, 4) / "model.safetensors")
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
 
 
 @pytest.mark.slow
