@@ -27,5 +27,25 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def checkpoint(demo_data, tmp_path_factory) -> Path:
+    """A tiny real checkpoint of demo_data (3 steps of `python -m trainer.train`), shared by the export and
+    generate tests; read-only."""
+    from tests.test_export import train_checkpoint
+
+    return train_checkpoint(tmp_path_factory.mktemp("run"), demo_data)
+
+
+@pytest.fixture(scope="session")
+def exported(checkpoint, tmp_path_factory) -> Path:
+    """`checkpoint` exported by `python -m trainer.export` (a GPT-2 Hugging Face directory); read-only."""
+    from tests.test_export import run_export
+
+    out = tmp_path_factory.mktemp("export") / "gpt2"
+    proc = run_export(checkpoint, out)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
 # A headless chromium for tests that render pages (skips without one, fails under CI=true): see tests/browser.py.
 from tests.browser import browser  # noqa: E402, F401

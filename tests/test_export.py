@@ -53,19 +53,6 @@ def transformers():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(demo_data, tmp_path_factory) -> Path:
-    return train_checkpoint(tmp_path_factory.mktemp("run"), demo_data)
-
-
-@pytest.fixture(scope="module")
-def exported(checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "gpt2"
-    proc = run_export(checkpoint, out)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
 def hf_model(transformers, exported):
     model = transformers.GPT2LMHeadModel.from_pretrained(exported, attn_implementation="eager")
     return model.float()

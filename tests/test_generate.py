@@ -11,7 +11,6 @@ import torch
 
 import trainer.generate as gen
 from tests.harness import require_module
-from tests.test_export import run_export, train_checkpoint
 from tests.trainer.test_train import ROOT
 from trainer import hf
 from trainer.data.chat import chat_template
@@ -21,19 +20,6 @@ from trainer.model import GPT, GPTConfig, KVCache
 from trainer.weights import load_model
 
 PROMPT = "def parse_header(line):\n    "
-
-
-@pytest.fixture(scope="module")
-def checkpoint(demo_data, tmp_path_factory) -> Path:
-    return train_checkpoint(tmp_path_factory.mktemp("run"), demo_data)
-
-
-@pytest.fixture(scope="module")
-def exported(checkpoint, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "gpt2"
-    proc = run_export(checkpoint, out)
-    assert proc.returncode == 0, proc.stderr
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,15 @@ import jinja2.ext
 import numpy as np
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tqdm import tqdm
 
-from trainer.data.corpus import ErrorPolicy, PrepareError, json_kind, sanitize_key, stdlib_modules
+from trainer.data.corpus import (
+    ErrorPolicy,
+    PrepareError,
+    json_kind,
+    jsonl_lines,
+    sanitize_key,
+    stdlib_modules,
+)
 from trainer.data.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS, tokenizer_file
 
 ROLES = ("system", "user", "assistant")
@@ -255,37 +261,20 @@ def chat_docs(path: str, policy: ErrorPolicy, template: str) -> Iterator[tuple[s
     a bad line -> PrepareError "chats.jsonl:3: field 'messages[1].role' is 'bot'; expected ..." (or, with
     --on-error skip, a warning and a count under its reason in the manifest's "skipped").
     """
-    try:
-        handle = open(path, "rb")
-    except OSError as e:
-        policy.bad("unreadable", path, f"cannot read: {e.strerror or e}")
-        return
     name = os.path.basename(path)
-    with handle:
-        for lineno, raw in enumerate(tqdm(handle, desc="reading chat", unit="line", disable=None), start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                policy.bad("not_utf8", where, f"not valid UTF-8 (byte {e.start} of the line)")
-                continue
-            except json.JSONDecodeError as e:
-                policy.bad("invalid_json", where, f"invalid JSON: {e.msg} (column {e.colno})")
-                continue
-            problem = message_problem(record)
-            if problem is not None:
-                reason, field, what = problem
-                policy.bad(reason, where, f"field {field!r} {what}" if field else what)
-                continue
-            messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-            try:
-                text = render_conversation(messages, template)
-            except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
-                policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
-                continue
-            yield sanitize_key(record.get("id") or f"{name}:L{lineno}"), text
+    for lineno, where, record in jsonl_lines(path, policy, "reading chat"):
+        problem = message_problem(record)
+        if problem is not None:
+            reason, field, what = problem
+            policy.bad(reason, where, f"field {field!r} {what}" if field else what)
+            continue
+        messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+        try:
+            text = render_conversation(messages, template)
+        except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
+            policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
+            continue
+        yield sanitize_key(record.get("id") or f"{name}:L{lineno}"), text
 
 
 def chat_summary(texts: list[str]) -> dict:

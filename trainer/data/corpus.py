@@ -249,42 +249,47 @@ def text_docs(pattern: str, policy: ErrorPolicy) -> Iterator[tuple[str, str]]:
             yield sanitize_key(os.path.relpath(path, root)), text
 
 
-def jsonl_docs(path: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """One document per line of a JSON-lines file: the `text_key` field; key from `id`, else the line.
+def jsonl_lines(path: str, policy: ErrorPolicy, desc: str) -> Iterator[tuple[int, str, object]]:
+    """(line number, "path:line", parsed JSON value) for each non-blank line of a JSON-lines file.
 
-    Blank lines are ignored. Example: line 3 of `a.jsonl`, {"text": "hi"} -> key "a__jsonl--L3";
-    {"id": "doc.7", "text": "hi"} -> key "doc__7".
+    An unreadable file, a line that is not UTF-8 or not JSON is reported to `policy` (an error naming the
+    line, or a counted skip) and yields nothing. Example: line 3 of a.jsonl holding {"text": "hi"} ->
+    (3, "a.jsonl:3", {"text": "hi"}).
     """
     try:
         handle = open(path, "rb")
     except OSError as e:
         policy.bad("unreadable", path, f"cannot read: {e.strerror or e}")
         return
-    name = os.path.basename(path)
     with handle:
-        for lineno, raw in enumerate(tqdm(handle, desc="reading jsonl", unit="line", disable=None), start=1):
-            where = f"{path}:{lineno}"
-            parsed = _parse_jsonl_line(raw, where, policy, text_key)
-            if parsed is None:
+        for lineno, raw in enumerate(tqdm(handle, desc=desc, unit="line", disable=None), start=1):
+            if not raw.strip():
                 continue
-            text, doc_id = parsed
+            where = f"{path}:{lineno}"
+            try:
+                yield lineno, where, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                policy.bad("not_utf8", where, f"not valid UTF-8 (byte {e.start} of the line)")
+            except json.JSONDecodeError as e:
+                policy.bad("invalid_json", where, f"invalid JSON: {e.msg} (column {e.colno})")
+
+
+def jsonl_docs(path: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
+    """One document per line of a JSON-lines file: the `text_key` field; key from `id`, else the line.
+
+    Blank lines are ignored. Example: line 3 of `a.jsonl`, {"text": "hi"} -> key "a__jsonl--L3";
+    {"id": "doc.7", "text": "hi"} -> key "doc__7".
+    """
+    name = os.path.basename(path)
+    for lineno, where, record in jsonl_lines(path, policy, "reading jsonl"):
+        text = _document_text(record, where, policy, text_key)
+        if text is not None:
+            doc_id = record.get("id")
             yield sanitize_key(str(doc_id) if doc_id is not None else f"{name}:L{lineno}"), text
 
 
-def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str) -> tuple[str, object] | None:
-    """(text, id or None) from one line, or None for a blank or bad line (reported to `policy`)."""
-    if not raw.strip():
-        return None
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        policy.bad("not_utf8", where, f"not valid UTF-8 (byte {e.start} of the line)")
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        policy.bad("invalid_json", where, f"invalid JSON: {e.msg} (column {e.colno})")
-        return None
+def _document_text(record: object, where: str, policy: ErrorPolicy, text_key: str) -> str | None:
+    """The text of one parsed line, or None for a bad one (reported to `policy`)."""
     if not isinstance(record, dict):
         policy.bad("invalid_json", where, f"expected a JSON object, got {type(record).__name__}")
         return None
@@ -300,7 +305,7 @@ def _parse_jsonl_line(raw: bytes, where: str, policy: ErrorPolicy, text_key: str
     if not text.strip():
         policy.bad("empty", where, "document is empty (only whitespace)")
         return None
-    return text, record.get("id")
+    return text
 
 
 def json_kind(value: object) -> str:
