@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.harness import free_port, require_module
 from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
 from trainer.data.corpus import PrepareError
 from trainer.data.tokenizer import extend_tokenizer, extension_problem, load_tokenizer, train_tokenizer
@@ -203,3 +204,19 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
     ext = json.loads((ckpt(run_dir, 1) / "conventions.json").read_text())["init_from"]["extension"]
     assert ext["added_tokens"] == ["<|tool|>"] and ext["new_ids"] == [V]
     assert ext["base_sha256"] == json.loads((source / "conventions.json").read_text())["tokenizer"]["sha256"]
+
+
+@pytest.mark.slow
+def test_init_from_under_zero3_on_two_ranks_loads_before_partitioning(pretrained, demo_data, tmp_path):
+    """DeepSpeed ZeRO-3 partitions the weights as it wraps the model: init_from loads them before that, so with
+    lr = 0 the weights gathered from both ranks' partitions equal the (DDP) checkpoint's."""
+    require_module("deepspeed", "pip install deepspeed (the `deepspeed` extra)")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                str(free_port()), "-m"]
+    run_dir = tmp_path / "zero3"
+    run_train(run_dir, demo_data, "distributed=deepspeed_zero3", f"train.init_from={ckpt(pretrained, 4)}", "optim.lr=0",
+              "train.max_steps=1", "train.checkpoint_every=1", launcher=launcher)
+    loaded, original = load_file(ckpt(run_dir, 1) / "model.safetensors"), load_file(ckpt(pretrained, 4) / "model.safetensors")
+    assert loaded.keys() == original.keys()
+    for k in original:
+        assert torch.equal(loaded[k], original[k]), k
