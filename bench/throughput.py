@@ -48,7 +48,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer.config import DataConfig, DistributedConfig, LoggingConfig, OptimConfig, RunConfig, TrainConfig
+from trainer.config import (
+    DataConfig,
+    DistributedConfig,
+    LoggingConfig,
+    LossConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+)
 from trainer.data.batch import Batch, Document
 from trainer.data.pipeline import PackingConfig, micro_batches
 from trainer.distributed import DistInfo, parallelize
@@ -128,6 +136,7 @@ def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
         packing=PackingConfig(layout="packed", pad_to=args.pad_to),
         model=model_config(args.model, args.seq_len),
         attention=AttentionConfig(backend=resolve_backend(args.attention, device, torch.float32)),
+        loss=LossConfig(),
         optim=OptimConfig(),
         distributed=DistributedConfig(device=device.type),
         logging=LoggingConfig(progress=False),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import sys
 import uuid
@@ -18,15 +19,43 @@ import torch
 
 from trainer.config import WandbConfig
 
-# Dense bf16 peak FLOP/s per device, for MFU. Add yours; unknown devices get no `mfu`.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+# Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU. Add yours; unknown devices get
+# no `mfu`. NVIDIA's datasheets quote the sparse rate in their "BF16 Tensor Core" row (marked "with
+# sparsity"); the dense rate is half of it:
+#   NVIDIA H200 Tensor Core GPU datasheet: H200 SXM 1,979 -> 989 TFLOP/s, H200 NVL 1,671 -> 835
+#   NVIDIA H100 Tensor Core GPU datasheet: H100 SXM 1,979 -> 989, H100 NVL 1,671 -> 835, H100 PCIe 1,513 -> 756
+#   NVIDIA A100 Tensor Core GPU datasheet: 312 dense (624 sparse), SXM and PCIe, 40 and 80 GB alike
+#   NVIDIA L40S / L40 / L4 / A10 datasheets: 733 -> 362, 362 -> 181, 242 -> 121, 250 -> 125
+# Keys match torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB")
+# as whole words, first match wins: the variants come before their family ("H100 PCIe" before "H100"),
+# and "A10" does not match "A100" or "A10G", nor "L4" "L40S".
+PEAK_FLOPS = {
+    "GH200": 989e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10": 125e12,
+}
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the device called `name`, or None if it is not in PEAK_FLOPS.
+
+    Example: "NVIDIA H100 PCIe" -> 756e12; "NVIDIA A100-SXM4-80GB" -> 312e12; "NVIDIA A10G" -> None.
+    """
+    return next((flops for key, flops in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
 def peak_mem_gb(device: torch.device) -> float:

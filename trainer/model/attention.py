@@ -20,13 +20,15 @@ Backends (`AttentionConfig.backend`):
                   CUDA for training: PyTorch has no FlexAttention backward on CPU (forward only there)
     sdpa_docs     scaled_dot_product_attention once per segment: exact, no mask; the CPU reference
     dense         one explicit (N, N) Boolean block-diagonal mask with SDPA: O(N^2) memory, small N only
-    auto          the fastest that runs here: flash > torch_varlen > flex (CUDA) > sdpa_docs
+    auto          the fastest that runs here: flash > torch_varlen > flex (CUDA) > sdpa_docs; logs its choice
+                  and why, once per process for each device and dtype (logger `trainer.model.attention`)
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +43,10 @@ BACKENDS = ("auto", "flash", "torch_varlen", "flex", "sdpa_docs", "dense")
 AUTO_ORDER = ("flash", "torch_varlen", "flex", "sdpa_docs")
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 FLEX_BLOCK_SIZE = 128
+
+log = logging.getLogger(__name__)
+_AUTO_LOGGED: set[tuple[str, torch.dtype, str]] = set()
+"""(device type, dtype, kernel) of every `auto` choice logged so far: each is logged once per process."""
 
 
 @dataclass
@@ -252,26 +258,52 @@ def backend_unavailable_reason(
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
+def auto_choice(device: torch.device, dtype: torch.dtype, requires_grad: bool = True) -> tuple[str, str]:
+    """(the kernel `auto` picks on (device, dtype), why): the first of AUTO_ORDER that runs here, and why
+    each one before it does not.
+
+    flex is taken only on CUDA: on CPU it has no backward and compiles for tens of seconds, so training and
+    evaluation would run different kernels. Example, CPU fp32: ("sdpa_docs", "flash: flash-attn needs a CUDA
+    device, got 'cpu'; torch_varlen: ... runs on CUDA only, got 'cpu'; flex: not picked off CUDA (...)").
+    """
+    passed_over = []
+    for candidate in AUTO_ORDER:
+        if candidate == "flex" and device.type != "cuda":
+            passed_over.append("flex: not picked off CUDA (no backward on CPU; compiling takes tens of seconds)")
+            continue
+        reason = backend_unavailable_reason(candidate, device, dtype, requires_grad)
+        if reason is None:
+            return candidate, "; ".join(passed_over) or "the first choice, and it runs here"
+        passed_over.append(f"{candidate}: {reason}")
+    return "sdpa_docs", "; ".join(passed_over)
+
+
+def _log_auto_choice(device: torch.device, dtype: torch.dtype, kernel: str, why: str) -> None:
+    key = (device.type, dtype, kernel)
+    if key in _AUTO_LOGGED:
+        return
+    _AUTO_LOGGED.add(key)
+    order = " > ".join(AUTO_ORDER)
+    log.info(f"attention=auto picked {kernel} on {device.type} {str(dtype).removeprefix('torch.')} "
+             f"(order {order}): {why}")
+
+
 def resolve_backend(
     backend: str, device: torch.device, dtype: torch.dtype, requires_grad: bool = True
 ) -> str:
     """The concrete kernel for `backend` on (device, dtype); raises BackendUnavailable saying what is missing.
 
-    `auto` walks flash > torch_varlen > flex > sdpa_docs, taking flex only on CUDA: on CPU it has no
-    backward and compiles for tens of seconds, so training and evaluation would run different kernels.
+    `auto` takes `auto_choice` and logs it with its reason, once per process for each device, dtype and kernel.
     An explicit backend is honoured or refused, never swapped for another: every backend `auto` can pick
     isolates documents, and the error names the one it would pick here.
     """
     if backend == "auto":
-        for candidate in AUTO_ORDER:
-            if candidate == "flex" and device.type != "cuda":
-                continue
-            if backend_unavailable_reason(candidate, device, dtype, requires_grad) is None:
-                return candidate
-        return "sdpa_docs"
+        kernel, why = auto_choice(device, dtype, requires_grad)
+        _log_auto_choice(device, dtype, kernel, why)
+        return kernel
     reason = backend_unavailable_reason(backend, device, dtype, requires_grad)
     if reason is not None:
-        instead = resolve_backend("auto", device, dtype, requires_grad)
+        instead, _ = auto_choice(device, dtype, requires_grad)
         raise BackendUnavailable(
             f"attention backend {backend!r} is unavailable: {reason}; use attention=auto, which picks the fastest "
             f"backend that runs here and keeps documents isolated ({instead} on this machine)"
