@@ -59,7 +59,8 @@ from trainer.config import (
 )
 from trainer.data.batch import Batch, Document
 from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, parallelize
+from trainer.distributed import DistInfo
+from trainer.engine import parallelize
 from trainer.loop import build_data, rows_for_rank
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
 from trainer.optim import build_optimizer, build_scheduler

@@ -24,7 +24,8 @@ from trainer.checkpoint import latest_checkpoint
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import chat_template, render
 from trainer.data.tokenizer import IM_END, IM_START, load_tokenizer, special_ids
-from trainer.distributed import DDPEngine, DistInfo
+from trainer.ddp_engine import DDPEngine
+from trainer.distributed import DistInfo
 from trainer.evaluate import load_eval_docs
 from trainer.export import write_gpt2
 from trainer.model import GPT, AttentionConfig, GPTConfig, model_inputs

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from trainer.distributed import DistInfo, barrier
+from trainer.engine import Engine
 from trainer.errors import UserError
 from trainer.safe_io import load_state, save_state
 
@@ -75,7 +76,7 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     info: DistInfo,
-    engine,
+    engine: Engine,
     rank_state: dict,
     meta: dict,
     conventions: dict,
@@ -118,7 +119,7 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path, info: DistInfo, engine) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict]:
     """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
     path = Path(path)
     meta_file = path / "meta.json"

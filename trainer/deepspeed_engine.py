@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (stage 1, 2 or 3) behind the engine interface of `trainer.distributed`.
+"""DeepSpeed ZeRO (stage 1, 2 or 3) behind the `Engine` interface (trainer.engine).
 
 Imported by `parallelize` only when distributed.engine=deepspeed, so plain runs never import deepspeed.
 DeepSpeed gets the client optimizer and LR schedule (trainer.optim), so DDP and ZeRO runs are comparable.
@@ -58,6 +58,9 @@ def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, devic
     }
 
 
+_ONE_CALL = "DeepSpeed clips and applies the update in one call (optimizer_step); can_discard is False"
+
+
 class DeepSpeedEngine:
     """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
 
@@ -67,10 +70,9 @@ class DeepSpeedEngine:
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):
         deepspeed = _import_deepspeed(info.device)
-        if not dist.is_initialized():  # one process without a launcher: DeepSpeed still wants a group
-            backend = "nccl" if info.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+        if not dist.is_initialized():
+            raise RuntimeError("DeepSpeed needs a process group, even for one process: call "
+                               "trainer.distributed.init_distributed(cfg) with distributed.engine=deepspeed first")
         self.name = f"deepspeed_zero{cfg.zero_stage}"
         self.zero_stage = cfg.zero_stage
         self.module = model
@@ -99,6 +101,15 @@ class DeepSpeedEngine:
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def clip_gradients(self) -> float:
+        raise NotImplementedError(_ONE_CALL)
+
+    def apply_gradients(self) -> None:
+        raise NotImplementedError(_ONE_CALL)
+
+    def discard_gradients(self) -> None:
+        raise NotImplementedError(_ONE_CALL)
 
     def lr(self) -> float:
         return self.ds.get_lr()[0]

@@ -1,38 +1,21 @@
-"""Process groups, named reductions, and the one place where a model gets wrapped for several ranks.
+"""Process groups and named reductions: the only place a process group is set up.
 
-The training step talks to an engine: `micro_step` (forward + backward of one micro-batch, gradient
-sync only on the last one) and `optimizer_step`; the checkpoint code calls `save(dir)` / `load(dir)`.
-`parallelize` builds the engine for the configured backend: `DDPEngine` here, or the DeepSpeed engine
-(trainer/deepspeed_engine.py, imported only then). The model itself never imports torch.distributed.
-
-What every engine has:
-    name                   'ddp', 'deepspeed_zero2', ... (recorded in the checkpoint's conventions.json)
-    module                 the model as built (single-device code)
-    grad_average_factor    what the step multiplies the loss by to undo the engine's gradient averaging
-    equal_micro_batches    True if every rank must run the same number of micro-batches per step
-    micro_step(inputs, loss_scale, sync) -> (objective_sum, loss_sum)   backward of objective_sum * loss_scale
-    eval_forward(inputs) -> (loss_sum, num_targets)                     no gradient (the caller sets eval mode)
-    optimizer_step() -> grad_norm;  lr();  save(directory);  load(directory)
-    can_discard            True if clip_gradients() / apply_gradients() / discard_gradients() split the step
-                           (DDP), so a non-finite step can be dropped; DeepSpeed steps in one call
+Wrapping a model for several ranks is `trainer.engine.parallelize` (the `Engine` interface, with DDP in
+trainer/ddp_engine.py and DeepSpeed in trainer/deepspeed_engine.py); both import this module, never the reverse.
+The model itself never imports torch.distributed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch import nn
 
 from trainer.config import DistributedConfig
 from trainer.errors import ConfigError
-from trainer.safe_io import load_state, save_state
 
 
 @dataclass(frozen=True)
@@ -50,7 +33,8 @@ class DistInfo:
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
     """Join the process group torchrun / the deepspeed launcher describe in the environment (if any).
 
-    A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group.
+    A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group, except
+    under DeepSpeed, which wants one even then: a group of one over an in-memory store.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -64,6 +48,10 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
+    elif cfg.engine == "deepspeed" and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -131,122 +119,3 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-class DDPEngine:
-    """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).
-
-    DDP averages gradients over ranks; `grad_average_factor` tells the step to multiply the loss by
-    the world size so that what remains is sum(token losses) / global valid targets. Gradients are
-    all-reduced once, after the last micro-batch, so ranks may run different numbers of micro-batches.
-    """
-
-    name = "ddp"
-    equal_micro_batches = False
-    can_discard = True
-    """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
-
-    def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str):
-        self.module = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.grad_clip = grad_clip
-        self.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
-        self.device = info.device
-        self.is_main = info.is_main
-        if info.world_size > 1:
-            ids = [info.device.index] if info.device.type == "cuda" else None
-            self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-            self.grad_average_factor = info.world_size
-        else:
-            self.wrapped = model
-            self.grad_average_factor = 1
-
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.
-
-        Returns (objective sum, plain summed token loss): the objective is the weighted sum when the
-        inputs carry loss_weights (trainer.step.loss_weights), else the plain sum.
-        """
-        no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
-        with no_sync:
-            with self._autocast():
-                out = self.wrapped(**inputs)
-            objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
-            (objective * loss_scale).backward()
-        return objective.detach(), out.loss_sum.detach()
-
-    @torch.no_grad()
-    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed token loss and target count of one micro-batch, without gradients or DDP communication."""
-        with self._autocast():
-            out = self.module(**inputs, return_logits=False)
-        return out.loss_sum, out.num_targets
-
-    def optimizer_step(self) -> float:
-        """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""
-        norm = self.clip_gradients()
-        self.apply_gradients()
-        return norm
-
-    def clip_gradients(self) -> float:
-        """The global gradient norm (before clipping); clips in place. Gradients are already all-reduced, so
-        every rank computes the same norm."""
-        limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit))
-
-    def apply_gradients(self) -> None:
-        """Optimizer step, schedule step, gradients zeroed."""
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def discard_gradients(self) -> None:
-        """Drop this step's gradients: parameters, optimizer state and schedule stay as they are."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def state_dict(self) -> dict:
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def save(self, directory: Path) -> None:
-        """Collective. The state is replicated, so rank 0 alone writes `engine.pt`."""
-        state = self.state_dict()
-        if self.is_main:
-            save_state(state, directory / "engine.pt")
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()
-                       if k != "lm_head.weight"},  # tied to wte.weight; safetensors refuses shared storage
-                      directory / "model.safetensors")
-
-    def load(self, directory: Path) -> None:
-        self.load_state_dict(load_state(directory / "engine.pt", map_location=self.device))
-
-
-def parallelize(model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig, grad_clip: float, dtype: str):
-    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine.
-
-    The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
-    """
-    if cfg.engine == "ddp":
-        return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
-    if cfg.engine == "deepspeed":
-        from trainer.deepspeed_engine import DeepSpeedEngine  # only here: plain runs never import deepspeed
-
-        return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
-    raise ValueError(f"distributed.engine must be 'ddp' or 'deepspeed', got {cfg.engine!r}")

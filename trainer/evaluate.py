@@ -26,6 +26,7 @@ from trainer.data.pipeline import PackingConfig, micro_batches
 from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.distributed import DistInfo, dist_sum
+from trainer.engine import Engine
 from trainer.model import model_inputs
 from trainer.step import empty_batch
 
@@ -88,7 +89,7 @@ class Evaluator:
                                                   pad_id)
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
 
-    def run(self, engine) -> EvalResult:
+    def run(self, engine: Engine) -> EvalResult:
         """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each)."""
         info = self.info
         counts = [0.0] * info.world_size

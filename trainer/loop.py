@@ -24,7 +24,8 @@ from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
-from trainer.distributed import DistInfo, broadcast_object, dist_sum, parallelize
+from trainer.distributed import DistInfo, broadcast_object, dist_sum
+from trainer.engine import parallelize
 from trainer.errors import ConfigError
 from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb

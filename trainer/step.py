@@ -41,6 +41,7 @@ import torch
 from trainer.config import NORMALIZATIONS
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
 from trainer.distributed import DistInfo, dist_sum
+from trainer.engine import Engine
 from trainer.errors import UserError
 from trainer.model import model_inputs
 
@@ -100,7 +101,7 @@ def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None,
     return weights, int((counts > 0).sum())
 
 
-def train_step(engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
+def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
                normalization: str = "global_tokens") -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step."""
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]

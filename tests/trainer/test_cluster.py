@@ -256,7 +256,8 @@ def nan_on_rank1_step2(rank: int, world_size: int, policy_skip: bool) -> dict:
     from trainer.config import DistributedConfig
     from trainer.data.packing import OnlinePacker
     from trainer.data.pipeline import PackingConfig, micro_batches
-    from trainer.distributed import init_distributed, parallelize
+    from trainer.distributed import init_distributed
+    from trainer.engine import parallelize
     from trainer.model import AttentionConfig, build_model
     from trainer.step import train_step
 

@@ -31,7 +31,8 @@ from trainer import checkpoint
 from trainer.config import DistributedConfig, OptimConfig
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, init_distributed, parallelize
+from trainer.distributed import DistInfo, init_distributed
+from trainer.engine import parallelize
 from trainer.model import AttentionConfig, build_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.step import train_step
@@ -178,7 +179,7 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
 
 def test_a_ddp_engine_never_imports_deepspeed():
     code = ("import sys, torch, trainer.train; from trainer.config import DistributedConfig; "
-            "from trainer.distributed import DistInfo, parallelize; "
+            "from trainer.distributed import DistInfo; from trainer.engine import parallelize; "
             "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1); "
             "parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), "
             "DistInfo(0, 1, 0, torch.device('cpu')), DistributedConfig(device='cpu'), 0.0, 'fp32'); "

@@ -14,7 +14,8 @@ from tests.harness import run_distributed
 from trainer.config import DistributedConfig
 from trainer.data.shards import load_manifest
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.distributed import DistInfo, init_distributed, parallelize
+from trainer.distributed import DistInfo, init_distributed
+from trainer.engine import parallelize
 from trainer.evaluate import Evaluator, load_eval_docs
 from trainer.model import AttentionConfig, GPTConfig, build_model
 

@@ -19,7 +19,8 @@ from trainer.config import NORMALIZATIONS, DistributedConfig
 from trainer.data.batch import Document, collate_rows
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, parallelize
+from trainer.distributed import DistInfo
+from trainer.engine import parallelize
 from trainer.model import AttentionConfig, build_model, model_inputs
 from trainer.step import loss_weights, train_step
 

@@ -16,7 +16,8 @@ from trainer.config import NORMALIZATIONS, DistributedConfig
 from trainer.data.batch import Document
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, init_distributed, parallelize
+from trainer.distributed import DistInfo, init_distributed
+from trainer.engine import parallelize
 from trainer.model import AttentionConfig, GPTConfig, build_model
 from trainer.step import train_step
 

@@ -1,0 +1,94 @@
+"""The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
+
+`parallelize` is the one place a built model (single-device code) is wrapped for several ranks; it returns an
+`Engine`, implemented by `DDPEngine` (trainer/ddp_engine.py) and `DeepSpeedEngine` (trainer/deepspeed_engine.py,
+imported only when configured, so plain runs never import deepspeed). Process groups are set up before, by
+`trainer.distributed.init_distributed`; the engines only use them.
+
+How the step drives an engine, for one optimizer step over k micro-batches:
+
+    for i, mb in enumerate(micro_batches):       # gradients synced only on the last one
+        engine.micro_step(inputs(mb), loss_scale, sync=i == k - 1)
+    norm = engine.optimizer_step()               # or clip_gradients / apply_gradients | discard_gradients
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from trainer.config import DistributedConfig
+from trainer.ddp_engine import DDPEngine
+from trainer.distributed import DistInfo
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Model + optimizer + LR schedule, wrapped for the configured parallelism."""
+
+    name: str
+    """'ddp', 'deepspeed_zero2', ... (recorded in the checkpoint's meta.json and conventions.json)."""
+    module: nn.Module
+    """The model as built (single-device code), for eval mode switches and weight reads."""
+    grad_average_factor: int
+    """What the step multiplies the loss by to undo the engine's averaging of gradients over ranks."""
+    equal_micro_batches: bool
+    """True if every rank must run the same number of micro-batches per step (ZeRO communicates in each)."""
+    can_discard: bool
+    """True if clip_gradients / apply_gradients / discard_gradients split the optimizer step, so a non-finite
+    step can be dropped; False if optimizer_step is the only way to step."""
+
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
+        over ranks only when `sync`. Returns (objective_sum, plain summed token loss), detached."""
+        ...
+
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, number of targets) of one micro-batch, without gradients."""
+        ...
+
+    def optimizer_step(self) -> float:
+        """Clip, step, advance the schedule, zero the gradients; returns the global gradient norm."""
+        ...
+
+    def clip_gradients(self) -> float:
+        """The global gradient norm before clipping; clips in place (only if can_discard)."""
+        ...
+
+    def apply_gradients(self) -> None:
+        """Optimizer step, schedule step, gradients zeroed (only if can_discard)."""
+        ...
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients, nothing else changed (only if can_discard)."""
+        ...
+
+    def lr(self) -> float:
+        """The current learning rate of the first parameter group."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Collective: write the engine's state (and model.safetensors) into a checkpoint directory."""
+        ...
+
+    def load(self, directory: Path) -> None:
+        """Collective: restore the engine's state from a checkpoint directory."""
+        ...
+
+
+def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
+                cfg: DistributedConfig, grad_clip: float, dtype: str) -> Engine:
+    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine.
+
+    The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
+    """
+    if cfg.engine == "ddp":
+        return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
+    if cfg.engine == "deepspeed":
+        from trainer.deepspeed_engine import DeepSpeedEngine  # only here: plain runs never import deepspeed
+
+        return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+    raise ValueError(f"distributed.engine must be 'ddp' or 'deepspeed', got {cfg.engine!r}")
