@@ -3,6 +3,7 @@
     python -m trainer.prepare --source demo --out data/demo          # once
     python bench/throughput.py --data data/demo
     python bench/throughput.py --data data/demo --attention dense --steps 20 --json out.json
+    python bench/throughput.py --data data/demo --compile --layouts packed    # compiled vs eager, side by side
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
 (`trainer.loop.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
@@ -24,6 +25,13 @@ noise hits all layouts alike; the first --warmup steps are run but not counted.
 
 On a CPU shared with other jobs, pass --threads 1: under contention two OpenMP threads slow the many small
 kernels of packed rows (sdpa_docs runs one SDPA per document) far more than unpacked's few large ones.
+
+--compile runs every layout twice, eager and with train.compile (trainer/compile.py: each block compiled, the
+attention kernel left eager), both from the same init on the same documents, interleaved like the layouts. A
+second table gives compiled / eager valid tok/s per layout, the compiled variant's first step (compilation
+included; "paired" = median of the per-step ratios), the recompilations during the measured steps (all compiled variants: they share dynamo's cache) and
+the largest loss difference between the two (float noise: same weights, same documents). Compiled variants get
+no CPU memory measurement.
 
 Target: packed's valid-token speed-up over unpacked should be at least 90% of its saving in allocated
 positions, efficiency = (valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed).
@@ -48,6 +56,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from trainer.compile import CompileCounter
 from trainer.config import (
     DataConfig,
     DistributedConfig,
@@ -60,7 +69,7 @@ from trainer.config import (
 from trainer.data.batch import Batch, Document
 from trainer.data.pipeline import PackingConfig, micro_batches
 from trainer.distributed import DistInfo
-from trainer.engine import parallelize
+from trainer.engine import parallelize, resolve_dtype
 from trainer.loop import build_data, rows_for_rank
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
 from trainer.optim import build_optimizer, build_scheduler
@@ -76,6 +85,8 @@ Steps = list[list[list[Document]]]  # [step][row][document]
 @dataclass
 class LayoutResult:
     layout: str
+    compiled: bool = False
+    """train.compile's variant of the layout (--compile)."""
     valid_per_step: list[int] = field(default_factory=list)
     allocated_per_step: list[int] = field(default_factory=list)
     real_tokens: int = 0
@@ -88,6 +99,12 @@ class LayoutResult:
     losses: list[float] = field(default_factory=list)
     """Loss of every step, warm-up included (same init and documents: the layouts should agree)."""
     peak_mem_bytes: int | None = None
+    first_step_s: float | None = None
+    """Wall time of the first (warm-up) step: compilation included for a compiled variant."""
+
+    @property
+    def name(self) -> str:
+        return self.layout + ("+compile" if self.compiled else "")
 
     @property
     def valid_tokens(self) -> int:
@@ -128,15 +145,17 @@ def model_config(name: str, seq_len: int) -> GPTConfig:
 
 
 def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
-    """The typed config a `python -m trainer.train` run with these settings would get (fp32, one process)."""
+    """The typed config a `python -m trainer.train` run with these settings would get (--dtype, one process)."""
+    dtype = resolve_dtype(args.dtype, device)
     return RunConfig(
         seed=args.seed,
-        train=TrainConfig(seq_len=args.seq_len, tokens_per_step=args.tokens_per_step,
+        train=TrainConfig(seq_len=args.seq_len, tokens_per_step=args.tokens_per_step, dtype=dtype,
                           micro_batch_tokens=args.micro_batch_tokens, max_steps=args.warmup + args.steps),
         data=DataConfig(path=args.data, num_workers=0),  # tokenize here, before timing: no worker competes later
         packing=PackingConfig(layout="packed", pad_to=args.pad_to),
         model=model_config(args.model, args.seq_len),
-        attention=AttentionConfig(backend=resolve_backend(args.attention, device, torch.float32)),
+        attention=AttentionConfig(backend=resolve_backend(
+            args.attention, device, torch.bfloat16 if dtype == "bf16" else torch.float32)),
         loss=LossConfig(),
         optim=OptimConfig(),
         distributed=DistributedConfig(device=device.type),
@@ -160,13 +179,14 @@ def lay_out(rows: list[list[Document]], layout: str, cfg: RunConfig, pad_id: int
     return micro_batches(rows, packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, pad_id)
 
 
-def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict):
-    """The layout's own model (a copy of the shared init), fresh AdamW and schedule, wrapped like the trainer's."""
+def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False):
+    """The variant's own model (a copy of the shared init), fresh AdamW and schedule, wrapped like the trainer's."""
     model = build_model(cfg.model, cfg.attention).to(info.device)
     model.load_state_dict(init_state)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    return parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
+    return parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype,
+                       compile=compile)
 
 
 def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int):
@@ -191,21 +211,30 @@ def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int):
 
 
 def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, init_state: dict,
-                    warmup: int) -> dict[str, LayoutResult]:
-    results = {layout: LayoutResult(layout) for layout in LAYOUTS}
-    engines = {layout: build_engine(cfg, info, init_state) for layout in LAYOUTS}
+                    warmup: int, variants: list[LayoutResult], counter: CompileCounter | None = None
+                    ) -> tuple[dict[str, LayoutResult], int]:
+    """Every variant trains every step, in rotating order. Returns (results by name, recompilations counted
+    during the measured steps)."""
+    results = {r.name: r for r in variants}
+    engines = {r.name: build_engine(cfg, info, init_state, r.compiled) for r in variants}
+    names = list(results)
+    recompiles_at_warmup_end = 0
     for i, rows in enumerate(steps):
         measured = i >= warmup
-        order = LAYOUTS[i % len(LAYOUTS):] + LAYOUTS[: i % len(LAYOUTS)]  # rotate: nobody always goes first
+        if i == warmup and counter is not None:
+            recompiles_at_warmup_end = counter.recompiles
+        order = names[i % len(names):] + names[: i % len(names)]  # rotate: nobody always goes first
         valid_counts = set()
-        for layout in order:
+        for name in order:
+            r = results[name]
             t0 = time.perf_counter()
-            mbs = lay_out(rows, layout, cfg, pad_id)
+            mbs = lay_out(rows, r.layout, cfg, pad_id)
             layout_s = time.perf_counter() - t0
-            stats, seconds, peak = timed_step(engines[layout], mbs, info, pad_id)
+            stats, seconds, peak = timed_step(engines[name], mbs, info, pad_id)
             valid_counts.add(stats.valid_tokens)
-            r = results[layout]
             r.losses.append(stats.loss)
+            if i == 0:
+                r.first_step_s = seconds
             if not measured:
                 continue
             r.valid_per_step.append(stats.valid_tokens)
@@ -221,9 +250,9 @@ def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, i
         if len(valid_counts) != 1:
             raise RuntimeError(f"step {i}: layouts disagree on the valid-target count {valid_counts}")
         tag = "warm-up" if not measured else "step"
-        times = "  ".join(f"{lay} {1e3 * results[lay].seconds[-1]:.0f} ms" for lay in LAYOUTS if measured)
+        times = "  ".join(f"{name} {1e3 * results[name].seconds[-1]:.0f} ms" for name in names if measured)
         print(f"  {tag} {i + 1}/{len(steps)}  {times}", file=sys.stderr, flush=True)
-    return results
+    return results, (counter.recompiles - recompiles_at_warmup_end) if counter is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,7 +330,7 @@ def per_step_efficiency(results: dict[str, LayoutResult]) -> list[float]:
 
 
 def markdown(results: dict[str, LayoutResult], steps: int) -> str:
-    base = results[BASELINE]
+    base = results.get(BASELINE) or next(iter(results.values()))  # ratios vs unpacked (eager) when it ran
 
     def ratio(value: float | None, ref: float | None) -> str:
         return f"{value / ref:.2f}x" if value and ref else "n/a"
@@ -319,12 +348,36 @@ def markdown(results: dict[str, LayoutResult], steps: int) -> str:
         step_ms = 1e3 * statistics.median(r.seconds)
         base_ms = 1e3 * statistics.median(base.seconds)
         lines.append(
-            f"| {r.layout} | {r.valid_tps:,.0f} | {r.allocated_ps:,.0f} | {r.utilization:.1%} | {step_ms:,.0f} "
+            f"| {r.name} | {r.valid_tps:,.0f} | {r.allocated_ps:,.0f} | {r.utilization:.1%} | {step_ms:,.0f} "
             f"| {1e3 * statistics.median(r.layout_seconds):.1f} | {r.micro_batches / steps:.1f} "
             f"| {r.largest_micro_batch:,} | {mib(r.peak_mem_bytes)} | {ratio(r.valid_tps, base.valid_tps)} "
             f"| {ratio(r.allocated, base.allocated)} | {ratio(step_ms, base_ms)} "
             f"| {ratio(r.peak_mem_bytes, base.peak_mem_bytes)} |"
         )
+    return "\n".join(lines)
+
+
+def compile_markdown(results: dict[str, LayoutResult], recompiles: int) -> str:
+    """Compiled vs eager, per layout: the same documents, the same init (--compile). "paired" is the median over
+    the measured steps of eager seconds / compiled seconds of the same step (robust to bursts of load)."""
+    lines = [
+        "| layout | eager valid tok/s | compiled valid tok/s | compiled / eager | paired (median) "
+        "| eager step ms (median) | compiled step ms (median) | compiled first step s | eager first step s "
+        "| max loss diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results.values():
+        if not r.compiled:
+            continue
+        e = results[r.layout]
+        diff = max(abs(a - b) for a, b in zip(r.losses, e.losses, strict=True))
+        paired = statistics.median(t_e / t_c for t_e, t_c in zip(e.seconds, r.seconds, strict=True))
+        lines.append(
+            f"| {r.layout} | {e.valid_tps:,.0f} | {r.valid_tps:,.0f} | {r.valid_tps / e.valid_tps:.2f}x | {paired:.2f}x "
+            f"| {1e3 * statistics.median(e.seconds):,.0f} | {1e3 * statistics.median(r.seconds):,.0f} "
+            f"| {r.first_step_s:.1f} | {e.first_step_s:.1f} | {diff:.1e} |"
+        )
+    lines.append(f"\nrecompilations during the measured steps (all compiled variants): {recompiles}")
     return "\n".join(lines)
 
 
@@ -361,6 +414,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mem-steps", type=int, default=3, help="CPU: steps each memory subprocess measures (0: skip)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts to run (default: all three)")
+    p.add_argument("--compile", action="store_true", help="also run each layout with train.compile, side by side")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"], help="train.dtype (default fp32)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -380,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    layouts = [lay for lay in args.layouts.split(",") if lay]
+    if not layouts or set(layouts) - set(LAYOUTS):
+        print(f"--layouts must name some of {LAYOUTS}, got {args.layouts!r}", file=sys.stderr)
+        return 2
     try:
         cfg = run_config(args, device)
     except BackendUnavailable as exn:
@@ -394,49 +454,61 @@ def main(argv: list[str] | None = None) -> int:
     docs = sum(len(row) for rows in steps[args.warmup:] for row in rows)
     print(f"# {args.model} ({n_params / 1e6:.2f} M params), T={args.seq_len}, {cfg.train.rows_per_step} rows "
           f"({args.tokens_per_step} positions) per step, micro-batches <= {args.micro_batch_tokens} positions, "
-          f"fp32 AdamW, packed attention: {cfg.attention.backend}, unpacked padded to {args.pad_to}")
+          f"{cfg.train.dtype} AdamW, packed attention: {cfg.attention.backend}, unpacked padded to {args.pad_to}")
     print(f"# {args.steps} measured steps after {args.warmup} warm-up, {docs / args.steps:.1f} documents per step, "
           f"data {args.data}")
     print(f"# {machine(device)}")
 
+    variants = [LayoutResult(lay, compiled) for lay in layouts for compiled in ((False, True) if args.compile
+                                                                               else (False,))]
     load_start = f"{os.getloadavg()[0]:.2f}"
-    results = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup)
+    counter = CompileCounter() if args.compile else None
+    results, recompiles = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup, variants, counter)
     if device.type == "cpu" and args.mem_steps > 0:
         mem_steps = steps[:1] + steps[args.warmup : args.warmup + args.mem_steps]
-        for layout in LAYOUTS:
+        for layout in layouts:
             results[layout].peak_mem_bytes = cpu_peak_memory(cfg, mem_steps, pad_id, init_state, layout)
 
+    print()
+    print(markdown(results, args.steps))
+    print()
+    figures = report_efficiency(results) if "packed" in results and BASELINE in results else {}
+    if args.compile:
+        print()
+        print(compile_markdown(results, recompiles))
+        print()
+    first = {name: f"{r.losses[0]:.5f}" for name, r in results.items()}
+    last = {name: f"{r.losses[-1]:.5f}" for name, r in results.items()}
+    print(f"loss at step 1 {first}, at step {len(steps)} {last} (same init, same documents)")
+    mem_note = ("CUDA max_memory_allocated above the step's start, max over measured steps" if device.type == "cuda"
+                else f"CPU peak RSS above the step's start, own subprocess per layout, {args.mem_steps} steps")
+    print(f"peak step mem: {mem_note}")
+    print(f"load average at start / end: {load_start} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+    out = dict(machine=machine(device), args=vars(args), attention=cfg.attention.backend,
+               recompiles_measured=recompiles if args.compile else None,
+               layouts={name: {**asdict(r), "valid_tokens_per_s": r.valid_tps,
+                               "allocated_positions_per_s": r.allocated_ps, "utilization": r.utilization}
+                        for name, r in results.items()}, **figures)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def report_efficiency(results: dict[str, LayoutResult]) -> dict:
+    """Print packed's efficiency against unpacked (eager runs); returns its figures for the JSON."""
     eff = efficiency(results)
     verdict = "PASS" if eff >= TARGET_EFFICIENCY else "MISS"
     paired = per_step_efficiency(results)
     q1, median_eff, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
     paired_verdict = "PASS" if median_eff >= TARGET_EFFICIENCY else "MISS"
     packed, unpacked = results["packed"], results[BASELINE]
-    print()
-    print(markdown(results, args.steps))
-    print()
     print(f"efficiency = (valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed) "
           f"= {packed.valid_tps / unpacked.valid_tps:.3f} / {unpacked.allocated / packed.allocated:.3f} "
           f"= {eff:.1%}  (target >= {TARGET_EFFICIENCY:.0%}): {verdict}")
     print(f"per-step paired efficiency: median {median_eff:.1%} (quartiles {q1:.1%} - {q3:.1%}, "
           f"{len(paired)} steps): {paired_verdict}")
-    first = {lay: f"{r.losses[0]:.5f}" for lay, r in results.items()}
-    last = {lay: f"{r.losses[-1]:.5f}" for lay, r in results.items()}
-    print(f"loss at step 1 {first}, at step {len(steps)} {last} (same init, same documents)")
-    mem_note = ("CUDA max_memory_allocated above the step's start, max over measured steps" if device.type == "cuda"
-                else f"CPU peak RSS above the step's start, own subprocess per layout, {args.mem_steps} steps")
-    print(f"peak step mem: {mem_note}")
-    print(f"load average at start / end: {load_start} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
-
-    if args.json:
-        out = dict(machine=machine(device), args=vars(args), attention=cfg.attention.backend,
-                   efficiency=eff, target=TARGET_EFFICIENCY, verdict=verdict,
-                   per_step_efficiency=paired, median_per_step_efficiency=median_eff, paired_verdict=paired_verdict,
-                   layouts={lay: {**asdict(r), "valid_tokens_per_s": r.valid_tps,
-                                  "allocated_positions_per_s": r.allocated_ps, "utilization": r.utilization}
-                            for lay, r in results.items()})
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return dict(efficiency=eff, target=TARGET_EFFICIENCY, verdict=verdict, per_step_efficiency=paired,
+                median_per_step_efficiency=median_eff, paired_verdict=paired_verdict)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from typing import Any
 from trainer.data.pipeline import PackingConfig
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig
+from trainer.model.gpt import ACTIVATION_CHECKPOINTING
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -31,8 +32,12 @@ class TrainConfig:
     """Optimizer steps to run in total (a resumed run continues the count)."""
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
-    dtype: str = "fp32"
-    """'fp32' or 'bf16' autocast."""
+    dtype: str = "auto"
+    """'auto' (bf16 autocast on a CUDA device that supports it, else fp32: CPU runs stay fp32), 'fp32' or 'bf16'
+    autocast. The dtype a run used is in its summary.json and checkpoints' conventions.json."""
+    compile: bool = False
+    """torch.compile each transformer block (trainer/compile.py); the attention kernel stays outside the graphs,
+    so per-batch document boundaries never recompile. Recompilations are counted in metrics and summary.json."""
     checkpoint_every: int = 50
     """Save every N steps and at the end; 0 = only at the end."""
     keep_last: int = 2
@@ -53,8 +58,15 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: 'stop' (exit with the step number, nothing applied, no
     checkpoint of it) or 'skip' (no update on any rank; optimizer and schedule untouched; counted)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of storing them: 'none', 'full' (every transformer block) or
+    'selective' (each block's MLP sub-block; attention's activations are kept). Same gradients, less memory,
+    more compute (see trainer.model.gpt.apply_activation_checkpointing)."""
 
     def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"train.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
+                             f"got {self.activation_checkpointing!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if self.eval_layout not in ("packed", "unpacked"):
@@ -116,6 +128,9 @@ class DataConfig:
     """Which tokens are targets: 'all' (every token but each document's first) or 'assistant' (chat data only:
     the tokens of assistant turns, content and the turn's closing <|im_end|>; system/user turns and the
     template's role headers are inputs only)."""
+    prefetch: bool = True
+    """A background thread draws the next step's rows while the current step computes (trainer.data.pipeline.
+    RowPrefetcher): the same rows, order and checkpoints as without it; False draws them at the start of each step."""
     epoch_lockstep: bool = True
     """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
     readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
@@ -149,6 +164,14 @@ class OptimConfig:
     """Linear warm-up steps."""
     min_lr_ratio: float = 0.1
     """Cosine decays to lr * min_lr_ratio at train.max_steps."""
+    fused: bool | str = "auto"
+    """Fused optimizer kernel (`fused=True`, one kernel for all parameters): 'auto' = on CUDA when the optimizer
+    class has one, else the default implementation; true = wherever torch has one (CPU included), else an error;
+    false = never."""
+
+    def __post_init__(self) -> None:
+        if self.fused not in (True, False, "auto"):
+            raise ValueError(f"optim.fused must be auto, true or false, got {self.fused!r}")
 
 
 NORMALIZATIONS = ("global_tokens", "document_mean", "micro_batch_mean", "row_mean")
@@ -162,10 +185,16 @@ class LossConfig:
     'document_mean' each document's mean, averaged over the step's documents;
     'micro_batch_mean' each micro-batch's mean, averaged over micro-batches and ranks (layout-dependent);
     'row_mean' each row's mean, averaged over rows (layout-dependent)."""
+    chunk_tokens: int | None = 0
+    """0 or None: the plain loss (the whole (positions, vocab) fp32 logits of a micro-batch at once). N > 0: the
+    output head and the loss run N flat positions at a time, their gradients made in the same pass, so the logits
+    never exist whole (peak ~N x vocab instead of micro_batch_tokens x vocab); same loss and gradients."""
 
     def __post_init__(self) -> None:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 0:
+            raise ValueError(f"loss.chunk_tokens must be >= 0 (0 or null: no chunking), got {self.chunk_tokens}")
 
 
 ENGINES = ("ddp", "deepspeed")

@@ -17,19 +17,20 @@ import torch
 from tqdm import tqdm
 
 from trainer import checkpoint
+from trainer.compile import CompileCounter
 from trainer.config import RunConfig
-from trainer.data.batch import check_token_ids
-from trainer.data.pipeline import RowStream, micro_batches
+from trainer.data.batch import Batch, check_token_ids
+from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
 from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
 from trainer.data.stream import DocumentLoader, DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 from trainer.distributed import DistInfo, broadcast_object, dist_sum
-from trainer.engine import parallelize
+from trainer.engine import parallelize, resolve_dtype
 from trainer.errors import ConfigError
 from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
-from trainer.model import build_model
+from trainer.model import apply_activation_checkpointing, build_model
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import PreemptionHandler
 from trainer.step import NonFiniteError, train_step
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DataSource:
-    rows: RowStream
+    rows: RowStream | RowPrefetcher
+    """RowPrefetcher with data.prefetch (the default): the same interface and rows."""
     loader: DocumentLoader
     tokenizer_dir: Path
     tokenizer_hash: str
@@ -73,8 +75,9 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         loss_on=cfg.data.loss_on,
     )
     loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
+    rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
     return DataSource(
-        rows=RowStream(loader, cfg.train.seq_len, cfg.packing),
+        rows=RowPrefetcher(rows) if cfg.data.prefetch else rows,
         loader=loader,
         tokenizer_dir=source.tokenizer_dir,
         tokenizer_hash=tokenizer_hash(source.tokenizer_dir),
@@ -121,8 +124,11 @@ def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
     return rows_per_step // info.world_size + (info.rank < rows_per_step % info.world_size)
 
 
-def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int) -> dict:
-    """What a later run needs to rebuild the same inputs and objective (saved beside the weights)."""
+def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int, dtype: str = "fp32") -> dict:
+    """What a later run needs to rebuild the same inputs and objective (saved beside the weights).
+
+    dtype: train.dtype as the run resolved it ('fp32' or 'bf16', see trainer.engine.resolve_dtype).
+    """
     return {
         "layout": cfg.packing.layout,
         "packing": {
@@ -155,6 +161,7 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
         },
         "tokenizer": {"files": "tokenizer/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
         "engine": engine_name,
+        "dtype": dtype,
         "world_size": world_size,
         "tokens_per_step": cfg.train.tokens_per_step,
     }
@@ -168,17 +175,27 @@ class Trainer:
         if cfg.train.on_nonfinite == "skip" and cfg.distributed.engine != "ddp":
             raise ConfigError("train.on_nonfinite=skip needs distributed.engine=ddp (DeepSpeed clips and applies the "
                              "update in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
+        if cfg.train.compile and cfg.distributed.engine == "deepspeed" and cfg.distributed.zero_stage == 3:
+            raise ConfigError("train.compile=true does not run under ZeRO-3 (its per-module hooks gather the weights "
+                              "inside the compiled blocks): use distributed=deepspeed_zero2, or train.compile=false")
+        self.dtype = resolve_dtype(cfg.train.dtype, info.device)
+        """train.dtype as run: 'auto' resolved to 'bf16' (CUDA with bf16) or 'fp32'."""
         _seed_everything(cfg.seed)
         self.data = build_data(cfg, info)
         self.resume_path = self._resume_path()
-        model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size)
+        model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
+                            loss_chunk_tokens=cfg.loss.chunk_tokens)
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         self.init_record = self._init_from(model) if self.resume_path is None else None
         model = model.to(info.device)
         self.model_vocab_size = model.cfg.vocab_size
         self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-        self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype)
+        self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
+        self.compile_counter = CompileCounter() if cfg.train.compile else None
+        self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, self.dtype,
+                                  compile=cfg.train.compile)
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0}
         self.last_checkpoint: Path | None = None
@@ -246,8 +263,12 @@ class Trainer:
         self.data.rows.load_state_dict(rank_state["data"])
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
+        self.resumed_at = self.step
+        self.data.loader.start()  # the readers restore their positions now: the line below says what that read
+        read = self._resume_read()
         if self.info.is_main:
-            print(f"resumed from {path} at step {self.step}")
+            print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
+                  + " ".join(f"{k}={v}" for k, v in read.items()), flush=True)
 
     def fit(self) -> dict:
         """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and return."""
@@ -274,7 +295,9 @@ class Trainer:
         finally:
             preemption.close()
             bar.close()
-            self.data.rows.close()  # DataLoader workers end here, whether training ended, stopped or failed
+            self.data.rows.close()  # DataLoader workers (and the prefetch thread) end here, however training ended
+            if self.compile_counter is not None:
+                self.compile_counter.close()
         if preempted and info.is_main:
             print(f"preempted ({preempted}) after step {self.step}; checkpoint: {self.last_checkpoint}; "
                   "continue with train.resume=true and the same hydra.run.dir", flush=True)
@@ -296,13 +319,25 @@ class Trainer:
             "total_docs": self.counters["docs"],
             "skipped_steps": self.counters["skipped_steps"],
             "skipped_samples": self.data.loader.skipped(),
+            **self.resume_read,
             "packing_stats": self.data.rows.stats.state_dict(),
+            "dtype": self.dtype,
+            "optimizer_fused": self.optimizer_fused,
+            **self._compile_summary(),
             "preempted": preempted,
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         })
         self.metrics.close()
         return summary
+
+    def _compile_summary(self) -> dict:
+        """train.compile's counts for summary.json: dynamo compilations, recompilations and their latest reasons."""
+        counter = self.compile_counter
+        if counter is None:
+            return {"compile": False, "compile_frames": None, "compile_recompiles": None}
+        return {"compile": True, "compile_frames": counter.compiles, "compile_recompiles": counter.recompiles,
+                "compile_recompile_reasons": counter.reasons()}
 
     def _take_rows(self, n_rows: int) -> list:
         """This rank's rows of the next step. With data.epoch_lockstep, a rank whose readers finished the epoch
@@ -321,14 +356,29 @@ class Trainer:
                 return rows
         raise RuntimeError("a whole epoch gave no documents on any rank (empty or all-skipped training shards?)")
 
+    def _lay_out(self, rows: list) -> list[Batch]:
+        """A step's rows as micro-batches, checked, and pinned when bound for CUDA (in the prefetch thread, when
+        the rows were drawn there)."""
+        cfg = self.cfg
+        mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
+        for mb in mbs:  # on the host, before any kernel can index out of range
+            check_token_ids(mb, self.model_vocab_size)
+        if self.info.device.type == "cuda":
+            mbs = [mb.pin_memory() for mb in mbs]  # trainer.step.to_device then copies without waiting
+        return mbs
+
     def _train_one_step(self):
         """Build this rank's batches, run the step, count, evaluate and log. Returns (stats, step time)."""
         cfg, info = self.cfg, self.info
         t0 = time.perf_counter()
-        rows = self._take_rows(rows_for_rank(cfg.train.rows_per_step, info))
-        mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
-        for mb in mbs:  # on the host, before any kernel can index out of range
-            check_token_ids(mb, self.model_vocab_size)
+        n_rows = rows_for_rank(cfg.train.rows_per_step, info)
+        rows = self._take_rows(n_rows)
+        prefetcher = self.data.rows if isinstance(self.data.rows, RowPrefetcher) else None
+        mbs = prefetcher.prepared(rows) if prefetcher else None  # laid out in the background with the rows
+        if mbs is None:
+            mbs = self._lay_out(rows)
+        if prefetcher and self.step + 1 < cfg.train.max_steps:
+            prefetcher.prefetch(n_rows, self._lay_out)  # the next step's rows, drawn while this step computes
         t_data = time.perf_counter() - t0
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
         stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization)
@@ -349,13 +399,23 @@ class Trainer:
         self.counters["elapsed_s"] += step_time
         if self.doc_keys is not None:
             self.doc_keys.log(self.step, [doc.key for row in rows for doc in row])
+        resumed = self.resume_read if self.resumed_at is not None and self.step == self.resumed_at + 1 else {}
         last = self.step == cfg.train.max_steps
         evaluation = self._evaluate() if self._eval_due(last) else None
-        if evaluation or self.step % cfg.logging.log_every == 0 or last or not stats.finite:
-            self._log(stats, lr, step_time, t_data, evaluation)
+        if evaluation or resumed or self.step % cfg.logging.log_every == 0 or last or not stats.finite:
+            self._log(stats, lr, step_time, t_data, {**(evaluation or {}), **resumed})
         return stats, step_time
 
     _last_loss: float | None = None
+    resumed_at: int | None = None
+    """The step this run resumed from (None: a fresh start)."""
+    resume_read: dict = {"resume_samples_read": None, "resume_bytes_read": None}
+
+    def _resume_read(self) -> dict:
+        """What the data readers of all ranks read from shards to restore their positions (collective)."""
+        samples, nbytes = dist_sum([float(n) for n in self.data.loader.resume_read()], self.info.device)
+        self.resume_read = {"resume_samples_read": int(samples), "resume_bytes_read": int(nbytes)}
+        return self.resume_read
 
     def _eval_due(self, last: bool) -> bool:
         return self.evaluator is not None and (last or self.step % self.cfg.train.eval_every == 0)
@@ -388,6 +448,8 @@ class Trainer:
             "peak_mem_gb": peak_mem_gb(self.info.device),
             "warmup": self.step <= self.cfg.train.warmup_marked_steps,
         }
+        if self.compile_counter is not None:
+            m["compile_recompiles"] = self.compile_counter.recompiles
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * stats.real_tokens / step_time / (self.peak_flops * self.info.world_size)
         self.metrics.log({**m, **(evaluation or {})})
@@ -398,7 +460,7 @@ class Trainer:
             self.run_dir, self.step, self.info, self.engine,
             rank_state={"data": self.data.rows.state_dict()},
             meta=meta,
-            conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size),
+            conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size, self.dtype),
                          "init_from": self.init_record},
             tokenizer_dir=self.data.tokenizer_dir,
             keep_last=self.cfg.train.keep_last,

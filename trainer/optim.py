@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 
 import torch
 from torch import nn
 
 from trainer.config import OptimConfig
+from trainer.errors import ConfigError
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not."""
+    """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not.
+
+    Build it after the model is on its device: optim.fused decides by the parameters' device (`use_fused`).
+    """
     module_name, _, class_name = cfg.target.rpartition(".")
     optimizer_cls = getattr(importlib.import_module(module_name), class_name)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -20,7 +25,26 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return optimizer_cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    extra = {"fused": True} if use_fused(optimizer_cls, cfg.fused, params[0].device) else {}
+    try:
+        return optimizer_cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
+    except RuntimeError as e:  # torch refuses fused=True for a device without the kernel
+        if not extra:
+            raise
+        raise ConfigError(f"optim.fused=true: {cfg.target} has no fused kernel for these parameters ({e}); "
+                          "set optim.fused=auto or false") from e
+
+
+def use_fused(optimizer_cls: type, setting: bool | str, device: torch.device) -> bool:
+    """Whether to pass fused=True. 'auto': on CUDA, if the class takes `fused` (AdamW, Adam, SGD, ...), so CPU
+    runs keep the default (foreach) implementation; True: always (an error if the class has no `fused`);
+    False: never. Example: use_fused(torch.optim.AdamW, "auto", torch.device("cpu")) -> False."""
+    takes_fused = "fused" in inspect.signature(optimizer_cls).parameters
+    if setting == "auto":
+        return takes_fused and device.type == "cuda"
+    if setting and not takes_fused:
+        raise ConfigError(f"optim.fused=true: {optimizer_cls.__name__} takes no `fused` argument; set optim.fused=auto")
+    return bool(setting)
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:

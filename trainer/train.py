@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config import RunConfig, from_container
 from trainer.data.stream import DataStreamError
 from trainer.distributed import DistInfo, init_distributed, shutdown_distributed
+from trainer.engine import resolve_dtype
 from trainer.errors import ConfigError, UserError, one_line, original_message
 from trainer.loop import Trainer, shared_run_dir, write_summary
 from trainer.model import resolve_backend
@@ -112,7 +113,7 @@ def check_attention_backend(cfg: RunConfig, info: DistInfo) -> None:
 
     Raises BackendUnavailable naming why and what to use; the model would raise the same at its first forward.
     """
-    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32  # what attention sees under autocast
+    dtype = torch.bfloat16 if resolve_dtype(cfg.train.dtype, info.device) == "bf16" else torch.float32  # under autocast
     resolve_backend(cfg.attention.backend, info.device, dtype, requires_grad=True)
 
 

@@ -111,18 +111,20 @@ def test_stats_accumulate_over_a_stream_and_round_trip():
 
 
 def test_online_packer_docstring_example():
-    # T = 10, arrivals A(3) B(7) C(2) D(5) E(4) F(1) G(2), then the end of the stream.
-    packer = OnlinePacker(seq_len=10, buffer_size=16)
-    docs = [doc(k, range(1, n + 1)) for k, n in zip("ABCDEFG", [3, 7, 2, 5, 4, 1, 2], strict=True)]
-    assert [packer.push(d) for d in docs] == [[]] * 7
-    assert len(packer) == 7
-    rows = packer.flush()
-    assert row_keys(rows) == [["A", "B"], ["C", "D", "G", "F"], ["E"]]
+    # T = 10, buffer 3, arrivals A(4) B(5) C(3) D(3) E(6) F(5) G(2) H(4), then the end of the stream.
+    packer = OnlinePacker(seq_len=10, buffer_size=3)
+    docs = [doc(k, range(1, n + 1)) for k, n in zip("ABCDEFGH", [4, 5, 3, 3, 6, 5, 2, 4], strict=True)]
+    pushed = [row_keys(packer.push(d)) for d in docs]
+    # D: A(4) opens; best fit B(5) would leave a gap of 1, smaller than any buffered doc: C + D fill 6.
+    # G: B(5) opens; F(5) fits exactly.
+    assert pushed == [[], [], [], [["A", "C", "D"]], [], [], [["B", "F"]], []]
+    assert len(packer) == 3
+    assert row_keys(packer.flush()) == [["E", "H"], ["G"]]  # BFD over E(6) G(2) H(4)
     assert len(packer) == 0
 
 
 def test_online_packer_lengths_arriving_longest_first():
-    # T = 10, lengths [7, 5, 4, 3, 2, 2, 1] arriving in that order: the oldest document opens each row.
+    # T = 10, lengths [7, 5, 4, 3, 2, 2, 1], all flushed: best-fit-decreasing, rows in order of their oldest.
     packer = OnlinePacker(seq_len=10, buffer_size=16)
     docs = docs_of_lengths([7, 5, 4, 3, 2, 2, 1])
     assert [packer.push(d) for d in docs] == [[]] * 7
@@ -149,6 +151,50 @@ def test_online_packer_emits_one_row_when_buffer_overflows():
     rows = packer.push(doc("d", range(1)))
     assert row_keys(rows) == [["a", "b", "d"]]
     assert row_keys(packer.flush()) == [["c"]]
+
+
+def test_pair_completion_takes_the_most_even_exact_pair():
+    # T = 20, buffer 5: A(10) opens with 10 to fill from [2, 3, 7, 8, 9]. Best fit 9 would leave 1 (less
+    # than the shortest, 2); of the exact pairs 8 + 2 and 7 + 3 the more even one is taken.
+    packer = OnlinePacker(seq_len=20, buffer_size=5)
+    for d in [doc("A", range(10))] + docs_of_lengths([2, 3, 7, 8, 9]):
+        rows = packer.push(d)
+    assert row_lengths(rows) == [[10, 7, 3]]
+    assert row_keys(packer.flush()) == [["d0", "d3", "d4"]]  # 2 + 8 + 9 = 19 in one row
+
+
+def test_pair_completion_needs_two_documents_of_an_equal_length():
+    # T = 10, A(4) opens with 6 to fill from [5, 3, 2, 4]: best fit 5 leaves 1; 3 + 3 would be the most
+    # even pair but there is one 3, so 4 + 2.
+    packer = OnlinePacker(seq_len=10, buffer_size=4)
+    for d in [doc("A", range(4))] + docs_of_lengths([5, 3, 2, 4]):
+        rows = packer.push(d)
+    assert row_lengths(rows) == [[4, 4, 2]]
+
+
+def test_pair_completion_waits_for_plentiful_short_docs():
+    # T = 10, A(4) opens with 6 to fill. Best fit B(5) leaves a gap of 1 and C(3) + D(3) would fill it, but
+    # the buffer holds as many long docs (7, 8, 9 > T/2) as short ones (5, 3, 3): the pair would spend two
+    # short docs the long ones need, so best fit stands.
+    packer = OnlinePacker(seq_len=10, buffer_size=6)
+    for d in [doc("A", range(4))] + docs_of_lengths([5, 3, 3, 7, 8, 9]):
+        rows = packer.push(d)
+    assert row_lengths(rows) == [[4, 5]]
+    # With short docs twice as many as long ones, the pair is taken.
+    packer = OnlinePacker(seq_len=10, buffer_size=6)
+    for d in [doc("A", range(4))] + docs_of_lengths([5, 3, 3, 2, 7, 8]):
+        rows = packer.push(d)
+    assert row_lengths(rows) == [[4, 3, 3]]
+
+
+def test_flush_packs_what_is_left_by_best_fit_decreasing():
+    # T = 10, left at the end: 3, 3, 4, 6, 4. The oldest-first rule would give [3, 6], [3, 4], [4] (3 rows);
+    # BFD gives [6, 4], [4, 3, 3] (2 rows), each row in arrival order, rows in order of their oldest.
+    packer = OnlinePacker(seq_len=10, buffer_size=16)
+    for d in docs_of_lengths([3, 3, 4, 6, 4]):
+        assert packer.push(d) == []
+    assert row_keys(packer.flush()) == [["d0", "d1", "d4"], ["d2", "d3"]]
+    assert len(packer) == 0 and packer.flush() == []
 
 
 def test_online_packer_rejects_docs_that_do_not_fit():
@@ -201,9 +247,23 @@ def naive_online(lengths: list[int], seq_len: int, buffer_size: int) -> list[lis
     """The online packer's documented rule, written the slow obvious way: indices out.
 
     Each row starts with the oldest buffered document, then repeatedly takes the longest buffered
-    document that still fits (the oldest among equal lengths).
+    document that still fits (the oldest among equal lengths). Except: when that one would leave a gap
+    smaller than every buffered document, and documents of <= T/2 are at least twice as many as those of
+    (T/2, T), and two buffered documents fill the space exactly, the most even such pair (the oldest of
+    each length) ends the row. At the end, what is left is packed by best-fit-decreasing, each row in
+    arrival order, rows in order of their oldest document.
     """
     buffer: list[int] = []  # indices in arrival order
+
+    def exact_pair(space: int) -> list[int] | None:
+        for b in range((space + 1) // 2, space):
+            of_b = [i for i in buffer if lengths[i] == b]
+            of_c = [i for i in buffer if lengths[i] == space - b]
+            if b == space - b and len(of_b) >= 2:
+                return of_b[:2]
+            if b != space - b and of_b and of_c:
+                return [of_b[0], of_c[0]]
+        return None
 
     def emit() -> list[int]:
         row = [buffer.pop(0)]
@@ -213,6 +273,16 @@ def naive_online(lengths: list[int], seq_len: int, buffer_size: int) -> list[lis
             if not fits:
                 break
             best = max(fits, key=lambda i: (lengths[i], -i))  # longest; ties: earliest arrival
+            shorts = sum(lengths[i] <= seq_len // 2 for i in buffer)
+            longs = sum(seq_len // 2 < lengths[i] < seq_len for i in buffer)
+            gap = space - lengths[best]
+            if 0 < gap < min(lengths[i] for i in buffer) and shorts >= 2 * longs:
+                pair = exact_pair(space)
+                if pair is not None:
+                    for i in pair:
+                        buffer.remove(i)
+                    row += pair
+                    break
             buffer.remove(best)
             row.append(best)
             space -= lengths[best]
@@ -223,9 +293,8 @@ def naive_online(lengths: list[int], seq_len: int, buffer_size: int) -> list[lis
         buffer.append(i)
         if len(buffer) > buffer_size:
             rows.append(emit())
-    while buffer:
-        rows.append(emit())
-    return rows
+    bins = naive_fit_decreasing([lengths[i] for i in buffer], seq_len, best=True)
+    return rows + sorted(sorted(buffer[j] for j in b) for b in bins)
 
 
 def naive_fit_decreasing(lengths: list[int], capacity: int, best: bool) -> list[list[int]]:
@@ -256,10 +325,19 @@ buffer_sizes = st.integers(1, 40)
 
 
 @st.composite
-def stream(draw, max_docs: int = 60, with_masks: bool = False):
-    """(T, documents) with lengths up to 2T, so some need splitting; token ids trace back to their doc."""
+def stream(draw, max_docs: int = 60, with_masks: bool = False, min_docs: int = 0, short_only: bool = False):
+    """(T, documents) with lengths up to 2T, so some need splitting; or short ones, from some shortest
+    length up to T/3 (where best fit leaves gaps and the packer completes rows with pairs), maybe mixed with
+    some of (T/2, T] (which can switch the pairs off); token ids trace back to their doc."""
     seq_len = draw(seq_lens)
-    lengths = draw(st.lists(st.integers(1, 2 * seq_len), max_size=max_docs))
+    if short_only or draw(st.booleans(), label="short docs"):
+        longest = max(1, seq_len // 3)
+        length = st.integers(draw(st.integers(1, longest), label="shortest"), longest)
+        if seq_len >= 2 and draw(st.booleans(), label="and long ones"):
+            length = st.one_of(length, length, st.integers(seq_len // 2 + 1, seq_len))
+    else:
+        length = st.integers(1, 2 * seq_len)
+    lengths = draw(st.lists(length, min_size=min_docs, max_size=max_docs))
     docs = docs_of_lengths(lengths)
     if with_masks:
         for d in docs:
@@ -438,6 +516,94 @@ def test_online_packer_resumes_from_state_dict(t_docs, buffer_size, data):
             assert (x.loss_mask is None) == (y.loss_mask is None)
             if x.loss_mask is not None:
                 assert x.loss_mask.tolist() == y.loss_mask.tolist()
+
+
+# Streams long enough to overflow small buffers, so most rows come from `push`, not from `flush`.
+overflowing = st.tuples(stream(min_docs=20, max_docs=100), st.integers(1, 12))
+overflowing_short = st.tuples(stream(min_docs=20, max_docs=100, short_only=True), st.integers(1, 12))
+
+
+@settings(max_examples=200, deadline=None)
+@given(overflowing_short)
+def test_online_matches_naive_reference_where_pairs_complete_rows(t_docs_buffer):
+    (seq_len, docs), buffer_size = t_docs_buffer
+    chunks = split_all(docs, seq_len)
+    index = {id(d): i for i, d in enumerate(chunks)}
+    rows = pack_online(chunks, seq_len, buffer_size)
+    assert [[index[id(d)] for d in row] for row in rows] == naive_online(
+        [len(c) for c in chunks], seq_len, buffer_size
+    )
+
+
+def waits(chunks: list[Document], packer: OnlinePacker) -> list[int]:
+    """Rows each item waited: rows emitted after it arrived and before the row holding it."""
+    arrived_at: dict[int, int] = {}
+    waited: list[int] = []
+    emitted = 0
+    for d in chunks:
+        arrived_at[id(d)] = emitted
+        for row in packer.push(d):
+            waited += [emitted - arrived_at.pop(id(x)) for x in row]
+            emitted += 1
+    for row in packer.flush():
+        waited += [emitted - arrived_at.pop(id(x)) for x in row]
+        emitted += 1
+    assert not arrived_at, "every item left"
+    return waited
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.one_of(overflowing, overflowing_short))
+def test_every_document_leaves_within_buffer_size_rows(t_docs_buffer):
+    # At most buffer_size documents are older than one that arrives, and every row (pushed or flushed)
+    # holds the oldest document left, so none waits more than buffer_size rows.
+    (seq_len, docs), buffer_size = t_docs_buffer
+    chunks = split_all(docs, seq_len)
+    assert max(waits(chunks, OnlinePacker(seq_len, buffer_size)), default=0) <= buffer_size
+
+
+def test_the_wait_bound_is_reached():
+    # T = 10, buffer 3, documents of 10 (a row each): d3 arrives behind d0, d1, d2 and leaves after their
+    # three rows, pushed out by d4, d5, d6.
+    waited = waits(docs_of_lengths([10] * 7), OnlinePacker(seq_len=10, buffer_size=3))
+    assert waited == [0, 1, 2, 3, 3, 3, 3]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.one_of(overflowing, overflowing_short), st.data())
+def test_online_packer_resumes_twice_and_its_state_is_the_buffer(t_docs_buffer, data):
+    (seq_len, docs), buffer_size = t_docs_buffer
+    chunks = split_all(docs, seq_len)
+    first = data.draw(st.integers(0, len(chunks)), label="first cut")
+    second = data.draw(st.integers(first, len(chunks)), label="second cut")
+    uninterrupted = pack_online(chunks, seq_len, buffer_size)
+
+    packer, rows = OnlinePacker(seq_len, buffer_size), []
+    for lo, hi in ((0, first), (first, second)):
+        rows += [row for d in chunks[lo:hi] for row in packer.push(d)]
+        state = pickle.loads(pickle.dumps(packer.state_dict()))
+        # The state is the buffered documents and the two sizes, nothing that grows with the stream.
+        assert set(state) == {"seq_len", "buffer_size", "docs"}
+        assert [k for k, _, _ in state["docs"]] == [d.key for d in packer.buffered()]
+        assert len(state["docs"]) == len(packer) <= buffer_size
+        packer = OnlinePacker(seq_len, buffer_size)
+        packer.load_state_dict(state)
+    rows += [row for d in chunks[second:] for row in packer.push(d)] + packer.flush()
+    assert row_keys(rows) == row_keys(uninterrupted)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(overflowing, overflowing_short))
+def test_flush_ends_an_epoch_and_the_next_packs_like_a_fresh_packer(t_docs_buffer):
+    # RowStream flushes at the end of each epoch (each rank's, under epoch lockstep) and then pushes the
+    # next epoch into the same packer: nothing may carry over.
+    (seq_len, docs), buffer_size = t_docs_buffer
+    chunks = split_all(docs, seq_len)
+    packer = OnlinePacker(seq_len, buffer_size)
+    epoch_1 = list(packer.pack(chunks))
+    assert len(packer) == 0 and packer.flush() == []
+    epoch_2 = list(packer.pack(chunks))
+    assert row_keys(epoch_1) == row_keys(epoch_2) == row_keys(pack_online(chunks, seq_len, buffer_size))
 
 
 def check_bins(bins: list[list[int]], lengths: list[int], capacity: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -92,21 +92,17 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """Tensors to `device`; `cu_seqlens` stays int32, counts stay Python ints."""
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-        return Batch(
-            input_ids=move(self.input_ids),
-            labels=move(self.labels),
-            position_ids=move(self.position_ids),
-            cu_seqlens=move(self.cu_seqlens),
-            max_seqlen=self.max_seqlen,
-            layout=self.layout,
-            num_docs=self.num_docs,
-            num_tokens=self.num_tokens,
-            num_valid_targets=self.num_valid_targets,
-            doc_keys=self.doc_keys,
-        )
+    def pin_memory(self) -> Batch:
+        """The tensors in page-locked host memory, so that `.to("cuda", non_blocking=True)` copies asynchronously
+        (from ordinary memory that copy is synchronous). Needs CUDA; pin only batches bound for a GPU."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, fn) -> Batch:
+        """A copy with `fn` applied to each tensor; the host-side fields are shared."""
+        return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels),
+                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens))
 
 
 def collate_rows(

@@ -1,16 +1,20 @@
 """Bin packing of documents into rows of length T: the online packer and the offline references.
 
 The online packer holds a bounded buffer of documents. Each emitted row starts with the OLDEST
-buffered document (so no document waits more than about `buffer_size` rows, and long and short
-documents leave in stream order rather than longest first), and the rest of the row is filled
-best-fit-decreasing from the buffer: repeatedly the longest document that still fits the space left.
-With a buffer of many documents, the small ones close the gaps, so online rows come out nearly as full
-as offline best-fit-decreasing's (see bench/RESULTS.md).
+buffered document (so no document waits more than `buffer_size` rows, and long and short documents
+leave in stream order rather than longest first), and the rest of the row is filled best-fit-decreasing
+from the buffer: repeatedly the longest document that still fits the space left. Where that would end
+the row short of full (the gap left is smaller than every buffered document), two documents that fill
+the space exactly are taken instead, the most even such pair, provided short documents are plentiful
+(pairs spend them, and documents longer than T/2 can only share a row with short ones). At the end of
+the stream `flush()` packs what is left with offline best-fit-decreasing. bench/RESULTS.md measures
+the result against offline BFD over the whole corpus.
 
-Example, T = 10, documents arriving A(3) B(7) C(2) D(5) E(4) F(1) G(2), then the end of the stream:
-    row 1: oldest A(3); longest <= 7 is B(7)                          -> [A, B]          (10/10)
-    row 2: oldest C(2); longest <= 8 is D(5), <= 3 is G(2), <= 1 is F -> [C, D, G, F]    (10/10)
-    row 3: oldest E(4)                                                -> [E]             (4/10)
+Example, T = 10, buffer_size = 3, documents arriving A(4) B(5) C(3) D(3) E(6) F(5) G(2) H(4):
+    push D (4 buffered > 3): oldest A(4); longest <= 6 is B(5), but its gap of 1 is smaller than
+                             any buffered document, and C(3) + D(3) fill 6 exactly -> [A, C, D]   (10/10)
+    push G (4 buffered > 3): oldest B(5); longest <= 5 is F(5)                     -> [B, F]      (10/10)
+    flush, E(6) G(2) H(4) left: best-fit-decreasing -> [E, H] (10/10), [G] (2/10), ordered by oldest
 
 Documents longer than T never reach the packer whole: `split_long` cuts them into chunks of at most T
 (or truncates or drops them, by policy), and `PackingStats` counts what it did.
@@ -29,6 +33,7 @@ import numpy as np
 from trainer.data.batch import Document
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
+SHORTS_PER_LONG_FOR_PAIRS = 2  # see OnlinePacker._shorts_to_spare
 
 
 @dataclass
@@ -94,8 +99,11 @@ class OnlinePacker:
     """Streams documents in, rows of at most `seq_len` tokens out: oldest document first, best fit after.
 
     `push(doc)` returns the rows that became ready (one per push once the buffer holds more than
-    `buffer_size` documents); `flush()` empties the buffer at the end of the stream. Deterministic:
-    among documents of equal length the oldest goes first, and nothing here is random.
+    `buffer_size` documents); `flush()` empties the buffer at the end of the stream (offline BFD over
+    what is left). Deterministic: among documents of equal length the oldest goes first, and nothing
+    here is random. A document waits at most `buffer_size` rows: each row takes the oldest document
+    (flushed rows come out ordered by their oldest document), and at most `buffer_size` documents are
+    older than one that arrives.
     """
 
     def __init__(self, seq_len: int, buffer_size: int = 1024) -> None:
@@ -108,6 +116,8 @@ class OnlinePacker:
         self._arrivals: deque[tuple[int, int]] = deque()  # (arrival, length) in arrival order, taken ones too
         self._taken: set[int] = set()  # arrivals already packed by best fit, dropped lazily from _arrivals
         self._next_arrival = 0
+        # For the exact-pair search: byte n is 1 while some buffered document has n tokens.
+        self._has_length = bytearray(seq_len + 1)
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -116,20 +126,22 @@ class OnlinePacker:
         n = len(doc)
         if not 0 < n <= self.seq_len:
             raise ValueError(f"document {doc.key!r} has {n} tokens; the packer takes 1..{self.seq_len} (split first)")
-        entry = (self._next_arrival, doc)
-        self._next_arrival += 1
-        bisect.insort(self._lengths, n)
-        self._by_length.setdefault(n, deque()).append(entry)
-        self._arrivals.append((entry[0], n))
+        self._add(doc, n)
         if len(self._lengths) > self.buffer_size:
             return [self._emit_row()]
         return []
 
     def flush(self) -> list[list[Document]]:
-        rows = []
-        while self._lengths:
-            rows.append(self._emit_row())
-        return rows
+        """Every buffered document, packed by offline best-fit-decreasing, rows ordered by their oldest document.
+
+        The buffer no longer refills at the end of the stream, so the oldest-first rule would pack its last
+        rows from an ever smaller choice; BFD sees the whole remainder at once.
+        """
+        docs = self.buffered()
+        # Indices are arrival ranks: sorted, each row is in arrival order and the rows in order of their oldest.
+        bins = sorted(sorted(b) for b in best_fit_decreasing([len(d) for d in docs], self.seq_len))
+        self.__init__(self.seq_len, self.buffer_size)
+        return [[docs[i] for i in b] for b in bins]
 
     def pack(self, docs: Iterable[Document]) -> Iterator[list[Document]]:
         """All rows for a finite stream of documents that already fit (see `split_long`)."""
@@ -137,31 +149,87 @@ class OnlinePacker:
             yield from self.push(doc)
         yield from self.flush()
 
+    def _add(self, doc: Document, n: int) -> None:
+        entry = (self._next_arrival, doc)
+        self._next_arrival += 1
+        bisect.insort(self._lengths, n)
+        queue = self._by_length.get(n)
+        if queue is None:
+            queue = self._by_length[n] = deque()
+            self._has_length[n] = 1
+        queue.append(entry)
+        self._arrivals.append((entry[0], n))
+
+    def _take(self, n: int, index: int) -> tuple[int, Document]:
+        """Remove the oldest buffered document of length n; `index` is any position of n in _lengths."""
+        queue = self._by_length[n]
+        entry = queue.popleft()
+        if not queue:
+            del self._by_length[n]
+            self._has_length[n] = 0
+        del self._lengths[index]
+        return entry
+
     def _emit_row(self) -> list[Document]:
-        lengths, by_length, arrivals, taken = self._lengths, self._by_length, self._arrivals, self._taken
+        """The oldest document, then best fit: the longest document that fits the space left, until none does.
+
+        One exception, the pair completion: when the longest that fits would leave a gap smaller than every
+        buffered document (so the row would end there, not full), two documents that fill the space exactly
+        are taken instead, if there are any and short documents are plentiful (`_shorts_to_spare`).
+        """
+        lengths, arrivals, taken = self._lengths, self._arrivals, self._taken
         while arrivals[0][0] in taken:
             taken.discard(arrivals.popleft()[0])
         _, n = arrivals.popleft()
         # The oldest document is also the oldest of its length, so it heads that length's queue.
-        queue = by_length[n]
-        _, first = queue.popleft()
-        if not queue:
-            del by_length[n]
-        del lengths[bisect.bisect_left(lengths, n)]
-        row, space = [first], self.seq_len - n
-        while space > 0:  # best fit: the longest document that still fits, oldest among equals
+        row, space = [self._take(n, bisect.bisect_left(lengths, n))[1]], self.seq_len - n
+        while space > 0:
             i = bisect.bisect_right(lengths, space) - 1
             if i < 0:
                 break
-            n = lengths.pop(i)
-            queue = by_length[n]
-            arrival, doc = queue.popleft()
-            if not queue:
-                del by_length[n]
+            n = lengths[i]
+            if space - n < lengths[0] and n < space and self._shorts_to_spare():
+                pair = self._exact_pair(space)
+                if pair is not None:
+                    for m in pair:
+                        arrival, doc = self._take(m, bisect.bisect_left(lengths, m))
+                        taken.add(arrival)
+                        row.append(doc)
+                    break
+            arrival, doc = self._take(n, i)
             taken.add(arrival)
             row.append(doc)
             space -= n
         return row
+
+    def _shorts_to_spare(self) -> bool:
+        """Whether buffered documents of <= T/2 tokens outnumber those of (T/2, T) at least 2 to 1.
+
+        A completing pair spends two short documents where best fit spends one. A document longer than T/2
+        has only short ones to share its row with, so where there are few short documents to a long one
+        (lengths around T/2), spending them on pairs leaves later long documents alone in poor rows.
+        """
+        lengths, half = self._lengths, self.seq_len // 2
+        shorts = bisect.bisect_right(lengths, half)
+        return shorts >= SHORTS_PER_LONG_FOR_PAIRS * (bisect.bisect_left(lengths, self.seq_len) - shorts)
+
+    def _exact_pair(self, space: int) -> tuple[int, int] | None:
+        """Lengths b >= c of two buffered documents with b + c == space, b as small as possible, or None.
+
+        The most even split leaves the shortest documents for the gaps only they can fill.
+        Example, space 10, buffered lengths {2, 3, 4, 7, 8}: half = 5, b runs over 5..9 and c over 5..1;
+        both = [0, 0, 1, 1, 0] (7 + 3, 8 + 2) -> (7, 3).
+        """
+        if space < 2:
+            return None
+        half = (space + 1) // 2
+        has = np.frombuffer(self._has_length, dtype=np.bool_)
+        both = has[half:space] & has[space - half : 0 : -1]  # both[k]: b = half + k and c = space - b buffered
+        k = int(both.argmax())  # the first True (or 0 if none)
+        if both[k] and 2 * (half + k) == space and len(self._by_length[half + k]) < 2:
+            both[k] = False  # b == c needs two documents of that length
+            k = int(both.argmax())
+        return (half + k, space - half - k) if both[k] else None
 
     def buffered(self) -> list[Document]:
         """The buffered documents in arrival order."""
@@ -182,11 +250,7 @@ class OnlinePacker:
         self.__init__(self.seq_len, self.buffer_size)
         for key, tokens, mask in state["docs"]:
             doc = Document(key=key, tokens=np.asarray(tokens), loss_mask=None if mask is None else np.asarray(mask))
-            entry = (self._next_arrival, doc)
-            self._next_arrival += 1
-            bisect.insort(self._lengths, len(doc))
-            self._by_length.setdefault(len(doc), deque()).append(entry)
-            self._arrivals.append((entry[0], len(doc)))
+            self._add(doc, len(doc))
 
 
 # ---------------------------------------------------------------------------------------------

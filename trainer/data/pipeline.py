@@ -20,8 +20,10 @@ Example, seq_len = 8, packer rows [[A(5), B(3)], [C(6), D(2)]], micro_batch_toke
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 from trainer.data.batch import LAYOUTS, Batch, Document, collate_rows, flatten
 from trainer.data.packing import LONG_DOC_POLICIES, OnlinePacker, PackingStats, split_long
@@ -109,6 +111,138 @@ class RowStream:
         self.stats.load_state_dict(state["stats"])
         self._doc_iter = None
         self.exhausted = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
+
+
+PREFETCH_THREAD = "row-prefetch"
+"""Name of RowPrefetcher's thread (tests look for leftovers by it)."""
+
+
+class RowPrefetcher:
+    """A `RowStream` whose next `take` is drawn in a background thread while the current step computes.
+
+    The trainer calls `prefetch(n, prepare)` once it holds a step's rows; the thread draws the rows of the next
+    `take(n)` and lays them out (`prepare`, e.g. into checked micro-batches), and `take(n)` returns them:
+
+        rows = stream.take(n)                  # step 1: drawn now (the first draw starts the DataLoader workers)
+        stream.prefetch(n, lay_out)            # step 2's rows are drawn and laid out in the background...
+        train_step(...)                        # ...while step 1 computes
+        rows = stream.take(n)                  # step 2: already there (waits only if drawing is the slower)
+        batches = stream.prepared(rows)        # lay_out(rows), made in the background
+
+    Same rows, same order, same states as the plain stream: only one thread uses the stream at a time (while a
+    draw is pending every other method waits for it first), and the thread makes exactly the `take(n)` the
+    trainer would make next. An error of the draw or of `prepare` is raised by the `take` that wanted the rows.
+
+    Checkpoints: rows drawn ahead have not been trained on, so `state_dict()` is the stream's state *before*
+    them, a snapshot the thread takes just before it draws; a run resumed from it draws them again. `exhausted`
+    is likewise the state before a pending draw, and no draw starts on an exhausted stream: whether the next
+    take follows `next_epoch()` is decided by all ranks (data.epoch_lockstep, trainer.loop).
+
+    One thread, kept until `close()`, which the trainer calls on every exit path: it waits for a pending draw,
+    closes the stream (and its DataLoader workers), then ends the thread. The thread lives that long because
+    workers forked from it are killed when it ends (PR_SET_PDEATHSIG follows the forking thread).
+    """
+
+    def __init__(self, rows: RowStream) -> None:
+        self.rows = rows
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Future] | None = None
+        """(rows asked for, the draw's future -> (rows, prepare(rows)))."""
+        self._before: dict | None = None
+        """The stream's state before the pending draw (set by the thread first)."""
+        self._prepared: tuple[list, Any] | None = None
+        """(rows handed out by the last take, what prepare made of them)."""
+
+    def prefetch(self, num_rows: int, prepare: Callable[[list[list[Document]]], Any] | None = None) -> None:
+        """Start drawing the rows of the next `take(num_rows)` and `prepare`-ing them (nothing if a draw is pending
+        or the stream is exhausted)."""
+        if self._pending is not None or self.rows.exhausted:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=PREFETCH_THREAD)
+        self._before = None
+        self._pending = (num_rows, self._executor.submit(self._draw, num_rows, prepare))
+
+    def _draw(self, num_rows: int, prepare) -> tuple[list[list[Document]], Any]:
+        self._before = self.rows.state_dict()
+        rows = self.rows.take(num_rows)
+        return rows, prepare(rows) if prepare is not None else None
+
+    def take(self, num_rows: int) -> list[list[Document]]:
+        """The next `num_rows` rows: the pending draw's (its error, if it failed, is raised here), else drawn now."""
+        self._prepared = None
+        if self._pending is None:
+            return self.rows.take(num_rows)
+        asked, future = self._pending
+        if asked != num_rows:
+            raise RuntimeError(f"{asked} rows were drawn ahead, but {num_rows} are taken")
+        try:
+            rows, prepared = future.result()
+        finally:
+            if future.done():  # not when the wait itself was interrupted: close() must still wait for the draw
+                self._pending = None
+        self._prepared = (rows, prepared)
+        return rows
+
+    def prepared(self, rows: list[list[Document]]) -> Any | None:
+        """What `prepare` made of `rows` in the background, if the last take handed them out from a draw; else None."""
+        if self._prepared is None or self._prepared[0] is not rows:
+            return None
+        return self._prepared[1]
+
+    @property
+    def exhausted(self) -> bool:
+        return False if self._pending is not None else self.rows.exhausted
+
+    @property
+    def stats(self) -> PackingStats:
+        """Packing counts of the rows handed out (a pending draw's are not counted)."""
+        if self._pending is None:
+            return self.rows.stats
+        stats = PackingStats()
+        stats.load_state_dict(self.state_dict()["stats"])
+        return stats
+
+    def next_epoch(self) -> None:
+        self._no_pending("next_epoch")
+        self.rows.next_epoch()
+
+    def state_dict(self) -> dict:
+        """The state before any rows drawn ahead (see the class docstring); waits for a pending draw."""
+        if self._pending is None:
+            return self.rows.state_dict()
+        wait([self._pending[1]])  # the draw's own error is for the take that wants its rows
+        if self._before is None:  # the snapshot itself failed
+            self._pending[1].result()
+        return self._before
+
+    def load_state_dict(self, state: dict) -> None:
+        self._no_pending("load_state_dict")
+        self.rows.load_state_dict(state)
+
+    def close(self) -> None:
+        """Wait for a pending draw (its rows and any error of it are dropped), close the stream, end the thread.
+        `stats` then count the rows handed out, as without prefetching."""
+        self._prepared = None
+        try:
+            if self._pending is not None:
+                wait([self._pending[1]])
+                self._pending = None
+                if self._before is not None:  # the packing counts of rows handed out, not of the dropped draw
+                    self.rows.stats.load_state_dict(self._before["stats"])
+        finally:
+            busy = self._pending is not None  # the wait was interrupted (a second Ctrl-C): the draw still runs
+            try:
+                if not busy:
+                    self.rows.close()
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=not busy)
+                    self._executor = None
+
+    def _no_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"RowPrefetcher.{what} while rows are drawn ahead")
 
 
 def micro_batches(

@@ -224,23 +224,50 @@ CURL_EXITS = {
 CLOSE_TIMEOUT_S = 30.0
 
 
-def read_shard(url: str) -> Iterator[dict]:
+@dataclass
+class ReadCounter:
+    """What `read_shard` read, added up over the shards it was given to."""
+
+    samples: int = 0
+    bytes: int = 0
+    """Bytes of the tar streams (what came from the disk, curl or the command)."""
+
+
+class _CountedStream:
+    """A shard's byte stream that adds what is read from it to a ReadCounter."""
+
+    def __init__(self, stream, counter: ReadCounter) -> None:
+        self.stream = stream
+        self.counter = counter
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.counter.bytes += len(data)
+        return data
+
+
+def read_shard(url: str, counter: ReadCounter | None = None) -> Iterator[dict]:
     """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, read by webdataset.
 
     `gopen` opens the URL (a local file, curl for http(s), a shell for pipe:) and webdataset's tar
     iterators cut the stream into samples. At the end the stream is read to EOF and the command's exit
     status checked, so a failed transfer is never mistaken for a short shard. Raises ShardReadError.
+    `counter`, if given, counts the samples and bytes read.
     """
     try:
         stream = gopen(url)
     except (OSError, ValueError) as exn:  # a local file that is not there, no curl, a scheme webdataset lacks
         raise ShardReadError(_describe(exn), transient=False) from exn
+    counter = counter if counter is not None else ReadCounter()
+    counted = _CountedStream(stream, counter)
     error: Exception | None = None
     finished = False
     try:
-        files = tariterators.tar_file_expander([{"url": url, "stream": stream}])
-        yield from tariterators.group_by_keys(files)
-        while stream.read(1 << 16):  # the tar's end padding: let the command finish writing
+        files = tariterators.tar_file_expander([{"url": url, "stream": counted}])
+        for sample in tariterators.group_by_keys(files):
+            counter.samples += 1
+            yield sample
+        while counted.read(1 << 16):  # the tar's end padding: let the command finish writing
             pass
         finished = True
     except Exception as exn:  # tarfile, webdataset or the command's status, checked by webdataset's Pipe

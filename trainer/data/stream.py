@@ -10,10 +10,21 @@ Example, 5 shards, 2 ranks x 2 workers (S = 4), epoch permutation [3, 0, 4, 1, 2
     rank 0 worker 0 (slot 0) reads shards [3, 2];  rank 0 worker 1 (slot 1) reads [0]
     rank 1 worker 0 (slot 2) reads [4];            rank 1 worker 1 (slot 3) reads [1]
 
-Resuming: a slot's position is (epoch, samples drawn from its shuffle buffer this epoch). Everything
-before tokenization is deterministic for the seed, so a resumed slot replays its epoch up to that
-position without tokenizing (a sequential read of the shards it already consumed) and continues with
-exactly the next document: nothing repeated, nothing skipped.
+Resuming: a slot's position (`ReadPosition`) names the shard it is reading (its index in the slot's
+shard list of the epoch), how many samples it took from it and the last one's key, the shuffle buffer's
+items and the shuffle's RNG state. A resumed slot never opens the shards before the current one; it
+reads the current one past the samples already taken without decoding them (and checks the last key),
+refills the buffer, and continues with exactly the next document: nothing repeated, nothing skipped. What
+it read to get there is reported (`DocumentLoader.resume_read`). Its cost is one shard at most, wherever
+the epoch stood. Example, shards of 10,000 samples, buffer 1,000, preempted at sample 4,500 of the 90th
+shard of the epoch: the resume reads 4,500 samples of that shard, not the 894,500 before them.
+
+The buffer goes into the checkpoint as the samples themselves, except those of the shard being read,
+which are references (shard, member) refilled as the resume reads past them. In the DataLoader workers
+the buffer changes with every sample; each chunk carries only the items that entered it since the
+slot's previous chunk, and `DocumentLoader` keeps a copy of every slot's buffer up to the chunk it
+consumed. A checkpoint written before positions were saved (only `drawn`) still resumes: that slot
+replays its epoch up to `drawn` samples, reading every shard before its position.
 
 Shards are local paths, http(s) URLs or pipe: commands (trainer.data.sources reads them). A transient
 failure (a transfer cut short, connection refused, HTTP 5xx, a failed command) restarts that shard from
@@ -30,7 +41,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from trainer.data.batch import Document
 from trainer.data.chat import assistant_token_mask
 from trainer.data.shards import TEXT_FIELD, non_sample_members
-from trainer.data.sources import ShardReadError, read_shard, url_file_name
+from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
 from trainer.data.workers import init_worker, shutdown_workers, track
 
 log = logging.getLogger(__name__)
@@ -54,6 +65,59 @@ class DataStreamError(RuntimeError):
     """Bad input in a shard: the message names the shard and, where there is one, the sample key."""
 
 
+Item = tuple[int, int, str, bytes | list[str] | None]
+"""A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
+key, data). data: the `txt` bytes; the field names of a sample without `txt`; None marks a shard that could not be
+read (member -1). Example: (3, 17, "doc03_017", b"some text")."""
+
+
+@dataclass
+class ReadPosition:
+    """Where a slot's reader stands inside an epoch: enough to continue without reading the shards before it."""
+
+    shard_index: int = 0
+    """Index of the shard being read in the slot's shard list of this epoch (the list's length once all are read)."""
+    taken: int = 0
+    """Samples taken from that shard so far: a resume reads past them without decoding them."""
+    last_key: str = ""
+    """Key of the last of them, checked when the shard is opened again (a changed shard cannot be resumed)."""
+    rng: tuple = ()
+    """The shuffle's `random.Random.getstate()`."""
+    draining: bool = False
+    """Every shard is read: the buffer was shuffled once and is being emptied."""
+    buffer: list[Item] | None = None
+    """The shuffle buffer's items; None in the chunks a worker sends, which carry `changes` instead."""
+    changes: tuple[int, dict[int, Item]] | None = None
+    """(buffer size, {position: item}) changed since the slot's previous chunk (`ShuffleBuffer.changes`)."""
+
+    def with_changes_applied(self, buffer: list[Item]) -> ReadPosition:
+        """This position with `buffer` (the slot's buffer at its previous chunk, updated in place) as its buffer.
+
+        Example: buffer [a, b, c], changes (2, {1: d}) -> [a, d].
+        """
+        size, changed = self.changes
+        del buffer[size:]
+        buffer.extend([None] * (size - len(buffer)))
+        for i, item in changed.items():
+            buffer[i] = item
+        return dataclasses.replace(self, buffer=buffer, changes=None)
+
+    def to_dict(self) -> dict:
+        """Plain data for a checkpoint, cheap enough to take at every step (the items are shared, not copied).
+        Buffered samples of the shard being read become references (shard, member, "", None): a resume reads
+        past them anyway. The others keep their text bytes (torch.save pickles bytes as latin-1 text: ASCII at
+        its size, other bytes at twice theirs)."""
+        current = self.shard_index
+        buffer = [(item[0], item[1], "", None) if item[0] == current and item[1] >= 0 else item for item in self.buffer]
+        return {"shard_index": current, "taken": self.taken, "last_key": self.last_key, "rng": self.rng[1],
+                "draining": self.draining, "buffer": buffer}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReadPosition:
+        return cls(shard_index=d["shard_index"], taken=d["taken"], last_key=d["last_key"],
+                   rng=(3, tuple(d["rng"]), None), draining=d["draining"], buffer=[tuple(item) for item in d["buffer"]])
+
+
 @dataclass
 class SlotState:
     """Where one (rank, worker) slot stands in its stream."""
@@ -62,11 +126,29 @@ class SlotState:
     drawn: int = 0
     """Samples drawn from the shuffle buffer in this epoch (bad ones included)."""
     shard: str = ""
-    """Shard being read when the state was taken (for reports; resuming uses `drawn`)."""
+    """Shard being read when the state was taken (for reports)."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Samples skipped under on_error=skip, by reason, since the start of training."""
     docs: int = 0
     """Documents emitted since the start of training."""
+    position: ReadPosition | None = None
+    """Where the reader stands in the epoch. None at the epoch's start, and in checkpoints written before it was
+    saved: then `drawn` says where, and the epoch is replayed up to it."""
+    restore_read: tuple[int, int, float] | None = None
+    """Only in a resumed slot's first message: samples and bytes it read to restore its position, and seconds."""
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("position",
+                                                                                                 "restore_read")}
+        d["skipped"] = dict(self.skipped)
+        d["position"] = None if self.position is None else self.position.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SlotState:
+        position = d.get("position")
+        return cls(**{**d, "skipped": dict(d["skipped"]),
+                      "position": None if position is None else ReadPosition.from_dict(position)})
 
 
 class DocumentStream(IterableDataset):
@@ -96,6 +178,8 @@ class DocumentStream(IterableDataset):
             raise ValueError(f"loss_on must be one of {LOSS_ON}, got {loss_on!r}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         if not shards:
             raise DataStreamError("no shards given")
         self.shards = [str(s) for s in shards]
@@ -119,6 +203,8 @@ class DocumentStream(IterableDataset):
         self.stop_epoch: int | None = None
         """Set by a lockstep DocumentLoader: every slot stops when it reaches this epoch."""
         self.worker_rotation = 0
+        self.report_restore = False
+        """Set by DocumentLoader after loading a state: every slot's first message reports what it read to restore."""
         self._tokenizer = None
         self._replaying = False
 
@@ -143,67 +229,6 @@ class DocumentStream(IterableDataset):
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _raw_samples(self, shards: list[str], state: SlotState) -> Iterator[tuple[str, str, dict | None]]:
-        """(shard, key, sample) in file order; sample None marks a shard that could not be read."""
-        for shard in shards:
-            state.shard = shard
-            count = yield from self._shard_samples(shard, state)
-            expected = self.expected_docs.get(url_file_name(shard))
-            if count is not None and expected is not None and count != expected:
-                self._bad(
-                    state,
-                    "truncated_shard",
-                    f"{shard}: read {count} samples but the manifest lists {expected}{_why_short(shard)}; copy the shard "
-                    "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
-                    "or set data.on_error=skip",
-                )
-
-    def _shard_samples(self, shard: str, state: SlotState) -> Generator[tuple[str, str, dict | None], None, int | None]:
-        """Yields one shard's (shard, key, sample) and returns their count; None after an unreadable shard.
-
-        A transient failure restarts the shard, skipping the `count` samples already given (the last of
-        them must have the same key, or the shard changed between attempts).
-        """
-        count, key, attempt = 0, None, 0
-        while True:
-            try:
-                for i, sample in enumerate(read_shard(shard)):
-                    if i < count:  # given by an earlier attempt
-                        if i == count - 1 and sample["__key__"] != key:
-                            raise ShardReadError(f"sample {i + 1} is {sample['__key__']!r} on this attempt, "
-                                                 f"{key!r} on the last: the shard changed", transient=False)
-                        continue
-                    key = sample["__key__"]
-                    count += 1
-                    yield shard, key, sample
-                return count
-            except ShardReadError as exn:
-                where = f"after sample {key!r}" if key else "before its first sample"
-                if not exn.transient or attempt == self.retries:
-                    tries = f"; {attempt + 1} attempts" if attempt else ""
-                    self._bad(state, "unreadable_shard", f"{shard}: cannot read shard ({where}{tries}): {exn}")
-                    yield shard, key or "", None
-                    return None
-                delay = self.retry_backoff_s * 2**attempt
-                attempt += 1
-                again = f", skipping the {count} samples already passed on" if count else ""
-                log.warning("%s: cannot read shard (%s): %s; retry %d of %d in %.1f s from the shard's start%s",
-                            shard, where, exn, attempt, self.retries, delay, again)
-                time.sleep(delay)
-
-    def _shuffled(self, items: Iterator, rng: random.Random) -> Iterator:
-        """Buffered shuffle: fill `shuffle_buffer` items, then emit a random one per item read."""
-        buffer: list = []
-        for item in items:
-            if len(buffer) < self.shuffle_buffer:
-                buffer.append(item)
-                continue
-            i = rng.randrange(len(buffer))
-            buffer[i], item = item, buffer[i]
-            yield item
-        rng.shuffle(buffer)
-        yield from buffer
-
     def _bad(self, state: SlotState, reason: str, message: str) -> None:
         if self.on_error == "raise":
             raise DataStreamError(message)
@@ -212,16 +237,17 @@ class DocumentStream(IterableDataset):
         state.skipped[reason] = state.skipped.get(reason, 0) + 1
         log.warning("skipped (%s): %s", reason, message)
 
-    def _decode(self, shard: str, key: str, sample: dict | None, state: SlotState) -> str | None:
+    def _decode(self, item: Item, shards: list[str], state: SlotState) -> str | None:
         """The document text, or None (counted) for a bad sample under on_error=skip."""
-        if sample is None:
+        shard_index, _, key, data = item
+        if data is None:
             return None  # unreadable shard, already reported
-        if TEXT_FIELD not in sample:
-            fields = sorted(k for k in sample if not k.startswith("__"))
-            self._bad(state, "missing_text", f"{shard}: sample {key!r} has no {TEXT_FIELD!r} field (has {fields})")
+        shard = shards[shard_index]
+        if isinstance(data, list):
+            self._bad(state, "missing_text", f"{shard}: sample {key!r} has no {TEXT_FIELD!r} field (has {data})")
             return None
         try:
-            text = sample[TEXT_FIELD].decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as exn:
             self._bad(state, "not_utf8", f"{shard}: sample {key!r} is not valid UTF-8 ({exn})")
             return None
@@ -254,47 +280,301 @@ class DocumentStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[int, SlotState, list[Document]]]:
         slot, num_slots = self.slot()
-        state = dataclasses.replace(self.resume_states.get(slot, SlotState()))
-        state.skipped = dict(state.skipped)
-        while (self.epochs is None or state.epoch < self.epochs) and (
-            self.stop_epoch is None or state.epoch < self.stop_epoch
-        ):
-            shards = self.epoch_shards(state.epoch, slot, num_slots)
-            rng_seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
-            samples = self._shuffled(self._raw_samples(shards, state), random.Random(rng_seed))
-            self._replaying = True
-            for _ in range(state.drawn):  # replay to the resume position, no decoding or tokenizing
-                next(samples)
-            self._replaying = False
-            keys: list[str] = []
-            texts: list[str] = []
-            for shard, key, sample in samples:
-                state.drawn += 1
-                text = self._decode(shard, key, sample, state)
-                if text is not None:
-                    keys.append(key)
-                    texts.append(text)
-                if len(keys) == self.chunk_docs:
-                    yield self._chunk(slot, state, keys, texts)
-                    keys, texts = [], []
-            state.epoch += 1
-            state.drawn = 0
-            # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
-            yield self._chunk(slot, state, keys, texts)
+        resumed = self.resume_states.get(slot, SlotState())
+        state = dataclasses.replace(resumed, skipped=dict(resumed.skipped), position=None, restore_read=None)
+        reader = self._reader(slot, num_slots, state, resumed.position)
+        try:
+            if self.report_restore:  # before any document: what restoring the position read
+                yield slot, self._snapshot(state, reader, restore_read=reader.restore_read if reader else (0, 0, 0.0)), []
+            while reader is not None:
+                keys: list[str] = []
+                texts: list[str] = []
+                while (item := reader.draw()) is not None:
+                    state.drawn += 1
+                    text = self._decode(item, reader.shards, state)
+                    if text is not None:
+                        keys.append(item[2])
+                        texts.append(text)
+                    if len(keys) == self.chunk_docs:
+                        yield self._chunk(slot, state, reader, keys, texts)
+                        keys, texts = [], []
+                reader.close()
+                state.epoch += 1
+                state.drawn = 0
+                # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
+                yield self._chunk(slot, state, None, keys, texts)
+                reader = self._reader(slot, num_slots, state, None)
+        finally:  # also when the consumer stops early: no shard left open (a curl or pipe: command running)
+            if reader is not None:
+                reader.close()
 
-    def _chunk(self, slot: int, state: SlotState, keys: list[str], texts: list[str]):
+    def _reader(self, slot: int, num_slots: int, state: SlotState, position: ReadPosition | None) -> SlotReader | None:
+        """The slot's reader for `state.epoch`, at `position` (or at `state.drawn`); None when no epoch is left."""
+        if (self.epochs is not None and state.epoch >= self.epochs) or (
+            self.stop_epoch is not None and state.epoch >= self.stop_epoch
+        ):
+            return None
+        shards = self.epoch_shards(state.epoch, slot, num_slots)
+        seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
+        return SlotReader(self, shards, seed, state, position)
+
+    def _chunk(self, slot: int, state: SlotState, reader: SlotReader | None, keys: list[str], texts: list[str]):
         docs = self._tokenize(keys, texts)
         state.docs += len(docs)
-        snapshot = dataclasses.replace(state, skipped=dict(state.skipped))
-        return slot, snapshot, docs
+        return slot, self._snapshot(state, reader), docs
+
+    def _snapshot(self, state: SlotState, reader: SlotReader | None, restore_read=None) -> SlotState:
+        return dataclasses.replace(state, skipped=dict(state.skipped), restore_read=restore_read,
+                                   position=reader.position() if reader is not None else None)
+
+
+class ShardCursor:
+    """A slot's shards of one epoch, read in order one sample at a time, with retries.
+
+    Its position is (shard index, samples taken from that shard, key of the last one). `seek` opens the shard
+    at that position, reading past the samples taken before without decoding them: a resume. A transient
+    failure (a transfer cut short, connection refused, HTTP 5xx, a failed command) reopens the shard the same
+    way, up to `retries` times, so the samples come out as without the failure. Example: a shard of 200 samples
+    cut after 120 -> the retry reads samples 1..120 silently and passes on 121..200.
+    """
+
+    def __init__(self, stream: DocumentStream, shards: list[str], state: SlotState, index: int = 0, taken: int = 0,
+                 last_key: str = "") -> None:
+        self.stream = stream
+        self.shards = shards
+        self.state = state
+        """The slot's state, where bad shards are counted."""
+        self.index, self.taken, self.last_key = index, taken, last_key
+        self.read = ReadCounter()
+        """Samples and bytes read from the shards, skipped ones included."""
+        self._attempt = 0
+        self._samples: Iterator[dict] | None = None  # the open shard, past its `taken` samples
+        self._failed: Item | None = None  # the marker of a shard that could not be read, next to pull
+        self._wanted: dict[int, Item] = {}
+
+    def pull(self) -> Item | None:
+        """The next sample of the epoch, or None once every shard is read."""
+        while True:
+            if self._failed is not None:
+                item, self._failed = self._failed, None
+                return item
+            if self.index == len(self.shards):
+                return None
+            try:
+                if self._samples is None:
+                    self._samples = self._open()
+                sample = next(self._samples, None)
+            except ShardReadError as exn:
+                self._retry_or_fail(exn)
+                continue
+            if sample is None:
+                self._check_count()
+                self._next_shard()
+                continue
+            self.taken += 1
+            self.last_key = sample["__key__"]
+            return self.index, self.taken - 1, self.last_key, _data(sample)
+
+    def seek(self, wanted: set[int]) -> dict[int, Item]:
+        """Open the current shard past the samples taken from it before; return those of them listed in `wanted`
+        (member indices), read on the way. A shard that cannot be read is counted and left, as in `pull`."""
+        self._wanted = dict.fromkeys(wanted)
+        while self.taken and self._samples is None and self._failed is None:
+            try:
+                self._samples = self._open()
+            except ShardReadError as exn:
+                self._retry_or_fail(exn)
+        found = {m: item for m, item in self._wanted.items() if item is not None}
+        self._wanted = {}
+        return found
+
+    def _open(self) -> Iterator[dict]:
+        """The current shard, read past its first `taken` samples (the last one's key must be `last_key`)."""
+        url = self.shards[self.index]
+        self.state.shard = url
+        samples = read_shard(url, self.read)
+        found = {}
+        try:
+            for i in range(self.taken):
+                sample = next(samples, None)
+                if sample is None:
+                    raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
+                                         "the shard changed", transient=False)
+                if i in self._wanted:
+                    found[i] = (self.index, i, sample["__key__"], _data(sample))
+            if self.taken and sample["__key__"] != self.last_key:
+                raise ShardReadError(f"sample {self.taken} is now {sample['__key__']!r}, it was {self.last_key!r}: "
+                                     "the shard changed", transient=False)
+        except BaseException:
+            samples.close()
+            raise
+        self._wanted.update(found)
+        return samples
+
+    def _retry_or_fail(self, exn: ShardReadError) -> None:
+        """After a failed read: wait and let the next pull reopen the shard, or count it as unreadable and move on."""
+        self._close()
+        url = self.shards[self.index]
+        where = f"after sample {self.last_key!r}" if self.last_key else "before its first sample"
+        if not exn.transient or self._attempt == self.stream.retries:
+            tries = f"; {self._attempt + 1} attempts" if self._attempt else ""
+            self.stream._bad(self.state, "unreadable_shard", f"{url}: cannot read shard ({where}{tries}): {exn}")
+            self._failed = (self.index, -1, self.last_key, None)
+            self._next_shard()
+            return
+        delay = self.stream.retry_backoff_s * 2**self._attempt
+        self._attempt += 1
+        again = f", skipping the {self.taken} samples already passed on" if self.taken else ""
+        log.warning("%s: cannot read shard (%s): %s; retry %d of %d in %.1f s from the shard's start%s",
+                    url, where, exn, self._attempt, self.stream.retries, delay, again)
+        time.sleep(delay)
+
+    def _check_count(self) -> None:
+        """A shard read to its end must hold as many samples as the manifest lists."""
+        url = self.shards[self.index]
+        expected = self.stream.expected_docs.get(url_file_name(url))
+        if expected is not None and self.taken != expected:
+            self.stream._bad(
+                self.state,
+                "truncated_shard",
+                f"{url}: read {self.taken} samples but the manifest lists {expected}{_why_short(url)}; copy the shard "
+                "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
+                "or set data.on_error=skip",
+            )
+
+    def _next_shard(self) -> None:
+        self._close()
+        self.index, self.taken, self.last_key, self._attempt = self.index + 1, 0, "", 0
+
+    def _close(self) -> None:
+        if self._samples is not None:
+            self._samples.close()  # read_shard's finally: close the file, stop curl or the command
+            self._samples = None
+
+    def close(self) -> None:
+        self._close()
+
+
+class ShuffleBuffer:
+    """Buffered shuffle of one epoch's samples: fill to `size`; then each new item takes the place of a random
+    one, which is drawn; once every shard is read, shuffle what is left and drain it.
+
+    Example, size 2, items a b c d: [a], [a b]; c replaces b (b drawn) -> [a c]; d replaces a (a drawn) -> [d c];
+    end of the shards: shuffled to [c d], c drawn, then d. `changes` lists what changed since its last call.
+    """
+
+    def __init__(self, size: int, rng: random.Random, items: list[Item] | None = None, draining: bool = False) -> None:
+        self.size = size
+        self.rng = rng
+        self.items: list[Item] = items if items is not None else []
+        """While draining: in reverse order, so that pop() draws them in the shuffled order."""
+        self.draining = draining
+        self._changed: set[int] = set(range(len(self.items)))
+
+    def push(self, item: Item) -> Item | None:
+        """Add a sample read; once the buffer is full, the one it replaces (drawn), else None."""
+        if len(self.items) < self.size:
+            self.items.append(item)
+            self._changed.add(len(self.items) - 1)
+            return None
+        i = self.rng.randrange(len(self.items))
+        out, self.items[i] = self.items[i], item
+        self._changed.add(i)
+        return out
+
+    def start_draining(self) -> None:
+        self.rng.shuffle(self.items)
+        self.items.reverse()
+        self.draining = True
+        self._changed = set(range(len(self.items)))
+
+    def pop(self) -> Item | None:
+        return self.items.pop() if self.items else None
+
+    def changes(self) -> tuple[int, dict[int, Item]]:
+        """(size, {position: item}) of the positions changed since the last call. Example: size 3, [a b c], then c
+        replaced by d and b by e -> (3, {1: e, 2: d}); after two pops while draining -> (1, {})."""
+        size = len(self.items)
+        changed = {i: self.items[i] for i in sorted(self._changed) if i < size}
+        self._changed = set()
+        return size, changed
+
+
+class SlotReader:
+    """One slot's samples in one epoch: its shards in order (`ShardCursor`) through the `ShuffleBuffer`.
+
+    Built at a `ReadPosition`, it opens the shard being read, reads past the samples taken from it (refilling the
+    buffer's references to them) and continues with the sample an uninterrupted reader would draw next. Built
+    without one, at `state.drawn` > 0 (a checkpoint from before positions were saved), it replays the epoch.
+    """
+
+    def __init__(self, stream: DocumentStream, shards: list[str], seed: int, state: SlotState,
+                 position: ReadPosition | None) -> None:
+        t0 = time.perf_counter()
+        self.shards = shards
+        rng = random.Random(seed)
+        if position is None:
+            self.cursor = ShardCursor(stream, shards, state)
+            self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng)
+            if state.drawn:
+                self._replay(stream, state.drawn)
+        else:
+            rng.setstate(position.rng)
+            self.cursor = ShardCursor(stream, shards, state, position.shard_index, position.taken, position.last_key)
+            self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng, list(position.buffer), position.draining)
+            self._refill(position.shard_index)
+        self.restore_read = (self.cursor.read.samples, self.cursor.read.bytes, time.perf_counter() - t0)
+        """(samples, bytes, seconds) it took to get to the position."""
+
+    def _refill(self, shard_index: int) -> None:
+        """Read the current shard up to the position, taking the buffered samples saved as references to it."""
+        items = self.buffer.items
+        refs = {item[1]: i for i, item in enumerate(items) if item[3] is None and item[1] >= 0}
+        if any(items[i][0] != shard_index for i in refs.values()):
+            raise DataStreamError(f"bad stream state: buffered references to a shard other than the current one "
+                                  f"({shard_index} of {len(self.shards)})")
+        found = self.cursor.seek(set(refs))
+        for member, i in refs.items():
+            # Missing only if the shard could not be read again (counted as unreadable): drop the sample silently.
+            items[i] = found.get(member, (shard_index, -1, "", None))
+
+    def _replay(self, stream: DocumentStream, drawn: int) -> None:
+        stream._replaying = True  # bad shards met again were counted before the checkpoint
+        try:
+            for _ in range(drawn):
+                self.draw()
+        finally:
+            stream._replaying = False
+
+    def draw(self) -> Item | None:
+        """The next sample of the epoch, or None at its end."""
+        while not self.buffer.draining:
+            item = self.cursor.pull()
+            if item is None:
+                self.buffer.start_draining()
+                break
+            out = self.buffer.push(item)
+            if out is not None:
+                return out
+        return self.buffer.pop()
+
+    def position(self) -> ReadPosition:
+        """Where the reader stands now, with the buffer changes since the last call (not the buffer)."""
+        c = self.cursor
+        return ReadPosition(shard_index=c.index, taken=c.taken, last_key=c.last_key, rng=self.buffer.rng.getstate(),
+                            draining=self.buffer.draining, changes=self.buffer.changes())
+
+    def close(self) -> None:
+        self.cursor.close()
 
 
 class DocumentLoader:
     """Runs a `DocumentStream` in DataLoader workers and yields single documents, resumably.
 
     Chunks arrive round-robin from the workers, each tagged with its slot's state after it. The
-    loader remembers the latest state per slot, how many chunks it consumed (which worker comes next)
-    and the documents left in the current chunk, which is all a resumed run needs.
+    loader remembers the latest state per slot (keeping each slot's shuffle buffer up to date from the
+    changes the chunks carry), how many chunks it consumed (which worker comes next) and the documents
+    left in the current chunk, which is all a resumed run needs.
     """
 
     def __init__(self, stream: DocumentStream, num_workers: int = 0, prefetch_factor: int = 4,
@@ -311,13 +591,43 @@ class DocumentLoader:
         self.lockstep_epoch = 0
         """The epoch the current lockstep iteration covers. Kept, not derived from the slots: when every slot
         has delivered its last chunk but documents of it are still pending, the epoch has not ended yet."""
+        self.restore_read: dict[int, tuple[int, int, float]] = {}
+        """Per slot, after a resume: samples and bytes read from shards to restore its position, and seconds."""
         self._pending: list[Document] = []
+        self._restoring = False
+        self._started: Iterator | None = None
+
+    def start(self) -> None:
+        """Start the workers now rather than at the first document asked for. After `load_state_dict` this
+        returns once every slot has restored its position, so that `restore_read` is complete."""
+        if self._started is None:
+            self._started = self._start()
 
     def __iter__(self) -> Iterator[Document]:
+        batches = self._started if self._started is not None else self._start()
+        self._started = None
+        try:
+            while self._pending:
+                yield self._pending.pop(0)
+            for slot, state, docs in batches:
+                self._keep(slot, state)
+                self.chunks_consumed += 1
+                self.epoch_chunks += 1
+                self._pending = list(docs)
+                while self._pending:
+                    yield self._pending.pop(0)
+            self.epoch_chunks = 0  # every slot finished the epoch (lockstep) or the finite stream ended
+            self.lockstep_epoch += 1
+        finally:  # on exhaustion, on an error, and when the consumer closes this generator
+            shutdown_workers(batches)
+
+    def _start(self) -> Iterator[tuple[int, SlotState, list[Document]]]:
+        """The DataLoader's iterator over the chunks, past the restore reports of a resumed run."""
         self.stream.resume_states = dict(self.slot_states)
         consumed = self.epoch_chunks if self.lockstep else self.chunks_consumed
         self.stream.worker_rotation = consumed % max(1, self.num_workers)
         self.stream.stop_epoch = self.lockstep_epoch + 1 if self.lockstep else None
+        self.stream.report_restore, self._restoring = self._restoring, False
         loader = DataLoader(
             self.stream,
             batch_size=None,
@@ -330,22 +640,30 @@ class DocumentLoader:
             # global RNG, whose state a resumed run has just restored for dropout.
             generator=torch.Generator().manual_seed(0),
         )
-        while self._pending:
-            yield self._pending.pop(0)
         batches = iter(loader)
         track(batches)
-        try:
-            for slot, state, docs in batches:
-                self.slot_states[slot] = state
-                self.chunks_consumed += 1
-                self.epoch_chunks += 1
-                self._pending = list(docs)
-                while self._pending:
-                    yield self._pending.pop(0)
-            self.epoch_chunks = 0  # every slot finished the epoch (lockstep) or the finite stream ended
-            self.lockstep_epoch += 1
-        finally:  # on exhaustion, on an error, and when the consumer closes this generator
-            shutdown_workers(batches)
+        if self.stream.report_restore:  # every slot's first message, before any chunk: what restoring it read
+            try:
+                for _ in range(max(1, self.num_workers)):
+                    slot, state, _ = next(batches)
+                    self._keep(slot, state)
+                    self.restore_read[slot] = state.restore_read
+            except BaseException:
+                shutdown_workers(batches)
+                raise
+        return batches
+
+    def _keep(self, slot: int, state: SlotState) -> None:
+        """Remember a slot's state from its chunk, applying the chunk's buffer changes to the slot's buffer."""
+        if state.position is not None and state.position.changes is not None:
+            previous = self.slot_states.get(slot)
+            buffer = previous.position.buffer if previous is not None and previous.position is not None else []
+            state.position = state.position.with_changes_applied(buffer)
+        self.slot_states[slot] = state
+
+    def resume_read(self) -> tuple[int, int]:
+        """(samples, bytes) this rank's slots read from shards to restore their positions after a resume."""
+        return sum(r[0] for r in self.restore_read.values()), sum(r[1] for r in self.restore_read.values())
 
     def skipped(self) -> dict[str, int]:
         """Samples skipped under on_error=skip, summed over this rank's slots."""
@@ -357,7 +675,7 @@ class DocumentLoader:
 
     def state_dict(self) -> dict:
         return {
-            "slot_states": {slot: dataclasses.asdict(s) for slot, s in self.slot_states.items()},
+            "slot_states": {slot: s.to_dict() for slot, s in self.slot_states.items()},
             "chunks_consumed": self.chunks_consumed,
             "epoch_chunks": self.epoch_chunks,
             "lockstep_epoch": self.lockstep_epoch,
@@ -371,11 +689,23 @@ class DocumentLoader:
                 f"stream state was saved with {state['num_workers']} DataLoader workers; "
                 f"this run has {self.num_workers} (the shard split depends on it)"
             )
-        self.slot_states = {int(slot): SlotState(**s) for slot, s in state["slot_states"].items()}
+        self.slot_states = {int(slot): SlotState.from_dict(s) for slot, s in state["slot_states"].items()}
         self.chunks_consumed = state["chunks_consumed"]
         self.epoch_chunks = state.get("epoch_chunks", 0)
         self.lockstep_epoch = state.get("lockstep_epoch", 0)
         self._pending = [Document(key=k, tokens=np.asarray(t), loss_mask=m) for k, t, m in state["pending"]]
+        self._restoring = True
+        replaying = sorted(slot for slot, s in self.slot_states.items() if s.position is None and s.drawn)
+        if replaying:
+            log.warning("the stream state was saved before reader positions were: slot(s) %s replay their epoch up to "
+                        "the samples drawn, reading every shard before that point", replaying)
+
+
+def _data(sample: dict) -> bytes | list[str]:
+    """An `Item`'s data: the sample's text bytes, or the names of its fields if it has no text."""
+    if TEXT_FIELD in sample:
+        return sample[TEXT_FIELD]
+    return sorted(k for k in sample if not k.startswith("__"))
 
 
 def _why_short(shard: str) -> str:

@@ -11,6 +11,11 @@ the same sum over the same targets in both layouts; the caller divides by its ow
 
 Decoding (trainer.generate) passes a `KVCache` on the padded path: each forward appends its keys and values,
 and the next one attends to them instead of recomputing the prefix.
+
+Two memory options, neither of which changes the loss or the gradients: `loss_chunk_tokens` (loss.chunk_tokens)
+computes the head and the loss a chunk of positions at a time, never holding all (B * L, V) logits
+(`chunked_cross_entropy`); `apply_activation_checkpointing` (train.activation_checkpointing) makes the blocks
+recompute their activations in backward instead of storing them.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.errors import ConfigError
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
 
 POS_EMBS = ("learned", "rope")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass
@@ -71,7 +79,7 @@ class GPTConfig:
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None
-    """(B, L, V) next-token logits, or None with return_logits=False."""
+    """(B, L, V) next-token logits, or None with return_logits=False (and by default when the loss is chunked)."""
     loss_sum: torch.Tensor | None
     """fp32 scalar: summed cross entropy over valid targets (labels given), else None."""
     num_targets: torch.Tensor | None
@@ -212,12 +220,25 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, attention)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.recompute = "none"
+        """What backward recomputes instead of storing: 'none', 'full' (the block) or 'selective' (ln_2 + MLP);
+        set by `apply_activation_checkpointing`."""
 
     def forward(
         self, x: torch.Tensor, rope, segments: Segments | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
+        if self.recompute == "full" and cache is None and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, segments, use_reentrant=False)
+        return self._forward(x, rope, segments, cache)
+
+    def _forward(self, x: torch.Tensor, rope, segments: Segments | None, cache: LayerCache | None = None):
         x = x + self.attn(self.ln_1(x), rope, segments, cache)
-        return x + self.mlp(self.ln_2(x))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return x + checkpoint(self._mlp, x, use_reentrant=False)
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_2(x))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,13 +279,109 @@ def weighted_cross_entropy(
     return ce_BT.sum(), (targets_BT != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Summed (and weighted) cross entropy of logits h_NC @ weight_VC.T, one chunk of positions at a time.
+
+    Forward computes a chunk's logits (fp32), its token losses and, when a gradient is wanted, its share of the
+    gradients right away (d ce / d logits = softmax - one_hot needs only the chunk's own logits), then frees
+    the chunk. Backward only scales the stored gradients by the incoming ones: no matmul is recomputed, and
+    the largest live tensor is one chunk's (n, V) logits instead of all (N, V). Stored until backward:
+    dh (N, C) and dW (V, C) fp32 (a second dW with weights: the weighted sum's differs; its dh is row-scaled).
+    Like the plain path under autocast, the matmuls run in `compute_dtype` and the loss in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, h_NC, weight_VC, targets_N, weights_N, chunk_tokens: int, compute_dtype: torch.dtype,
+                want_grad: bool):
+        need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
+        weight_cd = weight_VC.to(compute_dtype)  # (V, C); a copy only under autocast
+        loss_sum = torch.zeros((), dtype=torch.float32, device=h_NC.device)
+        weighted_sum = torch.zeros_like(loss_sum)
+        grad_h_NC = torch.empty_like(h_NC) if need_h else None
+        grad_w_VC = torch.zeros(weight_VC.shape, dtype=torch.float32, device=weight_VC.device) if need_w else None
+        grad_ww_VC = torch.zeros_like(grad_w_VC) if need_w and weights_N is not None else None
+        for start in range(0, h_NC.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, h_NC.shape[0])
+            h_nC = h_NC[start:end].to(compute_dtype)
+            targets_n = targets_N[start:end]
+            valid_n = targets_n != IGNORE_INDEX
+            safe_n = torch.where(valid_n, targets_n, 0)[:, None]  # gather needs an index in [0, V)
+            logits_nV = (h_nC @ weight_cd.T).float()
+            lse_n = torch.logsumexp(logits_nV, dim=-1)
+            ce_n = torch.where(valid_n, lse_n - logits_nV.gather(1, safe_n).squeeze(1), 0.0)  # (n,), 0 if ignored
+            loss_sum += ce_n.sum()
+            if weights_N is not None:
+                weighted_sum += (ce_n * weights_N[start:end]).sum()
+            if not (need_h or need_w):
+                continue
+            grad_nV = logits_nV.sub_(lse_n[:, None]).exp_()  # softmax, in place: the logits are done with
+            grad_nV.scatter_add_(1, safe_n, torch.full_like(safe_n, -1, dtype=grad_nV.dtype))
+            grad_nV = grad_nV.mul_(valid_n[:, None]).to(compute_dtype)  # ignored targets give no gradient
+            if need_h:
+                grad_h_NC[start:end] = grad_nV @ weight_cd
+            if need_w:
+                grad_w_VC += (grad_nV.T @ h_nC).float()
+                if grad_ww_VC is not None:  # sum_t w_t g_t h_t^T = G^T (w * h)
+                    grad_ww_VC += (grad_nV.T @ (h_nC * weights_N[start:end, None].to(compute_dtype))).float()
+        ctx.save_for_backward(grad_h_NC, grad_w_VC, grad_ww_VC, weights_N)
+        ctx.weight_dtype = weight_VC.dtype
+        ctx.set_materialize_grads(False)
+        return loss_sum, weighted_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_weighted):
+        grad_h_NC, grad_w_VC, grad_ww_VC, weights_N = ctx.saved_tensors
+        dh = dw = None
+        if grad_h_NC is not None:  # d/dh of (a * loss_sum + b * weighted_sum): row t scaled by a + b * w_t
+            scale_N = torch.zeros((), device=grad_h_NC.device) if grad_loss is None else grad_loss
+            if grad_weighted is not None and weights_N is not None:
+                scale_N = scale_N + grad_weighted * weights_N
+            dh = grad_h_NC * scale_N.to(grad_h_NC.dtype).reshape(-1, 1)
+        if grad_w_VC is not None:
+            dw = torch.zeros_like(grad_w_VC) if grad_loss is None else grad_w_VC * grad_loss
+            if grad_weighted is not None and grad_ww_VC is not None:
+                dw = dw + grad_ww_VC * grad_weighted
+            dw = dw.to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """shifted_cross_entropy / weighted_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
+
+    hidden (B, L, C) is the final norm's output, weight (V, C) the output head; the logits are made and
+    consumed `chunk_tokens` flat positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of
+    targets, weighted sum or None), the same values and gradients as the plain path. The shift is done on the
+    labels: position t of a row is scored against labels[t + 1], a row's last position against nothing (-100).
+    Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
+    """
+    B, L, C = hidden.shape
+    targets_BL = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    weights_N = None if weights is None else F.pad(weights[:, 1:].float(), (0, 1)).reshape(-1)
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
+        loss_sum, weighted_sum = _ChunkedHeadLoss.apply(
+            hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
+            want_grad,
+        )
+    return loss_sum, (labels[:, 1:] != IGNORE_INDEX).sum(), None if weights is None else weighted_sum
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None, loss_chunk_tokens: int = 0) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size is None: build through build_model(..., vocab_size=tokenizer size)")
         self.cfg = cfg
         self.attention = attention or AttentionConfig()
+        self.loss_chunk_tokens = loss_chunk_tokens
+        """> 0: the loss is computed this many flat positions at a time, without logits (see chunked_cross_entropy).
+        A training setting, not part of the weights or the config saved with them."""
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -296,7 +413,7 @@ class GPT(nn.Module):
         labels: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-        return_logits: bool = True,
+        return_logits: bool | None = None,
         loss_weights: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> ModelOutput:
@@ -306,6 +423,8 @@ class GPT(nn.Module):
         segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
+        return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given),
+        where they never exist whole; True always returns them (the plain loss path); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
         """
@@ -335,19 +454,28 @@ class GPT(nn.Module):
             x = block(x, rope, segments, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.length += L
-        logits = self.lm_head(self.ln_f(x))  # (B, L, V)
+        h = self.ln_f(x)  # (B, L, C)
 
+        if self.loss_chunk_tokens and labels is not None and not return_logits:  # the logits never exist whole
+            loss_sum, num_targets, weighted = chunked_cross_entropy(
+                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens
+            )
+            return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted)
+        logits = self.lm_head(h)  # (B, L, V)
         loss_sum = num_targets = weighted = None
         if labels is not None and loss_weights is not None:
             loss_sum, num_targets, weighted = weighted_cross_entropy(logits, labels, loss_weights)
         elif labels is not None:
             loss_sum, num_targets = shifted_cross_entropy(logits, labels)
-        return ModelOutput(logits=logits if return_logits else None, loss_sum=loss_sum, num_targets=num_targets,
+        return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted)
 
 
-def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None) -> GPT:
+def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None,
+                loss_chunk_tokens: int | None = 0) -> GPT:
     """The model for `cfg`, with `cfg.vocab_size = None` filled from `vocab_size` (the tokenizer's).
+
+    loss_chunk_tokens (loss.chunk_tokens; 0 or None = off): compute the loss without materializing the logits.
 
     A set cfg.vocab_size wins (e.g. padded up to a multiple of 64 for faster matmuls) but must hold the
     tokenizer's ids.
@@ -359,7 +487,27 @@ def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | No
     elif vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids: "
                           f"set model.vocab_size=null (the tokenizer's size) or >= {vocab_size}")
-    return GPT(cfg, attention)
+    return GPT(cfg, attention, loss_chunk_tokens=loss_chunk_tokens or 0)
+
+
+def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
+    """Trade compute for memory: each block's activations are recomputed in backward instead of stored.
+
+    'none'       everything stored (the default).
+    'full'       each block stores only its input and reruns its whole forward in backward (~+1/3 compute).
+    'selective'  each block's MLP sub-block (ln_2, c_fc, GELU, c_proj, dropout) is recomputed; attention's
+                 activations are kept. The MLP holds most of a block's activations (its 4C-wide c_fc and GELU
+                 outputs), and rerunning it is plain matmuls, never an attention kernel (the per-document loop
+                 of sdpa_docs, flash, varlen): about half the saving of 'full' for about half its extra compute.
+    torch.utils.checkpoint (use_reentrant=False) restores the RNG state for the recompute, so dropout masks and
+    gradients are the same as without. Applied in place, before any parallel wrapping; parameter names (and
+    so checkpoints) are unchanged. Returns the model.
+    """
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {ACTIVATION_CHECKPOINTING}, got {mode!r}")
+    for block in model.blocks:
+        block.recompute = mode
+    return model
 
 
 def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
