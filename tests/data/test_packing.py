@@ -189,7 +189,7 @@ def test_pair_completion_waits_for_plentiful_short_docs():
 
 def test_flush_packs_what_is_left_by_best_fit_decreasing():
     # T = 10, left at the end: 3, 3, 4, 6, 4. The oldest-first rule would give [3, 6], [3, 4], [4] (3 rows);
-    # BFD gives [6, 4], [4, 3, 3] (2 rows), each row in arrival order, rows in order of their oldest.
+    # BFD fills [6, 4] and [4, 3, 3] (2 rows), handed out in arrival order: [3, 3, 4], then [4, 6].
     packer = OnlinePacker(seq_len=10, buffer_size=16)
     for d in docs_of_lengths([3, 3, 4, 6, 4]):
         assert packer.push(d) == []
