@@ -24,12 +24,8 @@ evaluation (no_grad) compiles the inference graphs. `CompileCounter` counts them
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:

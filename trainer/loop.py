@@ -364,7 +364,8 @@ class Trainer:
         for mb in mbs:  # on the host, before any kernel can index out of range
             check_token_ids(mb, self.model_vocab_size)
         if self.info.device.type == "cuda":
-            mbs = [mb.pin_memory() for mb in mbs]  # trainer.step.to_device then copies without waiting
+            with torch.cuda.device(self.info.device):  # this rank's GPU, also in the prefetch thread (not GPU 0's)
+                mbs = [mb.pin_memory() for mb in mbs]  # trainer.step.to_device then copies without waiting
         return mbs
 
     def _train_one_step(self):

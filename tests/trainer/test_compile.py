@@ -73,8 +73,11 @@ class RecordingBackend:
                         if isinstance(sub, torch.fx.GraphModule) for node in sub.graph.nodes)
 
 
-@pytest.mark.parametrize(("backend", "recompute"), [("sdpa_docs", "none"), ("dense", "none"),
-                                                    ("sdpa_docs", "selective"), ("sdpa_docs", "full")])
+@pytest.mark.parametrize(("backend", "recompute"), [
+    ("sdpa_docs", "none"), ("dense", "none"),
+    pytest.param("sdpa_docs", "selective", marks=pytest.mark.slow),
+    pytest.param("sdpa_docs", "full", marks=pytest.mark.slow),
+])
 def test_new_document_boundaries_never_recompile_and_the_block_body_is_compiled(backend, recompute):
     """Ten batches whose cu_seqlens length and max_seqlen all differ: dynamo compiles the block once and never
     again, whatever the attention backend and activation checkpointing; the MLP (gelu) is in the compiled graphs
@@ -96,6 +99,24 @@ def test_new_document_boundaries_never_recompile_and_the_block_body_is_compiled(
         counter.close()
     assert counter.compiles > 0 and counter.recompiles == 0, (counter.compiles, counter.recompiles, counter.reasons())
     assert "gelu" in record.ops()
+
+
+@pytest.mark.slow
+def test_flex_attention_runs_inside_compiled_blocks_for_evaluation():
+    """flex has no backward on CPU; under no_grad (evaluation) it runs from the compiled blocks, with new
+    boundaries every batch and no recompilation. (On CUDA flex_compile compiles its kernel there, nested.)"""
+    torch._dynamo.reset()
+    eager = tiny("flex")
+    eager.attention.flex_compile = False  # eager flex: seconds instead of a minute of compiling on CPU
+    compiled = compile_blocks(copy.deepcopy(eager), backend="eager")
+    counter = CompileCounter()
+    try:
+        with torch.no_grad():
+            for batch in packed_batches(4):
+                assert float(compiled(**model_inputs(batch)).loss_sum) == float(eager(**model_inputs(batch)).loss_sum)
+    finally:
+        counter.close()
+    assert counter.compiles > 0 and counter.recompiles == 0
 
 
 def test_a_new_row_length_recompiles_once_then_never():

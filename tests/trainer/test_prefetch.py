@@ -201,6 +201,7 @@ def make_trainer(data: Path, run_dir: Path, *overrides: str):
     return Trainer(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
 
 
+@pytest.mark.slow
 def test_the_thread_ends_when_training_ends_fails_or_is_preempted_and_the_preempted_run_resumes_exactly(
         demo_data, tmp_path, monkeypatch):
     """Step 2 of 5 is preempted (SIGTERM) while step 3's rows are drawn ahead: the checkpoint of step 2 resumes

@@ -1,0 +1,36 @@
+"""Host-to-device copies of batches: pinned and non-blocking on CUDA, plain on CPU, the same values either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.data.batch import Document, collate_rows
+from trainer.step import to_device
+
+
+def batch():
+    rows = [[Document("a", np.arange(5)), Document("b", np.arange(3))], [Document("c", np.arange(7))]]
+    return collate_rows(rows, 8, 0, "packed")
+
+
+def test_to_device_on_cpu_copies_nothing_and_pins_nothing():
+    host = batch()
+    moved = to_device(host, torch.device("cpu"))
+    assert moved.input_ids.data_ptr() == host.input_ids.data_ptr()  # .to(cpu) is a no-op
+    assert (moved.max_seqlen, moved.doc_keys, moved.cu_seqlens.dtype) == (host.max_seqlen, host.doc_keys, torch.int32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_bound_for_cuda_are_pinned_and_arrive_intact():
+    host = batch()
+    pinned = host.pin_memory()
+    assert all(t.is_pinned() for t in (pinned.input_ids, pinned.labels, pinned.position_ids, pinned.cu_seqlens))
+    assert not host.input_ids.is_pinned()  # a copy: the host batch is left as it was
+    moved = to_device(host, torch.device("cuda"))
+    torch.cuda.synchronize()
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+        got, want = getattr(moved, name), getattr(host, name)
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    assert moved.max_seqlen == host.max_seqlen and moved.cu_seqlens.dtype == torch.int32
