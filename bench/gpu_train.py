@@ -8,7 +8,7 @@
 Each step draws one logical batch (tokens_per_step / seq_len packer rows) from one `RowStream` and lays it out
 twice: `packed` (attention from --attention, default `auto`: flash-attn, else torch's varlen_attn under bf16 on
 CUDA) and `unpacked` (one document per row, padded to the longest of its micro-batch, SDPA causal). Each layout
-trains its own copy of one init with the real `trainer.step.train_step` (bf16 autocast, fp32 AdamW); both run
+trains its own copy of one init with the real `trainer.run.step.train_step` (bf16 autocast, fp32 AdamW); both run
 every step, back to back, the order alternating. The first --warmup steps are not counted; measuring stops after
 --steps steps or once the measured steps have used --time-budget seconds, whichever comes first. Documents that
 run out start another epoch.
@@ -20,7 +20,7 @@ Reported per layout, in <out>/gpu_train.json and <out>/gpu_train.md (LAYOUT_KEYS
     peak_mem_gib            CUDA: max over measured steps of the allocator's peak during the step above what was
                             allocated at its start (activations, gradients, temporaries); null on CPU
     mfu                     model FLOPs of the real tokens / second / the device's peak dense bf16 FLOP/s
-                            (trainer.metrics.PEAK_FLOPS); null where the peak is unknown (CPU). Model FLOPs per
+                            (trainer.run.metrics.PEAK_FLOPS); null where the peak is unknown (CPU). Model FLOPs per
                             step: 6 x matmul parameters (all but the position table; the tied head once) per real
                             token + 6 x n_layer x n_embd x sum(doc_len^2) for causal attention within documents,
                             forward and backward. The same work in both layouts: padding is not counted.
@@ -40,21 +40,14 @@ from pathlib import Path
 import throughput as tp  # bench/throughput.py (beside this file): model config, layouts, engines, timed step
 import torch
 
-from trainer.config import (
-    DataConfig,
-    DistributedConfig,
-    LoggingConfig,
-    LossConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-)
+from trainer.config import LoggingConfig, LossConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data.batch import Document
-from trainer.data.pipeline import PackingConfig
-from trainer.distributed import DistInfo
-from trainer.loop import build_data, rows_for_rank
-from trainer.metrics import peak_flops
+from trainer.data.config import DataConfig, PackingConfig
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, build_model, resolve_backend
+from trainer.run.loop import build_data, rows_for_rank
+from trainer.run.metrics import peak_flops
 
 LAYOUTS = ("packed", "unpacked")
 VARLEN_KERNELS = ("flash", "torch_varlen")
@@ -84,7 +77,7 @@ class Tally:
     peak_bytes: int | None = None
 
     def add(self, stats, seconds: float, peak: int | None) -> None:
-        """Count one measured step (a trainer.step.StepStats, its seconds, its peak bytes above its start)."""
+        """Count one measured step (a trainer.run.step.StepStats, its seconds, its peak bytes above its start)."""
         self.seconds.append(seconds)
         self.valid += stats.valid_tokens
         self.allocated += stats.allocated_tokens

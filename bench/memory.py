@@ -9,7 +9,7 @@ train.activation_checkpointing against the plain path, each configuration in its
 
 A variant is `plain`, `chunk=N` (loss.chunk_tokens=N), `ckpt=full|selective` (train.activation_checkpointing), or
 several joined by `+`. Each runs in a fresh subprocess: the model (configs/model/<name>.yaml, --vocab rows) from
-one seed, fp32 AdamW (trainer.optim), and the same micro-batches: packed rows of T positions filled with random
+one seed, fp32 AdamW (trainer.run.optim), and the same micro-batches: packed rows of T positions filled with random
 tokens in documents whose lengths are drawn from bench/lengths/demo_train.txt. A step is forward + backward of
 --micro-batches micro-batches (summed loss / valid targets, as train_step does) and the optimizer step. Each
 process runs one unmeasured step first (it allocates the AdamW moments, held between steps like the weights).
@@ -25,7 +25,7 @@ process runs one unmeasured step first (it allocates the AdamW moments, held bet
     first loss      of the first step (same init, same batches: every variant should agree)
 
 --head measures the loss alone on random (N, C) hidden states and a (V, C) head, forward + backward:
-`plain` (full fp32 logits, F.cross_entropy), `function` (trainer.model.gpt.chunked_cross_entropy: per-chunk
+`plain` (full fp32 logits, F.cross_entropy), `function` (trainer.model.loss.chunked_cross_entropy: per-chunk
 gradients in forward, nothing recomputed) and `checkpoint` (torch.utils.checkpoint around each chunk's logits
 and loss: the chunk's logits recomputed in backward), the latter two at each --chunks size.
 """
@@ -50,8 +50,9 @@ from torch.utils.checkpoint import checkpoint
 from trainer.config import OptimConfig
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
 from trainer.model import AttentionConfig, build_model, model_inputs
-from trainer.model.gpt import apply_activation_checkpointing, chunked_cross_entropy
-from trainer.optim import build_optimizer
+from trainer.model.gpt import apply_activation_checkpointing
+from trainer.model.loss import chunked_cross_entropy
+from trainer.run.optim import build_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp  # noqa: E402  bench/throughput.py: model_config, machine

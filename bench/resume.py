@@ -120,10 +120,10 @@ def serve(directory: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
 
 
 def checkpointed(state: dict) -> dict:
-    """`state` as a resumed run loads it (trainer.safe_io: torch.save, then load with weights_only=True)."""
+    """`state` as a resumed run loads it (trainer.checkpoint.safe_io: torch.save, then load with weights_only=True)."""
     import torch
 
-    from trainer.safe_io import decode, encode
+    from trainer.checkpoint.safe_io import decode, encode
 
     buf = io.BytesIO()
     torch.save(encode(state), buf)
@@ -151,7 +151,8 @@ def main() -> None:
     if args.code:
         sys.path.insert(0, str(args.code.resolve()))
     import trainer
-    from trainer.data.stream import DocumentLoader, DocumentStream
+    from trainer.data.loader import DocumentLoader
+    from trainer.data.stream import DocumentStream
 
     print(f"packtrain from {Path(trainer.__file__).parent.parent}")
     make_corpus(args.corpus, args.shards, args.docs_per_shard)
@@ -226,7 +227,7 @@ def position_sizes(mirrors: dict, args) -> list[dict]:
 
     import torch
 
-    from trainer.data.stream import ReadPosition
+    from trainer.data.reader import ReadPosition
 
     def saved_bytes(obj) -> int:
         buf = io.BytesIO()
@@ -274,7 +275,8 @@ def throughput(stream, shards: list[str], args, new_code: bool) -> list[dict]:
     """docs/s of one epoch over `shards` through DocumentLoader(num_workers=2), variants interleaved; and the CPU
     seconds per 1,000 documents, this process and its (joined) workers together: less at the mercy of other jobs
     on a shared machine than the wall time."""
-    from trainer.data.stream import DocumentLoader, DocumentStream
+    from trainer.data.loader import DocumentLoader
+    from trainer.data.stream import DocumentStream
 
     variants = {"as is": DocumentStream}
     if new_code:

@@ -6,9 +6,9 @@
     python bench/throughput.py --data data/demo --compile --layouts packed    # compiled vs eager, side by side
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
-(`trainer.loop.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
+(`trainer.run.loop.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
 exactly the same documents with the same targets. Every layout gets its own copy of one model init and a
-fresh AdamW (`trainer.optim.build_optimizer`, fp32) and runs the real `trainer.step.train_step`. Steps are
+fresh AdamW (`trainer.run.optim.build_optimizer`, fp32) and runs the real `trainer.run.step.train_step`. Steps are
 interleaved (step i runs every layout before step i + 1 starts, the order rotating each step) so machine
 noise hits all layouts alike; the first --warmup steps are run but not counted.
 
@@ -26,7 +26,7 @@ noise hits all layouts alike; the first --warmup steps are run but not counted.
 On a CPU shared with other jobs, pass --threads 1: under contention two OpenMP threads slow the many small
 kernels of packed rows (sdpa_docs runs one SDPA per document) far more than unpacked's few large ones.
 
---compile runs every layout twice, eager and with train.compile (trainer/compile.py: each block compiled, the
+--compile runs every layout twice, eager and with train.compile (trainer/model/compile.py: each block compiled, the
 attention kernel left eager), both from the same init on the same documents, interleaved like the layouts. A
 second table gives compiled / eager valid tok/s per layout, the compiled variant's first step (compilation
 included; "paired" = median of the per-step ratios), the recompilations during the measured steps (all compiled variants: they share dynamo's cache) and
@@ -56,24 +56,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer.compile import CompileCounter
-from trainer.config import (
-    DataConfig,
-    DistributedConfig,
-    LoggingConfig,
-    LossConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-)
+from trainer.config import LoggingConfig, LossConfig, OptimConfig, RunConfig, TrainConfig
 from trainer.data.batch import Batch, Document
-from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo
-from trainer.engine import parallelize, resolve_dtype
-from trainer.loop import build_data, rows_for_rank
+from trainer.data.config import DataConfig, PackingConfig
+from trainer.data.pipeline import micro_batches
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.engine import parallelize, resolve_dtype
+from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import train_step
+from trainer.model.compile import CompileCounter
+from trainer.run.loop import build_data, rows_for_rank
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.step import train_step
 
 LAYOUTS = ("packed", "unpacked", "bucketed")
 BASELINE = "unpacked"

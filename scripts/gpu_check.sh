@@ -60,7 +60,7 @@ import logging
 import torch
 from trainer.model import flash
 from trainer.model.attention import backend_unavailable_reason, resolve_backend
-from trainer.metrics import peak_flops
+from trainer.run.metrics import peak_flops
 
 logging.basicConfig(level=logging.INFO, format="   %(message)s")
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -61,7 +61,7 @@ from packaging.requirements import Requirement
 
 site = sys.argv[1]
 # What the GPU tests and the benchmark import: the trainer (hydra, webdataset, tokenizers, ...) and the test tools.
-for module in ("trainer", "trainer.train", "trainer.loop", "trainer.prepare", "trainer.model", "pytest", "hypothesis"):
+for module in ("trainer", "trainer.train", "trainer.run.loop", "trainer.prepare", "trainer.model", "pytest", "hypothesis"):
     importlib.import_module(module)
 trainer = sys.modules["trainer"]
 if not trainer.__file__.startswith(site):

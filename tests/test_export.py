@@ -19,18 +19,18 @@ import torch
 
 from tests.harness import require_module
 from tests.trainer.test_train import ROOT, run_train
-from trainer import hf
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import hf
+from trainer.checkpoint.store import latest_checkpoint
+from trainer.checkpoint.weights import load_model
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import chat_template, render
 from trainer.data.tokenizer import IM_END, IM_START, load_tokenizer, special_ids
-from trainer.ddp_engine import DDPEngine
-from trainer.distributed import DistInfo
-from trainer.evaluate import load_eval_docs
+from trainer.distributed.ddp import DDPEngine
+from trainer.distributed.groups import DistInfo
 from trainer.export import write_gpt2
 from trainer.model import GPT, AttentionConfig, GPTConfig, model_inputs
-from trainer.step import train_step
-from trainer.weights import load_model
+from trainer.run.evaluate import load_eval_docs
+from trainer.run.step import train_step
 
 SEQ_LEN = 128
 LOSS_TOL = 1e-5

@@ -12,12 +12,12 @@ import torch
 import trainer.generate as gen
 from tests.harness import require_module
 from tests.trainer.test_train import ROOT
-from trainer import hf
+from trainer.checkpoint import hf
+from trainer.checkpoint.weights import load_model
 from trainer.data.chat import chat_template
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.export import write_gpt2
 from trainer.model import GPT, GPTConfig, KVCache
-from trainer.weights import load_model
 
 PROMPT = "def parse_header(line):\n    "
 

@@ -32,9 +32,9 @@ import pytest
 import torch
 
 from tests import test_gpu
-from trainer.metrics import peak_flops_for_name
 from trainer.model import attention as attention_module
 from trainer.model.attention import resolve_backend
+from trainer.run.metrics import peak_flops_for_name
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"

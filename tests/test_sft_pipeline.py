@@ -13,9 +13,9 @@ import torch
 
 from tests.harness import require_module
 from tests.trainer.test_train import ROOT, metrics, run_train
-from trainer.config import DataConfig
+from trainer.data.config import DataConfig
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.evaluate import load_eval_docs
+from trainer.run.evaluate import load_eval_docs
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.data.pipeline import PackingConfig
+from trainer.data.config import DataConfig, PackingConfig
+from trainer.distributed.config import DistributedConfig
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
@@ -36,7 +37,7 @@ class TrainConfig:
     """'auto' (bf16 autocast on a CUDA device that supports it, else fp32: CPU runs stay fp32), 'fp32' or 'bf16'
     autocast. The dtype a run used is in its summary.json and checkpoints' conventions.json."""
     compile: bool = False
-    """torch.compile each transformer block (trainer/compile.py); the attention kernel stays outside the graphs,
+    """torch.compile each transformer block (trainer/model/compile.py); the attention kernel stays outside the graphs,
     so per-batch document boundaries never recompile. Recompilations are counted in metrics and summary.json."""
     checkpoint_every: int = 50
     """Save every N steps and at the end; 0 = only at the end."""
@@ -96,60 +97,6 @@ class TrainConfig:
         return self.tokens_per_step // self.seq_len
 
 
-LOSS_ON = ("all", "assistant")
-
-
-@dataclass
-class DataConfig:
-    path: str | None = None
-    """Directory written by `python -m trainer.prepare` (manifest.json, tokenizer/, shards). With `urls` it is
-    optional: its manifest's per-shard document counts are then checked and its tokenizer is the default."""
-    urls: str | list[str] | None = None
-    """Training shards as WebDataset writes them, instead of the manifest's list: brace patterns
-    (`/d/train-{000000..000013}.tar`), globs, local paths, http(s):// URLs, `pipe:` commands; a string or a list."""
-    val_urls: str | list[str] | None = None
-    """Held-out shards (same syntax) for the eval; default: the val split of the manifest, if there is one."""
-    tokenizer: str | None = None
-    """Directory holding tokenizer.json; default: the one of the prepared directory (data.path)."""
-    split: str = "train"
-    """Split of the manifest to train on (data.path without data.urls)."""
-    num_workers: int = 1
-    """DataLoader workers per rank (tokenization runs there)."""
-    shuffle_buffer: int = 1000
-    """Documents in each reader's shuffle buffer."""
-    on_error: str = "raise"
-    """'raise' or 'skip' (warn and count) for bad samples and for shards still unreadable after the retries."""
-    retries: int = 2
-    """Re-reads of a shard after a transient failure (connection refused or reset, a transfer cut short, HTTP
-    408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
-    it already gave. Local files and HTTP 4xx are not retried."""
-
-    loss_on: str = "all"
-    """Which tokens are targets: 'all' (every token but each document's first) or 'assistant' (chat data only:
-    the tokens of assistant turns, content and the turn's closing <|im_end|>; system/user turns and the
-    template's role headers are inputs only)."""
-    prefetch: bool = True
-    """A background thread draws the next step's rows while the current step computes (trainer.data.pipeline.
-    RowPrefetcher): the same rows, order and checkpoints as without it; False draws them at the start of each step."""
-    epoch_lockstep: bool = True
-    """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
-    readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
-    document is trained on exactly once per epoch. False: each reader runs its own epochs (they drift apart)."""
-
-    def __post_init__(self) -> None:
-        if self.on_error not in ("raise", "skip"):
-            raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")
-        if self.retries < 0:
-            raise ValueError(f"data.retries must be >= 0, got {self.retries}")
-        if self.loss_on not in LOSS_ON:
-            raise ValueError(f"data.loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
-        for key in ("urls", "val_urls"):
-            value = getattr(self, key)
-            if not (value is None or isinstance(value, str) or (isinstance(value, list) and value
-                                                                 and all(isinstance(v, str) for v in value))):
-                raise ValueError(f"data.{key} must be a string or a non-empty list of strings, got {value!r}")
-
-
 @dataclass
 class OptimConfig:
     target: str = "torch.optim.AdamW"
@@ -180,7 +127,7 @@ NORMALIZATIONS = ("global_tokens", "document_mean", "micro_batch_mean", "row_mea
 @dataclass
 class LossConfig:
     normalization: str = "global_tokens"
-    """How token losses become the step's objective (see trainer.step.loss_weights):
+    """How token losses become the step's objective (see trainer.run.step.loss_weights):
     'global_tokens' sum / valid targets of the whole step (all micro-batches, all ranks);
     'document_mean' each document's mean, averaged over the step's documents;
     'micro_batch_mean' each micro-batch's mean, averaged over micro-batches and ranks (layout-dependent);
@@ -195,31 +142,6 @@ class LossConfig:
             raise ValueError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.chunk_tokens is not None and self.chunk_tokens < 0:
             raise ValueError(f"loss.chunk_tokens must be >= 0 (0 or null: no chunking), got {self.chunk_tokens}")
-
-
-ENGINES = ("ddp", "deepspeed")
-
-
-@dataclass
-class DistributedConfig:
-    engine: str = "ddp"
-    """'ddp' (torch DistributedDataParallel) or 'deepspeed' (ZeRO, see trainer/deepspeed_engine.py)."""
-    backend: str = "auto"
-    """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
-    device: str = "auto"
-    """'auto', 'cpu' or 'cuda'."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights (0 with ddp)."""
-    offload: bool = False
-    """DeepSpeed: keep the optimizer state (and its step) on the CPU; saves accelerator memory, costs speed."""
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"distributed.engine must be one of {ENGINES}, got {self.engine!r}")
-        if self.engine == "deepspeed" and self.zero_stage not in (1, 2, 3):
-            raise ValueError(f"distributed.zero_stage must be 1, 2 or 3 with engine=deepspeed, got {self.zero_stage}")
-        if self.engine == "ddp" and (self.zero_stage != 0 or self.offload):
-            raise ValueError("distributed.zero_stage / offload need engine=deepspeed (try distributed=deepspeed_zero2)")
 
 
 @dataclass

@@ -23,7 +23,7 @@ def original_message(error: BaseException) -> str:
 
     torch re-raises `DataStreamError("a.tar: bad")` from a worker as `DataStreamError("Caught DataStreamError
     in DataLoader worker process 0.\\nOriginal Traceback (most recent call last):\\n  File ...\\n
-    trainer.data.stream.DataStreamError: a.tar: bad\\n")`; this returns "a.tar: bad". Other messages are
+    trainer.data.reader.DataStreamError: a.tar: bad\\n")`; this returns "a.tar: bad". Other messages are
     returned as they are.
     """
     text = str(error)

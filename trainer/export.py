@@ -6,13 +6,13 @@
 
 DIR then holds:
     config.json               GPT2LMHeadModel: sizes, n_positions = max_seq_len, gelu_new (tanh GELU), tied head
-    model.safetensors         the weights under GPT-2 names (Conv1D weights transposed; see trainer.hf)
+    model.safetensors         the weights under GPT-2 names (Conv1D weights transposed; see trainer.checkpoint.hf)
     generation_config.json    generation stops at <|endoftext|> or <|im_end|>
     tokenizer.json, tokenizer_config.json (with the ChatML chat template), special_tokens_map.json
     conventions.json          the checkpoint's: how the weights were trained (provenance)
 
 Only learned-position models export (GPT-2 has no RoPE). The checkpoint is read from its model.safetensors
-(trainer.weights): engine.pt is never loaded. A user mistake ends as `error: ...` and exit status 2.
+(trainer.checkpoint.weights): engine.pt is never loaded. A user mistake ends as `error: ...` and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from trainer import hf
+from trainer.checkpoint import hf
+from trainer.checkpoint.weights import load_model, model_config, tokenizer_dir
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.errors import UserError
 from trainer.model import GPT
-from trainer.weights import load_model, model_config, tokenizer_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CONVENTIONS_FILE = "conventions.json"

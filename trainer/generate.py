@@ -23,12 +23,12 @@ import jinja2
 import torch
 from tokenizers import Tokenizer
 
-from trainer import hf
+from trainer.checkpoint import hf
+from trainer.checkpoint.weights import load_model, tokenizer_dir
 from trainer.data.chat import chat_template, render
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.errors import UserError
 from trainer.model import GPT, KVCache
-from trainer.weights import load_model, tokenizer_dir
 
 
 class GenerateError(UserError):

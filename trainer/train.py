@@ -25,12 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import RunConfig, from_container
-from trainer.data.stream import DataStreamError
-from trainer.distributed import DistInfo, init_distributed, shutdown_distributed
-from trainer.engine import resolve_dtype
+from trainer.data.reader import DataStreamError
+from trainer.distributed.engine import resolve_dtype
+from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
 from trainer.errors import ConfigError, UserError, one_line, original_message
-from trainer.loop import Trainer, shared_run_dir, write_summary
 from trainer.model import resolve_backend
+from trainer.run.loop import Trainer, shared_run_dir, write_summary
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 

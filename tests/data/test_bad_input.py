@@ -16,7 +16,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from trainer.data.batch import Document, TokenIdError, check_token_ids, collate_rows
-from trainer.data.stream import DataStreamError, DocumentLoader, DocumentStream
+from trainer.data.loader import DocumentLoader
+from trainer.data.reader import DataStreamError
+from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import PrepareError, load_tokenizer, special_ids
 from trainer.errors import UserError
 from trainer.prepare import main as prepare_main

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import require_module
-from trainer.config import DataConfig
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import (
     GenerationBlock,
@@ -29,6 +28,7 @@ from trainer.data.chat import (
     render,
     render_conversation,
 )
+from trainer.data.config import DataConfig
 from trainer.data.corpus import ErrorPolicy, PrepareError
 from trainer.data.packing import PackingStats, split_long
 from trainer.data.shards import load_manifest, shard_paths
@@ -47,10 +47,10 @@ from trainer.data.tokenizer import (
     train_tokenizer,
 )
 from trainer.errors import ConfigError
-from trainer.evaluate import load_eval_docs
-from trainer.loop import check_loss_on
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 from trainer.prepare import main, prepare
+from trainer.run.evaluate import load_eval_docs
+from trainer.run.loop import check_loss_on
 
 X = IGNORE_INDEX
 

@@ -23,11 +23,13 @@ import pytest
 
 from tests.harness import free_port
 from tests.trainer.test_train import ROOT, SMALL, metrics
-from trainer.config import DataConfig
+from trainer.data.config import DataConfig
+from trainer.data.loader import DocumentLoader
+from trainer.data.reader import DataStreamError
 from trainer.data.sources import ShardSourceError, resolve_source
-from trainer.data.stream import DataStreamError, DocumentLoader, DocumentStream
+from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.evaluate import load_eval_docs
+from trainer.run.evaluate import load_eval_docs
 
 TRAIN = "train-{000000..000004}.tar"  # the demo_data fixture's five train shards
 
@@ -175,7 +177,7 @@ def test_retries_after_cut_transfers_give_the_exact_sequence(http, demo_data, fr
     """Every shard's first transfer is cut after about half its samples were passed on: each is read again
     from its start, the samples already given are not passed on twice, and none is missing."""
     http.cuts = {f"train-{i:06d}.tar": 1 for i in range(5)}
-    with caplog.at_level(logging.WARNING, logger="trainer.data.stream"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.reader"):
         docs, _ = read(remote(demo_data, f"{http.base}/{TRAIN}", retries=2), demo_data, num_workers)
     assert docs == from_disk(num_workers)
     assert all(http.curl_gets(f"train-{i:06d}.tar") == 2 for i in range(5))

@@ -25,9 +25,11 @@ from hypothesis import strategies as st
 
 from tests.data.test_remote import ShardHandler, ShardServer
 from tests.trainer.test_train import metrics, run_train
-from trainer.data.stream import DataStreamError, DocumentLoader, DocumentStream, SlotReader, SlotState
+from trainer.checkpoint.safe_io import load_state, save_state
+from trainer.data.loader import DocumentLoader
+from trainer.data.reader import DataStreamError, SlotReader, SlotState
+from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.safe_io import load_state, save_state
 
 SHARDS, DOCS_PER_SHARD, BUFFER, CHUNK = 120, 20, 64, 16
 BAD = {(7, 3): "missing_text", (30, 11): "empty", (55, 0): "not_utf8"}  # (shard, member) -> skip reason
@@ -130,7 +132,7 @@ def test_a_reader_rebuilt_at_any_draw_continues_exactly(corpus, data, buffer):
 
 def test_shuffle_buffer_matches_its_worked_example(corpus):
     """The docstring's example: size 2, a b c d -> b a, then the shuffled rest."""
-    from trainer.data.stream import ShuffleBuffer
+    from trainer.data.reader import ShuffleBuffer
 
     class Scripted:  # randrange answers 1 then 0; shuffle leaves [d c] -> [c d]
         answers = [1, 0]

@@ -9,9 +9,11 @@ import pytest
 import webdataset as wds
 
 from trainer.data.batch import IGNORE_INDEX, valid_targets
-from trainer.data.pipeline import PackingConfig, RowStream, micro_batches
+from trainer.data.config import PackingConfig
+from trainer.data.loader import DocumentLoader
+from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.shards import load_manifest, shard_paths
-from trainer.data.stream import DocumentLoader, DocumentStream
+from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids
 
 SEQ_LEN = 256

@@ -13,8 +13,11 @@ import pytest
 import tokenizers
 import webdataset as wds
 
-from trainer.data.pipeline import PackingConfig, RowStream
-from trainer.data.stream import DataStreamError, DocumentLoader, DocumentStream
+from trainer.data.config import PackingConfig
+from trainer.data.loader import DocumentLoader
+from trainer.data.pipeline import RowStream
+from trainer.data.reader import DataStreamError
+from trainer.data.stream import DocumentStream
 
 EOS = 0  # id of <|endoftext|> in the fixture tokenizer (first special token)
 

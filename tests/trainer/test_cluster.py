@@ -22,7 +22,7 @@ import torch
 
 from tests.harness import free_port, run_distributed
 from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
-from trainer.safe_io import load_state
+from trainer.checkpoint.safe_io import load_state
 
 pytestmark = pytest.mark.slow
 
@@ -253,13 +253,14 @@ def test_sigterm_and_crash_leave_no_process_behind(demo_data, tmp_path):
 def nan_on_rank1_step2(rank: int, world_size: int, policy_skip: bool) -> dict:
     """Three steps; rank 1's forward of step 2 returns NaN logits. Returns what each rank ended with."""
     from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, make_steps
-    from trainer.config import DistributedConfig
+    from trainer.data.config import PackingConfig
     from trainer.data.packing import OnlinePacker
-    from trainer.data.pipeline import PackingConfig, micro_batches
-    from trainer.distributed import init_distributed
-    from trainer.engine import parallelize
+    from trainer.data.pipeline import micro_batches
+    from trainer.distributed.config import DistributedConfig
+    from trainer.distributed.engine import parallelize
+    from trainer.distributed.groups import init_distributed
     from trainer.model import AttentionConfig, build_model
-    from trainer.step import train_step
+    from trainer.run.step import train_step
 
     torch.manual_seed(0)
     info = init_distributed(DistributedConfig(device="cpu"))

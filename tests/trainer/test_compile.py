@@ -16,10 +16,10 @@ import torch
 
 from tests.trainer.test_prefetch import make_trainer
 from tests.trainer.test_train import metrics, run_train
-from trainer.compile import CompileCounter, compile_blocks
 from trainer.data.batch import Batch, Document, collate_rows
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
+from trainer.model.compile import CompileCounter, compile_blocks
 from trainer.model.gpt import apply_activation_checkpointing
 
 T = 64

@@ -27,15 +27,17 @@ from tests.browser import ci_is_set
 from tests.harness import free_port, run_distributed
 from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
 from tests.trainer.test_train import ROOT, metrics, run_train
-from trainer import checkpoint
-from trainer.config import DistributedConfig, OptimConfig
+from trainer.checkpoint import store as checkpoint
+from trainer.config import OptimConfig
+from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker
-from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, init_distributed
-from trainer.engine import parallelize
+from trainer.data.pipeline import micro_batches
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, build_model
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import train_step
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.step import train_step
 
 DEEPSPEED_MISSING = None if importlib.util.find_spec("deepspeed") else (
     "deepspeed is not installed (make test installs it; or pip install -e '.[deepspeed]')")
@@ -179,7 +181,7 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
 
 def test_a_ddp_engine_never_imports_deepspeed():
     code = ("import sys, torch, trainer.train; from trainer.config import DistributedConfig; "
-            "from trainer.distributed import DistInfo; from trainer.engine import parallelize; "
+            "from trainer.distributed.groups import DistInfo; from trainer.distributed.engine import parallelize; "
             "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1); "
             "parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), "
             "DistInfo(0, 1, 0, torch.device('cpu')), DistributedConfig(device='cpu'), 0.0, 'fp32'); "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.data.batch import Document, collate_rows
-from trainer.step import to_device
+from trainer.run.step import to_device
 
 
 def batch():

@@ -23,7 +23,7 @@ from torch._utils import ExceptionWrapper
 
 from tests.harness import free_port
 from tests.trainer.test_train import ROOT, SMALL
-from trainer.data.stream import DataStreamError
+from trainer.data.reader import DataStreamError
 from trainer.errors import one_line, original_message
 from trainer.model import BackendUnavailable, resolve_backend
 
@@ -187,10 +187,10 @@ def test_a_shard_member_that_is_not_a_file_is_one_error_line_naming_the_shard(de
 # A bug (not a user's mistake) in the step, with the DataLoader worker running: python -m trainer.train otherwise.
 BUG = r"""
 import sys
-import trainer.loop
+import trainer.run.loop
 def train_step(*args, **kwargs):
     raise RuntimeError("a bug in the step")
-trainer.loop.train_step = train_step
+trainer.run.loop.train_step = train_step
 from trainer.train import cli
 sys.argv = ["trainer.train", *sys.argv[1:]]
 cli()

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
-from trainer.config import DistributedConfig
 from trainer.data.shards import load_manifest
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.distributed import DistInfo, init_distributed
-from trainer.engine import parallelize
-from trainer.evaluate import Evaluator, load_eval_docs
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, GPTConfig, build_model
+from trainer.run.evaluate import Evaluator, load_eval_docs
 
 SEQ_LEN = 64
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

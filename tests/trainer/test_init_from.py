@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 from tests.harness import free_port, require_module
 from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from trainer.checkpoint.safe_io import load_state
+from trainer.checkpoint.weights import grow_rows
 from trainer.data.corpus import PrepareError
 from trainer.data.tokenizer import extend_tokenizer, extension_problem, load_tokenizer, train_tokenizer
 from trainer.model import AttentionConfig, GPTConfig, build_model
 from trainer.prepare import prepare
-from trainer.safe_io import load_state
-from trainer.weights import grow_rows
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "hello world, hello tokens", "<|tool|> is not special yet"] * 20
 

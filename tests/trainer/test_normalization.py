@@ -15,14 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, make_steps
-from trainer.config import NORMALIZATIONS, DistributedConfig
+from trainer.config import NORMALIZATIONS
 from trainer.data.batch import Document, collate_rows
+from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker
-from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo
-from trainer.engine import parallelize
+from trainer.data.pipeline import micro_batches
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, build_model, model_inputs
-from trainer.step import loss_weights, train_step
+from trainer.run.step import loss_weights, train_step
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 MB_TOKENS = 2 * SEQ_LEN

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from trainer.config import OptimConfig, TrainConfig, _build
-from trainer.engine import resolve_dtype
+from trainer.distributed.engine import resolve_dtype
 from trainer.errors import ConfigError
-from trainer.optim import build_optimizer, use_fused
+from trainer.run.optim import build_optimizer, use_fused
 
 CPU = torch.device("cpu")
 

@@ -22,8 +22,9 @@ from omegaconf import OmegaConf
 from tests.trainer.test_train import ROOT, SMALL, metrics
 from trainer.config import from_container
 from trainer.data.batch import Document
-from trainer.data.pipeline import PREFETCH_THREAD, PackingConfig, RowPrefetcher, RowStream
-from trainer.distributed import DistInfo
+from trainer.data.config import PackingConfig
+from trainer.data.pipeline import PREFETCH_THREAD, RowPrefetcher, RowStream
+from trainer.distributed.groups import DistInfo
 
 SEQ_LEN, ROWS = 32, 3
 
@@ -84,7 +85,7 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 def lockstep_takes(rows, epochs: int) -> list:
-    """One rank's takes over `epochs` epochs as trainer.loop._take_rows makes them, prefetching after each take
+    """One rank's takes over `epochs` epochs as trainer.run.loop._take_rows makes them, prefetching after each take
     when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the take)]."""
     out, epoch = [], 0
     while epoch < epochs:
@@ -192,7 +193,7 @@ def test_no_draw_starts_on_an_exhausted_stream():
 
 
 def make_trainer(data: Path, run_dir: Path, *overrides: str):
-    from trainer.loop import Trainer
+    from trainer.run.loop import Trainer
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         composed = compose(config_name="config", overrides=[f"data.path={data}", *SMALL, "train.eval_every=0",
@@ -207,7 +208,7 @@ def test_the_thread_ends_when_training_ends_fails_or_is_preempted_and_the_preemp
     """Step 2 of 5 is preempted (SIGTERM) while step 3's rows are drawn ahead: the checkpoint of step 2 resumes
     into the same steps 3-5 as the uninterrupted run. After each fit(), finished, failed or preempted, no
     prefetch thread is left."""
-    from trainer import loop
+    from trainer.run import loop
 
     summary = make_trainer(demo_data, tmp_path / "whole", "train.max_steps=5").fit()
     assert summary["final_step"] == 5 and not prefetch_threads()

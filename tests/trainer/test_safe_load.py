@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.harness import require_module
 from tests.trainer.test_train import ROOT, SMALL, run_train
-from trainer.safe_io import UnsafeCheckpointError, decode, encode, load_state, save_state
+from trainer.checkpoint.safe_io import UnsafeCheckpointError, decode, encode, load_state, save_state
 
 
 class RunsCode:
@@ -61,7 +61,7 @@ def test_load_state_refuses_without_fallback(tmp_path):
 
 def test_deepspeed_files_are_checked_before_deepspeed_opens_them(tmp_path):
     require_module("deepspeed", "pip install -e '.[deepspeed]'")
-    from trainer.deepspeed_engine import check_deepspeed_files
+    from trainer.distributed.deepspeed import check_deepspeed_files
 
     marker = tmp_path / "pwned"
     torch.save({"optimizer_state_dict": RunsCode(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from trainer.config import NORMALIZATIONS, DistributedConfig
+from trainer.config import NORMALIZATIONS
 from trainer.data.batch import Document
+from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker
-from trainer.data.pipeline import PackingConfig, micro_batches
-from trainer.distributed import DistInfo, init_distributed
-from trainer.engine import parallelize
+from trainer.data.pipeline import micro_batches
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, GPTConfig, build_model
-from trainer.step import train_step
+from trainer.run.step import train_step
 
 SEQ_LEN = 32
 PAD = 1

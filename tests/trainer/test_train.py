@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.harness import free_port
-from trainer.safe_io import load_state
+from trainer.checkpoint.safe_io import load_state
 from trainer.train import strip_launcher_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,16 @@
+"""Data: text in, batches out. Owns everything between a corpus on disk and the tensors of a micro-batch.
+
+    corpus, chat      sources of text for `trainer.prepare` (stdlib demo, text files, JSONL, chat records)
+    tokenizer         the byte-level BPE and its special tokens (trained, saved, hashed, extended)
+    shards            WebDataset shards and manifest.json (written by prepare, read here)
+    sources           where training shards come from (data.path, data.urls: files, http(s), pipe:)
+    reader            one slot's reader: shard cursor, shuffle buffer, resumable read position
+    stream, loader    the rank x worker split of the shards, tokenization, DataLoader workers (workers.py)
+    packing           the online packer (and offline BFD), long-document policies
+    pipeline          documents -> rows -> micro-batches for each layout, the prefetch thread
+    batch             `Document`, `Batch`: ids, positions, labels (-100 at boundaries), cu_seqlens
+    config            the `data` and `packing` config sections
+
+Document boundaries get their one canonical form here (batch.collate_rows); the model only reads it.
+Must not import: the model, distributed, checkpoint, run or config modules (only trainer.errors above it).
+"""

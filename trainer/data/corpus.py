@@ -28,9 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from trainer.data.config import ON_ERROR
 from trainer.errors import UserError
-
-ON_ERROR = ("raise", "skip")
 
 # Directories of the standard library that are not the library itself. Test suites are left out by
 # default: they hold deliberately broken files and would dominate the corpus (20 MB of 34 MB).

@@ -22,37 +22,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
-from trainer.data.batch import LAYOUTS, Batch, Document, collate_rows, flatten
-from trainer.data.packing import LONG_DOC_POLICIES, OnlinePacker, PackingStats, split_long
-
-PAD_TO = ("longest", "seq_len")
-
-
-@dataclass
-class PackingConfig:
-    """How documents become rows (the `packing` config group)."""
-
-    layout: str = "packed"
-    """'packed' | 'unpacked' | 'bucketed': the one switch of an ablation."""
-    buffer_size: int = 1024
-    """Documents the online packer holds to choose from; larger packs tighter and reorders more."""
-    long_docs: str = "split"
-    """Documents longer than seq_len: 'split' into chunks of <= seq_len, 'truncate', or 'drop' (all counted)."""
-    reset_positions: bool = True
-    """Position ids restart at 0 in every document (False: 0..L-1 per row, the continuous ablation)."""
-    pad_to: str = "longest"
-    """Unpacked rows are padded to the micro-batch's 'longest' document or to 'seq_len'."""
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"packing.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.long_docs not in LONG_DOC_POLICIES:
-            raise ValueError(f"packing.long_docs must be one of {LONG_DOC_POLICIES}, got {self.long_docs!r}")
-        if self.pad_to not in PAD_TO:
-            raise ValueError(f"packing.pad_to must be one of {PAD_TO}, got {self.pad_to!r}")
+from trainer.data.batch import Batch, Document, collate_rows, flatten
+from trainer.data.config import PackingConfig
+from trainer.data.packing import OnlinePacker, PackingStats, split_long
 
 
 class RowStream:
@@ -136,7 +110,7 @@ class RowPrefetcher:
     Checkpoints: rows drawn ahead have not been trained on, so `state_dict()` is the stream's state *before*
     them, a snapshot the thread takes just before it draws; a run resumed from it draws them again. `exhausted`
     is likewise the state before a pending draw, and no draw starts on an exhausted stream: whether the next
-    take follows `next_epoch()` is decided by all ranks (data.epoch_lockstep, trainer.loop).
+    take follows `next_epoch()` is decided by all ranks (data.epoch_lockstep, trainer.run.loop).
 
     One thread, kept until `close()`, which the trainer calls on every exit path: it waits for a pending draw,
     closes the stream (and its DataLoader workers), then ends the thread. The thread lives that long because

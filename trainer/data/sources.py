@@ -44,11 +44,11 @@ from trainer.data.shards import MANIFEST_FILE, load_manifest, shard_paths
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
-    from trainer.config import DataConfig
+    from trainer.data.config import DataConfig
 
 log = logging.getLogger(__name__)
 
-VAL_SPLIT = "val"  # the manifest split the eval reads when data.val_urls is not set (trainer.evaluate: EVAL_SPLIT)
+VAL_SPLIT = "val"  # the manifest split the eval reads when data.val_urls is not set (trainer.run.evaluate: EVAL_SPLIT)
 URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s):// URLs or pipe: commands "
              "(e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
 

@@ -1,4 +1,15 @@
-"""The GPT model and its attention adapter: single-device code, no ranks."""
+"""The model: a single-device GPT that takes packed or padded rows and knows nothing about ranks.
+
+    gpt        the GPT (learned or RoPE positions, KV cache for decoding), activation checkpointing
+    attention  the one attention interface over every backend (flash, torch varlen, flex, per-document SDPA,
+               dense masks); `resolve_backend` says which runs here and why not
+    flash      the flash-attn adapter, the only place flash_attn is imported
+    loss       summed token cross entropy over unshifted labels: plain, weighted, chunked (logits never whole)
+    compile    torch.compile of each block with the attention call left outside the graph
+
+It reads the data layer's batch format (trainer.data.batch) and nothing else of the package. Must not
+import: torch.distributed, deepspeed, or the distributed, checkpoint, run or config modules.
+"""
 
 from trainer.model.attention import (
     BACKENDS,
@@ -21,10 +32,9 @@ from trainer.model.gpt import (
     ModelOutput,
     apply_activation_checkpointing,
     build_model,
-    chunked_cross_entropy,
     model_inputs,
-    shifted_cross_entropy,
 )
+from trainer.model.loss import chunked_cross_entropy, shifted_cross_entropy
 
 __all__ = [
     "BACKENDS",

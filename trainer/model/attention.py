@@ -384,7 +384,7 @@ def segment_attention(
 ) -> torch.Tensor:
     """Document-causal attention of flat (N, H, D) tokens; returns (N, H, D). The model calls this per layer.
 
-    Runs outside torch.compile's graphs (train.compile, trainer/compile.py): the boundaries change with every
+    Runs outside torch.compile's graphs (train.compile, trainer/model/compile.py): the boundaries change with every
     batch, and outside the graph they are never guarded on, so no backend recompiles per batch.
     """
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NHD, v_NHD))

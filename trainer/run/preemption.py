@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from trainer.distributed import dist_max
+from trainer.distributed.groups import dist_max
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -1,6 +1,6 @@
 """torch.compile for training (train.compile=true): each transformer block compiled on its own, as torchtitan does.
 
-`compile_blocks` runs once, from `trainer.engine.parallelize`, before any DDP / DeepSpeed wrapping. Every block
+`compile_blocks` runs once, from `trainer.distributed.engine.parallelize`, before any DDP / DeepSpeed wrapping. Every block
 has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards hold for each block).
 
 What is compiled: a block's body (`Block._forward`: layer norms, qkv projection, RoPE, output projection,

@@ -1,4 +1,4 @@
-"""DistributedDataParallel behind the `Engine` interface (trainer.engine): the default engine.
+"""DistributedDataParallel behind the `Engine` interface (trainer.distributed.engine): the default engine.
 
 One process: the plain module, no wrapper. Several: DDP, whose gradient all-reduce runs once per optimizer
 step (`no_sync` on every micro-batch but the last), so ranks may run different numbers of micro-batches.
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trainer.distributed import DistInfo
-from trainer.safe_io import load_state, save_state
+from trainer.checkpoint.safe_io import load_state, save_state
+from trainer.distributed.groups import DistInfo
 
 
 class DDPEngine:
@@ -50,7 +50,7 @@ class DDPEngine:
         """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.
 
         Returns (objective sum, plain summed token loss): the objective is the weighted sum when the
-        inputs carry loss_weights (trainer.step.loss_weights), else the plain sum.
+        inputs carry loss_weights (trainer.run.step.loss_weights), else the plain sum.
         """
         no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
         with no_sync:

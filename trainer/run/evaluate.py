@@ -19,16 +19,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import DataConfig
 from trainer.data.batch import Batch, Document
+from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
-from trainer.data.pipeline import PackingConfig, micro_batches
+from trainer.data.pipeline import micro_batches
 from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
-from trainer.distributed import DistInfo, dist_sum
-from trainer.engine import Engine
+from trainer.distributed.engine import Engine
+from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
-from trainer.step import empty_batch
+from trainer.run.step import empty_batch
 
 EVAL_SPLIT = "val"
 

@@ -67,7 +67,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         engine_file = Path(path) / "engine.pt"
         if engine_file.is_file():  # a DDP checkpoint from before model.safetensors: its plain-data engine state
-            from trainer.safe_io import load_state  # weights_only=True: refuses anything but data and tensors
+            from trainer.checkpoint.safe_io import (
+                load_state,  # weights_only=True: refuses anything but data and tensors
+            )
 
             return {k: v for k, v in load_state(engine_file, map_location="cpu")["model"].items() if k != TIED_KEY}
         raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one "

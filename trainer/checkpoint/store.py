@@ -5,7 +5,7 @@ Layout of `<run dir>/checkpoints/step_000050/`:
     model.safetensors    the weights alone (DDP), for loaders that trust only safetensors
     deepspeed/           or, under DeepSpeed, its own checkpoint: one ZeRO shard per rank (engine.save)
     rank_00000.pt ...    each rank's data-stream state and RNG states
-Every .pt is plain data and tensors, read with weights_only=True (trainer.safe_io).
+Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io).
     meta.json            step, token counters, world size, engine
     conventions.json     how inputs and objective were built (see `conventions`)
     tokenizer/           the tokenizer files the weights were trained with
@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.distributed import DistInfo, barrier
-from trainer.engine import Engine
+from trainer.checkpoint.safe_io import load_state, save_state
+from trainer.distributed.engine import Engine
+from trainer.distributed.groups import DistInfo, barrier
 from trainer.errors import UserError
-from trainer.safe_io import load_state, save_state
 
 
 class CheckpointError(UserError, ValueError):

@@ -1,7 +1,7 @@
 """Process groups and named reductions: the only place a process group is set up.
 
-Wrapping a model for several ranks is `trainer.engine.parallelize` (the `Engine` interface, with DDP in
-trainer/ddp_engine.py and DeepSpeed in trainer/deepspeed_engine.py); both import this module, never the reverse.
+Wrapping a model for several ranks is `trainer.distributed.engine.parallelize` (the `Engine` interface, with DDP in
+trainer/distributed/ddp.py and DeepSpeed in trainer/distributed/deepspeed.py); both import this module, never the reverse.
 The model itself never imports torch.distributed.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.config import DistributedConfig
+from trainer.distributed.config import DistributedConfig
 from trainer.errors import ConfigError
 
 

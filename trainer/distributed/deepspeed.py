@@ -1,7 +1,7 @@
-"""DeepSpeed ZeRO (stage 1, 2 or 3) behind the `Engine` interface (trainer.engine).
+"""DeepSpeed ZeRO (stage 1, 2 or 3) behind the `Engine` interface (trainer.distributed.engine).
 
 Imported by `parallelize` only when distributed.engine=deepspeed, so plain runs never import deepspeed.
-DeepSpeed gets the client optimizer and LR schedule (trainer.optim), so DDP and ZeRO runs are comparable.
+DeepSpeed gets the client optimizer and LR schedule (trainer.run.optim), so DDP and ZeRO runs are comparable.
 
 How the objective survives DeepSpeed. The step scales each micro-batch's summed loss by
 grad_average_factor / global valid targets; DeepSpeed would then change it in three ways, each undone:
@@ -27,9 +27,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from trainer.config import DistributedConfig
-from trainer.distributed import DistInfo
-from trainer.safe_io import load_state
+from trainer.checkpoint.safe_io import load_state
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.groups import DistInfo
 
 CHECKPOINT_TAG = "deepspeed"
 """Sub-directory of a packtrain checkpoint that holds DeepSpeed's files (one ZeRO shard per rank)."""
@@ -72,7 +72,7 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed(info.device)
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeed needs a process group, even for one process: call "
-                               "trainer.distributed.init_distributed(cfg) with distributed.engine=deepspeed first")
+                               "trainer.distributed.groups.init_distributed(cfg) with distributed.engine=deepspeed first")
         self.name = f"deepspeed_zero{cfg.zero_stage}"
         self.zero_stage = cfg.zero_stage
         self.module = model

@@ -1,9 +1,9 @@
 """The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
 
 `parallelize` is the one place a built model (single-device code) is wrapped for several ranks; it returns an
-`Engine`, implemented by `DDPEngine` (trainer/ddp_engine.py) and `DeepSpeedEngine` (trainer/deepspeed_engine.py,
+`Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py) and `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
 imported only when configured, so plain runs never import deepspeed). Process groups are set up before, by
-`trainer.distributed.init_distributed`; the engines only use them.
+`trainer.distributed.groups.init_distributed`; the engines only use them.
 
 How the step drives an engine, for one optimizer step over k micro-batches:
 
@@ -20,10 +20,10 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from trainer.compile import compile_blocks
-from trainer.config import DistributedConfig
-from trainer.ddp_engine import DDPEngine
-from trainer.distributed import DistInfo
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.ddp import DDPEngine
+from trainer.distributed.groups import DistInfo
+from trainer.model.compile import compile_blocks
 
 
 @runtime_checkable
@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
     dtype: train.dtype ('auto' resolved here, see `resolve_dtype`). compile (train.compile): each transformer
-    block is compiled first, before any wrapping (trainer/compile.py).
+    block is compiled first, before any wrapping (trainer/model/compile.py).
     """
     dtype = resolve_dtype(dtype, info.device)
     if compile:
@@ -108,7 +108,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if cfg.engine == "ddp":
         return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
     if cfg.engine == "deepspeed":
-        from trainer.deepspeed_engine import DeepSpeedEngine  # only here: plain runs never import deepspeed
+        from trainer.distributed.deepspeed import (
+            DeepSpeedEngine,  # only here: plain runs never import deepspeed
+        )
 
         return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
     raise ValueError(f"distributed.engine must be 'ddp' or 'deepspeed', got {cfg.engine!r}")

@@ -40,8 +40,8 @@ import torch
 
 from trainer.config import NORMALIZATIONS
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
-from trainer.distributed import DistInfo, dist_sum
-from trainer.engine import Engine
+from trainer.distributed.engine import Engine
+from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.errors import UserError
 from trainer.model import model_inputs
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
+from trainer.checkpoint.weights import TIED_KEY, load_into
 from trainer.data.tokenizer import SpecialIds
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
-from trainer.weights import TIED_KEY, load_into
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"

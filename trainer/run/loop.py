@@ -1,6 +1,6 @@
 """The trainer: builds the parts from a `RunConfig` and owns the cadence (log, checkpoint, resume).
 
-The optimizer step itself lives in `trainer.step`; wrapping for several ranks in `trainer.distributed`.
+The optimizer step itself lives in `trainer.run.step`; wrapping for several ranks in `trainer.distributed.groups`.
 """
 
 from __future__ import annotations
@@ -16,25 +16,26 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer import checkpoint
-from trainer.compile import CompileCounter
+from trainer.checkpoint import store as checkpoint
+from trainer.checkpoint.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
 from trainer.config import RunConfig
 from trainer.data.batch import Batch, check_token_ids
+from trainer.data.loader import DocumentLoader
 from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
 from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
-from trainer.data.stream import DocumentLoader, DocumentStream
+from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
-from trainer.distributed import DistInfo, broadcast_object, dist_sum
-from trainer.engine import parallelize, resolve_dtype
+from trainer.distributed.engine import parallelize, resolve_dtype
+from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
-from trainer.evaluate import EvalResult, Evaluator, load_eval_docs
-from trainer.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
 from trainer.model import apply_activation_checkpointing, build_model
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.preemption import PreemptionHandler
-from trainer.step import NonFiniteError, train_step
-from trainer.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
+from trainer.model.compile import CompileCounter
+from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
+from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.preemption import PreemptionHandler
+from trainer.run.step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
 def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int, dtype: str = "fp32") -> dict:
     """What a later run needs to rebuild the same inputs and objective (saved beside the weights).
 
-    dtype: train.dtype as the run resolved it ('fp32' or 'bf16', see trainer.engine.resolve_dtype).
+    dtype: train.dtype as the run resolved it ('fp32' or 'bf16', see trainer.distributed.engine.resolve_dtype).
     """
     return {
         "layout": cfg.packing.layout,
@@ -365,7 +366,7 @@ class Trainer:
             check_token_ids(mb, self.model_vocab_size)
         if self.info.device.type == "cuda":
             with torch.cuda.device(self.info.device):  # this rank's GPU, also in the prefetch thread (not GPU 0's)
-                mbs = [mb.pin_memory() for mb in mbs]  # trainer.step.to_device then copies without waiting
+                mbs = [mb.pin_memory() for mb in mbs]  # trainer.run.step.to_device then copies without waiting
         return mbs
 
     def _train_one_step(self):

@@ -1,0 +1,396 @@
+"""A slot's reader: its shards of an epoch, read one sample at a time through a shuffle buffer, resumable.
+
+Example, 5 shards, 2 ranks x 2 workers (S = 4), epoch permutation [3, 0, 4, 1, 2]:
+    rank 0 worker 0 (slot 0) reads shards [3, 2];  rank 0 worker 1 (slot 1) reads [0]
+    rank 1 worker 0 (slot 2) reads [4];            rank 1 worker 1 (slot 3) reads [1]
+
+Resuming: a slot's position (`ReadPosition`) names the shard it is reading (its index in the slot's
+shard list of the epoch), how many samples it took from it and the last one's key, the shuffle buffer's
+items and the shuffle's RNG state. A resumed slot never opens the shards before the current one; it
+reads the current one past the samples already taken without decoding them (and checks the last key),
+refills the buffer, and continues with exactly the next document: nothing repeated, nothing skipped. What
+it read to get there is reported (`DocumentLoader.resume_read`). Its cost is one shard at most, wherever
+the epoch stood. Example, shards of 10,000 samples, buffer 1,000, preempted at sample 4,500 of the 90th
+shard of the epoch: the resume reads 4,500 samples of that shard, not the 894,500 before them.
+
+The buffer goes into the checkpoint as the samples themselves, except those of the shard being read,
+which are references (shard, member) refilled as the resume reads past them. In the DataLoader workers
+the buffer changes with every sample; each chunk carries only the items that entered it since the
+slot's previous chunk, and `DocumentLoader` keeps a copy of every slot's buffer up to the chunk it
+consumed. A checkpoint written before positions were saved (only `drawn`) still resumes: that slot
+replays its epoch up to `drawn` samples, reading every shard before its position."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from trainer.data.shards import TEXT_FIELD, non_sample_members
+from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
+
+log = logging.getLogger(__name__)
+
+
+class DataStreamError(RuntimeError):
+    """Bad input in a shard: the message names the shard and, where there is one, the sample key."""
+
+
+Item = tuple[int, int, str, bytes | list[str] | None]
+"""A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
+key, data). data: the `txt` bytes; the field names of a sample without `txt`; None marks a shard that could not be
+read (member -1). Example: (3, 17, "doc03_017", b"some text")."""
+
+
+@dataclass
+class ReadPosition:
+    """Where a slot's reader stands inside an epoch: enough to continue without reading the shards before it."""
+
+    shard_index: int = 0
+    """Index of the shard being read in the slot's shard list of this epoch (the list's length once all are read)."""
+    taken: int = 0
+    """Samples taken from that shard so far: a resume reads past them without decoding them."""
+    last_key: str = ""
+    """Key of the last of them, checked when the shard is opened again (a changed shard cannot be resumed)."""
+    rng: tuple = ()
+    """The shuffle's `random.Random.getstate()`."""
+    draining: bool = False
+    """Every shard is read: the buffer was shuffled once and is being emptied."""
+    buffer: list[Item] | None = None
+    """The shuffle buffer's items; None in the chunks a worker sends, which carry `changes` instead."""
+    changes: tuple[int, dict[int, Item]] | None = None
+    """(buffer size, {position: item}) changed since the slot's previous chunk (`ShuffleBuffer.changes`)."""
+
+    def with_changes_applied(self, buffer: list[Item]) -> ReadPosition:
+        """This position with `buffer` (the slot's buffer at its previous chunk, updated in place) as its buffer.
+
+        Example: buffer [a, b, c], changes (2, {1: d}) -> [a, d].
+        """
+        size, changed = self.changes
+        del buffer[size:]
+        buffer.extend([None] * (size - len(buffer)))
+        for i, item in changed.items():
+            buffer[i] = item
+        return dataclasses.replace(self, buffer=buffer, changes=None)
+
+    def to_dict(self) -> dict:
+        """Plain data for a checkpoint, cheap enough to take at every step (the items are shared, not copied).
+        Buffered samples of the shard being read become references (shard, member, "", None): a resume reads
+        past them anyway. The others keep their text bytes (torch.save pickles bytes as latin-1 text: ASCII at
+        its size, other bytes at twice theirs)."""
+        current = self.shard_index
+        buffer = [(item[0], item[1], "", None) if item[0] == current and item[1] >= 0 else item for item in self.buffer]
+        return {"shard_index": current, "taken": self.taken, "last_key": self.last_key, "rng": self.rng[1],
+                "draining": self.draining, "buffer": buffer}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReadPosition:
+        return cls(shard_index=d["shard_index"], taken=d["taken"], last_key=d["last_key"],
+                   rng=(3, tuple(d["rng"]), None), draining=d["draining"], buffer=[tuple(item) for item in d["buffer"]])
+
+
+@dataclass
+class SlotState:
+    """Where one (rank, worker) slot stands in its stream."""
+
+    epoch: int = 0
+    drawn: int = 0
+    """Samples drawn from the shuffle buffer in this epoch (bad ones included)."""
+    shard: str = ""
+    """Shard being read when the state was taken (for reports)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Samples skipped under on_error=skip, by reason, since the start of training."""
+    docs: int = 0
+    """Documents emitted since the start of training."""
+    position: ReadPosition | None = None
+    """Where the reader stands in the epoch. None at the epoch's start, and in checkpoints written before it was
+    saved: then `drawn` says where, and the epoch is replayed up to it."""
+    restore_read: tuple[int, int, float] | None = None
+    """Only in a resumed slot's first message: samples and bytes it read to restore its position, and seconds."""
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("position",
+                                                                                                 "restore_read")}
+        d["skipped"] = dict(self.skipped)
+        d["position"] = None if self.position is None else self.position.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SlotState:
+        position = d.get("position")
+        return cls(**{**d, "skipped": dict(d["skipped"]),
+                      "position": None if position is None else ReadPosition.from_dict(position)})
+
+
+class ReadPolicy(Protocol):
+    """What a reader needs of its stream's settings (trainer.data.stream.DocumentStream is one)."""
+
+    retries: int
+    retry_backoff_s: float
+    expected_docs: dict[str, int]
+    shuffle_buffer: int
+    _replaying: bool
+
+    def _bad(self, state: SlotState, reason: str, message: str) -> None:
+        """Raise DataStreamError(message), or count the skip under `reason` (on_error=skip)."""
+
+
+class ShardCursor:
+    """A slot's shards of one epoch, read in order one sample at a time, with retries.
+
+    Its position is (shard index, samples taken from that shard, key of the last one). `seek` opens the shard
+    at that position, reading past the samples taken before without decoding them: a resume. A transient
+    failure (a transfer cut short, connection refused, HTTP 5xx, a failed command) reopens the shard the same
+    way, up to `retries` times, so the samples come out as without the failure. Example: a shard of 200 samples
+    cut after 120 -> the retry reads samples 1..120 silently and passes on 121..200.
+    """
+
+    def __init__(self, stream: ReadPolicy, shards: list[str], state: SlotState, index: int = 0, taken: int = 0,
+                 last_key: str = "") -> None:
+        self.stream = stream
+        self.shards = shards
+        self.state = state
+        """The slot's state, where bad shards are counted."""
+        self.index, self.taken, self.last_key = index, taken, last_key
+        self.read = ReadCounter()
+        """Samples and bytes read from the shards, skipped ones included."""
+        self._attempt = 0
+        self._samples: Iterator[dict] | None = None  # the open shard, past its `taken` samples
+        self._failed: Item | None = None  # the marker of a shard that could not be read, next to pull
+        self._wanted: dict[int, Item] = {}
+
+    def pull(self) -> Item | None:
+        """The next sample of the epoch, or None once every shard is read."""
+        while True:
+            if self._failed is not None:
+                item, self._failed = self._failed, None
+                return item
+            if self.index == len(self.shards):
+                return None
+            try:
+                if self._samples is None:
+                    self._samples = self._open()
+                sample = next(self._samples, None)
+            except ShardReadError as exn:
+                self._retry_or_fail(exn)
+                continue
+            if sample is None:
+                self._check_count()
+                self._next_shard()
+                continue
+            self.taken += 1
+            self.last_key = sample["__key__"]
+            return self.index, self.taken - 1, self.last_key, _data(sample)
+
+    def seek(self, wanted: set[int]) -> dict[int, Item]:
+        """Open the current shard past the samples taken from it before; return those of them listed in `wanted`
+        (member indices), read on the way. A shard that cannot be read is counted and left, as in `pull`."""
+        self._wanted = dict.fromkeys(wanted)
+        while self.taken and self._samples is None and self._failed is None:
+            try:
+                self._samples = self._open()
+            except ShardReadError as exn:
+                self._retry_or_fail(exn)
+        found = {m: item for m, item in self._wanted.items() if item is not None}
+        self._wanted = {}
+        return found
+
+    def _open(self) -> Iterator[dict]:
+        """The current shard, read past its first `taken` samples (the last one's key must be `last_key`)."""
+        url = self.shards[self.index]
+        self.state.shard = url
+        samples = read_shard(url, self.read)
+        found = {}
+        try:
+            for i in range(self.taken):
+                sample = next(samples, None)
+                if sample is None:
+                    raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
+                                         "the shard changed", transient=False)
+                if i in self._wanted:
+                    found[i] = (self.index, i, sample["__key__"], _data(sample))
+            if self.taken and sample["__key__"] != self.last_key:
+                raise ShardReadError(f"sample {self.taken} is now {sample['__key__']!r}, it was {self.last_key!r}: "
+                                     "the shard changed", transient=False)
+        except BaseException:
+            samples.close()
+            raise
+        self._wanted.update(found)
+        return samples
+
+    def _retry_or_fail(self, exn: ShardReadError) -> None:
+        """After a failed read: wait and let the next pull reopen the shard, or count it as unreadable and move on."""
+        self._close()
+        url = self.shards[self.index]
+        where = f"after sample {self.last_key!r}" if self.last_key else "before its first sample"
+        if not exn.transient or self._attempt == self.stream.retries:
+            tries = f"; {self._attempt + 1} attempts" if self._attempt else ""
+            self.stream._bad(self.state, "unreadable_shard", f"{url}: cannot read shard ({where}{tries}): {exn}")
+            self._failed = (self.index, -1, self.last_key, None)
+            self._next_shard()
+            return
+        delay = self.stream.retry_backoff_s * 2**self._attempt
+        self._attempt += 1
+        again = f", skipping the {self.taken} samples already passed on" if self.taken else ""
+        log.warning("%s: cannot read shard (%s): %s; retry %d of %d in %.1f s from the shard's start%s",
+                    url, where, exn, self._attempt, self.stream.retries, delay, again)
+        time.sleep(delay)
+
+    def _check_count(self) -> None:
+        """A shard read to its end must hold as many samples as the manifest lists."""
+        url = self.shards[self.index]
+        expected = self.stream.expected_docs.get(url_file_name(url))
+        if expected is not None and self.taken != expected:
+            self.stream._bad(
+                self.state,
+                "truncated_shard",
+                f"{url}: read {self.taken} samples but the manifest lists {expected}{_why_short(url)}; copy the shard "
+                "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
+                "or set data.on_error=skip",
+            )
+
+    def _next_shard(self) -> None:
+        self._close()
+        self.index, self.taken, self.last_key, self._attempt = self.index + 1, 0, "", 0
+
+    def _close(self) -> None:
+        if self._samples is not None:
+            self._samples.close()  # read_shard's finally: close the file, stop curl or the command
+            self._samples = None
+
+    def close(self) -> None:
+        self._close()
+
+
+class ShuffleBuffer:
+    """Buffered shuffle of one epoch's samples: fill to `size`; then each new item takes the place of a random
+    one, which is drawn; once every shard is read, shuffle what is left and drain it.
+
+    Example, size 2, items a b c d: [a], [a b]; c replaces b (b drawn) -> [a c]; d replaces a (a drawn) -> [d c];
+    end of the shards: shuffled to [c d], c drawn, then d. `changes` lists what changed since its last call.
+    """
+
+    def __init__(self, size: int, rng: random.Random, items: list[Item] | None = None, draining: bool = False) -> None:
+        self.size = size
+        self.rng = rng
+        self.items: list[Item] = items if items is not None else []
+        """While draining: in reverse order, so that pop() draws them in the shuffled order."""
+        self.draining = draining
+        self._changed: set[int] = set(range(len(self.items)))
+
+    def push(self, item: Item) -> Item | None:
+        """Add a sample read; once the buffer is full, the one it replaces (drawn), else None."""
+        if len(self.items) < self.size:
+            self.items.append(item)
+            self._changed.add(len(self.items) - 1)
+            return None
+        i = self.rng.randrange(len(self.items))
+        out, self.items[i] = self.items[i], item
+        self._changed.add(i)
+        return out
+
+    def start_draining(self) -> None:
+        self.rng.shuffle(self.items)
+        self.items.reverse()
+        self.draining = True
+        self._changed = set(range(len(self.items)))
+
+    def pop(self) -> Item | None:
+        return self.items.pop() if self.items else None
+
+    def changes(self) -> tuple[int, dict[int, Item]]:
+        """(size, {position: item}) of the positions changed since the last call. Example: size 3, [a b c], then c
+        replaced by d and b by e -> (3, {1: e, 2: d}); after two pops while draining -> (1, {})."""
+        size = len(self.items)
+        changed = {i: self.items[i] for i in sorted(self._changed) if i < size}
+        self._changed = set()
+        return size, changed
+
+
+class SlotReader:
+    """One slot's samples in one epoch: its shards in order (`ShardCursor`) through the `ShuffleBuffer`.
+
+    Built at a `ReadPosition`, it opens the shard being read, reads past the samples taken from it (refilling the
+    buffer's references to them) and continues with the sample an uninterrupted reader would draw next. Built
+    without one, at `state.drawn` > 0 (a checkpoint from before positions were saved), it replays the epoch.
+    """
+
+    def __init__(self, stream: ReadPolicy, shards: list[str], seed: int, state: SlotState,
+                 position: ReadPosition | None) -> None:
+        t0 = time.perf_counter()
+        self.shards = shards
+        rng = random.Random(seed)
+        if position is None:
+            self.cursor = ShardCursor(stream, shards, state)
+            self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng)
+            if state.drawn:
+                self._replay(stream, state.drawn)
+        else:
+            rng.setstate(position.rng)
+            self.cursor = ShardCursor(stream, shards, state, position.shard_index, position.taken, position.last_key)
+            self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng, list(position.buffer), position.draining)
+            self._refill(position.shard_index)
+        self.restore_read = (self.cursor.read.samples, self.cursor.read.bytes, time.perf_counter() - t0)
+        """(samples, bytes, seconds) it took to get to the position."""
+
+    def _refill(self, shard_index: int) -> None:
+        """Read the current shard up to the position, taking the buffered samples saved as references to it."""
+        items = self.buffer.items
+        refs = {item[1]: i for i, item in enumerate(items) if item[3] is None and item[1] >= 0}
+        if any(items[i][0] != shard_index for i in refs.values()):
+            raise DataStreamError(f"bad stream state: buffered references to a shard other than the current one "
+                                  f"({shard_index} of {len(self.shards)})")
+        found = self.cursor.seek(set(refs))
+        for member, i in refs.items():
+            # Missing only if the shard could not be read again (counted as unreadable): drop the sample silently.
+            items[i] = found.get(member, (shard_index, -1, "", None))
+
+    def _replay(self, stream: ReadPolicy, drawn: int) -> None:
+        stream._replaying = True  # bad shards met again were counted before the checkpoint
+        try:
+            for _ in range(drawn):
+                self.draw()
+        finally:
+            stream._replaying = False
+
+    def draw(self) -> Item | None:
+        """The next sample of the epoch, or None at its end."""
+        while not self.buffer.draining:
+            item = self.cursor.pull()
+            if item is None:
+                self.buffer.start_draining()
+                break
+            out = self.buffer.push(item)
+            if out is not None:
+                return out
+        return self.buffer.pop()
+
+    def position(self) -> ReadPosition:
+        """Where the reader stands now, with the buffer changes since the last call (not the buffer)."""
+        c = self.cursor
+        return ReadPosition(shard_index=c.index, taken=c.taken, last_key=c.last_key, rng=self.buffer.rng.getstate(),
+                            draining=self.buffer.draining, changes=self.buffer.changes())
+
+    def close(self) -> None:
+        self.cursor.close()
+
+
+
+def _data(sample: dict) -> bytes | list[str]:
+    """An `Item`'s data: the sample's text bytes, or the names of its fields if it has no text."""
+    if TEXT_FIELD in sample:
+        return sample[TEXT_FIELD]
+    return sorted(k for k in sample if not k.startswith("__"))
+
+
+def _why_short(shard: str) -> str:
+    odd = non_sample_members(shard)
+    if odd:
+        return f"; it holds members that are not samples, which webdataset skips: {', '.join(odd)}"
+    return " (truncated or replaced shard?)"
+
+

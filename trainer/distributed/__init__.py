@@ -1,0 +1,13 @@
+"""Distributed: process groups and the engines that wrap a built model for several ranks.
+
+    groups     `init_distributed` (the only place a process group is made), `DistInfo`, the named
+               collectives (`dist_sum`, `dist_max`, `barrier`, `broadcast_object`)
+    engine     the `Engine` protocol the step, eval and checkpoint store talk to, and `parallelize`, the one
+               function that wraps a model (compile first, then DDP or DeepSpeed)
+    ddp        `DDPEngine` (torch DistributedDataParallel)
+    deepspeed  `DeepSpeedEngine` (ZeRO 1/2/3), imported only when configured
+    config     the `distributed` config section
+
+Engines hand their state to the checkpoint store; they do not choose file names. Must not import: the
+checkpoint, run or config modules, or any command (it may import the model and data rooms below it).
+"""

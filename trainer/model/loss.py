@@ -1,0 +1,146 @@
+"""The token losses of the model's output: summed cross entropy over the targets of unshifted labels.
+
+Labels arrive unshifted (-100 at each segment start and on padding; trainer.data.batch) and are shifted here,
+so the loss is the same sum over the same targets in the padded and the packed layout; the caller (the step)
+divides by its own count of targets. Three forms, each returning the sum and the number of targets:
+    shifted_cross_entropy   from whole logits (B, L, V)
+    weighted_cross_entropy  the same, plus a per-target weighted sum (loss.normalization modes other than
+                            global_tokens weigh each target by its document, row or micro-batch)
+    chunked_cross_entropy   from the final hidden states and the head's weight, a chunk of positions at a
+                            time: the (B * L, V) logits never exist whole (loss.chunk_tokens); same values
+                            and gradients as the other two
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from trainer.data.batch import IGNORE_INDEX
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross entropy, number of targets) with logits at t predicting labels at t + 1.
+
+    Labels are unshifted with -100 at each segment start, so the shift never asks the last token of
+    one document to predict the first token of the next. Example, one row [a0 a1 | b0 b1]:
+        labels  = [-100 a1 -100 b1]  -> targets of positions 0..2 = [a1 -100 b1]
+    a1 is predicted from a0, b1 from b0, and a1 (A's EOS) predicts nothing from B.
+    """
+    logits_BTV = logits[:, :-1, :]  # (B, L - 1, V)
+    targets_BT = labels[:, 1:]
+    loss_sum = F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    return loss_sum, (targets_BT != IGNORE_INDEX).sum()
+
+
+def weighted_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed cross entropy, number of targets, sum of weights[t] * cross entropy of target t).
+
+    `weights` (B, L) is aligned with the unshifted labels: weights[b, t] weighs the target labels[b, t]
+    (predicted from position t - 1). Example: weights = 1 / (targets of the token's document) makes the
+    weighted sum the sum of per-document mean losses.
+    """
+    targets_BT = labels[:, 1:]
+    ce_BT = F.cross_entropy(
+        logits[:, :-1, :].transpose(1, 2).float(), targets_BT, ignore_index=IGNORE_INDEX, reduction="none"
+    )  # (B, L - 1), 0 where ignored
+    return ce_BT.sum(), (targets_BT != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Summed (and weighted) cross entropy of logits h_NC @ weight_VC.T, one chunk of positions at a time.
+
+    Forward computes a chunk's logits (fp32), its token losses and, when a gradient is wanted, its share of the
+    gradients right away (d ce / d logits = softmax - one_hot needs only the chunk's own logits), then frees
+    the chunk. Backward only scales the stored gradients by the incoming ones: no matmul is recomputed, and
+    the largest live tensor is one chunk's (n, V) logits instead of all (N, V). Stored until backward:
+    dh (N, C) and dW (V, C) fp32 (a second dW with weights: the weighted sum's differs; its dh is row-scaled).
+    Like the plain path under autocast, the matmuls run in `compute_dtype` and the loss in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, h_NC, weight_VC, targets_N, weights_N, chunk_tokens: int, compute_dtype: torch.dtype,
+                want_grad: bool):
+        need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
+        weight_cd = weight_VC.to(compute_dtype)  # (V, C); a copy only under autocast
+        loss_sum = torch.zeros((), dtype=torch.float32, device=h_NC.device)
+        weighted_sum = torch.zeros_like(loss_sum)
+        grad_h_NC = torch.empty_like(h_NC) if need_h else None
+        grad_w_VC = torch.zeros(weight_VC.shape, dtype=torch.float32, device=weight_VC.device) if need_w else None
+        grad_ww_VC = torch.zeros_like(grad_w_VC) if need_w and weights_N is not None else None
+        for start in range(0, h_NC.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, h_NC.shape[0])
+            h_nC = h_NC[start:end].to(compute_dtype)
+            targets_n = targets_N[start:end]
+            valid_n = targets_n != IGNORE_INDEX
+            safe_n = torch.where(valid_n, targets_n, 0)[:, None]  # gather needs an index in [0, V)
+            logits_nV = (h_nC @ weight_cd.T).float()
+            lse_n = torch.logsumexp(logits_nV, dim=-1)
+            ce_n = torch.where(valid_n, lse_n - logits_nV.gather(1, safe_n).squeeze(1), 0.0)  # (n,), 0 if ignored
+            loss_sum += ce_n.sum()
+            if weights_N is not None:
+                weighted_sum += (ce_n * weights_N[start:end]).sum()
+            if not (need_h or need_w):
+                continue
+            grad_nV = logits_nV.sub_(lse_n[:, None]).exp_()  # softmax, in place: the logits are done with
+            grad_nV.scatter_add_(1, safe_n, torch.full_like(safe_n, -1, dtype=grad_nV.dtype))
+            grad_nV = grad_nV.mul_(valid_n[:, None]).to(compute_dtype)  # ignored targets give no gradient
+            if need_h:
+                grad_h_NC[start:end] = grad_nV @ weight_cd
+            if need_w:
+                grad_w_VC += (grad_nV.T @ h_nC).float()
+                if grad_ww_VC is not None:  # sum_t w_t g_t h_t^T = G^T (w * h)
+                    grad_ww_VC += (grad_nV.T @ (h_nC * weights_N[start:end, None].to(compute_dtype))).float()
+        ctx.save_for_backward(grad_h_NC, grad_w_VC, grad_ww_VC, weights_N)
+        ctx.weight_dtype = weight_VC.dtype
+        ctx.set_materialize_grads(False)
+        return loss_sum, weighted_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_weighted):
+        grad_h_NC, grad_w_VC, grad_ww_VC, weights_N = ctx.saved_tensors
+        dh = dw = None
+        if grad_h_NC is not None:  # d/dh of (a * loss_sum + b * weighted_sum): row t scaled by a + b * w_t
+            scale_N = torch.zeros((), device=grad_h_NC.device) if grad_loss is None else grad_loss
+            if grad_weighted is not None and weights_N is not None:
+                scale_N = scale_N + grad_weighted * weights_N
+            dh = grad_h_NC * scale_N.to(grad_h_NC.dtype).reshape(-1, 1)
+        if grad_w_VC is not None:
+            dw = torch.zeros_like(grad_w_VC) if grad_loss is None else grad_w_VC * grad_loss
+            if grad_weighted is not None and grad_ww_VC is not None:
+                dw = dw + grad_ww_VC * grad_weighted
+            dw = dw.to(ctx.weight_dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """shifted_cross_entropy / weighted_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
+
+    hidden (B, L, C) is the final norm's output, weight (V, C) the output head; the logits are made and
+    consumed `chunk_tokens` flat positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of
+    targets, weighted sum or None), the same values and gradients as the plain path. The shift is done on the
+    labels: position t of a row is scored against labels[t + 1], a row's last position against nothing (-100).
+    Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
+    """
+    B, L, C = hidden.shape
+    targets_BL = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    weights_N = None if weights is None else F.pad(weights[:, 1:].float(), (0, 1)).reshape(-1)
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
+        loss_sum, weighted_sum = _ChunkedHeadLoss.apply(
+            hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
+            want_grad,
+        )
+    return loss_sum, (labels[:, 1:] != IGNORE_INDEX).sum(), None if weights is None else weighted_sum
