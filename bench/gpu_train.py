@@ -46,7 +46,7 @@ from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, build_model, resolve_backend
-from trainer.run.loop import build_data, rows_for_rank
+from trainer.run.inputs import build_data, rows_for_rank
 from trainer.run.metrics import peak_flops
 
 LAYOUTS = ("packed", "unpacked")

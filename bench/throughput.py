@@ -6,7 +6,7 @@
     python bench/throughput.py --data data/demo --compile --layouts packed    # compiled vs eager, side by side
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
-(`trainer.run.loop.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
+(`trainer.run.inputs.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
 exactly the same documents with the same targets. Every layout gets its own copy of one model init and a
 fresh AdamW (`trainer.run.optim.build_optimizer`, fp32) and runs the real `trainer.run.step.train_step`. Steps are
 interleaved (step i runs every layout before step i + 1 starts, the order rotating each step) so machine
@@ -65,7 +65,7 @@ from trainer.distributed.engine import parallelize, resolve_dtype
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
 from trainer.model.compile import CompileCounter
-from trainer.run.loop import build_data, rows_for_rank
+from trainer.run.inputs import build_data, rows_for_rank
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.step import train_step
 

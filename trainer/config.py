@@ -2,6 +2,11 @@
 
 Each component receives only its own section (`TrainConfig`, `DataConfig`, `PackingConfig`, ...);
 nothing below the entry point sees the raw Hydra object.
+
+Each section checks its own values (`__post_init__`); the rules that span sections (ZeRO-3 and compile,
+on_nonfinite=skip and the engine, tokenizer.add_tokens and init_from) are checked once, in `cross_section_rules`,
+when `from_container` builds the RunConfig, before any data or model is touched; and `resolve_dtype` is the one
+place `train.dtype=auto` becomes the dtype a run computes in.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import DistributedConfig
@@ -200,6 +207,35 @@ class RunConfig:
     """The resolved config as plain containers (for W&B and the checkpoint)."""
 
 
+def cross_section_rules(cfg: RunConfig) -> list[str]:
+    """What is wrong with a combination of sections, one message each (an empty list: nothing).
+
+    Example: train.compile=true with distributed.zero_stage=3 -> ["train.compile=true does not run under ZeRO-3 ..."].
+    """
+    problems = []
+    deepspeed = cfg.distributed.engine == "deepspeed"
+    if cfg.train.compile and deepspeed and cfg.distributed.zero_stage == 3:
+        problems.append("train.compile=true does not run under ZeRO-3 (its per-module hooks gather the weights "
+                        "inside the compiled blocks): use distributed=deepspeed_zero2, or train.compile=false")
+    if cfg.train.on_nonfinite == "skip" and deepspeed:
+        problems.append("train.on_nonfinite=skip needs distributed.engine=ddp (DeepSpeed clips and applies the update "
+                        "in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
+    if cfg.tokenizer.add_tokens and not cfg.train.init_from:
+        problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} extends the tokenizer of train.init_from's "
+                        "checkpoint: set train.init_from=CHECKPOINT too")
+    return problems
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """train.dtype as the run computes: 'auto' is bf16 autocast on a CUDA device that supports bf16, else fp32
+    (so CPU runs stay fp32); 'fp32' and 'bf16' are kept. Example: resolve_dtype("auto", cpu) -> "fp32"."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"train.dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return dtype
+
+
 def _build(cls, section: dict[str, Any], name: str):
     """cls(**section); a ConfigError for an unknown key, a value of the wrong type or one cls rejects.
 
@@ -260,7 +296,7 @@ def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
     optim["betas"] = tuple(optim.get("betas", OptimConfig.betas))
     logging_cfg = dict(cfg["logging"])
     logging_cfg["wandb"] = _build(WandbConfig, logging_cfg.get("wandb", {}), "logging.wandb")
-    return RunConfig(
+    run = RunConfig(
         seed=int(cfg["seed"]),
         train=_build(TrainConfig, cfg["train"], "train"),
         data=_build(DataConfig, cfg["data"], "data"),
@@ -275,3 +311,7 @@ def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
         tokenizer=_build(TokenizerConfig, cfg.get("tokenizer", {}), "tokenizer"),
         resolved=cfg,
     )
+    problems = cross_section_rules(run)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return run

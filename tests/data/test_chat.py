@@ -50,7 +50,7 @@ from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 from trainer.prepare import main, prepare
 from trainer.run.evaluate import load_eval_docs
-from trainer.run.loop import check_loss_on
+from trainer.run.inputs import check_loss_on
 
 X = IGNORE_INDEX
 

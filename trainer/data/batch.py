@@ -80,6 +80,9 @@ class Batch:
     """Positions whose label is not -100: the loss's share of the denominator."""
     doc_keys: tuple[str, ...] = field(default_factory=tuple)
     """Keys of the documents in the order they were laid out."""
+    loss_weights: torch.Tensor | None = None
+    """(B, L) float weight of each target, aligned with `labels` (set by the step for the loss normalizations
+    that weigh targets, trainer.run.step.loss_weights); None: every target weighs 1."""
 
     @property
     def num_allocated(self) -> int:
@@ -90,19 +93,29 @@ class Batch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """Tensors to `device`; `cu_seqlens` stays int32, counts stay Python ints."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+    def to_device(self, device: torch.device) -> Batch:
+        """This batch on `device`, without making the host wait: the one way a batch reaches the device (the
+        training step, the eval, and the loss weights with them). Bound for CUDA, tensors not yet pinned are
+        pinned first: a non-blocking copy from ordinary (pageable) memory is synchronous, so the host would wait
+        for the kernels already queued; from pinned memory it is queued behind them and the host runs on. On the
+        CPU nothing is copied. `cu_seqlens` stays int32, counts stay Python ints."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
+
+        return self._map(move)
 
     def pin_memory(self) -> Batch:
-        """The tensors in page-locked host memory, so that `.to("cuda", non_blocking=True)` copies asynchronously
-        (from ordinary memory that copy is synchronous). Needs CUDA; pin only batches bound for a GPU."""
+        """The tensors in page-locked host memory (see `to_device`), e.g. in the prefetch thread, ahead of the
+        step. Needs CUDA; pin only batches bound for a GPU."""
         return self._map(torch.Tensor.pin_memory)
 
     def _map(self, fn) -> Batch:
         """A copy with `fn` applied to each tensor; the host-side fields are shared."""
+        weights = None if self.loss_weights is None else fn(self.loss_weights)
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels),
-                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens))
+                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens), loss_weights=weights)
 
 
 def collate_rows(

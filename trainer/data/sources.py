@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VAL_SPLIT = "val"  # the manifest split the eval reads when data.val_urls is not set (trainer.run.evaluate: EVAL_SPLIT)
+VAL_SPLIT = "val"  # the manifest split the eval reads when data.val_urls is not set (trainer.run.evaluate)
 URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s):// URLs or pipe: commands "
              "(e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
 

@@ -392,10 +392,13 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
     """
     if packed is None:
         packed = batch.layout == "packed"
-    return dict(
+    inputs = dict(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         labels=batch.labels,
         cu_seqlens=batch.cu_seqlens if packed else None,
         max_seqlen=batch.max_seqlen if packed else None,
     )
+    if batch.loss_weights is not None:
+        inputs["loss_weights"] = batch.loss_weights
+    return inputs

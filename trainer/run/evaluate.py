@@ -23,14 +23,12 @@ from trainer.data.batch import Batch, Document
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
-from trainer.data.sources import ShardSourceError, resolve_source
+from trainer.data.sources import VAL_SPLIT, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
 from trainer.run.step import empty_batch
-
-EVAL_SPLIT = "val"
 
 
 @dataclass
@@ -59,7 +57,7 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
     source = resolve_source(data)
     if not source.val_urls:
         if source.manifest is not None and data.val_urls is None:
-            raise ShardSourceError(f"{source.manifest}: the '{EVAL_SPLIT}' split has no documents; set "
+            raise ShardSourceError(f"{source.manifest}: the '{VAL_SPLIT}' split has no documents; set "
                                    "data.val_urls=SHARDS, prepare with --val-fraction > 0, or set train.eval_every=0")
         raise ShardSourceError("no held-out shards for the eval: data.urls is set but data.val_urls is not; set "
                                "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
@@ -80,14 +78,20 @@ class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
     def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
-                 micro_batch_tokens: int, pad_id: int) -> None:
+                 micro_batch_tokens: int, pad_id: int, every: int = 0) -> None:
         self.info = info
+        self.every = every
+        """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
         mine = docs[info.rank :: info.world_size]
         rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
         self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
                                                   pad_id)
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether the eval runs after optimizer step `step`: every `every` steps, and after the last one."""
+        return last or (self.every > 0 and step % self.every == 0)
 
     def run(self, engine: Engine) -> EvalResult:
         """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each)."""
@@ -102,7 +106,7 @@ class Evaluator:
         try:
             loss_sum = 0.0
             for mb in batches:
-                mb_loss, _ = engine.eval_forward(model_inputs(mb.to(info.device, non_blocking=True)))
+                mb_loss, _ = engine.eval_forward(model_inputs(mb.to_device(info.device)))
                 loss_sum = loss_sum + mb_loss.float()  # a tensor: no host sync per micro-batch
         finally:
             module.train(was_training)

@@ -33,7 +33,7 @@ micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -101,15 +101,6 @@ def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None,
     return weights, int((counts > 0).sum())
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """`batch` on `device`, without making the host wait. Bound for CUDA, the tensors are pinned first: a
-    non-blocking copy from ordinary (pageable) memory is synchronous, so the host would wait for the GPU to
-    finish the kernels already queued before it; from pinned memory it is queued behind them and the host runs on."""
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
-
-
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
                normalization: str = "global_tokens") -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step."""
@@ -136,10 +127,7 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     weights = [w for w, _ in weighted] + [None] * (len(batches) - len(micro_batches))
     objective_sum = loss_sum = 0.0
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
-        inputs = model_inputs(to_device(mb, info.device))
-        if w is not None:
-            inputs["loss_weights"] = (w.pin_memory() if info.device.type == "cuda" else w).to(info.device,
-                                                                                                non_blocking=True)
+        inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
         mb_objective, mb_loss_sum = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()

@@ -1,0 +1,151 @@
+"""The inputs of each optimizer step: this rank's data stream, and the micro-batches it lays out per step.
+
+`build_data` assembles the stream (shards -> documents -> packed rows, trainer.data); `StepInputs` draws a step's
+rows (in lockstep with the other ranks at an epoch's end), lays them out as micro-batches for the configured
+layout, checks the token ids on the host, and pins them when bound for a GPU, in the prefetch thread when
+data.prefetch draws the next step's rows while the current one computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.config import RunConfig
+from trainer.data.batch import Batch, check_token_ids
+from trainer.data.loader import DocumentLoader
+from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
+from trainer.data.shards import load_manifest
+from trainer.data.sources import ShardSource, resolve_source
+from trainer.data.stream import DocumentStream
+from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from trainer.distributed.groups import DistInfo, dist_sum
+from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSource:
+    rows: RowStream | RowPrefetcher
+    """RowPrefetcher with data.prefetch (the default): the same interface and rows."""
+    loader: DocumentLoader
+    tokenizer_dir: Path
+    tokenizer_hash: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+
+def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
+    """This rank's row stream over the training shards (its own slots of the rank x worker split).
+
+    The shards and tokenizer come from `resolve_source` (data.path, or data.urls / data.tokenizer), checked
+    here at startup: a pattern that matches nothing fails before any training.
+    """
+    source = resolve_source(cfg.data)
+    check_loss_on(cfg.data.loss_on, source)
+    tok = load_tokenizer(source.tokenizer_dir)
+    ids = special_ids(tok, source.tokenizer_dir)
+    stream = DocumentStream(
+        source.train_urls,
+        source.tokenizer_dir,
+        ids.eos,
+        seed=cfg.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        on_error=cfg.data.on_error,
+        expected_docs=source.expected_docs,
+        retries=cfg.data.retries,
+        loss_on=cfg.data.loss_on,
+    )
+    loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
+    rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
+    return DataSource(
+        rows=RowPrefetcher(rows) if cfg.data.prefetch else rows,
+        loader=loader,
+        tokenizer_dir=source.tokenizer_dir,
+        tokenizer_hash=tokenizer_hash(source.tokenizer_dir),
+        vocab_size=tok.get_vocab_size(),
+        pad_id=ids.pad,
+        eos_id=ids.eos,
+    )
+
+
+def check_loss_on(loss_on: str, source: ShardSource) -> None:
+    """data.loss_on=assistant needs chat data: a manifest with a "chat" entry (trainer.prepare writes it for
+    chat sources). Shards without a manifest (data.urls alone) cannot be checked: a warning."""
+    if loss_on != "assistant":
+        return
+    if source.manifest is None:
+        log.warning("data.loss_on=assistant: no manifest.json beside the shards, so nothing shows they hold ChatML "
+                    "conversations; documents without assistant turns will give no targets")
+        return
+    if "chat" not in load_manifest(source.manifest.parent):
+        raise ConfigError(f"data.loss_on=assistant needs chat data prepared with --source chat:PATH or demo-chat; "
+                          f"{source.manifest.parent} holds plain text (or set data.loss_on=all)")
+
+
+def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
+    """This rank's share of the logical batch. Example: 10 rows over 4 ranks -> 3, 3, 2, 2."""
+    return rows_per_step // info.world_size + (info.rank < rows_per_step % info.world_size)
+
+
+
+class StepInputs:
+    """This rank's micro-batches of each optimizer step (see the module docstring)."""
+
+    def __init__(self, data: DataSource, cfg: RunConfig, info: DistInfo, vocab_size: int) -> None:
+        self.data = data
+        self.cfg = cfg
+        self.info = info
+        self.vocab_size = vocab_size
+        """The model's embedding rows: every token id must be below it."""
+        self.rows_per_rank = rows_for_rank(cfg.train.rows_per_step, info)
+
+    def next(self, prefetch_next: bool) -> tuple[list, list[Batch], float]:
+        """(this step's rows, its micro-batches, seconds spent waiting for them). Collective (the lockstep
+        all-reduces). prefetch_next: start drawing the next step's rows in the background (data.prefetch)."""
+        t0 = time.perf_counter()
+        rows = self.take_rows(self.rows_per_rank)
+        prefetcher = self.data.rows if isinstance(self.data.rows, RowPrefetcher) else None
+        mbs = prefetcher.prepared(rows) if prefetcher else None  # laid out in the background with the rows
+        if mbs is None:
+            mbs = self.lay_out(rows)
+        if prefetcher and prefetch_next:
+            prefetcher.prefetch(self.rows_per_rank, self.lay_out)  # drawn while this step computes
+        return rows, mbs, time.perf_counter() - t0
+
+    def take_rows(self, n_rows: int) -> list:
+        """This rank's rows of the next step. With data.epoch_lockstep, a rank whose readers finished the epoch
+        has packed what it held and contributes fewer (or no) rows until every rank has finished; then all
+        start the next epoch together. Collective (two tiny all-reduces per step)."""
+        rows_stream = self.data.rows
+        if not self.cfg.data.epoch_lockstep:
+            return rows_stream.take(n_rows)
+        for _ in range(3):
+            (waiting,) = dist_sum([float(rows_stream.exhausted)], self.info.device)
+            if waiting == self.info.world_size:  # every rank is done with the epoch
+                rows_stream.next_epoch()
+            rows = rows_stream.take(n_rows)
+            (total,) = dist_sum([float(len(rows))], self.info.device)
+            if total > 0:
+                return rows
+        raise RuntimeError("a whole epoch gave no documents on any rank (empty or all-skipped training shards?)")
+
+    def lay_out(self, rows: list) -> list[Batch]:
+        """A step's rows as micro-batches, checked, and pinned when bound for CUDA (in the prefetch thread, when
+        the rows were drawn there)."""
+        cfg = self.cfg
+        mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
+        for mb in mbs:  # on the host, before any kernel can index out of range
+            check_token_ids(mb, self.vocab_size)
+        if self.info.device.type == "cuda":
+            with torch.cuda.device(self.info.device):  # this rank's GPU, also in the prefetch thread (not GPU 0's)
+                mbs = [mb.pin_memory() for mb in mbs]  # Batch.to_device then copies without waiting
+        return mbs
