@@ -164,7 +164,7 @@ def test_bad_input_is_one_clear_line(argv: list[str], says: str, tmp_path: Path,
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main([*argv, "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("inspect_mask: error: "), err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
     assert says.replace("{tmp}", str(tmp_path)) in err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()

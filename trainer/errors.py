@@ -1,13 +1,28 @@
-"""Errors that are the user's mistake, and how they are shown: one line, `error: <message>`, exit status 2.
+"""Errors that are the user's mistake, and the one way every command shows them: one line, `error: <message>`,
+on stderr, and exit status 2.
 
 A `UserError` says what is wrong with what the user gave (a config value, a data directory, a shard, a
-tokenizer, an attention backend this machine cannot run) and what to do about it, so its message alone is
-enough and a traceback would only bury it. Any other exception is a bug and keeps its traceback.
-`python -m trainer.train` prints user errors this way (unless HYDRA_FULL_ERROR=1 asks for every traceback),
-and so does `python -m trainer.prepare`.
+tokenizer, a checkpoint path, an attention backend this machine cannot run) and what to do about it, so its
+message alone is enough and a traceback would only bury it. Any other exception is a bug and keeps its traceback.
+
+Every command (`python -m trainer.train`, `prepare`, `report`, `inspect_mask`, `export`, `generate`) runs through
+`run_command` (or its decorator form, `command`); none prints the line or returns 2 itself
+(tests/trainer/test_errors.py checks that). A command may count more exception types as user mistakes
+(`OSError` where it writes files the user named; Hydra's own errors in train). argparse's own usage errors
+(a missing or mistyped flag) are left to argparse: usage, `prog: error: ...`, exit 2.
 """
 
 from __future__ import annotations
+
+import functools
+import multiprocessing
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+"""The exit status of a user's mistake (argparse uses 2 for its usage errors too); a bug exits 1."""
+
+ErrorTypes = tuple[type[BaseException], ...]
 
 
 class UserError(Exception):
@@ -16,6 +31,71 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """An unknown key, or a value of the wrong type or out of range, in the composed config."""
+
+
+def run_command(
+    command: Callable[[], int | None],
+    *,
+    extra_user_errors: ErrorTypes = (),
+    message: Callable[[BaseException], str] | None = None,
+    tracebacks: bool = False,
+) -> int:
+    """Run `command` and return its exit status (None counts as 0); a user's mistake is printed, not raised.
+
+    A UserError (or one of `extra_user_errors`) prints one line, `error: <message(e)>`, on stderr and returns
+    EXIT_USER_ERROR; `message` defaults to `original_message` (train passes one that also shortens Hydra's).
+    `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Whatever ends the command,
+    its multiprocessing children are stopped first (stop_worker_processes), so the process can exit.
+    """
+    try:
+        return command() or 0
+    except (UserError, *extra_user_errors) as e:
+        if tracebacks:
+            stop_worker_processes()
+            raise
+        print_user_error((message or original_message)(e))
+        return EXIT_USER_ERROR
+    except BaseException:  # a bug (its traceback follows) or an exit: the process must still end
+        stop_worker_processes()
+        raise
+
+
+def command(*, extra_user_errors: ErrorTypes = ()) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
+    """`run_command` as a decorator on a command's `main(argv)`; the decorated main returns the exit status.
+
+    Example:
+        @command(extra_user_errors=(OSError,))
+        def main(argv: list[str] | None = None) -> int: ...
+    """
+
+    def decorate(main: Callable[..., int | None]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def wrapper(*args, **kwargs) -> int:
+            return run_command(lambda: main(*args, **kwargs), extra_user_errors=extra_user_errors)
+
+        return wrapper
+
+    return decorate
+
+
+def print_user_error(message: str) -> None:
+    """`error: <message on one line>` on stderr, after stopping this process's workers. One write of one line:
+    the lines of several ranks sharing one pipe do not interleave."""
+    stop_worker_processes()
+    sys.stderr.write(f"error: {one_line(message)}\n")
+    sys.stderr.flush()
+
+
+def stop_worker_processes() -> None:
+    """Kill this process's multiprocessing children (e.g. DataLoader workers) when a command ends in an error.
+
+    A second line of defence: the training loop already shuts its workers down on every exit path
+    (Trainer.fit, and trainer/data/workers.py at exit). The workers ignore SIGTERM, so if one were left,
+    multiprocessing's exit handler, which terminates and then joins them without a timeout, would wait forever.
+    """
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
 
 
 def original_message(error: BaseException) -> str:

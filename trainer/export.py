@@ -12,7 +12,7 @@ DIR then holds:
     conventions.json          the checkpoint's: how the weights were trained (provenance)
 
 Only learned-position models export (GPT-2 has no RoPE). The checkpoint is read from its model.safetensors
-(trainer.checkpoint.weights): engine.pt is never loaded. A user mistake ends as `error: ...` and exit status 2.
+(trainer.checkpoint.weights): engine.pt is never loaded. A user mistake ends as trainer/errors.py says.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model, model_config, tokenizer_dir
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.errors import UserError
+from trainer.errors import command
 from trainer.model import GPT
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -77,13 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command(extra_user_errors=(OSError,))  # OSError: the output cannot be written (permissions, disk full)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        out = export(args.checkpoint, args.out)
-    except (UserError, OSError) as e:  # OSError: the output cannot be written (permissions, disk full)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = export(args.checkpoint, args.out)
     print(f"exported {args.checkpoint} -> {out} (GPT2LMHeadModel)")
     return 0
 

@@ -10,7 +10,7 @@ renders the prompt as one user message through the tokenizer's chat template (Ch
 generation prompt. Decoding uses a KV cache and stops at <|endoftext|> or <|im_end|>, after --max-new-tokens,
 or when the model's context (max_seq_len) is full. --temperature 0 is greedy; --top-k K samples among the K
 likeliest tokens; --seed makes sampling reproducible. Only the new text is printed. A user mistake ends as
-`error: ...` and exit status 2.
+trainer/errors.py says.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model, tokenizer_dir
 from trainer.data.chat import chat_template, render
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.errors import UserError
+from trainer.errors import UserError, command
 from trainer.model import GPT, KVCache
 
 
@@ -135,21 +135,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command(extra_user_errors=(OSError,))  # OSError: e.g. an unreadable checkpoint file
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-            raise GenerateError("--max-new-tokens and --top-k must be >= 1 and --temperature >= 0")
-        model, tok_dir = load(args.path, args.device)
-        tok = load_tokenizer(tok_dir)
-        ids = special_ids(tok, where=tok_dir)
-        prompt = prompt_ids(tok, tok_dir, args.prompt, args.chat)
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        new = generate(model, prompt, args.max_new_tokens, (ids.eos, ids.im_end), args.temperature, args.top_k,
-                       generator)
-    except (UserError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
+        raise GenerateError("--max-new-tokens and --top-k must be >= 1 and --temperature >= 0")
+    model, tok_dir = load(args.path, args.device)
+    tok = load_tokenizer(tok_dir)
+    ids = special_ids(tok, where=tok_dir)
+    prompt = prompt_ids(tok, tok_dir, args.prompt, args.chat)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    new = generate(model, prompt, args.max_new_tokens, (ids.eos, ids.im_end), args.temperature, args.top_k,
+                   generator)
     stopped = new[-1] in (ids.eos, ids.im_end)
     print(tok.decode(new[:-1] if stopped else new, skip_special_tokens=True))
     if not stopped and len(new) < args.max_new_tokens:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
-from trainer.data.corpus import PrepareError
+from trainer.errors import UserError, command
 from trainer.model.attention import block_diagonal_mask, document_ids
 
 DEFAULT_TOKENIZER = "data/demo/tokenizer"
@@ -45,7 +45,7 @@ MAX_ROW_LEN = 256  # the page draws 2 * T^2 cells; beyond this the browser, not 
 VISIBLE_WHITESPACE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥"})
 
 
-class InspectError(ValueError):
+class InspectError(UserError, ValueError):
     """Bad input to the inspector; the message is what the command line prints."""
 
 
@@ -273,17 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command(extra_user_errors=(OSError,))  # OSError: --out cannot be written
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.lengths is not None:
-            doc_set = synthetic_documents(parse_lengths(args.lengths))
-        else:
-            doc_set = text_documents(args.text, args.tokenizer, args.sep)
-        paths = write_outputs(inspect_row(doc_set, args.row_len), args.out)
-    except (InspectError, PrepareError, OSError) as e:
-        print(f"inspect_mask: error: {e}", file=sys.stderr)
-        return 2
+    if args.lengths is not None:
+        doc_set = synthetic_documents(parse_lengths(args.lengths))
+    else:
+        doc_set = text_documents(args.text, args.tokenizer, args.sep)
+    paths = write_outputs(inspect_row(doc_set, args.row_len), args.out)
     for path in paths:
         print(path)
     return 0

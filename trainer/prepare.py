@@ -13,7 +13,7 @@ The whole corpus is held in memory.
 
 Steps: read and deduplicate keys; split train/val by a hash of each key (stable when documents are
 added); shuffle each split with --seed; train the tokenizer on the train split (or copy --tokenizer);
-count tokens; write shards; write the manifest last. A user mistake ends as `error: ...` and exit 2.
+count tokens; write shards; write the manifest last. A user mistake ends as trainer/errors.py says (`error: ...`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from trainer.data.tokenizer import (
     upgrade_chat_template,
     write_hf_configs,
 )
+from trainer.errors import command
 
 Doc = tuple[str, str]  # (key, text)
 TOKENIZER_DIR = "tokenizer"
@@ -310,18 +311,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command(extra_user_errors=(OSError,))  # OSError: the output cannot be written (permissions, disk full)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        manifest = prepare(
-            args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-            val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
-            seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
-            add_tokens=args.add_tokens,
-        )
-    except (PrepareError, OSError) as e:  # OSError: the output cannot be written (permissions, disk full)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    manifest = prepare(
+        args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
+        seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
+        add_tokens=args.add_tokens,
+    )
     print(format_report(manifest, args.out))
     return 0
 

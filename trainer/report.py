@@ -36,6 +36,8 @@ matplotlib.use("Agg")  # before pyplot: no display, PNGs only
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from trainer.errors import UserError, command  # noqa: E402
+
 # ---------------------------------------------------------------------------------------------------
 # What a config key means for a comparison: the one table to edit when the trainer gains a setting.
 # Keys are the dotted paths of config.json ("packing.layout"); `world_size` comes from summary.json.
@@ -82,8 +84,8 @@ TABLE_COLUMNS = [
 Series = dict[int, float]  # optimizer step -> value
 
 
-class ReportError(Exception):
-    """A user mistake (no runs, unknown reference): printed as `error: ...`, exit code 2."""
+class ReportError(UserError):
+    """A user mistake (no runs, unknown reference)."""
 
 
 def key_class(key: str) -> str:
@@ -807,14 +809,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command()
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        paths = make_report(args.dirs, args.out, args.reference, args.tolerance)
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for path in paths:
+    for path in make_report(args.dirs, args.out, args.reference, args.tolerance):
         print(path)
     return 0
 

@@ -4,17 +4,15 @@
     torchrun --nproc_per_node=2 -m trainer.train data.path=data/demo
 
 A user's mistake (a bad override or config value, a missing data directory, a bad shard or tokenizer, an
-attention backend this machine cannot run) ends the run with one line on stderr, `error: <what is wrong and
-what to do>`, and exit status 2. A bug keeps its traceback; HYDRA_FULL_ERROR=1 shows the traceback of every error.
+attention backend this machine cannot run) ends the run as trainer/errors.py says: one `error: ...` line, exit
+status 2. HYDRA_FULL_ERROR=1 shows the traceback of every error.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 import torch
@@ -25,19 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import RunConfig, from_container
-from trainer.data.reader import DataStreamError
 from trainer.distributed.engine import resolve_dtype
 from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
-from trainer.errors import ConfigError, UserError, one_line, original_message
+from trainer.errors import ConfigError, one_line, original_message, run_command
 from trainer.model import resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
-USER_ERRORS = (UserError, DataStreamError, CompactHydraException)
-"""Errors whose message is the whole story. A bad shard (DataStreamError) and Hydra's own override and
-composition errors are the user's mistakes too, though not UserError subclasses."""
-EXIT_USER_ERROR = 2
+HYDRA_ERRORS = (CompactHydraException,)
+"""Hydra's own override and composition errors: the user's mistakes too, though not UserError subclasses."""
 
 _user_full_error: bool | None = None
 """HYDRA_FULL_ERROR=1 as the user set it; cli() sets the variable itself for Hydra (see there)."""
@@ -65,12 +60,11 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
     """One training run (one job of a sweep under -m)."""
-    try:
-        run(raw)
-    except USER_ERRORS as e:  # caught inside the job, so Hydra prints no "Error executing job ..." line above ours
-        if _tracebacks_wanted():
-            raise
-        exit_with_error(user_message(e))
+    # Caught inside the job, so Hydra prints no "Error executing job ..." line above ours.
+    status = run_command(lambda: run(raw), extra_user_errors=HYDRA_ERRORS, message=user_message,
+                         tracebacks=_tracebacks_wanted())
+    if status:
+        raise SystemExit(status)  # passes through Hydra: under -m it ends the sweep
 
 
 def run(raw: DictConfig) -> None:
@@ -118,14 +112,14 @@ def check_attention_backend(cfg: RunConfig, info: DistInfo) -> None:
 
 
 def user_message(error: BaseException) -> str:
-    """The one line shown for a user error: its own message, without torch's DataLoader-worker wrapping
+    """The message shown (on one line) for a user error: its own, without torch's DataLoader-worker wrapping
     or Hydra's config search path.
 
     Example: Hydra's "In 'config': Could not find 'attention/x'\n\nAvailable options in 'attention':\n\tauto
     ..." -> "In 'config': Could not find 'attention/x'; Available options in 'attention': auto; ...".
     """
     if not isinstance(error, CompactHydraException):
-        return one_line(original_message(error))
+        return original_message(error)
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and cause.full_key:
         return (f"unknown config key {cause.full_key!r}: check its spelling "
@@ -141,33 +135,14 @@ def user_message(error: BaseException) -> str:
     return one_line(text)
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """Print `error: <message>` on stderr and exit with status 2 (on every rank that got here)."""
-    stop_worker_processes()
-    sys.stderr.write(f"error: {message}\n")  # one write: lines of several ranks on one pipe do not interleave
-    sys.stderr.flush()
-    raise SystemExit(EXIT_USER_ERROR)
-
-
-def stop_worker_processes() -> None:
-    """Kill this process's multiprocessing children (its DataLoader workers) when the run ends in an error.
-
-    A second line of defence: the loop already shuts its workers down on every exit path (Trainer.fit, and
-    trainer/data/workers.py at exit). The workers ignore SIGTERM, so if one were left, multiprocessing's exit
-    handler, which terminates and then joins them without a timeout, would wait forever.
-    """
-    for child in multiprocessing.active_children():
-        child.kill()
-        child.join(timeout=5)
-
-
 def _tracebacks_wanted() -> bool:
     if _user_full_error is not None:
         return _user_full_error
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def cli() -> None:
+def cli() -> int:
+    """`python -m trainer.train`: the exit status (a user's mistake in a job exits 2 from inside it)."""
     global _user_full_error
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
@@ -176,13 +151,8 @@ def cli() -> None:
     # Set it so its override and composition errors reach us; the user's own setting still decides below.
     _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        main()
-    except BaseException as e:
-        if isinstance(e, USER_ERRORS) and not _user_full_error:  # Hydra's own errors, raised before the job
-            exit_with_error(user_message(e))
-        stop_worker_processes()  # a bug: its traceback follows, and the process must still end
-        raise
+    try:  # Hydra's own errors are raised here, before any job
+        return run_command(main, extra_user_errors=HYDRA_ERRORS, message=user_message, tracebacks=_user_full_error)
     finally:
         if not _user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -190,4 +160,4 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(cli())

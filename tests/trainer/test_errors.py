@@ -1,12 +1,14 @@
-"""A user's mistake ends `python -m trainer.train` with one `error: ...` line and exit status 2, no traceback.
+"""A user's mistake ends every command with one `error: ...` line and exit status 2, no traceback; only
+trainer/errors.py prints that line (no command re-implements it).
 
-The cheap cases (errors found before any DataLoader starts) run through the real `cli()` one after another
-in ONE subprocess (a Python start costs ~2 s); errors raised in a DataLoader worker, the HYDRA_FULL_ERROR=1
-escape hatch and torchrun each get a real `python -m trainer.train` of their own.
+For `python -m trainer.train`, the cheap cases (errors found before any DataLoader starts) run through the real
+`cli()` one after another in ONE subprocess (a Python start costs ~2 s); errors raised in a DataLoader worker,
+the HYDRA_FULL_ERROR=1 escape hatch and torchrun each get a real `python -m trainer.train` of their own.
 """
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -22,10 +24,14 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from tests.harness import free_port
+from tests.test_architecture import LAYERS
 from tests.trainer.test_train import ROOT, SMALL
+from trainer.data.corpus import PrepareError
 from trainer.data.reader import DataStreamError
-from trainer.errors import one_line, original_message
+from trainer.errors import EXIT_USER_ERROR, UserError, command, one_line, original_message, run_command
+from trainer.inspect_mask import InspectError
 from trainer.model import BackendUnavailable, resolve_backend
+from trainer.report import ReportError
 
 # Runs each argv through trainer.train.cli() in this one process; writes [[exit status, stderr], ...] as JSON.
 DRIVER = r"""
@@ -37,9 +43,8 @@ for argv in cases:
     with contextlib.redirect_stderr(err):
         sys.argv = ["trainer.train", *argv]
         try:
-            cli()
-            code = 0
-        except SystemExit as e:
+            code = cli()
+        except SystemExit as e:  # a user's mistake inside the Hydra job exits from there
             code = e.code
     results.append([code, err.getvalue()])
 with open(out_path, "w") as f:
@@ -136,6 +141,8 @@ CHEAP = {  # name -> (overrides, phrases the error line must hold)
     "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),
     "no_data_dir": (["data.path=MISSING"], ["no manifest", "python -m trainer.prepare"]),
     "bad_tokenizer": (["data.path=NO_PAD"], ["tokenizer lacks the special tokens ['<|pad|>']"]),
+    "optimizer_without_betas": (["optim._target_=torch.optim.SGD"],  # a ConfigError, not SGD's TypeError
+                                ["optim._target_=torch.optim.SGD does not take betas, eps"]),
 }
 
 
@@ -260,3 +267,131 @@ def test_an_explicit_backend_is_refused_not_swapped():
         resolve_backend("flash", torch.device("cpu"), torch.float32)
     assert "sdpa_docs on this machine" in str(caught.value)
     assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_docs"  # auto may pick
+
+
+# ---------------------------------------------------------------------------------------------
+# Every command, through the one wrapper
+# ---------------------------------------------------------------------------------------------
+
+COMMANDS = {  # trainer.<command> -> (argv, "{tmp}" for a fresh directory; a phrase its error line must hold)
+    "train": (["train.seq_len=1", "hydra.run.dir={tmp}/run"], "train.seq_len must be >= 2, got 1"),
+    "prepare": (["--source", "demo", "--out", "{tmp}/data", "--val-fraction", "2"], "val fraction must be in [0, 1)"),
+    "report": (["{tmp}/missing"], "missing: not a directory"),
+    "inspect_mask": (["--lengths", "3,x", "--out", "{tmp}/inspect"], "expected comma-separated integers"),
+    "export": (["{tmp}/missing", "--out", "{tmp}/export"], "missing is not a packtrain checkpoint"),
+    "generate": (["{tmp}/missing", "--prompt", "x"], "missing is neither a packtrain checkpoint"),
+}
+
+
+def test_every_command_is_checked():
+    commands = {m.removeprefix("trainer.") for m in LAYERS[-1]} - {"trainer"}
+    assert set(COMMANDS) == commands, "add the new command's user mistake to COMMANDS"
+
+
+def test_every_command_shows_a_user_mistake_as_one_error_line(tmp_path):
+    procs = {}
+    for name, (argv, _) in COMMANDS.items():  # all at once: each start costs seconds
+        args = [a.replace("{tmp}", str(tmp_path / name)) for a in argv]
+        procs[name] = subprocess.Popen([sys.executable, "-m", f"trainer.{name}", *args], cwd=ROOT, env=ENV,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        assert_one_error_line(proc.returncode, stderr, COMMANDS[name][1])
+
+
+def own_error_printing(source: str) -> list[str]:
+    """Where `source` shows a user's mistake itself instead of through trainer.errors: each stderr write of a
+    text holding "error:", each `return 2` in a main() or cli(), each SystemExit(2) / sys.exit(2)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and _writes_to_stderr(node) and any("error:" in t for t in _texts(node.args)):
+            found.append((node.lineno, "writes 'error: ...' to stderr"))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("SystemExit", "sys.exit", "exit"):
+            if node.args and _is_two(node.args[0]):
+                found.append((node.lineno, f"{ast.unparse(node.func)}(2)"))
+        elif isinstance(node, ast.FunctionDef) and node.name in ("main", "cli"):
+            found += [(r.lineno, f"{node.name}() returns 2") for r in ast.walk(node)
+                      if isinstance(r, ast.Return) and r.value is not None and _is_two(r.value)]
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def _writes_to_stderr(call: ast.Call) -> bool:
+    to_file = any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in call.keywords)
+    return (ast.unparse(call.func) == "print" and to_file) or ast.unparse(call.func) == "sys.stderr.write"
+
+
+def _texts(args: list[ast.expr]) -> list[str]:
+    return [n.value for a in args for n in ast.walk(a) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def _is_two(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value == 2
+
+
+def test_only_trainer_errors_prints_a_user_mistake():
+    package = ROOT / "trainer"
+    found = {str(p.relative_to(ROOT)): own_error_printing(p.read_text()) for p in sorted(package.rglob("*.py"))}
+    assert found.pop("trainer/errors.py") != []  # the scan sees the one place that does print it
+    assert {path: lines for path, lines in found.items() if lines} == {}, "print user mistakes via trainer.errors"
+
+
+def test_the_scan_finds_a_re_implementation():
+    old = (
+        "import sys\n"
+        "def main(argv=None):\n"
+        "    try:\n"
+        "        run(argv)\n"
+        "    except ValueError as e:\n"
+        "        print(f'inspect_mask: error: {e}', file=sys.stderr)\n"
+        "        return 2\n"
+        "    return 0\n"
+        "def fail(e):\n"
+        "    sys.stderr.write(f'error: {e}\\n')\n"
+        "    raise SystemExit(2)\n"
+    )
+    assert own_error_printing(old) == ["line 6: writes 'error: ...' to stderr", "line 7: main() returns 2",
+                                       "line 10: writes 'error: ...' to stderr", "line 11: SystemExit(2)"]
+    assert own_error_printing("def main():\n    print('a decode error: x')\n    return 0\n") == []  # stdout
+
+
+@pytest.mark.parametrize("error", [DataStreamError, ReportError, InspectError, PrepareError])
+def test_each_command_s_own_error_is_a_user_error(error):
+    assert issubclass(error, UserError)
+
+
+def test_run_command_prints_a_user_error_as_one_line_and_returns_2(capsys):
+    def mistake() -> None:
+        raise DataStreamError("a.tar: bad\nsecond line")
+
+    assert run_command(mistake) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == "error: a.tar: bad; second line\n"
+    assert run_command(lambda: None) == 0 and run_command(lambda: 3) == 3
+
+
+def test_run_command_extra_user_errors_tracebacks_and_bugs(capsys):
+    def unwritable() -> int:
+        raise PermissionError("[Errno 13] Permission denied: '/out'")
+
+    def no_runs() -> int:
+        raise ReportError("runs/: no runs found")
+
+    assert run_command(unwritable, extra_user_errors=(OSError,)) == 2
+    assert capsys.readouterr().err == "error: [Errno 13] Permission denied: '/out'\n"
+    with pytest.raises(PermissionError):  # not a user error unless the command says so
+        run_command(unwritable)
+    with pytest.raises(ReportError):  # HYDRA_FULL_ERROR=1 in train: every error keeps its traceback
+        run_command(no_runs, tracebacks=True)
+    with pytest.raises(ZeroDivisionError):
+        run_command(lambda: 1 // 0)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_command_decorator_returns_the_exit_status(capsys):
+    @command(extra_user_errors=(OSError,))
+    def main(argv: list[str] | None = None) -> int:
+        if argv:
+            raise FileNotFoundError(f"{argv[0]}: no such file")
+        return 0
+
+    assert main.__name__ == "main" and main() == 0
+    assert main(["x"]) == 2 and capsys.readouterr().err == "error: x: no such file\n"

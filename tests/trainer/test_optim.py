@@ -1,5 +1,6 @@
 """optim.fused and train.dtype=auto: what each resolves to on this device, and that the fused AdamW kernel makes
-the same update as the default (foreach) one up to float rounding."""
+the same update as the default (foreach) one up to float rounding; which optimizer classes optim._target_ takes;
+the warm-up's first steps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from trainer.config import OptimConfig, TrainConfig, _build
 from trainer.distributed.engine import resolve_dtype
 from trainer.errors import ConfigError
-from trainer.run.optim import build_optimizer, use_fused
+from trainer.run.optim import build_optimizer, lr_factor, use_fused
 
 CPU = torch.device("cpu")
 
@@ -64,3 +65,22 @@ def test_fused_adamw_on_cpu_makes_the_default_update_up_to_rounding():
         assert (default - first).abs().max() > 1e-3  # it moved
         ulps = (default - fused).abs() / (torch.finfo(torch.float32).eps * default.abs().clamp(min=1.0))
         assert ulps.max() <= 4, ulps.max()
+
+
+@pytest.mark.parametrize("target", ["torch.optim.AdamW", "torch.optim.Adam", "torch.optim.Adamax",
+                                    "torch.optim.NAdam", "torch.optim.RAdam"])
+def test_the_classes_the_config_names_build(target):
+    model = nn.Linear(4, 3)
+    opt = build_optimizer(model, OptimConfig(target=target))
+    assert type(opt).__name__ == target.rsplit(".", 1)[1]
+    assert [g["weight_decay"] for g in opt.param_groups] == [OptimConfig().weight_decay, 0.0]
+
+
+def test_an_optimizer_without_betas_and_eps_is_a_config_error_not_a_type_error():
+    with pytest.raises(ConfigError, match=r"^optim._target_=torch.optim.SGD does not take betas, eps: ") as caught:
+        build_optimizer(nn.Linear(4, 3), OptimConfig(target="torch.optim.SGD"))
+    assert "torch.optim.AdamW" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_warm_up_starts_at_lr_over_warmup_steps():
+    assert [lr_factor(s, 4, 100, 0.1) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]

@@ -38,10 +38,7 @@ _TEST_DIRS = {"test", "tests", "idle_test"}
 
 
 class PrepareError(UserError):
-    """Bad input or bad prepared data. The message names the file (and line) and what is wrong.
-
-    `trainer.prepare.main` and `trainer.train` print it as `error: <message>` and exit 2, with no traceback.
-    """
+    """Bad input or bad prepared data. The message names the file (and line) and what is wrong."""
 
 
 class ErrorPolicy:

@@ -32,12 +32,15 @@ from typing import Protocol
 
 from trainer.data.shards import TEXT_FIELD, non_sample_members
 from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
+from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
-class DataStreamError(RuntimeError):
-    """Bad input in a shard: the message names the shard and, where there is one, the sample key."""
+class DataStreamError(UserError, RuntimeError):
+    """Bad input in a shard: the message names the shard and, where there is one, the sample key.
+
+    RuntimeError too: torch re-raises a DataLoader worker's error as its type, called with one message."""
 
 
 Item = tuple[int, int, str, bytes | list[str] | None]

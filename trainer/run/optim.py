@@ -12,6 +12,10 @@ from torch import nn
 from trainer.config import OptimConfig
 from trainer.errors import ConfigError
 
+OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay")
+"""What build_optimizer passes to optim._target_ (weight_decay per parameter group): the classes of torch.optim
+that take them all are Adam, AdamW, Adamax, NAdam and RAdam."""
+
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not.
@@ -20,6 +24,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     """
     module_name, _, class_name = cfg.target.rpartition(".")
     optimizer_cls = getattr(importlib.import_module(module_name), class_name)
+    check_optimizer_args(optimizer_cls, cfg.target)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -33,6 +38,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             raise
         raise ConfigError(f"optim.fused=true: {cfg.target} has no fused kernel for these parameters ({e}); "
                           "set optim.fused=auto or false") from e
+
+
+def check_optimizer_args(optimizer_cls: type, target: str) -> None:
+    """Refuse, with a ConfigError, an optimizer class that does not take every argument of OPTIMIZER_ARGS.
+
+    Example: torch.optim.SGD (no betas, no eps) -> "optim._target_=torch.optim.SGD does not take betas, eps: ...".
+    """
+    params = inspect.signature(optimizer_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [name for name in OPTIMIZER_ARGS if name not in params]
+    if missing:
+        raise ConfigError(f"optim._target_={target} does not take {', '.join(missing)}: the optimizer gets "
+                          f"{', '.join(OPTIMIZER_ARGS)}, so use a class that takes them all (torch.optim.AdamW, "
+                          "Adam, Adamax, NAdam or RAdam)")
 
 
 def use_fused(optimizer_cls: type, setting: bool | str, device: torch.device) -> bool:
