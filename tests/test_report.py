@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import html
 import json
+import os
 import re
 import subprocess
 import sys
@@ -112,6 +113,9 @@ def test_flatten_and_key_classes():
     assert key_class("attention.isolate_documents") == "ablation"
     assert key_class("packing.buffer_size") == "other"
     assert key_class("seed") == "other"
+    for key in ("train.compile", "train.activation_checkpointing", "loss.chunk_tokens", "data.prefetch", "optim.fused"):
+        assert key_class(key) == "same objective", key  # loss-preserving (trainer/registry.py)
+    assert key_class("train.from_another_version") == "other"  # a key the registry does not know: not comparable
 
 
 def test_differing_keys_ignore_logging_and_checkpoint_cadence(tmp_path):
@@ -160,6 +164,15 @@ def test_same_objective_within_tolerance(tmp_path):
     assert verdict(run, ref, 1e-4) == (
         "same objective: max |Δloss| 3e-07 over 6 steps; 2.00x valid tokens/s; utilization 50.0% -> 100.0%")
     assert verdict(ref, ref, 1e-4) == "reference run"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("train.compile", True), ("train.activation_checkpointing", "full"), ("loss.chunk_tokens", 256),
+    ("data.prefetch", False), ("optim.fused", True),
+])
+def test_loss_preserving_settings_are_the_same_objective(tmp_path, key, value):
+    ref, run = pair(tmp_path, {}, {"overrides": {key: value}})
+    assert verdict(run, ref, 1e-4).startswith("same objective: max |Δloss| 0 over 6 steps; 1.00x valid tokens/s")
 
 
 def test_loss_gap_above_tolerance_is_not_comparable(tmp_path):
@@ -448,6 +461,66 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     for row in rows.values():
         assert row["steps"] == "6" and row["final val loss"] != "n/a" and row["valid tokens/s"] != "n/a"
     assert rows["packed"]["speed-up vs unpacked"].endswith("x vs unpacked")
+
+
+def run_sweep(sweep: Path, data: Path, *overrides: str) -> Path:
+    """`python -m trainer.train -m ...` (the tiny settings of tests/trainer/test_train.py): one run dir per job,
+    named by its job number."""
+    from tests.trainer.test_train import SMALL
+
+    cmd = [sys.executable, "-m", "trainer.train", "-m", f"data.path={data}", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=${hydra.job.num}", *SMALL, "train.checkpoint_every=0", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return sweep
+
+
+_neutral_sweeps: dict[Path, dict[str, Path]] = {}
+"""demo_data -> the sweeps: tests/test_registry.py imports the fixture, and a fixture imported into a second
+module is a second fixture (its own session cache), so the sweeps are kept here and run once per session."""
+
+
+@pytest.fixture(scope="session")
+def neutral_sweeps(demo_data, tmp_path_factory) -> dict[str, Path]:
+    """Two real sweeps over loss-preserving settings, run side by side (also read by tests/test_registry.py):
+    data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile on/off (inductor; no eval, so one
+    compilation). 3 steps each."""
+    if demo_data in _neutral_sweeps:
+        return _neutral_sweeps[demo_data]
+    root = tmp_path_factory.mktemp("neutral_sweeps")
+    sweeps = {
+        "prefetch": ("data.prefetch=true,false", "seed=0,1", "train.max_steps=3", "train.eval_every=3",
+                     "train.eval_docs=8"),
+        "compile": ("train.compile=true,false", "train.max_steps=3", "train.eval_every=0"),
+    }
+    with ThreadPoolExecutor(len(sweeps)) as pool:
+        list(pool.map(lambda item: run_sweep(root / item[0], demo_data, *item[1]), sweeps.items()))
+    _neutral_sweeps[demo_data] = {name: root / name for name in sweeps}
+    return _neutral_sweeps[demo_data]
+
+
+def verdicts_of(sweep: Path, out: Path) -> dict[str, str]:
+    """Run name -> verdict, as report.md writes them ("- **name**: verdict"; the reference run has none)."""
+    make_report([sweep], out)
+    md = (out / "report.md").read_text()
+    assert "Reference run: **0**." in md
+    return dict(line[4:].split("**: ", 1) for line in md.splitlines() if line.startswith("- **"))
+
+
+@pytest.mark.slow
+def test_real_prefetch_and_compile_sweeps_are_the_same_objective(neutral_sweeps, tmp_path):
+    """data.prefetch and train.compile preserve the loss: the report says "same objective", not "not
+    comparable"; a seed change next to them still is not comparable."""
+    prefetch = verdicts_of(neutral_sweeps["prefetch"], tmp_path / "prefetch")
+    # Jobs in Hydra's order (the last override varies fastest): 0 prefetch seed 0 (the reference), 1 prefetch
+    # seed 1, 2 no prefetch seed 0, 3 no prefetch seed 1.
+    assert prefetch["1"] == "not comparable: different seed (0 vs 1)"
+    assert prefetch["2"].startswith("same objective: max |Δloss| "), prefetch["2"]
+    assert prefetch["3"] == "not comparable: different seed (0 vs 1)"
+    compiled = verdicts_of(neutral_sweeps["compile"], tmp_path / "compile")
+    assert compiled["1"].startswith("same objective: max |Δloss| "), compiled["1"]
+    assert json.loads((neutral_sweeps["compile"] / "0" / "summary.json").read_text())["compile"] is True
 
 
 def test_each_packed_run_is_also_judged_against_its_unpacked_counterpart(tmp_path):

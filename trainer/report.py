@@ -8,9 +8,9 @@ finished, summary.json; a sweep dir holds run dirs one level down. The report de
 the runs from their configs, compares each run with a reference run (`--reference`, else the unpacked run,
 else the first), and writes report.md, a self-contained report.html (plots inlined) and the PNG plots.
 
-Each run gets a verdict from the numbers, by the kind of keys its config changes (KEY_CLASSES below):
-    same objective    only settings that must not change the loss (layout, backend, micro-batching, ranks)
-                      and the per-step losses agree within --tolerance
+Each run gets a verdict from the numbers, by the kind of keys its config changes (trainer/registry.py):
+    same objective    only settings that must not change the loss (layout, backend, micro-batching, ranks,
+                      compile, prefetch, ...) and the per-step losses agree within --tolerance
     layout-dependent  the same, under a normalization that depends on the layout on purpose (row_mean, ...)
     ablation          a setting that changes the objective on purpose (document isolation, positions, ...),
                       compared at equal documents per step
@@ -36,35 +36,15 @@ matplotlib.use("Agg")  # before pyplot: no display, PNGs only
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trainer.errors import UserError, command  # noqa: E402
-
-# ---------------------------------------------------------------------------------------------------
-# What a config key means for a comparison: the one table to edit when the trainer gains a setting.
-# Keys are the dotted paths of config.json ("packing.layout"); `world_size` comes from summary.json.
-# ---------------------------------------------------------------------------------------------------
-
-IGNORED = "ignored"  # never changes what the run computes: not shown, not compared
-SAME_OBJECTIVE = "same objective"  # must not change the loss of any step: runs differing here must agree
-ABLATION = "ablation"  # changes the objective on purpose: compared at equal documents per step
-OTHER = "other"  # everything not listed: a different experiment, not comparable step by step
-
-KEY_CLASSES: dict[str, set[str]] = {
-    IGNORED: {
-        "logging.*", "hydra.*", "run_dir", "output_dir",
-        "train.checkpoint_every", "train.keep_last", "train.resume",
-    },
-    SAME_OBJECTIVE: {
-        "packing.layout", "packing.pad_to", "attention.backend", "attention.flex_compile",
-        "train.micro_batch_tokens", "train.warmup_marked_steps", "train.eval_every", "train.eval_layout",
-        "data.num_workers", "distributed.*", "world_size",
-    },
-    ABLATION: {
-        "attention.isolate_documents", "packing.reset_positions", "model.pos_emb", "loss.normalization",
-    },
-}
-LAYOUT_INVARIANT_NORMALIZATIONS = {"global_tokens", "document_mean"}
-DEFAULTS: dict[str, Any] = {"loss.normalization": "global_tokens"}
-"""Values of keys that older runs lack (their trainer behaved this way)."""
+from trainer.registry import (  # noqa: E402
+    ABLATION,
+    IGNORED,
+    LAYOUT_INVARIANT_NORMALIZATIONS,
+    OLDER_RUN_VALUES,
+    OTHER,
+    SAME_OBJECTIVE,
+    config_key_class,
+)
 
 DEFAULT_TOLERANCE = 1e-4
 """Max |Δloss| allowed over the first EARLY_STEPS shared steps of runs with the same objective (fp32)."""
@@ -84,21 +64,18 @@ TABLE_COLUMNS = [
 Series = dict[int, float]  # optimizer step -> value
 
 
-class ReportError(UserError):
-    """A user mistake (no runs, unknown reference)."""
+class ReportError(Exception):
+    """A user mistake (no runs, unknown reference): printed as `error: ...`, exit code 2."""
 
 
 def key_class(key: str) -> str:
-    """The class of a dotted config key (KEY_CLASSES; a trailing `.*` covers a whole section).
+    """The class of a dotted config key, as trainer/registry.py registers it; a key it does not know (one of
+    another trainer version) is "other": not comparable.
 
-    Example: "logging.wandb.mode" -> "ignored", "packing.layout" -> "same objective",
+    Example: "logging.wandb.mode" -> "ignored", "data.prefetch" -> "same objective",
     "model.pos_emb" -> "ablation", "seed" -> "other".
     """
-    for cls, patterns in KEY_CLASSES.items():
-        for pattern in patterns:
-            if key == pattern or (pattern.endswith(".*") and key.startswith(pattern[:-1])):
-                return cls
-    return OTHER
+    return config_key_class(key) or OTHER
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,7 +90,7 @@ class Run:
     name: str
     path: Path
     config: dict[str, Any]
-    """Flattened to dotted keys, DEFAULTS filled in."""
+    """Flattened to dotted keys, OLDER_RUN_VALUES filled in."""
     metrics: list[dict[str, Any]]
     """One dict per logged step, sorted by step, each step once."""
     summary: dict[str, Any] | None
@@ -185,7 +162,7 @@ def load_run(path: Path, name: str) -> Run:
     raw_config = _read_json(path / "config.json")
     if raw_config is None:
         notes.append("no config.json")
-    config = {**DEFAULTS, **flatten(raw_config or {})}
+    config = {**OLDER_RUN_VALUES, **flatten(raw_config or {})}
     summary = _read_json(path / "summary.json")
     if summary is None:
         notes.append("no summary.json (crashed or still running)")
@@ -809,10 +786,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@command()
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    for path in make_report(args.dirs, args.out, args.reference, args.tolerance):
+    try:
+        paths = make_report(args.dirs, args.out, args.reference, args.tolerance)
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
 

@@ -1,8 +1,7 @@
 """Metrics: one JSON line per logging step in <run dir>/metrics.jsonl, the same values to W&B.
 
-Only rank 0 writes. Keys (documented in the README):
-    step, loss, lr, grad_norm, valid_tokens, allocated_tokens, token_utilization, docs, docs_per_row,
-    valid_tokens_per_s, allocated_tokens_per_s, step_time_s, data_time_s, peak_mem_gb, warmup, [mfu]
+Only rank 0 writes. Every key, with its meaning, is registered in trainer/registry.py (METRIC_KEYS per step,
+SUMMARY_KEYS for summary.json): `MetricsLogger` refuses a key that is not, on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import WandbConfig
+from trainer.registry import check_metric_keys, check_summary_keys
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU. Add yours; unknown devices get
 # no `mfu`. NVIDIA's datasheets quote the sparse rate in their "BF16 Tensor Core" row (marked "with
@@ -86,6 +86,8 @@ class MetricsLogger:
         truncate_jsonl_after(self.path, step)
 
     def log(self, metrics: dict) -> None:
+        """Append one step's metrics; a ValueError for a key not registered in trainer/registry.py (METRIC_KEYS)."""
+        check_metric_keys(metrics)
         if not self.enabled:
             return
         with self.path.open("a") as f:
@@ -101,7 +103,8 @@ class MetricsLogger:
             self.wandb_run.log(metrics, step=metrics["step"])
 
     def summary(self, extra: dict) -> dict:
-        """Totals and means over the non-warm-up steps logged by this process."""
+        """Totals and means over the non-warm-up steps logged by this process, and `extra`; a ValueError for a key
+        not registered in trainer/registry.py (SUMMARY_KEYS)."""
         t = self._totals
         out = {
             "logged_steps": t["steps"],
@@ -110,6 +113,7 @@ class MetricsLogger:
             "mean_allocated_tokens_per_s": t["allocated_tokens"] / t["time"] if t["time"] else None,
             **extra,
         }
+        check_summary_keys(out)
         if self.wandb_run is not None:
             self.wandb_run.summary.update({k: v for k, v in out.items() if v is not None})
         return out
