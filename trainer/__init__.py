@@ -9,6 +9,7 @@ The commands (`python -m trainer.X`) sit at the root, each a thin shell over the
     generate      sample from a checkpoint or an export
     config        the typed config (RunConfig) and the rules that span sections
     errors        UserError and the one way a command prints a user's mistake
+    registry      which config keys preserve the loss; every metric and summary key, with its meaning
 
 The rooms, from the bottom up (each imports only from rooms listed before it; tests/test_architecture.py):
     data/         shards -> documents -> packed rows -> batches
