@@ -33,7 +33,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from trainer.data.chat import chat_summary, chat_template, is_chat_source, read_chat_source
-from trainer.data.corpus import ON_ERROR, ErrorPolicy, PrepareError, read_source, unique_keys
+from trainer.data.config import ON_ERROR, TRAIN_SPLIT, VAL_SPLIT
+from trainer.data.corpus import ErrorPolicy, PrepareError, read_source, unique_keys
 from trainer.data.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -135,7 +136,7 @@ def prepare(
         },
         "splits": {
             name: _write_split(out, name, split, tok, docs_per_shard, max_shard_bytes)
-            for name, split in (("train", train), ("val", val))
+            for name, split in ((TRAIN_SPLIT, train), (VAL_SPLIT, val))
         },
         "skipped": dict(sorted(policy.skipped.items())),
         "renamed_duplicate_keys": renamed["duplicate_key"],

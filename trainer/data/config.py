@@ -15,6 +15,9 @@ ON_ERROR = ("raise", "skip")
 
 LOSS_ON = ("all", "assistant")
 
+TRAIN_SPLIT, VAL_SPLIT = "train", "val"
+"""The manifest's splits (trainer.prepare writes both): training reads data.split (default train), the eval val."""
+
 
 @dataclass
 class DataConfig:
@@ -28,7 +31,7 @@ class DataConfig:
     """Held-out shards (same syntax) for the eval; default: the val split of the manifest, if there is one."""
     tokenizer: str | None = None
     """Directory holding tokenizer.json; default: the one of the prepared directory (data.path)."""
-    split: str = "train"
+    split: str = TRAIN_SPLIT
     """Split of the manifest to train on (data.path without data.urls)."""
     num_workers: int = 1
     """DataLoader workers per rank (tokenization runs there)."""

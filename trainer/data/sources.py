@@ -40,6 +40,7 @@ import webdataset as wds
 from webdataset import tariterators
 from webdataset.gopen import gopen
 
+from trainer.data.config import VAL_SPLIT
 from trainer.data.shards import MANIFEST_FILE, load_manifest, shard_paths
 from trainer.errors import UserError
 
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VAL_SPLIT = "val"  # the manifest split the eval reads when data.val_urls is not set (trainer.run.evaluate)
 URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s):// URLs or pipe: commands "
              "(e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
 

@@ -7,7 +7,7 @@ The checkpoint store decides where the file goes (trainer.checkpoint.store); thi
 from __future__ import annotations
 
 from trainer.config import RunConfig
-from trainer.data.sources import VAL_SPLIT
+from trainer.data.config import VAL_SPLIT
 from trainer.run.inputs import DataSource
 
 LOSS_DEFINITIONS = {

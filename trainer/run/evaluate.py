@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.batch import Batch, Document
-from trainer.data.config import DataConfig, PackingConfig
+from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
-from trainer.data.sources import VAL_SPLIT, ShardSourceError, resolve_source
+from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
