@@ -26,20 +26,20 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from trainer.checkpoint import hf
+from trainer.checkpoint.store import CONVENTIONS_FILE, META_FILE
 from trainer.checkpoint.weights import load_model, model_config, tokenizer_dir
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.errors import command
 from trainer.model import GPT
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-CONVENTIONS_FILE = "conventions.json"
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the GPT-2 directory of packtrain checkpoint `checkpoint` into `out`; returns `out`."""
     checkpoint, out = Path(checkpoint), Path(out)
     hf.check_exportable(model_config(checkpoint))  # before reading any weights
-    if out.resolve() == checkpoint.resolve() or (out / "meta.json").exists():
+    if out.resolve() == checkpoint.resolve() or (out / META_FILE).exists():
         raise hf.ExportError(f"--out {out} is a checkpoint directory: give a new or export directory")
     model = load_model(checkpoint)
     write_gpt2(model, tokenizer_dir(checkpoint), out)

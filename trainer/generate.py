@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from trainer.checkpoint import hf
+from trainer.checkpoint.store import META_FILE, PATH_HINT
 from trainer.checkpoint.weights import load_model, tokenizer_dir
 from trainer.data.chat import chat_template, render
 from trainer.data.tokenizer import load_tokenizer, special_ids
@@ -43,12 +44,12 @@ class GenerateError(UserError):
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Path]:
     """(model in eval mode, its tokenizer directory) of a packtrain checkpoint or a GPT-2 export."""
     path = Path(path)
-    if (path / "meta.json").is_file():
+    if (path / META_FILE).is_file():
         return load_model(path, device=device), tokenizer_dir(path)
     if hf.is_export(path):
         return hf.load_export(path, device=device), path
-    raise GenerateError(f"{path} is neither a packtrain checkpoint (no meta.json) nor an export of one (no "
-                        f"{hf.CONFIG_FILE} + {hf.WEIGHTS_FILE}): give <run dir>/checkpoints/step_NNNNNN or the "
+    raise GenerateError(f"{path} is neither a packtrain checkpoint (no {META_FILE}) nor an export of one (no "
+                        f"{hf.CONFIG_FILE} + {hf.WEIGHTS_FILE}): give {PATH_HINT} or the "
                         "--out directory of python -m trainer.export")
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.checkpoint import store
+
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v0"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 
@@ -25,7 +27,7 @@ def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_old_checkpoint_resumes_to_the_losses_of_the_uninterrupted_old_run(tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(FIXTURE / "ddp" / "step_000002", run_dir / "checkpoints" / "step_000002")
+    shutil.copytree(FIXTURE / "ddp" / store.step_name(2), store.checkpoint_dir(run_dir, 2))
     proc = _train(run_dir, "train.resume=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
@@ -42,9 +44,11 @@ def test_old_checkpoint_loads_as_weights(tmp_path):
     from trainer.export import main as export_main
 
     out = tmp_path / "hf"
-    assert export_main([str(FIXTURE / "ddp" / "step_000002"), "--out", str(out)]) == 0
+    assert export_main([str(FIXTURE / "ddp" / store.step_name(2)), "--out", str(out)]) == 0
     from safetensors.torch import load_file
 
-    exported = load_file(out / "model.safetensors")
-    original = load_file(FIXTURE / "ddp" / "step_000002" / "model.safetensors")
+    from trainer.checkpoint import hf
+
+    exported = load_file(out / hf.WEIGHTS_FILE)
+    original = load_file(FIXTURE / "ddp" / store.step_name(2) / store.WEIGHTS_FILE)
     assert torch.equal(exported["transformer.wte.weight"], original["wte.weight"])

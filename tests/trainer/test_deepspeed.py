@@ -102,7 +102,7 @@ def resumed_run(name: str, info: DistInfo, shares, root: Path) -> dict:
     """AdamW steps 1..n-1, a packtrain checkpoint, a fresh engine from other weights, load, step n."""
     engine = build_engine(name, info, "adamw", len(shares))
     first = run_steps(engine, info, shares[:-1])
-    tokenizer = root / "tokenizer"
+    tokenizer = root / checkpoint.TOKENIZER_DIR
     if info.is_main:
         tokenizer.mkdir(parents=True, exist_ok=True)
     path = checkpoint.save_checkpoint(root / name, len(shares) - 1, info, engine, rank_state={},
@@ -114,7 +114,7 @@ def resumed_run(name: str, info: DistInfo, shares, root: Path) -> dict:
     result = {"steps": first + last, "params": full_params(engine), "files": sorted(p.name for p in path.iterdir())}
     if name != "ddp":  # a DDP checkpoint is refused by a ZeRO engine, with a clear message
         try:
-            checkpoint.load_checkpoint(root / "ddp" / "checkpoints" / path.name, info, engine)
+            checkpoint.load_checkpoint(checkpoint.checkpoint_root(root / "ddp") / path.name, info, engine)
         except ValueError as e:
             result["wrong_engine_error"] = str(e)
     return result
@@ -173,8 +173,9 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
         np.testing.assert_allclose([s["grad_norm"] for s in run["steps"]], [s["grad_norm"] for s in ref["steps"]],
                                    rtol=1e-5)
         assert all(s["grad_norm"] > CLIP for s in ref["steps"])  # clipping did act
-        assert ("engine.pt" in run["files"]) == (engine == "ddp")
-        assert ("deepspeed" in run["files"]) == (engine != "ddp")
+        assert (checkpoint.ENGINE_FILE in run["files"]) == (engine == "ddp")
+        assert (checkpoint.DEEPSPEED_DIR in run["files"]) == (engine != "ddp")
+        assert checkpoint.WEIGHTS_FILE in run["files"]
         if engine != "ddp":
             assert "written by engine 'ddp'" in run["wrong_engine_error"]
 
@@ -197,16 +198,17 @@ def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_p
     args = ("distributed=deepspeed_zero3", "train.max_steps=3", "train.checkpoint_every=2")
     whole = tmp_path / "whole"
     run_train(whole, demo_data, *args, launcher=launcher)
-    last = whole / "checkpoints" / "step_000003"
-    assert json.loads((last / "conventions.json").read_text())["engine"] == "deepspeed_zero3"
-    assert json.loads((last / "meta.json").read_text())["engine"] == "deepspeed_zero3"
-    assert len(list((last / "deepspeed").glob("*optim_states.pt"))) == 2  # one ZeRO shard per rank
-    weights = load_file(last / "model.safetensors")  # gathered from both ranks' ZeRO-3 partitions
+    last = checkpoint.checkpoint_dir(whole, 3)
+    assert json.loads((last / checkpoint.CONVENTIONS_FILE).read_text())["engine"] == "deepspeed_zero3"
+    assert json.loads((last / checkpoint.META_FILE).read_text())["engine"] == "deepspeed_zero3"
+    assert len(list((last / checkpoint.DEEPSPEED_DIR).glob("*optim_states.pt"))) == 2  # one ZeRO shard per rank
+    weights = load_file(last / checkpoint.WEIGHTS_FILE)  # gathered from both ranks' ZeRO-3 partitions
+    assert checkpoint.TIED_KEY not in weights
     assert weights["wte.weight"].shape == (512, 64) and weights["blocks.0.attn.c_attn.weight"].shape == (192, 64)
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in weights.values())
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000003")
+    shutil.rmtree(checkpoint.checkpoint_dir(resumed, 3))
     launcher[-2] = str(free_port())
     proc = run_train(resumed, demo_data, *args, "train.resume=true", launcher=launcher)
     assert "resumed from" in proc.stdout

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from tests.harness import free_port, require_module
 from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import load_state
 from trainer.checkpoint.weights import grow_rows
 from trainer.data.corpus import PrepareError
@@ -63,7 +64,7 @@ def test_grown_embedding_leaves_every_old_tokens_logits_unchanged():
     cfg, attention = GPTConfig(n_layer=2, n_head=2, n_embd=32, max_seq_len=64), AttentionConfig(backend="sdpa_docs")
     old = build_model(cfg, attention, vocab_size=300).eval()
     new = build_model(cfg, attention, vocab_size=302).eval()
-    weights = {k: v for k, v in old.state_dict().items() if k != "lm_head.weight"}
+    weights = {k: v for k, v in old.state_dict().items() if k != store.TIED_KEY}
     weights["wte.weight"] = grow_rows(weights["wte.weight"], 302, base_vocab=300, added=2)
     new.load_state_dict(weights, strict=False)
     assert new.lm_head.weight.data_ptr() == new.wte.weight.data_ptr()  # the head is still tied, so it grew too
@@ -98,8 +99,8 @@ def pretrained(demo_data, tmp_path_factory) -> Path:
     return run_dir
 
 
-def ckpt(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:06d}"
+ckpt = store.checkpoint_dir
+WEIGHTS, CONVENTIONS = store.WEIGHTS_FILE, store.CONVENTIONS_FILE
 
 
 def doc_keys(run_dir: Path) -> list[list[str]]:
@@ -117,16 +118,16 @@ def test_init_from_loads_weights_only(pretrained, demo_data, tmp_path):
     proc = run_train(run_dir, demo_data, f"train.init_from={source}", "optim.lr=0", "train.max_steps=2",
                      "train.checkpoint_every=2", "logging.record_doc_keys=true")
     assert "init_from: weights of" in proc.stdout
-    loaded, original = load_file(ckpt(run_dir, 2) / "model.safetensors"), load_file(source / "model.safetensors")
+    loaded, original = load_file(ckpt(run_dir, 2) / WEIGHTS), load_file(source / WEIGHTS)
     assert loaded.keys() == original.keys()
     for k in original:
         assert torch.equal(loaded[k], original[k]), k
     assert [m["step"] for m in metrics(run_dir)] == [1, 2]
-    engine = load_state(ckpt(run_dir, 2) / "engine.pt")
+    engine = load_state(ckpt(run_dir, 2) / store.ENGINE_FILE)
     assert {int(s["step"]) for s in engine["optimizer"]["state"].values()} == {2}  # AdamW's own step count
     assert engine["scheduler"]["last_epoch"] == 2
     assert doc_keys(run_dir)[:2] == doc_keys(pretrained)[:2]
-    conv = json.loads((ckpt(run_dir, 2) / "conventions.json").read_text())
+    conv = json.loads((ckpt(run_dir, 2) / CONVENTIONS).read_text())
     assert conv["init_from"]["checkpoint"] == str(source.resolve()) and conv["init_from"]["step"] == 4
 
 
@@ -135,10 +136,10 @@ def test_init_from_reads_a_checkpoint_from_before_model_safetensors(pretrained, 
     """Older DDP checkpoints hold the weights only in engine.pt: read with weights_only=True, the same weights."""
     old = tmp_path / "old_ckpt"
     shutil.copytree(ckpt(pretrained, 4), old)
-    (old / "model.safetensors").unlink()
+    (old / WEIGHTS).unlink()
     run_dir = tmp_path / "ft"
     run_train(run_dir, demo_data, f"train.init_from={old}", "optim.lr=0", "train.max_steps=1", "train.checkpoint_every=1")
-    loaded, original = load_file(ckpt(run_dir, 1) / "model.safetensors"), load_file(ckpt(pretrained, 4) / "model.safetensors")
+    loaded, original = load_file(ckpt(run_dir, 1) / WEIGHTS), load_file(ckpt(pretrained, 4) / WEIGHTS)
     assert all(torch.equal(loaded[k], original[k]) for k in original)
 
 
@@ -164,7 +165,7 @@ def other_data(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_mismatched_tokenizer_is_refused_for_init_from_and_resume(pretrained, other_data, tmp_path):
     source = ckpt(pretrained, 4)
-    ours = json.loads((source / "conventions.json").read_text())["tokenizer"]["sha256"]
+    ours = json.loads((source / CONVENTIONS).read_text())["tokenizer"]["sha256"]
     theirs = json.loads((other_data / "manifest.json").read_text())["tokenizer"]["sha256"]
     for override in (f"train.init_from={source}", f"train.resume={source}"):
         err = run_fails(tmp_path / "x", other_data, override).stderr
@@ -181,10 +182,10 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
     Naming another token is refused."""
     source = ckpt(pretrained, 4)
     data = tmp_path / "extended"
-    prepare("demo", data, tokenizer=source / "tokenizer", add_tokens=["<|tool|>"], max_docs=300, docs_per_shard=100,
+    prepare("demo", data, tokenizer=source / store.TOKENIZER_DIR, add_tokens=["<|tool|>"], max_docs=300, docs_per_shard=100,
             val_fraction=0.05)
     manifest = json.loads((data / "manifest.json").read_text())
-    base = load_tokenizer(source / "tokenizer")
+    base = load_tokenizer(source / store.TOKENIZER_DIR)
     assert manifest["tokenizer"]["added_tokens"] == ["<|tool|>"]
     assert load_tokenizer(data / "tokenizer").token_to_id("<|tool|>") == base.get_vocab_size()
 
@@ -196,14 +197,14 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
     run_dir = tmp_path / "ft"
     run_train(run_dir, data, f"train.init_from={source}", 'tokenizer.add_tokens=["<|tool|>"]', "optim.lr=0",
               "train.max_steps=1", "train.checkpoint_every=1")
-    old, new = load_file(source / "model.safetensors"), load_file(ckpt(run_dir, 1) / "model.safetensors")
+    old, new = load_file(source / WEIGHTS), load_file(ckpt(run_dir, 1) / WEIGHTS)
     V = base.get_vocab_size()
     assert new["wte.weight"].shape[0] == V + 1
     assert torch.equal(new["wte.weight"][:V], old["wte.weight"])
     torch.testing.assert_close(new["wte.weight"][V], old["wte.weight"].mean(0))
-    ext = json.loads((ckpt(run_dir, 1) / "conventions.json").read_text())["init_from"]["extension"]
+    ext = json.loads((ckpt(run_dir, 1) / CONVENTIONS).read_text())["init_from"]["extension"]
     assert ext["added_tokens"] == ["<|tool|>"] and ext["new_ids"] == [V]
-    assert ext["base_sha256"] == json.loads((source / "conventions.json").read_text())["tokenizer"]["sha256"]
+    assert ext["base_sha256"] == json.loads((source / CONVENTIONS).read_text())["tokenizer"]["sha256"]
 
 
 @pytest.mark.slow
@@ -216,7 +217,7 @@ def test_init_from_under_zero3_on_two_ranks_loads_before_partitioning(pretrained
     run_dir = tmp_path / "zero3"
     run_train(run_dir, demo_data, "distributed=deepspeed_zero3", f"train.init_from={ckpt(pretrained, 4)}", "optim.lr=0",
               "train.max_steps=1", "train.checkpoint_every=1", launcher=launcher)
-    loaded, original = load_file(ckpt(run_dir, 1) / "model.safetensors"), load_file(ckpt(pretrained, 4) / "model.safetensors")
+    loaded, original = load_file(ckpt(run_dir, 1) / WEIGHTS), load_file(ckpt(pretrained, 4) / WEIGHTS)
     assert loaded.keys() == original.keys()
     for k in original:
         assert torch.equal(loaded[k], original[k]), k

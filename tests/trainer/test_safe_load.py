@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from tests.harness import require_module
 from tests.trainer.test_train import ROOT, SMALL, run_train
+from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import UnsafeCheckpointError, decode, encode, load_state, save_state
 
 
@@ -34,13 +35,13 @@ def finished_run(demo_data, tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.parametrize("victim", ["rank_00000.pt", "engine.pt"])
+@pytest.mark.parametrize("victim", [store.rank_file(0), store.ENGINE_FILE])
 def test_a_crafted_pickle_is_refused_and_never_runs(finished_run, demo_data, tmp_path, victim):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step_000002")
+    shutil.rmtree(store.checkpoint_dir(run_dir, 2))
     marker = tmp_path / "pwned"
-    target = run_dir / "checkpoints" / "step_000001" / victim
+    target = store.checkpoint_dir(run_dir, 1) / victim
     torch.save({"model": {}, "rng": RunsCode(marker)}, target)
     cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
            "train.max_steps=2", "train.resume=true", "train.eval_every=0"]
@@ -61,7 +62,7 @@ def test_load_state_refuses_without_fallback(tmp_path):
 
 def test_deepspeed_files_are_checked_before_deepspeed_opens_them(tmp_path):
     require_module("deepspeed", "pip install -e '.[deepspeed]'")
-    from trainer.distributed.deepspeed import check_deepspeed_files
+    from trainer.checkpoint.store import check_deepspeed_files
 
     marker = tmp_path / "pwned"
     torch.save({"optimizer_state_dict": RunsCode(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -87,10 +88,10 @@ def test_states_round_trip_through_plain_types():
 
 
 def test_weights_are_also_written_as_safetensors(finished_run, tmp_path):
-    ckpt = finished_run / "checkpoints" / "step_000002"
-    weights = load_file(ckpt / "model.safetensors")  # the safetensors library's own reader
-    engine = load_state(ckpt / "engine.pt")
-    assert set(weights) == set(engine["model"]) - {"lm_head.weight"}  # the tied head is the embedding
+    ckpt = store.checkpoint_dir(finished_run, 2)
+    weights = load_file(ckpt / store.WEIGHTS_FILE)  # the safetensors library's own reader
+    engine = load_state(ckpt / store.ENGINE_FILE)
+    assert set(weights) == set(engine["model"]) - {store.TIED_KEY}  # the tied head is the embedding
     for name, tensor in weights.items():
         assert torch.equal(tensor, engine["model"][name]), name
     save_state({"w": weights["wte.weight"]}, tmp_path / "w.pt")

@@ -1,7 +1,8 @@
 """Checkpoints: the one owner of what a checkpoint directory holds and how it is read back without running code.
 
-    store      save/load/latest/prune of `<run dir>/checkpoints/step_NNNNNN/` and the names of every file in
-               it (meta.json, engine.pt, model.safetensors, rank_NNNNN.pt, conventions.json, tokenizer/)
+    store      the layout of a checkpoint directory (every file name in it, and the tied head left out of its
+               weights: its docstring is the one description) and the collective save/load/latest/prune;
+               engines hand it their state, and it does all the file I/O but DeepSpeed's own shards
     safe_io    plain-data + tensor files written by torch.save and read with weights_only=True
     weights    a checkpoint's model alone (shape, safetensors weights, tokenizer): init_from, export, generate
     hf         the mapping to and from a GPT-2 Hugging Face directory

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from trainer.checkpoint.weights import TIED_KEY, load_into
+from trainer.checkpoint.store import TIED_KEY
+from trainer.checkpoint.weights import load_into
 from trainer.data.tokenizer import SpecialIds
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
@@ -36,6 +37,8 @@ from trainer.model import GPT, AttentionConfig, GPTConfig
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
+"""Hugging Face's name (transformers' SAFE_WEIGHTS_NAME) in an export directory: the same string as the checkpoint
+store's WEIGHTS_FILE, but transformers' decision, not packtrain's (a checkpoint's names are the store's)."""
 PREFIX = "transformer."
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 """Weights stored transposed by GPT-2 (its Conv1D layers): every Linear inside a block."""

@@ -1,10 +1,10 @@
 """Checkpoint files that load without running code: `torch.load(weights_only=True)` and safetensors.
 
-`torch.load(weights_only=False)` unpickles arbitrary objects, so a crafted `engine.pt` or `rank_00000.pt`
-would run code the moment a run resumes from it. Everything packtrain saves is therefore plain Python
-containers, numbers, strings and tensors, which the restricted unpickler of `weights_only=True` accepts with
-no allow-list at all. The one other type in the states, numpy arrays (RNG state, buffered documents), is
-written as a tensor in a tagged dict and turned back into an array on load:
+`torch.load(weights_only=False)` unpickles arbitrary objects, so a crafted engine or rank state file of a
+checkpoint (trainer.checkpoint.store) would run code the moment a run resumes from it. Everything packtrain
+saves is therefore plain Python containers, numbers, strings and tensors, which the restricted unpickler of
+`weights_only=True` accepts with no allow-list at all. The one other type in the states, numpy arrays (RNG
+state, buffered documents), is written as a tensor in a tagged dict and turned back into an array on load:
 
     save_state({"tokens": np.array([5, 9], np.int32)}, path)   # stored as {"tokens": {"__ndarray__": tensor}}
     load_state(path)["tokens"]                                 # -> array([5, 9], dtype=int32)

@@ -1,18 +1,32 @@
-"""Checkpoints: written atomically (temp dir + rename), the last K kept, resumable by every rank.
+"""The checkpoint store: the one place that knows what a checkpoint directory holds, and every name in it.
 
-Layout of `<run dir>/checkpoints/step_000050/`:
-    engine.pt            model, optimizer and LR schedule (DDP: replicated, written by rank 0)
-    model.safetensors    the weights alone (DDP), for loaders that trust only safetensors
-    deepspeed/           or, under DeepSpeed, its own checkpoint: one ZeRO shard per rank (engine.save)
-    rank_00000.pt ...    each rank's data-stream state and RNG states
-Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io).
-    meta.json            step, token counters, world size, engine
-    conventions.json     how inputs and objective were built (see `conventions`)
-    tokenizer/           the tokenizer files the weights were trained with
+Layout of `<run dir>/checkpoints/step_000050/` (the name of each entry is the constant beside it; nothing else
+in packtrain spells these names):
+
+    meta.json           META_FILE         step, token counters, world size, engine, the resolved run config
+    conventions.json    CONVENTIONS_FILE  how inputs and objective were built (decided in trainer.run)
+    tokenizer/          TOKENIZER_DIR     the tokenizer files the weights were trained with
+    model.safetensors   WEIGHTS_FILE      the whole model's weights (every engine), TIED_KEY left out
+    rank_00000.pt ...   rank_file(rank)   each rank's data-stream state and RNG states
+    engine.pt           ENGINE_FILE       a replicated engine's (DDP's) model, optimizer and LR schedule
+    deepspeed/          DEEPSPEED_DIR     or, for a sharded engine (DeepSpeed), its own checkpoint: one ZeRO shard
+                                          per rank, which DeepSpeed writes itself into the directory named here
+                                          (it also copies its recovery scripts, zero_to_fp32.py, beside it)
+
+Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io); DeepSpeed's own
+files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them.
+
+Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
+`engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its
+shards, `engine.save_shards`) into the one directory the store hands it.
+
+A save is atomic: every rank writes into `.tmp-step_000050/` (TMP_PREFIX), which rank 0 renames to
+`step_000050/` once all parts are there; a directory that still has the prefix is never loaded.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -22,39 +36,87 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, barrier
 from trainer.errors import UserError
 
+# ---------------------------------------------------------------------------------------------------
+# The layout: every name of a checkpoint, once
+# ---------------------------------------------------------------------------------------------------
 
-class CheckpointError(UserError, ValueError):
-    """A checkpoint that this run cannot resume from (not one, another world size or engine)."""
-
-
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
+ROOT_DIR = "checkpoints"
+"""The run directory's sub-directory that holds its checkpoints."""
+STEP_PREFIX = "step_"
+STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
+"""A complete checkpoint's directory: `step_000050` (the step, at least six digits)."""
 TMP_PREFIX = ".tmp-"
 """A checkpoint being written: `.tmp-step_000050/`, renamed to `step_000050/` once every rank has written its
 part. A kill at any moment leaves either the complete renamed directory or a `.tmp-` one, which is never loaded."""
 
+META_FILE = "meta.json"
+CONVENTIONS_FILE = "conventions.json"
+TOKENIZER_DIR = "tokenizer"
+WEIGHTS_FILE = "model.safetensors"
+ENGINE_FILE = "engine.pt"
+DEEPSPEED_DIR = "deepspeed"
+RANK_FILE = "rank_{rank:05d}.pt"
+RANK_GLOB = "rank_*.pt"
+
+TIED_KEY = "lm_head.weight"
+"""The output head, tied to `wte.weight` (the model's own tying restores it): left out of WEIGHTS_FILE, since
+safetensors refuses two names for one storage, and never expected by the readers of weights."""
+
+PATH_HINT = f"<run dir>/{ROOT_DIR}/{STEP_PREFIX}NNNNNN"
+"""How messages name a checkpoint directory to the user."""
+
+
+def step_name(step: int) -> str:
+    """The directory name of step `step`'s checkpoint. Example: 50 -> 'step_000050'."""
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def rank_file(rank: int) -> str:
+    """The file of rank `rank`'s own state. Example: 1 -> 'rank_00001.pt'."""
+    return RANK_FILE.format(rank=rank)
+
 
 def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / ROOT_DIR
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """Where step `step`'s checkpoint of run `run_dir` is (once complete)."""
+    return checkpoint_root(run_dir) / step_name(step)
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return None
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    steps = _complete(root)
     return steps[-1][1] if steps else None
 
 
 def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Directories of saves that were interrupted (the process died before the rename)."""
     root = checkpoint_root(run_dir)
-    return sorted(p for p in root.glob(f"{TMP_PREFIX}step_*") if p.is_dir()) if root.is_dir() else []
+    return sorted(p for p in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*") if p.is_dir()) if root.is_dir() else []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Save and load (collective: every rank calls them)
+# ---------------------------------------------------------------------------------------------------
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint that this run cannot resume from (not one, another world size or engine)."""
 
 
 def rng_state() -> dict:
@@ -85,18 +147,23 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     root = checkpoint_root(run_dir)
-    final = root / f"step_{step:06d}"
-    tmp = root / f"{TMP_PREFIX}step_{step:06d}"
+    final = root / step_name(step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    save_state({"rng": rng_state(), **rank_state}, tmp / f"rank_{info.rank:05d}.pt")
-    engine.save(tmp)  # collective
+    save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
+    if engine.sharded:
+        engine.save_shards(tmp / DEEPSPEED_DIR)  # collective: every rank writes its shard
+    elif info.is_main:
+        save_state(engine.state_dict(), tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
+    weights = engine.full_weights()  # collective (ZeRO-3 gathers the partitions); empty off rank 0
     if info.is_main:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
-        (tmp / "conventions.json").write_text(json.dumps(conventions, indent=2))
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        save_file({k: v for k, v in weights.items() if k != TIED_KEY}, tmp / WEIGHTS_FILE)
+        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
+        (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
+        shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
     barrier()
     if info.is_main:
         shutil.rmtree(final, ignore_errors=True)
@@ -110,7 +177,7 @@ def _prune(root: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints, and the leftovers of interrupted saves. A checkpoint
     is renamed out of the `step_` namespace before it is deleted, so a kill mid-delete never leaves a partial
     `step_` directory behind."""
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    steps = _complete(root)
     for _, path in steps[: max(0, len(steps) - max(1, keep_last))]:
         doomed = path.with_name(f"{TMP_PREFIX}deleting-{path.name}")
         os.replace(path, doomed)
@@ -122,10 +189,10 @@ def _prune(root: Path, keep_last: int) -> None:
 def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict]:
     """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
     path = Path(path)
-    meta_file = path / "meta.json"
+    meta_file = path / META_FILE
     if not meta_file.is_file():
-        raise CheckpointError(f"{path} is not a packtrain checkpoint (no meta.json): give train.resume a "
-                              "checkpoints/step_NNNNNN directory, or true for the run dir's latest")
+        raise CheckpointError(f"{path} is not a packtrain checkpoint (no {META_FILE}): give train.resume a "
+                              f"{PATH_HINT} directory, or true for the run dir's latest")
     meta = json.loads(meta_file.read_text())
     if meta["world_size"] != info.world_size:
         raise CheckpointError(
@@ -134,8 +201,41 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[d
         )
     if meta.get("engine", engine.name) != engine.name:
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
-                         "resume with the same distributed= config")
-    engine.load(path)
-    rank_state = load_state(path / f"rank_{info.rank:05d}.pt")
+                              "resume with the same distributed= config")
+    if engine.sharded:
+        shards = path / DEEPSPEED_DIR
+        check_deepspeed_files(shards)  # DeepSpeed itself unpickles with weights_only=False
+        engine.load_shards(shards)  # collective
+    else:
+        engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
+    rank_state = load_state(path / rank_file(info.rank))
     set_rng_state(rank_state.pop("rng"))
     return meta, rank_state
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed's own files, checked before DeepSpeed opens them
+# ---------------------------------------------------------------------------------------------------
+
+DEEPSPEED_SAFE_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The only non-plain types in DeepSpeed's ZeRO-1/2/3 checkpoints (found by loading them with weights_only=True)."""
+
+
+def check_deepspeed_files(directory: Path) -> None:
+    """Load every file of a DeepSpeed checkpoint with `weights_only=True`, allowing DEEPSPEED_SAFE_GLOBALS only.
+
+    DeepSpeed's `load_checkpoint` calls `torch.load(weights_only=False)` and has no switch for it, so this
+    check runs first: a file carrying anything else (a pickle that would run code) is refused before DeepSpeed
+    opens it. What remains: the file could change between this check and DeepSpeed's read.
+    """
+    allowed = []
+    for name in DEEPSPEED_SAFE_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    with torch.serialization.safe_globals(allowed):
+        for path in sorted(directory.glob("*.pt")):
+            load_state(path, map_location="cpu")

@@ -1,10 +1,10 @@
 """A checkpoint's model alone: its shape, its weights and its tokenizer, read without running code.
 
-Every packtrain checkpoint (DDP or DeepSpeed) holds `model.safetensors` (the tied `lm_head.weight` left out:
-safetensors refuses shared storage), `meta.json` (with the resolved run config, whose `model` section is the
-shape) and `conventions.json` (the tokenizer's sha256 and vocab size). This module turns those into a built
-`GPT`, for `train.init_from`, `trainer.export` and `trainer.generate`; optimizer, schedule and data state are
-never read here.
+Every packtrain checkpoint (DDP or DeepSpeed; the files are the store's, trainer.checkpoint.store) holds the
+weights as safetensors (WEIGHTS_FILE, the tied head left out), the meta file (with the resolved run config,
+whose `model` section is the shape), the conventions (the tokenizer's sha256 and vocab size) and the tokenizer.
+This module turns those into a built `GPT`, for `train.init_from`, `trainer.export` and `trainer.generate`;
+optimizer, schedule and data state are never read here.
 """
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trainer.checkpoint.store import (
+    CONVENTIONS_FILE,
+    ENGINE_FILE,
+    META_FILE,
+    PATH_HINT,
+    TIED_KEY,
+    TOKENIZER_DIR,
+    WEIGHTS_FILE,
+)
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
-
-WEIGHTS_FILE = "model.safetensors"
-TIED_KEY = "lm_head.weight"
-"""Tied to `wte.weight`; absent from the file and restored by the model's own tying."""
 
 
 class WeightsError(UserError):
@@ -33,19 +38,19 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise WeightsError(f"{path.parent} is not a packtrain checkpoint: no {path.name} (give a "
-                           "<run dir>/checkpoints/step_NNNNNN directory)") from None
+                           f"{PATH_HINT} directory)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise WeightsError(f"{path}: unreadable ({e})") from e
 
 
 def checkpoint_meta(path: str | Path) -> dict:
-    """meta.json of a checkpoint directory (step, counters, engine, the resolved run config)."""
-    return _read_json(Path(path) / "meta.json")
+    """The meta file of a checkpoint directory (step, counters, engine, the resolved run config)."""
+    return _read_json(Path(path) / META_FILE)
 
 
 def checkpoint_conventions(path: str | Path) -> dict:
-    """conventions.json of a checkpoint directory (layout, labels, loss, tokenizer hash and size)."""
-    return _read_json(Path(path) / "conventions.json")
+    """The conventions of a checkpoint directory (layout, labels, loss, tokenizer hash and size)."""
+    return _read_json(Path(path) / CONVENTIONS_FILE)
 
 
 def model_config(path: str | Path) -> GPTConfig:
@@ -53,7 +58,7 @@ def model_config(path: str | Path) -> GPTConfig:
     meta, conv = checkpoint_meta(path), checkpoint_conventions(path)
     section = dict(meta.get("config", {}).get("model", {}))
     if not section:
-        raise WeightsError(f"{Path(path) / 'meta.json'} holds no config.model: not a packtrain checkpoint")
+        raise WeightsError(f"{Path(path) / META_FILE} holds no config.model: not a packtrain checkpoint")
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     cfg = GPTConfig(**{k: v for k, v in section.items() if k in known})
     if cfg.vocab_size is None:
@@ -62,11 +67,11 @@ def model_config(path: str | Path) -> GPTConfig:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict in `<path>/model.safetensors` (safetensors: loading never runs code), tied key omitted."""
+    """The state dict in the checkpoint's WEIGHTS_FILE (safetensors: loading never runs code), tied key omitted."""
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
-        engine_file = Path(path) / "engine.pt"
-        if engine_file.is_file():  # a DDP checkpoint from before model.safetensors: its plain-data engine state
+        engine_file = Path(path) / ENGINE_FILE
+        if engine_file.is_file():  # a DDP checkpoint from before WEIGHTS_FILE: its plain-data engine state
             from trainer.checkpoint.safe_io import (
                 load_state,  # weights_only=True: refuses anything but data and tensors
             )
@@ -82,9 +87,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 def tokenizer_dir(path: str | Path) -> Path:
     """The tokenizer the checkpoint's weights were trained with."""
-    out = Path(path) / "tokenizer"
+    out = Path(path) / TOKENIZER_DIR
     if not (out / "tokenizer.json").is_file():
-        raise WeightsError(f"{Path(path)} holds no tokenizer/tokenizer.json: not a packtrain checkpoint")
+        raise WeightsError(f"{Path(path)} holds no {TOKENIZER_DIR}/tokenizer.json: not a packtrain checkpoint")
     return out
 
 
@@ -123,7 +128,7 @@ def tokenizer_mismatch(path: str | Path, data_tokenizer: str | Path, data_hash: 
     ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"]
     return (f"{purpose}: {path} was trained with tokenizer sha256 {ckpt_hash}, but the data's tokenizer "
             f"({data_tokenizer}) is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with "
-            f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / 'tokenizer'}); to add "
+            f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / TOKENIZER_DIR}); to add "
             "tokens, prepare with that --tokenizer and --add-tokens TOKEN ..., and train with "
             "tokenizer.add_tokens=[TOKEN,...]")
 
@@ -131,7 +136,7 @@ def tokenizer_mismatch(path: str | Path, data_tokenizer: str | Path, data_hash: 
 def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Path, data_hash: str,
                          add_tokens: list[str]) -> dict:
     """Load the weights of checkpoint `path` into `model` (built for the data's tokenizer); returns the record
-    for conventions.json. Only weights: the caller's optimizer, schedule and data stream stay fresh.
+    for the new run's conventions. Only weights: the caller's optimizer, schedule and data stream stay fresh.
 
     Same tokenizer (same sha256): the weights load as they are. Otherwise the data's tokenizer must be the
     checkpoint's extended by exactly `add_tokens` (tokenizer.extend_tokenizer): the embedding (and the tied
@@ -146,7 +151,7 @@ def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Pat
               for k in SHAPE_KEYS if getattr(ckpt_cfg, k) != getattr(model.cfg, k)]
     if differ:
         raise WeightsError(f"train.init_from: {path} is another model ({'; '.join(differ)}): use the model= config "
-                           "it was trained with (its meta.json holds it)")
+                           f"it was trained with (its {META_FILE} holds it)")
     weights = load_weights(path)
     ckpt_tok_dir = tokenizer_dir(path)
     ckpt_hash = tokenizer_hash(ckpt_tok_dir)

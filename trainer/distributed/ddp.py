@@ -2,6 +2,9 @@
 
 One process: the plain module, no wrapper. Several: DDP, whose gradient all-reduce runs once per optimizer
 step (`no_sync` on every micro-batch but the last), so ranks may run different numbers of micro-batches.
+
+Checkpoints: the state is replicated, so the engine returns it (`state_dict`, `full_weights`) and the checkpoint
+store writes it (trainer.checkpoint.store describes the files); the engine writes no file itself.
 """
 
 from __future__ import annotations
@@ -10,11 +13,11 @@ import contextlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.distributed.groups import DistInfo
+
+_REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); sharded is False"
 
 
 class DDPEngine:
@@ -27,6 +30,7 @@ class DDPEngine:
 
     name = "ddp"
     equal_micro_batches = False
+    sharded = False
     can_discard = True
     """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
 
@@ -98,6 +102,7 @@ class DDPEngine:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def state_dict(self) -> dict:
+        """Model, optimizer and schedule state (the same on every rank); the tensors are the live ones."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -109,14 +114,14 @@ class DDPEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
-    def save(self, directory: Path) -> None:
-        """Collective. The state is replicated, so rank 0 alone writes `engine.pt`."""
-        state = self.state_dict()
-        if self.is_main:
-            save_state(state, directory / "engine.pt")
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()
-                       if k != "lm_head.weight"},  # tied to wte.weight; safetensors refuses shared storage
-                      directory / "model.safetensors")
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights on the CPU, on rank 0 only (every rank has them: no communication)."""
+        if not self.is_main:
+            return {}
+        return {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
 
-    def load(self, directory: Path) -> None:
-        self.load_state_dict(load_state(directory / "engine.pt", map_location=self.device))
+    def save_shards(self, directory: Path) -> None:
+        raise NotImplementedError(_REPLICATED)
+
+    def load_shards(self, directory: Path) -> None:
+        raise NotImplementedError(_REPLICATED)

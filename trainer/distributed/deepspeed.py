@@ -14,6 +14,10 @@ ZeRO-2/3 reduce gradients in every micro-batch and ZeRO-3 gathers weights in eve
 must run the same number of micro-batches: `equal_micro_batches` makes the step pad the shorter ranks
 with empty micro-batches (no targets, so no gradient). For example, 3 micro-batches on rank 0 and 1 on
 rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is the boundary on both.
+
+Checkpoints: ZeRO's state is sharded, so DeepSpeed writes and reads its own files (`save_shards`, `load_shards`),
+in the one directory the checkpoint store names and after the store has checked them (trainer.checkpoint.store
+describes the files); the whole weights are gathered and returned (`full_weights`) for the store to write.
 """
 
 from __future__ import annotations
@@ -24,15 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
-from trainer.checkpoint.safe_io import load_state
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import DistInfo
-
-CHECKPOINT_TAG = "deepspeed"
-"""Sub-directory of a packtrain checkpoint that holds DeepSpeed's files (one ZeRO shard per rank)."""
 
 
 def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, device: torch.device) -> dict:
@@ -59,6 +58,7 @@ def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, devic
 
 
 _ONE_CALL = "DeepSpeed clips and applies the update in one call (optimizer_step); can_discard is False"
+_SHARDED = "ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); sharded is True"
 
 
 class DeepSpeedEngine:
@@ -66,6 +66,7 @@ class DeepSpeedEngine:
 
     equal_micro_batches = True
     can_discard = False  # ds.step() clips and applies in one call: a non-finite loss stops before it
+    sharded = True  # even ZeRO-1 partitions the optimizer state
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):
@@ -114,56 +115,38 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return self.ds.get_lr()[0]
 
-    def save(self, directory: Path) -> None:
-        """Collective: every rank writes its ZeRO shard (and rank 0 the module and schedule) under the tag."""
-        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
-        weights = self.full_weights()  # collective under ZeRO-3
-        if self.ds.global_rank == 0:
-            save_file(weights, directory / "model.safetensors")
+    def state_dict(self) -> dict:
+        raise NotImplementedError(_SHARDED)
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError(_SHARDED)
+
+    def save_shards(self, directory: Path) -> None:
+        """Collective: every rank writes its ZeRO shard (and rank 0 the module and schedule) into `directory`.
+
+        DeepSpeed writes a checkpoint into `save_dir/tag/`: here `directory.parent/directory.name` (it also
+        copies its recovery scripts, zero_to_fp32.py and zero_to_torch.py, into `directory.parent`)."""
+        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+
+    def load_shards(self, directory: Path) -> None:
+        """Collective. DeepSpeed unpickles with weights_only=False: the caller checks the files first."""
+        path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on the CPU (gathered from every rank under ZeRO-3), tied head left out."""
+        """The whole model's weights in fp32 on the CPU, on rank 0 ({} elsewhere); under ZeRO-3 every rank
+        takes part in gathering them."""
         import deepspeed
 
         params = list(self.module.parameters())
         gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.zero_stage == 3 \
             else contextlib.nullcontext()
         with gather:
-            return {k: v.detach().float().cpu().clone().contiguous() for k, v in self.module.state_dict().items()
-                    if k != "lm_head.weight"}
-
-    def load(self, directory: Path) -> None:
-        check_deepspeed_files(directory / CHECKPOINT_TAG)  # DeepSpeed itself unpickles with weights_only=False
-        path, _ = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory / CHECKPOINT_TAG}")
-
-
-DEEPSPEED_SAFE_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-"""The only non-plain types in DeepSpeed's ZeRO-1/2/3 checkpoints (found by loading them with weights_only=True)."""
-
-
-def check_deepspeed_files(directory: Path) -> None:
-    """Load every file of a DeepSpeed checkpoint with `weights_only=True`, allowing DEEPSPEED_SAFE_GLOBALS only.
-
-    DeepSpeed's `load_checkpoint` calls `torch.load(weights_only=False)` and has no switch for it, so this
-    check runs first: a file carrying anything else (a pickle that would run code) is refused before DeepSpeed
-    opens it. What remains: the file could change between this check and DeepSpeed's read.
-    """
-    import importlib
-
-    allowed = []
-    for name in DEEPSPEED_SAFE_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        allowed.append(getattr(importlib.import_module(module), attr))
-    with torch.serialization.safe_globals(allowed):
-        for path in sorted(directory.glob("*.pt")):
-            load_state(path, map_location="cpu")
+            if self.ds.global_rank != 0:
+                return {}
+            return {k: v.detach().float().cpu().clone().contiguous() for k, v in self.module.state_dict().items()}
 
 
 def _import_deepspeed(device: torch.device):

@@ -5,6 +5,10 @@
 imported only when configured, so plain runs never import deepspeed). Process groups are set up before, by
 `trainer.distributed.groups.init_distributed`; the engines only use them.
 
+An engine returns its state; it never chooses a file name. The checkpoint store (trainer.checkpoint.store, the
+one description of the layout) writes a replicated engine's `state_dict()` and everyone's `full_weights()`
+itself, and hands a sharded engine the one directory its `save_shards` / `load_shards` may use.
+
 How the step drives an engine, for one optimizer step over k micro-batches:
 
     for i, mb in enumerate(micro_batches):       # gradients synced only on the last one
@@ -31,7 +35,7 @@ class Engine(Protocol):
     """Model + optimizer + LR schedule, wrapped for the configured parallelism."""
 
     name: str
-    """'ddp', 'deepspeed_zero2', ... (recorded in the checkpoint's meta.json and conventions.json)."""
+    """'ddp', 'deepspeed_zero2', ... (recorded in every checkpoint; resuming needs the same one)."""
     module: nn.Module
     """The model as built (single-device code), for eval mode switches and weight reads."""
     grad_average_factor: int
@@ -41,6 +45,9 @@ class Engine(Protocol):
     can_discard: bool
     """True if clip_gradients / apply_gradients / discard_gradients split the optimizer step, so a non-finite
     step can be dropped; False if optimizer_step is the only way to step."""
+    sharded: bool
+    """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's).
+    True: each rank holds a part, which only the engine can write and read (`save_shards` / `load_shards`)."""
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
@@ -71,12 +78,26 @@ class Engine(Protocol):
         """The current learning rate of the first parameter group."""
         ...
 
-    def save(self, directory: Path) -> None:
-        """Collective: write the engine's state (and model.safetensors) into a checkpoint directory."""
+    def state_dict(self) -> dict:
+        """Model, optimizer and LR schedule as plain data and tensors; no communication (only if not sharded)."""
         ...
 
-    def load(self, directory: Path) -> None:
-        """Collective: restore the engine's state from a checkpoint directory."""
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned, its tensors already on this rank's device (only if not sharded)."""
+        ...
+
+    def save_shards(self, directory: Path) -> None:
+        """Collective: every rank writes its part of the state into `directory`, which the caller names and
+        which need not exist (only if sharded)."""
+        ...
+
+    def load_shards(self, directory: Path) -> None:
+        """Collective: every rank restores its part from a `directory` that save_shards wrote (only if sharded)."""
+        ...
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Collective (every rank calls it): the whole model's weights as CPU tensors, under the keys of
+        `module.state_dict()`, on rank 0; the other ranks get {} (as FSDP's rank0_only full state dict)."""
         ...
 
 
