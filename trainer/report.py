@@ -36,6 +36,7 @@ matplotlib.use("Agg")  # before pyplot: no display, PNGs only
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from trainer.errors import UserError, command  # noqa: E402
 from trainer.registry import (  # noqa: E402
     ABLATION,
     IGNORED,
@@ -64,8 +65,8 @@ TABLE_COLUMNS = [
 Series = dict[int, float]  # optimizer step -> value
 
 
-class ReportError(Exception):
-    """A user mistake (no runs, unknown reference): printed as `error: ...`, exit code 2."""
+class ReportError(UserError):
+    """A user mistake (no runs, unknown reference)."""
 
 
 def key_class(key: str) -> str:
@@ -786,14 +787,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@command()
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        paths = make_report(args.dirs, args.out, args.reference, args.tolerance)
-    except ReportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for path in paths:
+    for path in make_report(args.dirs, args.out, args.reference, args.tolerance):
         print(path)
     return 0
 

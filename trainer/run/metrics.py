@@ -70,8 +70,10 @@ class MetricsLogger:
     """Appends metrics to metrics.jsonl and W&B on rank 0; a no-op elsewhere."""
 
     def __init__(self, run_dir: str | Path, cfg: WandbConfig, resolved_config: dict, tags: list[str], group: str | None,
-                 enabled: bool, resume_step: int = 0) -> None:
+                 enabled: bool, resume_step: int = 0, log_every: int = 1) -> None:
         self.enabled = enabled
+        self.log_every = log_every
+        """logging.log_every: write every N optimizer steps (see `due`)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb_run = None
         self._totals = {"valid_tokens": 0, "allocated_tokens": 0, "time": 0.0, "utilization": 0.0, "steps": 0}
@@ -84,6 +86,11 @@ class MetricsLogger:
 
     def _truncate_after(self, step: int) -> None:
         truncate_jsonl_after(self.path, step)
+
+    def due(self, step: int, last: bool, forced: bool = False) -> bool:
+        """Whether step `step` is written: every `log_every` steps, the last step, and any step `forced` to be
+        (one with an eval, the first after a resume, a non-finite one). Example: log_every=10 -> 10, 20, ..."""
+        return forced or last or step % self.log_every == 0
 
     def log(self, metrics: dict) -> None:
         """Append one step's metrics; a ValueError for a key not registered in trainer/registry.py (METRIC_KEYS)."""
