@@ -56,12 +56,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from trainer.config import LoggingConfig, LossConfig, OptimConfig, RunConfig, TrainConfig
+from trainer.config import LoggingConfig, LossConfig, OptimConfig, RunConfig, TrainConfig, resolve_dtype
 from trainer.data.batch import Batch, Document
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.engine import parallelize, resolve_dtype
+from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
 from trainer.model.compile import CompileCounter
@@ -179,7 +179,8 @@ def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool
     model.load_state_dict(init_state)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    return parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, cfg.train.dtype,
+    return parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip,
+                       resolve_dtype(cfg.train.dtype, info.device),
                        compile=compile)
 
 

@@ -22,8 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import RunConfig, from_container
-from trainer.distributed.engine import resolve_dtype
+from trainer.config import RunConfig, from_container, resolve_dtype
 from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
 from trainer.errors import ConfigError, one_line, original_message, run_command
 from trainer.model import resolve_backend

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import OptimConfig, TrainConfig, _build
-from trainer.distributed.engine import resolve_dtype
+from trainer.config import OptimConfig, TrainConfig, _build, resolve_dtype
 from trainer.errors import ConfigError
 from trainer.run.optim import build_optimizer, lr_factor, use_fused
 

@@ -101,30 +101,19 @@ class Engine(Protocol):
         ...
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """train.dtype as the engine runs it: 'auto' is bf16 autocast on a CUDA device that supports bf16, else fp32
-    (so CPU runs stay fp32); 'fp32' and 'bf16' are kept. Example: resolve_dtype("auto", cpu) -> "fp32"."""
-    if dtype == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"train.dtype must be 'auto', 'fp32' or 'bf16', got {dtype!r}")
-    return dtype
-
-
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
                 cfg: DistributedConfig, grad_clip: float, dtype: str, compile: bool = False) -> Engine:
     """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine.
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
-    dtype: train.dtype ('auto' resolved here, see `resolve_dtype`). compile (train.compile): each transformer
-    block is compiled first, before any wrapping (trainer/model/compile.py).
+    dtype: 'fp32' or 'bf16', train.dtype as the run resolved it (trainer.config.resolve_dtype). compile
+    (train.compile): each transformer block is compiled first, before any wrapping (trainer/model/compile.py);
+    the config has already refused it under ZeRO-3 (trainer.config.cross_section_rules).
     """
-    dtype = resolve_dtype(dtype, info.device)
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"parallelize takes a resolved dtype, 'fp32' or 'bf16' (trainer.config.resolve_dtype), "
+                         f"got {dtype!r}")
     if compile:
-        if cfg.engine == "deepspeed" and cfg.zero_stage == 3:
-            raise ValueError("train.compile=true does not run under ZeRO-3 (its per-module hooks gather the weights "
-                             "inside the blocks that would be compiled): use distributed.zero_stage 1 or 2, or "
-                             "train.compile=false")
         compile_blocks(model)
     if cfg.engine == "ddp":
         return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)

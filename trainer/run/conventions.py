@@ -6,6 +6,7 @@ The checkpoint store decides where the file goes (trainer.checkpoint.store); thi
 
 from __future__ import annotations
 
+from trainer.checkpoint.store import TOKENIZER_DIR
 from trainer.config import RunConfig
 from trainer.data.config import VAL_SPLIT
 from trainer.run.inputs import DataSource
@@ -64,7 +65,7 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
             "docs": cfg.train.eval_docs, "long_docs": "split", "layout": cfg.train.eval_layout,
             "val_loss": "sum of token cross-entropies / eval targets (all ranks)",
         },
-        "tokenizer": {"files": "tokenizer/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
+        "tokenizer": {"files": f"{TOKENIZER_DIR}/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
         "engine": engine_name,
         "dtype": dtype,
         "world_size": world_size,

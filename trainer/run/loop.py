@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from trainer.checkpoint import store
 from trainer.checkpoint.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
 from trainer.config import RunConfig, resolve_dtype
 from trainer.distributed.engine import parallelize
@@ -108,10 +109,10 @@ class Trainer:
         path = self.resume_path
         if path is None:
             return
-        ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"] if (path / "conventions.json").is_file() else None
+        ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"] if (path / store.CONVENTIONS_FILE).is_file() else None
         if ckpt_hash is not None and ckpt_hash != self.data.tokenizer_hash:
             raise ConfigError(tokenizer_mismatch(path, self.data.tokenizer_dir, self.data.tokenizer_hash, "train.resume"))
-        if (path / "conventions.json").is_file():  # a fine-tuning run keeps the record of where it started
+        if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
         meta, rank_state = self.checkpointer.load(path, self.engine)
         self.data.rows.load_state_dict(rank_state["data"])
