@@ -9,79 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "trainer"
-
-LAYERS: list[set[str]] = [
-    {"trainer.errors", "trainer.registry"},  # shared vocabulary: imports nothing of the package
-    {"trainer.data"},  # shards -> documents -> rows -> batches
-    {"trainer.model"},  # single-device GPT, attention kernels, losses
-    {"trainer.distributed"},  # process groups and engines
-    {"trainer.checkpoint"},  # the checkpoint store and everything that reads weights
-    {"trainer.config"},  # the typed config, assembled from the rooms' sections
-    {"trainer.run"},  # the loop and its parts
-    {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
-     "trainer.generate", "trainer"},  # the commands
-]
-"""Each module may import from its own layer and the layers above it in this list (lower = more basic).
-A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""
-
-
-def modules() -> dict[str, Path]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """trainer module -> the trainer modules it imports (at the top, inside functions, under TYPE_CHECKING)."""
-    mods = modules()
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for name, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
-                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
-                # `from pkg import submodule` depends on the submodule; `from pkg import name` on the package
-                graph[name] |= subs if len(subs) == len(node.names) else subs | ({node.module} & mods.keys())
-            elif isinstance(node, ast.Import):
-                graph[name] |= {a.name for a in node.names} & mods.keys()
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    found, done = [], set()
-
-    def visit(node: str, path: list[str]) -> None:
-        for nxt in sorted(graph[node]):
-            if nxt in path:
-                found.append(path[path.index(nxt):] + [nxt])
-            elif nxt not in done:
-                visit(nxt, path + [nxt])
-        done.add(node)
-
-    for start in sorted(graph):
-        if start not in done:
-            visit(start, [start])
-    return found
-
-
-def room(module: str) -> str:
-    """The room of a module: its subpackage (trainer.data.stream -> trainer.data) or itself at the root."""
-    parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else module
-
-
-def layer(module: str) -> int:
-    r = room(module)
-    return next(i for i, rooms in enumerate(LAYERS) if r in rooms)
-
-
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """'a -> b' for each import of a module from a higher layer (a room that should depend on a, not a on it)."""
-    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
-                  if room(a) != room(b) and layer(b) > layer(a))
+from tests.helpers import LAYERS, PACKAGE, ROOT, cycles, import_graph, modules, room, upward_imports
 
 
 def test_every_module_is_in_a_layer():
@@ -123,3 +51,27 @@ def test_the_root_holds_only_commands_and_shared_modules():
     root_modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert root_modules == {"train", "prepare", "report", "inspect_mask", "export", "generate", "config",
                             "errors", "registry"}
+
+
+SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests.conftest"}
+
+
+def cross_test_imports(test_root: Path) -> list[str]:
+    """'a -> b' for each test module importing another test module (shared code belongs in tests/helpers.py)."""
+    found = []
+    for path in sorted(test_root.rglob("*.py")):
+        name = ".".join(path.relative_to(test_root.parent).with_suffix("").parts)
+        if name in SHARED_TEST_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{name} -> {t}" for t in targets if t.startswith("tests.") and t not in SHARED_TEST_MODULES]
+    return found
+
+
+def test_test_modules_share_code_through_helpers_only(tmp_path):
+    assert cross_test_imports(ROOT / "tests") == []
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("from tests.test_b import run\n")
+    assert cross_test_imports(tmp_path / "tests") == ["tests.test_a -> tests.test_b"]  # the check can fail

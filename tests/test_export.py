@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.harness import require_module
-from tests.trainer.test_train import ROOT, run_train
+from tests.helpers import ROOT, run_export, train_checkpoint
 from trainer.checkpoint import hf
-from trainer.checkpoint.store import latest_checkpoint
 from trainer.checkpoint.weights import load_model
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import chat_template, render
@@ -35,17 +33,6 @@ from trainer.run.step import train_step
 SEQ_LEN = 128
 LOSS_TOL = 1e-5
 GRAD_REL_TOL = 1e-5
-
-
-def train_checkpoint(run_dir: Path, data: Path, *overrides: str) -> Path:
-    """A tiny real checkpoint: 3 steps of `python -m trainer.train` (model=tiny, seq_len 128) on `data`."""
-    run_train(run_dir, data, "train.max_steps=3", f"train.seq_len={SEQ_LEN}", *overrides)
-    return latest_checkpoint(run_dir)
-
-
-def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

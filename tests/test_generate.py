@@ -11,7 +11,7 @@ import torch
 
 import trainer.generate as gen
 from tests.harness import require_module
-from tests.trainer.test_train import ROOT
+from tests.helpers import ROOT
 from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model
 from trainer.data.chat import chat_template

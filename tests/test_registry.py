@@ -15,7 +15,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tests.test_report import neutral_sweeps  # noqa: F401  (a session fixture: real sweeps, shared)
 from trainer import registry
 from trainer.config import NORMALIZATIONS, WandbConfig
 from trainer.registry import CLASSES, CONFIG_KEYS, FROM_SUMMARY, METRIC_KEYS, SAME_OBJECTIVE, SUMMARY_KEYS
@@ -139,7 +138,7 @@ def test_every_key_has_a_one_line_meaning():
 
 
 @pytest.mark.slow
-def test_a_real_run_writes_registered_keys_only(neutral_sweeps):  # noqa: F811
+def test_a_real_run_writes_registered_keys_only(neutral_sweeps):
     """Real runs (eval on, compile on and off, prefetch on and off): every key they wrote is registered."""
     run_dirs = [d for sweep in neutral_sweeps.values() for d in sweep.iterdir() if (d / "summary.json").is_file()]
     assert len(run_dirs) == 6

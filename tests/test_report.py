@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import html
 import json
-import os
 import re
 import subprocess
 import sys
@@ -441,7 +440,7 @@ def test_cli_errors(tmp_path):
 @pytest.mark.slow
 def test_report_over_real_tiny_runs(demo_data, tmp_path):
     """Packed, unpacked and seed=1, 6 steps each (the three trainings run side by side)."""
-    from tests.trainer.test_train import run_train
+    from tests.helpers import run_train
 
     variants = {"packed": ["packing=packed"], "unpacked": ["packing=unpacked"], "seed1": ["packing=packed", "seed=1"]}
     with ThreadPoolExecutor(len(variants)) as pool:
@@ -461,43 +460,6 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     for row in rows.values():
         assert row["steps"] == "6" and row["final val loss"] != "n/a" and row["valid tokens/s"] != "n/a"
     assert rows["packed"]["speed-up vs unpacked"].endswith("x vs unpacked")
-
-
-def run_sweep(sweep: Path, data: Path, *overrides: str) -> Path:
-    """`python -m trainer.train -m ...` (the tiny settings of tests/trainer/test_train.py): one run dir per job,
-    named by its job number."""
-    from tests.trainer.test_train import SMALL
-
-    cmd = [sys.executable, "-m", "trainer.train", "-m", f"data.path={data}", f"hydra.sweep.dir={sweep}",
-           "hydra.sweep.subdir=${hydra.job.num}", *SMALL, "train.checkpoint_every=0", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return sweep
-
-
-_neutral_sweeps: dict[Path, dict[str, Path]] = {}
-"""demo_data -> the sweeps: tests/test_registry.py imports the fixture, and a fixture imported into a second
-module is a second fixture (its own session cache), so the sweeps are kept here and run once per session."""
-
-
-@pytest.fixture(scope="session")
-def neutral_sweeps(demo_data, tmp_path_factory) -> dict[str, Path]:
-    """Two real sweeps over loss-preserving settings, run side by side (also read by tests/test_registry.py):
-    data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile on/off (inductor; no eval, so one
-    compilation). 3 steps each."""
-    if demo_data in _neutral_sweeps:
-        return _neutral_sweeps[demo_data]
-    root = tmp_path_factory.mktemp("neutral_sweeps")
-    sweeps = {
-        "prefetch": ("data.prefetch=true,false", "seed=0,1", "train.max_steps=3", "train.eval_every=3",
-                     "train.eval_docs=8"),
-        "compile": ("train.compile=true,false", "train.max_steps=3", "train.eval_every=0"),
-    }
-    with ThreadPoolExecutor(len(sweeps)) as pool:
-        list(pool.map(lambda item: run_sweep(root / item[0], demo_data, *item[1]), sweeps.items()))
-    _neutral_sweeps[demo_data] = {name: root / name for name in sweeps}
-    return _neutral_sweeps[demo_data]
 
 
 def verdicts_of(sweep: Path, out: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import require_module
-from tests.trainer.test_train import ROOT, metrics, run_train
+from tests.helpers import ROOT, metrics, run_train
 from trainer.data.config import DataConfig
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.run.evaluate import load_eval_docs

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import free_port
-from tests.trainer.test_train import ROOT, SMALL, metrics
+from tests.helpers import ROOT, SMALL, ShardHandler, ShardServer, metrics
 from trainer.data.config import DataConfig
 from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError
@@ -32,36 +32,6 @@ from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.run.evaluate import load_eval_docs
 
 TRAIN = "train-{000000..000004}.tar"  # the demo_data fixture's five train shards
-
-
-class ShardHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves the data directory; `server.cuts[name] = n` cuts the next n responses for that file in half."""
-
-    def do_GET(self) -> None:
-        name = self.path.lstrip("/")
-        self.server.requests[name].append(self.headers.get("User-Agent", ""))
-        if self.server.cuts.get(name, 0) > 0:
-            self.server.cuts[name] -= 1
-            data = (Path(self.directory) / name).read_bytes()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data[: len(data) // 2])
-            self.close_connection = True
-            return
-        super().do_GET()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-class ShardServer(http.server.ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:
-        pass  # a reader that stops early resets its connection: not news
-
-    def curl_gets(self, name: str) -> int:
-        """GET requests for `name` made by curl (the reader), not by the status probe (urllib)."""
-        return sum(agent.startswith("curl/") for agent in self.requests[name])
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,7 @@ import webdataset as wds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.data.test_remote import ShardHandler, ShardServer
-from tests.trainer.test_train import metrics, run_train
+from tests.helpers import ShardHandler, ShardServer, metrics, run_train
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError, SlotReader, SlotState

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_cluster import torchrun
-from tests.trainer.test_train import metrics, run_train
+from tests.helpers import metrics, run_train, torchrun
 from trainer.data.packing import PackingStats, split_long
 from trainer.data.shards import shard_paths
 from trainer.data.stream import DocumentStream

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import free_port, run_distributed
-from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from tests.harness import run_distributed
+from tests.helpers import ROOT, SMALL, metrics, run_train, torchrun
 from trainer.checkpoint.safe_io import load_state
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,6 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 CLUSTER = ("model.dropout=0.1", "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=4",
            f"train.max_steps={STEPS}", "train.keep_last=3")
-
-
-def torchrun(nproc: int = 2, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-            str(free_port()), *extra, "-m"]
 
 
 def start(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.Popen:
@@ -252,7 +247,7 @@ def test_sigterm_and_crash_leave_no_process_behind(demo_data, tmp_path):
 
 def nan_on_rank1_step2(rank: int, world_size: int, policy_skip: bool) -> dict:
     """Three steps; rank 1's forward of step 2 returns NaN logits. Returns what each rank ended with."""
-    from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, make_steps
+    from tests.helpers import MODEL, PAD, SEQ_LEN, make_steps
     from trainer.data.config import PackingConfig
     from trainer.data.packing import OnlinePacker
     from trainer.data.pipeline import micro_batches

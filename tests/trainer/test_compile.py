@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.test_prefetch import make_trainer
-from tests.trainer.test_train import metrics, run_train
+from tests.helpers import make_trainer, metrics, run_train
 from trainer.data.batch import Batch, Document, collate_rows
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs

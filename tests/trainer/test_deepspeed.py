@@ -25,8 +25,7 @@ from safetensors.torch import load_file
 
 from tests.browser import ci_is_set
 from tests.harness import free_port, run_distributed
-from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
-from tests.trainer.test_train import ROOT, metrics, run_train
+from tests.helpers import MODEL, PAD, ROOT, SEQ_LEN, assert_same_params, make_steps, metrics, run_train, split
 from trainer.checkpoint import store as checkpoint
 from trainer.config import OptimConfig
 from trainer.data.config import PackingConfig

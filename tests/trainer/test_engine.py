@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_architecture import import_graph
-from tests.trainer.test_train import ROOT
+from tests.helpers import ROOT, import_graph
 from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.engine import Engine
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,8 +23,7 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from tests.harness import free_port
-from tests.test_architecture import LAYERS
-from tests.trainer.test_train import ROOT, SMALL
+from tests.helpers import ENV, LAYERS, ROOT, SMALL, assert_one_error_line
 from trainer.data.corpus import PrepareError
 from trainer.data.reader import DataStreamError
 from trainer.errors import EXIT_USER_ERROR, UserError, command, one_line, original_message, run_command
@@ -50,19 +48,6 @@ for argv in cases:
 with open(out_path, "w") as f:
     json.dump(results, f)
 """
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-
-
-def assert_one_error_line(code: int, stderr: str, *phrases: str) -> str:
-    """Exit status 2 and stderr holding exactly one line, `error: ...`, with every phrase in it."""
-    assert code == 2, stderr
-    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    for phrase in phrases:
-        assert phrase in lines[0], (phrase, lines[0])
-    return lines[0]
 
 
 def train_cli(run_dir: Path, data: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:

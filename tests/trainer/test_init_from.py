@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import free_port, require_module
-from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from tests.helpers import ROOT, SMALL, metrics, run_train
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import load_state
 from trainer.checkpoint.weights import grow_rows

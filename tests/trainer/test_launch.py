@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import free_port, require_module
-from tests.trainer.test_train import SMALL, metrics
+from tests.helpers import SMALL, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.test_step import MODEL, PAD, SEQ_LEN, make_steps
+from tests.helpers import MODEL, PAD, SEQ_LEN, make_steps
 from trainer.config import NORMALIZATIONS
 from trainer.data.batch import Document, collate_rows
 from trainer.data.config import PackingConfig

@@ -11,20 +11,14 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from tests.trainer.test_train import ROOT, SMALL, metrics
-from trainer.config import from_container
+from tests.helpers import make_trainer, metrics
 from trainer.data.batch import Document
 from trainer.data.config import PackingConfig
 from trainer.data.pipeline import PREFETCH_THREAD, RowPrefetcher, RowStream
-from trainer.distributed.groups import DistInfo
 
 SEQ_LEN, ROWS = 32, 3
 
@@ -190,16 +184,6 @@ def test_no_draw_starts_on_an_exhausted_stream():
 # ---------------------------------------------------------------------------------------------------
 # The trainer, in this process: the thread ends however fit() ends
 # ---------------------------------------------------------------------------------------------------
-
-
-def make_trainer(data: Path, run_dir: Path, *overrides: str):
-    from trainer.run.loop import Trainer
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        composed = compose(config_name="config", overrides=[f"data.path={data}", *SMALL, "train.eval_every=0",
-                                                           "train.checkpoint_every=0", *overrides])
-    cfg = from_container(OmegaConf.to_container(composed, resolve=True), str(run_dir))
-    return Trainer(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.harness import require_module
-from tests.trainer.test_train import ROOT, SMALL, run_train
+from tests.helpers import ROOT, SMALL, run_train
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import UnsafeCheckpointError, decode, encode, load_state, save_state
 

@@ -20,8 +20,7 @@ import pytest
 import webdataset as wds
 
 from tests.harness import require_module
-from tests.trainer.test_errors import ENV, assert_one_error_line
-from tests.trainer.test_train import ROOT, SMALL, metrics, run_train
+from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, metrics, run_train
 from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths
 from trainer.prepare import prepare
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
 from trainer.config import NORMALIZATIONS
 from trainer.data.batch import Document
 from trainer.data.config import PackingConfig
@@ -20,26 +21,8 @@ from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
-from trainer.model import AttentionConfig, GPTConfig, build_model
+from trainer.model import AttentionConfig, build_model
 from trainer.run.step import train_step
-
-SEQ_LEN = 32
-PAD = 1
-MODEL = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32, max_seq_len=SEQ_LEN)
-
-
-def make_steps(num_steps: int = 3, docs_per_step: int = 12, seed: int = 0) -> list[list[Document]]:
-    """Random documents (lengths 2..SEQ_LEN, EOS = 0 last) grouped into logical batches."""
-    rng = np.random.default_rng(seed)
-    steps = []
-    for s in range(num_steps):
-        docs = []
-        for d in range(docs_per_step):
-            n = int(rng.integers(2, SEQ_LEN + 1))
-            tokens = np.append(rng.integers(2, MODEL.vocab_size, size=n - 1), 0)
-            docs.append(Document(key=f"s{s}d{d}", tokens=tokens))
-        steps.append(docs)
-    return steps
 
 
 def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
@@ -61,22 +44,6 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
         counts.append(stats.valid_tokens)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
             "valid": counts}
-
-
-def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:
-    for name in a:
-        diff = (a[name] - b[name]).abs().max().item()
-        assert diff <= tol, f"{name}: max abs diff {diff:.3g}"
-
-
-def split(steps, fractions: list[float]) -> list[list[list[Document]]]:
-    """Per step, consecutive slices of its documents, one per rank, in the given proportions of docs."""
-    out = []
-    for docs in steps:
-        cuts = np.cumsum([0] + [round(f * len(docs)) for f in fractions])
-        cuts[-1] = len(docs)
-        out.append([docs[cuts[r] : cuts[r + 1]] for r in range(len(fractions))])
-    return out
 
 
 @pytest.fixture(scope="module")

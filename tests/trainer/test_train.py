@@ -13,41 +13,14 @@ import numpy as np
 import pytest
 
 from tests.harness import free_port
+from tests.helpers import ROOT, SMALL, metrics, run_train
 from trainer.checkpoint.safe_io import load_state
 from trainer.train import strip_launcher_args
 
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "model=tiny",
-    "train.seq_len=128",
-    "train.tokens_per_step=1024",
-    "train.micro_batch_tokens=512",
-    "data.num_workers=1",
-    "data.shuffle_buffer=64",
-    "packing.buffer_size=64",
-    "attention=sdpa_docs",
-    "logging.progress=false",
-    "logging.wandb.mode=disabled",
-    "train.eval_every=10",
-]
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "valid_tokens", "allocated_tokens", "token_utilization", "docs",
     "docs_per_row", "valid_tokens_per_s", "allocated_tokens_per_s", "step_time_s", "peak_mem_gb", "warmup",
 }
-
-
-def run_train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None,
-              extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
-                                                  *SMALL, *overrides, *extra_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.test_train import metrics, run_train
+from tests.helpers import metrics, run_train
 
 pytestmark = pytest.mark.slow
 

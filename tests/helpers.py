@@ -1,0 +1,263 @@
+"""Helpers shared by the test modules: running the real commands, tiny models and batches, a shard server,
+the package's import graph. Imported as `from tests.helpers import ...`; fixtures live in tests/conftest.py,
+process harnesses (gloo ranks, free ports, optional modules) in tests/harness.py."""
+
+from __future__ import annotations
+
+import ast
+import http.server
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.harness import free_port
+from trainer.checkpoint.store import latest_checkpoint
+from trainer.config import from_container
+from trainer.data.batch import Document
+from trainer.distributed.groups import DistInfo
+from trainer.model import GPTConfig
+
+# ---------------------------------------------------------------------------------------------------
+# Running `python -m trainer.train` and friends as users do
+# ---------------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "model=tiny",
+    "train.seq_len=128",
+    "train.tokens_per_step=1024",
+    "train.micro_batch_tokens=512",
+    "data.num_workers=1",
+    "data.shuffle_buffer=64",
+    "packing.buffer_size=64",
+    "attention=sdpa_docs",
+    "logging.progress=false",
+    "logging.wandb.mode=disabled",
+    "train.eval_every=10",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+"""The environment of a command run by a test: one thread per process, this checkout on the path, no W&B."""
+
+
+def run_train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None,
+              extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
+                                                  *SMALL, *overrides, *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def torchrun(nproc: int = 2, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+            str(free_port()), *extra, "-m"]
+
+
+def make_trainer(data: Path, run_dir: Path, *overrides: str):
+    from trainer.run.loop import Trainer
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        composed = compose(config_name="config", overrides=[f"data.path={data}", *SMALL, "train.eval_every=0",
+                                                           "train.checkpoint_every=0", *overrides])
+    cfg = from_container(OmegaConf.to_container(composed, resolve=True), str(run_dir))
+    return Trainer(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+
+
+def assert_one_error_line(code: int, stderr: str, *phrases: str) -> str:
+    """Exit status 2 and stderr holding exactly one line, `error: ...`, with every phrase in it."""
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+    return lines[0]
+
+
+def run_sweep(sweep: Path, data: Path, *overrides: str) -> Path:
+    """`python -m trainer.train -m ...` (the tiny settings of tests/trainer/test_train.py): one run dir per job,
+    named by its job number."""
+    cmd = [sys.executable, "-m", "trainer.train", "-m", f"data.path={data}", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=${hydra.job.num}", *SMALL, "train.checkpoint_every=0", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return sweep
+
+
+CHECKPOINT_SEQ_LEN = 128
+"""Row length of `train_checkpoint`'s runs (and so of the session's `checkpoint` and `exported` fixtures)."""
+
+
+def train_checkpoint(run_dir: Path, data: Path, *overrides: str) -> Path:
+    """A tiny real checkpoint: 3 steps of `python -m trainer.train` (model=tiny, seq_len 128) on `data`."""
+    run_train(run_dir, data, "train.max_steps=3", f"train.seq_len={CHECKPOINT_SEQ_LEN}", *overrides)
+    return latest_checkpoint(run_dir)
+
+
+def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny model and random documents for the step's objective (tests/trainer/test_step.py and others)
+# ---------------------------------------------------------------------------------------------------
+
+SEQ_LEN = 32
+PAD = 1
+MODEL = GPTConfig(vocab_size=61, n_layer=2, n_head=2, n_embd=32, max_seq_len=SEQ_LEN)
+
+
+def make_steps(num_steps: int = 3, docs_per_step: int = 12, seed: int = 0) -> list[list[Document]]:
+    """Random documents (lengths 2..SEQ_LEN, EOS = 0 last) grouped into logical batches."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for s in range(num_steps):
+        docs = []
+        for d in range(docs_per_step):
+            n = int(rng.integers(2, SEQ_LEN + 1))
+            tokens = np.append(rng.integers(2, MODEL.vocab_size, size=n - 1), 0)
+            docs.append(Document(key=f"s{s}d{d}", tokens=tokens))
+        steps.append(docs)
+    return steps
+
+
+def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= tol, f"{name}: max abs diff {diff:.3g}"
+
+
+def split(steps, fractions: list[float]) -> list[list[list[Document]]]:
+    """Per step, consecutive slices of its documents, one per rank, in the given proportions of docs."""
+    out = []
+    for docs in steps:
+        cuts = np.cumsum([0] + [round(f * len(docs)) for f in fractions])
+        cuts[-1] = len(docs)
+        out.append([docs[cuts[r] : cuts[r + 1]] for r in range(len(fractions))])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# An HTTP shard server (tests/data/test_remote.py, tests/data/test_resume_cost.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+class ShardHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the data directory; `server.cuts[name] = n` cuts the next n responses for that file in half."""
+
+    def do_GET(self) -> None:
+        name = self.path.lstrip("/")
+        self.server.requests[name].append(self.headers.get("User-Agent", ""))
+        if self.server.cuts.get(name, 0) > 0:
+            self.server.cuts[name] -= 1
+            data = (Path(self.directory) / name).read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+            return
+        super().do_GET()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class ShardServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        pass  # a reader that stops early resets its connection: not news
+
+    def curl_gets(self, name: str) -> int:
+        """GET requests for `name` made by curl (the reader), not by the status probe (urllib)."""
+        return sum(agent.startswith("curl/") for agent in self.requests[name])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The package's import graph and its layers (tests/test_architecture.py)
+# ---------------------------------------------------------------------------------------------------
+
+PACKAGE = ROOT / "trainer"
+LAYERS: list[set[str]] = [
+    {"trainer.errors", "trainer.registry"},  # shared vocabulary: imports nothing of the package
+    {"trainer.data"},  # shards -> documents -> rows -> batches
+    {"trainer.model"},  # single-device GPT, attention kernels, losses
+    {"trainer.distributed"},  # process groups and engines
+    {"trainer.checkpoint"},  # the checkpoint store and everything that reads weights
+    {"trainer.config"},  # the typed config, assembled from the rooms' sections
+    {"trainer.run"},  # the loop and its parts
+    {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
+     "trainer.generate", "trainer"},  # the commands
+]
+"""Each module may import from its own layer and the layers above it in this list (lower = more basic).
+A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """trainer module -> the trainer modules it imports (at the top, inside functions, under TYPE_CHECKING)."""
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainer"):
+                subs = {f"{node.module}.{a.name}" for a in node.names} & mods.keys()
+                # `from pkg import submodule` depends on the submodule; `from pkg import name` on the package
+                graph[name] |= subs if len(subs) == len(node.names) else subs | ({node.module} & mods.keys())
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names} & mods.keys()
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    return found
+
+
+def room(module: str) -> str:
+    """The room of a module: its subpackage (trainer.data.stream -> trainer.data) or itself at the root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else module
+
+
+def layer(module: str) -> int:
+    r = room(module)
+    return next(i for i, rooms in enumerate(LAYERS) if r in rooms)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each import of a module from a higher layer (a room that should depend on a, not a on it)."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if room(a) != room(b) and layer(b) > layer(a))
