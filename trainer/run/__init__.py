@@ -1,13 +1,17 @@
 """The run: what `python -m trainer.train` does once the config is typed and the process group exists.
 
-    loop        `Trainer`: builds the parts from a RunConfig and runs the loop (cadence of log, eval,
-                checkpoint; resume; preemption)
-    step        one optimizer step: the loss weights of the normalization, reduced once across ranks, then
-                forward/backward over the micro-batches and the update
-    evaluate    the held-out eval (fixed val set, layout- and rank-invariant val_loss)
-    metrics     metrics.jsonl, W&B, the per-step numbers, MFU
-    optim       the optimizer and the learning-rate schedule
-    preemption  SIGTERM/SIGUSR1 -> one agreed checkpoint on every rank
+    loop          `Trainer`: builds the parts from a RunConfig, then calls them in order each step (its
+                  docstring is the loop in six lines); it decides no part's rule itself
+    inputs        this rank's data stream (`build_data`) and each step's micro-batches (`StepInputs`: rows
+                  drawn in lockstep at an epoch's end, laid out, checked, pinned, prefetched)
+    step          one optimizer step: the loss weights of the normalization, the global counts reduced once
+                  across ranks, then forward/backward over the micro-batches and the update
+    evaluate      the held-out eval (fixed val set, layout- and rank-invariant val_loss); `Evaluator.due`
+    checkpointer  when the run saves and what it resumes from (`Checkpointer.due`); the files are the store's
+    conventions   what conventions.json says: how inputs and objective were built
+    metrics       metrics.jsonl, W&B, MFU; `MetricsLogger.due`; every key registered in trainer.registry
+    optim         the optimizer and the learning-rate schedule
+    preemption    SIGTERM/SIGUSR1 -> one agreed checkpoint on every rank
 
 Must not import: any command (trainer.train, trainer.prepare, trainer.report, ...).
 """
