@@ -193,7 +193,7 @@ def spans(rows: list[list[Document]]) -> list[tuple[int, int, int]]:
 
 
 def packed_logits(model, rows: list[list[Document]], device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
-    batch = collate_rows(rows, 256, 0, "packed").to(device)
+    batch = collate_rows(rows, 256, 0, "packed").to_device(device)
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         return model(**model_inputs(batch)).logits.float()
 
@@ -287,8 +287,8 @@ def reference_check(device: torch.device, backend: str, leak: str | None = None,
     """
     rows = make_rows()
     docs = [d for row in rows for d in row]
-    packed = collate_rows(rows, 256, 0, "packed").to(device)
-    unpacked = collate_rows([[d] for d in docs], 256, 0, "unpacked").to(device)
+    packed = collate_rows(rows, 256, 0, "packed").to_device(device)
+    unpacked = collate_rows([[d] for d in docs], 256, 0, "unpacked").to_device(device)
     where_packed = spans(rows)
     where_unpacked = [(i, 0, len(d)) for i, d in enumerate(docs)]
 
@@ -351,8 +351,8 @@ def test_fp32_backends_match_sdpa_docs_forward_and_backward(backend):
 
 def gpu_batches(row_len: int = 256):
     rows = make_rows()
-    packed = collate_rows(rows, row_len, 0, "packed").to(CUDA)
-    unpacked = collate_rows([[d] for row in rows for d in row], row_len, 0, "unpacked").to(CUDA)
+    packed = collate_rows(rows, row_len, 0, "packed").to_device(CUDA)
+    unpacked = collate_rows([[d] for row in rows for d in row], row_len, 0, "unpacked").to_device(CUDA)
     docs = [d for row in rows for d in row]
     return packed, unpacked, spans(rows), [(i, 0, len(d)) for i, d in enumerate(docs)]
 

@@ -158,8 +158,8 @@ def test_collate_rejects_bad_input():
         collate_rows([], row_len=12, pad_id=PAD, layout="packed")
 
 
-def test_batch_to_keeps_types():
-    b = collate_rows([seed_docs()], row_len=14, pad_id=PAD, layout="packed").to("cpu")
+def test_batch_to_device_keeps_types():
+    b = collate_rows([seed_docs()], row_len=14, pad_id=PAD, layout="packed").to_device("cpu")
     assert b.cu_seqlens.dtype == torch.int32
     assert type(b.max_seqlen) is int and b.max_seqlen == 5
     assert (b.num_docs, b.num_tokens, b.num_valid_targets) == (4, 12, 8)

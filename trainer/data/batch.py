@@ -93,12 +93,14 @@ class Batch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
-    def to_device(self, device: torch.device) -> Batch:
+    def to_device(self, device: torch.device | str) -> Batch:
         """This batch on `device`, without making the host wait: the one way a batch reaches the device (the
         training step, the eval, and the loss weights with them). Bound for CUDA, tensors not yet pinned are
         pinned first: a non-blocking copy from ordinary (pageable) memory is synchronous, so the host would wait
         for the kernels already queued; from pinned memory it is queued behind them and the host runs on. On the
         CPU nothing is copied. `cu_seqlens` stays int32, counts stay Python ints."""
+        device = torch.device(device)
+
         def move(t: torch.Tensor) -> torch.Tensor:
             if device.type == "cuda" and not t.is_pinned():
                 t = t.pin_memory()
@@ -225,7 +227,7 @@ def check_token_ids(batch: Batch, vocab_size: int) -> None:
 
     Such ids mean the data was tokenized with another tokenizer than the one the model was built for.
     Unchecked, they fail deep in the embedding (an IndexError on CPU, a device-side assert on CUDA) without
-    saying which data is at fault. Call it on the host batch, before `.to(device)`: one pass over the ids.
+    saying which data is at fault. Call it on the host batch, before `to_device`: one pass over the ids.
     Example: vocab_size 512, id 600 in document "json__decoder" -> "token id 600 is outside the model's
     vocabulary (vocab_size 512) in document 'json__decoder' ...".
     """
