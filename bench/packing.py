@@ -46,7 +46,7 @@ from trainer.data.packing import (
 
 SYNTHETIC = ("fortunes", "chapters", "code_tail")
 
-# Targets with the default buffer (the README's claims; see bench/RESULTS.md). Utilization and batch
+# Targets with the default buffer (the claims of trainer/data/packing.py and docs/training.md; see bench/RESULTS.md). Utilization and batch
 # construction are stated at T = 2048; the gap to BFD and the packing speed at every T.
 TARGET_UTILIZATION = 0.995
 TARGET_GAP_TO_BFD = 0.001

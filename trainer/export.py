@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face GPT-2 model directory: `python -m trainer.export CHECKPOINT --out DIR`.
 
-    python -m trainer.export runs/demo/packed/checkpoints/step_000100 --out exports/demo
+    python -m trainer.export runs/demo/<time>/0_layout=packed/checkpoints/step_000100 --out exports/demo
     python -c "from transformers import AutoTokenizer, GPT2LMHeadModel; \\
                m = GPT2LMHeadModel.from_pretrained('exports/demo'); t = AutoTokenizer.from_pretrained('exports/demo')"
 

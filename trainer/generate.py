@@ -1,6 +1,6 @@
 """Sample text from a checkpoint or an export: `python -m trainer.generate CHECKPOINT_OR_EXPORT --prompt TEXT`.
 
-    python -m trainer.generate runs/demo/packed/checkpoints/step_000100 --prompt "def parse("
+    python -m trainer.generate runs/demo/<time>/0_layout=packed/checkpoints/step_000100 --prompt "def parse("
     python -m trainer.generate exports/demo --prompt "def parse(" --temperature 0          # greedy
     python -m trainer.generate exports/demo --chat --prompt "Write a haiku" --top-k 40 --seed 1
 

@@ -1,7 +1,7 @@
 """`python -m trainer.report RUN_OR_SWEEP_DIR... [--out DIR]`: compare training runs at a glance.
 
     python -m trainer.report runs/packed runs/unpacked --out report/
-    python -m trainer.report multirun/2025-06-01/12-00-00        # a Hydra sweep: the report lands in it
+    python -m trainer.report runs/sweeps/2025-06-01_12-00-00     # a Hydra sweep (-m): the report lands in it
 
 A run dir (what `trainer.train` writes on rank 0) holds config.json, metrics.jsonl and, once the run has
 finished, summary.json; a sweep dir holds run dirs one level down. The report derives what differs between

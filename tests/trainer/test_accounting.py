@@ -36,7 +36,7 @@ def corpus(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("accounting")
     # 8 shards of 30 documents: each of the 4 readers holds 2 shards, the same number of documents (readers with
-    # unequal documents drift apart by whole shards per epoch; see the README, "What is counted where").
+    # unequal documents drift apart by whole shards per epoch; see docs/data.md, "Epochs in lockstep").
     prepare("demo", out, vocab_size=300, max_docs=240, docs_per_shard=30, val_fraction=0.0, seed=0)
     assert len(shard_paths(out, "train")) == 8
     return out
