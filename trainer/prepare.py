@@ -1,53 +1,73 @@
-"""Prepare a dataset: documents -> tokenizer -> WebDataset shards -> manifest.json.
+"""Prepare a dataset: documents -> tokenizer -> WebDataset shards -> manifest.json, streaming and in parallel.
 
     python -m trainer.prepare --source demo --out data/demo
+    python -m trainer.prepare --source 'jsonl:dolma/*.json.gz' --out data/dolma --workers 16
+    python -m trainer.prepare --source 'parquet:fineweb/*.parquet' --text-key text --out data/fw --tokenizer data/demo/tokenizer
     python -m trainer.prepare --source 'text:notes/**/*.md' --out data/notes --tokenizer data/demo/tokenizer
-    python -m trainer.prepare --source jsonl:corpus.jsonl --out data/c --text-key body --on-error skip
-    python -m trainer.prepare --source demo-chat --out data/demo-chat --tokenizer data/demo/tokenizer
+    python -m trainer.prepare --source chat:chats.jsonl --out data/chat --tokenizer data/demo/tokenizer
+    sbatch --array=0-7 launch/prepare.sbatch --source ... --out /shared/data/x     # --part I --parts 8, then a merge
 
-Sources: `demo` (the standard library, split into functions/classes), `text:GLOB` (one file = one
-document), `jsonl:PATH` (one line = one document), `chat:PATH` (one line = one conversation,
-{"messages": [{"role": ..., "content": ...}, ...]}, rendered by the tokenizer's chat template; see
-trainer.data.chat) and `demo-chat` (questions about the standard library answered from its docstrings).
-The whole corpus is held in memory.
+Sources: `demo` (the standard library, split into functions/classes), `demo-chat` (questions about it answered
+from its docstrings), `text:GLOB` (one file = one document), `jsonl:GLOB` (one line = one document; .jsonl,
+.json, .gz, .zst), `parquet:GLOB` (one row = one document), `hf:DIR_OR_NAME` (a Hugging Face dataset saved with
+save_to_disk or in the local cache; needs the `hf` extra) and `chat:GLOB` (one line = one conversation,
+{"messages": [{"role": ..., "content": ...}, ...]}, rendered by the tokenizer's chat template; trainer.data.chat).
 
-Steps: read and deduplicate keys; split train/val by a hash of each key (stable when documents are
-added); shuffle each split with --seed; train the tokenizer on the train split (or copy --tokenizer);
-count tokens; write shards; write the manifest last. A user mistake ends as trainer/errors.py says (`error: ...`).
+Steps: plan (the input cut into units of a few MB, trainer.data.plan); the tokenizer, trained on a bounded sample
+spread over the units (--tokenizer-sample-mb) or copied (--tokenizer); each unit read, split train/val by a hash
+of its key, counted and written to staged shards by --workers processes (trainer.data.units); the merge moves
+them into place and writes the manifest last (trainer.data.assemble). Memory does not grow with the corpus.
+Killed, it resumes: the same command again keeps the finished units. A user mistake ends as trainer/errors.py
+says (`error: ...`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import itertools
-import random
-import re
+import contextlib
+import json
+import multiprocessing
+import os
+import queue
 import sys
-from collections import Counter
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
-from trainer.data.chat import chat_summary, chat_template, is_chat_source, read_chat_source
-from trainer.data.config import ON_ERROR, TRAIN_SPLIT, VAL_SPLIT
-from trainer.data.corpus import ErrorPolicy, PrepareError, read_source, unique_keys
-from trainer.data.shards import (
-    FORMAT_VERSION,
-    MANIFEST_FILE,
-    SCHEMA,
-    atomic_write_bytes,
-    write_manifest,
-    write_shards,
+from trainer.data.assemble import (
+    LONG_THRESHOLDS,
+    SWAP_FILE,
+    TOKENIZER_DIR,
+    assemble,
+    at_least_one_rule,
+    check_out_dir,
+    find_stage,
+    holding,
+    length_stats,  # noqa: F401  (re-exported: the manifest's length summary)
+    load_stage_plan,
+    missing_message,
+    part_file,
+    remove_abandoned_stages,
+    stage_dir,
+    swap_into_place,
+    unit_results,
+    write_plan,
 )
+from trainer.data.chat import TEMPLATE_NAME, chat_template
+from trainer.data.config import ON_ERROR
+from trainer.data.corpus import ErrorPolicy, PrepareError
+from trainer.data.plan import Plan, Unit, is_chat, make_plan
+from trainer.data.shards import FORMAT_VERSION, SCHEMA, atomic_write_bytes, load_manifest
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
     TOKENIZER_FILE,
     check_no_added_tokens,
-    count_tokens,
     extend_tokenizer,
     load_tokenizer,
     save_tokenizer,
@@ -58,13 +78,12 @@ from trainer.data.tokenizer import (
     upgrade_chat_template,
     write_hf_configs,
 )
+from trainer.data.units import Job, load_result, prepare_unit, unit_documents, unit_hash
+from trainer.data.workers import die_with_parent
 from trainer.errors import command
 
-Doc = tuple[str, str]  # (key, text)
-TOKENIZER_DIR = "tokenizer"
-LONG_THRESHOLDS = (512, 2048, 8192)
-_SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
-_TEMP_RE = re.compile(r"^\.(manifest\.json|(train|val)-\d{6}\.tar)\..*\.tmp$")
+MB = 1 << 20
+DEFAULT_SAMPLE_MB = 100
 
 
 def prepare(
@@ -81,119 +100,305 @@ def prepare(
     on_error: str = "raise",
     max_docs: int | None = None,
     add_tokens: Sequence[str] = (),
-) -> dict:
-    """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json).
+    workers: int = 1,
+    part: int = 0,
+    parts: int = 1,
+    unit_mb: float | None = None,
+    tokenizer_sample_mb: float = DEFAULT_SAMPLE_MB,
+    resume: bool = False,
+) -> dict | None:
+    """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json); with
+    `parts` > 1, prepare part `part` and return None unless this part was the last to finish (then it merges).
 
-    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json) instead of training
-    one; `max_docs` keeps only the first documents of the source (for quick, small datasets).
-    `add_tokens` appends special tokens to that reused tokenizer (e.g. the tokenizer of a checkpoint to be
-    fine-tuned with `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged.
+    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json) instead of training one;
+    `add_tokens` appends special tokens to it (e.g. the tokenizer of a checkpoint to be fine-tuned with
+    `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged. `max_docs` keeps only the first
+    documents of the source (for quick, small datasets; read by one process). `workers` processes prepare units
+    side by side; `resume` insists on finding earlier work of the same command (without it, it is used if there).
     """
-    _check_options(val_fraction, docs_per_shard, max_docs)
+    _check_options(val_fraction, docs_per_shard, max_docs, workers, part, parts, unit_mb, tokenizer_sample_mb)
+    if max_docs is not None and parts > 1:
+        raise PrepareError("--max-docs reads the first documents in order: it cannot be split into --parts")
     reused = _load_reusable_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the slow part
     if add_tokens and reused is None:
         raise PrepareError("--add-tokens extends an existing tokenizer: give it with --tokenizer (e.g. the "
                            "checkpoint's <run dir>/checkpoints/step_NNNNNN/tokenizer)")
-    extended = extend_tokenizer(reused, add_tokens) if add_tokens else None
     out = Path(out)
-    _clear_leftovers(out)
-    policy = ErrorPolicy(on_error)
-    renamed: Counter[str] = Counter()
-    chat = is_chat_source(source)
-    if chat:  # rendered by the template the dataset's tokenizer/ will hold
-        raw = read_chat_source(source, policy, chat_template(tokenizer) if tokenizer is not None else CHAT_TEMPLATE)
-    else:
-        raw = read_source(source, policy, text_key)
-    docs = list(itertools.islice(unique_keys(raw, renamed), max_docs))
-    if not docs:
-        raise PrepareError(f"no documents in {source!r} (skipped: {dict(policy.skipped) or 'none'})")
+    check_out_dir(out)
+    chat = is_chat(source)
+    template = (chat_template(tokenizer) if tokenizer is not None else CHAT_TEMPLATE) if chat else None
+    options = {
+        "seed": seed, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
+        "max_shard_bytes": max_shard_bytes, "max_docs": max_docs, "text_key": text_key, "on_error": on_error,
+        "tokenizer": {"trained": reused is None, "vocab_size": vocab_size if reused is None else None,
+                      "sample_bytes": int(tokenizer_sample_mb * MB) if reused is None else None,
+                      "base_sha256": tokenizer_hash(tokenizer) if reused is not None else None,
+                      "added_tokens": list(add_tokens)},
+        "chat_template": template,
+    }
+    plan = make_plan(source, options, None if unit_mb is None else int(unit_mb * MB), single_unit=max_docs is not None)
+    stage = stage_dir(out, plan.id)
+    if resume and not (stage / "plan.json").is_file():
+        raise PrepareError(f"--resume: nothing to resume in {out}: no earlier prepare of this source with these "
+                           "options is staged there; run without --resume to start")
+    if (stage / SWAP_FILE).is_file():  # a merge was interrupted midway: finish it
+        return merge(out, stage)
+    with holding(stage):
+        remove_abandoned_stages(out, keep=plan.id)
+        write_plan(stage, plan)
+        _stage_tokenizer(stage, plan, tokenizer, reused, add_tokens)
+        job = job_of(plan, stage)
+        todo = [u for u in plan.part(part, parts) if load_result(stage, u.index) is None]
+        _run_units(todo, job, workers)
+        results, _ = unit_results(stage, plan)
+        _write_part_manifest(stage, plan, part, parts, results)
+    done, missing = unit_results(stage, plan)
+    if missing:
+        print(f"part {part} of {parts} done; {missing_message(stage, missing, parts)}. The last part to finish "
+              f"merges them, or run: python -m trainer.prepare --merge {out}", file=sys.stderr)
+        return None
+    return merge(out, stage)
 
-    train, val = split_train_val(docs, val_fraction, seed)
-    if reused is None:
-        tok = train_tokenizer([text for _, text in train], vocab_size)
-        save_tokenizer(tok, out / TOKENIZER_DIR)
-    elif extended is not None:
-        tok = extended
-        save_tokenizer(tok, out / TOKENIZER_DIR)
-    else:
-        tok = reused
-        _copy_tokenizer(tokenizer, out / TOKENIZER_DIR)
+
+def merge(out: str | Path, stage: Path | None = None) -> dict:
+    """Write the dataset of the prepare staged in `out` (every unit done) and return its manifest."""
+    out = Path(out)
+    stage = stage if stage is not None else find_stage(out)
+    with holding(stage, exclusive=True):
+        if not (stage / "plan.json").is_file():  # another part merged while this one waited for the lock
+            return load_manifest(out)
+        if (stage / SWAP_FILE).is_file():
+            return swap_into_place(out, stage)
+        plan = load_stage_plan(stage)
+        results, missing = unit_results(stage, plan)
+        if missing:
+            raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing parts "
+                               "(the same command with their --part)")
+        rule = at_least_one_rule(results, plan.options["val_fraction"])
+        if rule is not None:  # e.g. 40 documents at val_fraction 0.01: the lowest-scoring one goes to val
+            index, key, split = rule
+            job = job_of(plan, stage)
+            results[index] = prepare_unit(plan.units[index], job, load_tokenizer(job.tokenizer),
+                                          force={**results[index]["force"], key: split})
+        splits, totals, moves = assemble(results)
+        return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
+
+
+def job_of(plan: Plan, stage: Path) -> Job:
+    o = plan.options
+    return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
+               docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
+               on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"])
+
+
+def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
+    o = plan.options
+    tok_dir = stage / TOKENIZER_DIR
+    tok = load_tokenizer(tok_dir)
+    tokenizer = {
+        "path": TOKENIZER_DIR,
+        "vocab_size": tok.get_vocab_size(),
+        "special_ids": asdict(special_ids(tok)),
+        "sha256": tokenizer_hash(tok_dir),
+        "trained": o["tokenizer"]["trained"],
+    }
+    if o["tokenizer"]["added_tokens"]:
+        tokenizer |= {"added_tokens": o["tokenizer"]["added_tokens"], "base_sha256": o["tokenizer"]["base_sha256"]}
     manifest = {
         "format": FORMAT_VERSION,
         "schema": SCHEMA,
-        "source": source,
-        "options": {
-            "seed": seed, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
-            "max_shard_bytes": max_shard_bytes, "max_docs": max_docs, "text_key": text_key, "on_error": on_error,
-        },
-        "tokenizer": {
-            "path": TOKENIZER_DIR,
-            "vocab_size": tok.get_vocab_size(),
-            "special_ids": asdict(special_ids(tok)),
-            "sha256": tokenizer_hash(out / TOKENIZER_DIR),
-            "trained": tokenizer is None,
-            **({"added_tokens": list(add_tokens), "base_sha256": tokenizer_hash(tokenizer)} if add_tokens else {}),
-        },
-        "splits": {
-            name: _write_split(out, name, split, tok, docs_per_shard, max_shard_bytes)
-            for name, split in ((TRAIN_SPLIT, train), (VAL_SPLIT, val))
-        },
-        "skipped": dict(sorted(policy.skipped.items())),
-        "renamed_duplicate_keys": renamed["duplicate_key"],
+        "source": plan.source,
+        "options": {k: o[k] for k in ("seed", "val_fraction", "docs_per_shard", "max_shard_bytes", "max_docs",
+                                      "text_key", "on_error", "unit_bytes")}
+                   | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"]},
+        "tokenizer": tokenizer,
+        "splits": splits,
+        "skipped": totals["skipped"],
+        "renamed_duplicate_keys": totals["renamed_duplicate_keys"],
     }
-    if chat:  # the trainer's data.loss_on=assistant requires it
-        manifest["chat"] = chat_summary([text for _, text in docs])
-    write_manifest(out, manifest)
-    _remove_stale_shards(out, manifest)
+    if "chat" in totals:  # the trainer's data.loss_on=assistant requires it
+        manifest["chat"] = {"template": TEMPLATE_NAME, **totals["chat"]}
     return manifest
 
 
-def _check_options(val_fraction: float, docs_per_shard: int, max_docs: int | None) -> None:
+def _check_options(val_fraction: float, docs_per_shard: int, max_docs: int | None, workers: int, part: int,
+                   parts: int, unit_mb: float | None, sample_mb: float) -> None:
     if not 0 <= val_fraction < 1:
         raise PrepareError(f"val fraction must be in [0, 1), got {val_fraction}")
     if docs_per_shard < 1:
         raise PrepareError(f"docs per shard must be >= 1, got {docs_per_shard}")
     if max_docs is not None and max_docs < 1:
         raise PrepareError(f"max docs must be >= 1, got {max_docs}")
+    if workers < 1:
+        raise PrepareError(f"--workers must be >= 1, got {workers}")
+    if parts < 1 or not 0 <= part < parts:
+        raise PrepareError(f"--part must be in [0, --parts) and --parts >= 1, got --part {part} --parts {parts}")
+    if unit_mb is not None and unit_mb <= 0:
+        raise PrepareError(f"--unit-mb must be > 0, got {unit_mb}")
+    if sample_mb <= 0:
+        raise PrepareError(f"--tokenizer-sample-mb must be > 0, got {sample_mb}")
 
 
-def _clear_leftovers(out: Path) -> None:
-    """Remove the old manifest first, so an interrupted run never looks finished, and temp files
-    that a killed run left behind."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_FILE).unlink(missing_ok=True)
-    for path in out.iterdir():
-        if _TEMP_RE.match(path.name):
-            path.unlink(missing_ok=True)
+# ---------------------------------------------------------------------------------------------
+# The tokenizer
+# ---------------------------------------------------------------------------------------------
 
 
-def split_train_val(docs: Sequence[Doc], val_fraction: float, seed: int) -> tuple[list[Doc], list[Doc]]:
-    """Val gets the documents whose key hashes (with the seed) below `val_fraction`; then each split
-    is shuffled with `seed`.
-
-    A key's side never depends on the other documents, so adding documents does not move old ones
-    between splits. With >= 2 documents and val_fraction > 0, val gets at least one (the lowest
-    hash) and train keeps at least one. The shuffle matters because sources come grouped (all of
-    asyncio, then all of email, ...): shuffled shards each look like the whole corpus.
-    """
-    scores = [_unit_hash(key, seed) for key, _ in docs]
-    is_val = [score < val_fraction for score in scores]
-    if val_fraction > 0 and len(docs) >= 2 and not any(is_val):
-        is_val[int(np.argmin(scores))] = True
-    if all(is_val):
-        is_val[int(np.argmax(scores))] = False
-    train = [doc for doc, v in zip(docs, is_val, strict=True) if not v]
-    val = [doc for doc, v in zip(docs, is_val, strict=True) if v]
-    rng = random.Random(seed)
-    rng.shuffle(train)
-    rng.shuffle(val)
-    return train, val
+def _stage_tokenizer(stage: Path, plan: Plan, tokenizer: str | Path | None, reused: Tokenizer | None,
+                     add_tokens: Sequence[str]) -> None:
+    """The tokenizer the units count with, in <stage>/tokenizer: copied, extended, or trained on the sample.
+    Kept across a restart (and, trained, the same in every part: the sample is a function of the plan)."""
+    tok_dir = stage / TOKENIZER_DIR
+    if all((tok_dir / name).is_file() for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")):
+        return
+    if reused is not None and add_tokens:
+        save_tokenizer(extend_tokenizer(reused, add_tokens), tok_dir)
+    elif reused is not None:
+        _copy_tokenizer(tokenizer, tok_dir)
+    else:
+        o = plan.options
+        texts = sample_texts(plan, job_of(plan, stage), o["tokenizer"]["sample_bytes"])
+        save_tokenizer(train_tokenizer(texts, o["tokenizer"]["vocab_size"]), tok_dir)
 
 
-def _unit_hash(key: str, seed: int) -> float:
-    """A uniform number in [0, 1) from the key and seed; the same on every machine and Python."""
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+def sample_texts(plan: Plan, job: Job, sample_bytes: int) -> Iterator[str]:
+    """The tokenizer's training sample: from each unit in turn, its first train documents up to an equal share
+    of `sample_bytes`. Deterministic, spread over the whole corpus, streamed (never held in memory)."""
+    quota = max(1, sample_bytes // len(plan.units))
+    quiet = ErrorPolicy(job.on_error, warn=lambda _msg: None)  # the units' pass warns and counts
+    for unit in tqdm(plan.units, desc="tokenizer sample", unit="unit", disable=None):
+        taken = 0
+        for key, text in unit_documents(unit, job, quiet):
+            if unit_hash(key, job.seed) < job.val_fraction:
+                continue
+            yield text
+            taken += len(text)
+            if taken >= quota:
+                break
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the units: in this process, or in worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_units(units: Sequence[Unit], job: Job, workers: int) -> None:
+    """Prepare `units`, `workers` at a time, with one progress bar (input MB/s, docs/s, ETA)."""
+    if not units:
+        return
+    total = sum(u.bytes for u in units)
+    started = time.monotonic()
+    docs = 0
+    with tqdm(total=total, desc="preparing", unit="B", unit_scale=True, unit_divisor=MB, disable=None) as bar:
+        def progress(nbytes: int, ndocs: int) -> None:
+            nonlocal docs
+            docs += ndocs
+            bar.update(nbytes)
+            if ndocs:
+                bar.set_postfix_str(f"{docs / max(time.monotonic() - started, 1e-9):,.0f} docs/s", refresh=False)
+
+        if workers == 1 or len(units) == 1:
+            with _single_threaded_tokenizer():
+                tok = load_tokenizer(job.tokenizer)
+                for unit in units:
+                    prepare_unit(unit, job, tok, progress)
+        else:
+            _run_in_workers(units, job, min(workers, len(units)), progress)
+        bar.update(max(0, total - bar.n))  # sizes on disk are estimates for compressed input and datasets
+
+
+def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, progress) -> None:
+    context = multiprocessing.get_context("spawn")  # no fork of a process that already ran the Rust thread pool
+    updates = context.Queue()
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                               initargs=(os.getpid(), updates, job))
+    futures = {pool.submit(_work, unit): unit for unit in units}
+    try:
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
+            _drain(updates, progress)
+            for future in finished:
+                try:
+                    future.result()
+                except BrokenProcessPool as e:
+                    raise PrepareError(f"a prepare worker died (killed, or out of memory?) while preparing unit "
+                                       f"{futures[future].index} ({_where(futures[future])}); run the same command "
+                                       "again: finished units are kept") from e
+        _drain(updates, progress)
+    finally:
+        for future in futures:
+            future.cancel()
+        for process in list(getattr(pool, "_processes", {}).values()):  # stop the others at once on an error
+            if process.is_alive() and any(not f.done() for f in futures):
+                process.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _where(unit: Unit) -> str:
+    first = unit.pieces[0].path
+    return first if len(unit.pieces) == 1 else f"{first} and {len(unit.pieces) - 1} more"
+
+
+def _drain(updates, progress) -> None:
+    while True:
+        try:
+            nbytes, ndocs = updates.get_nowait()
+        except queue.Empty:
+            return
+        progress(nbytes, ndocs)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(parent_pid: int, updates, job: Job) -> None:
+    die_with_parent(parent_pid)  # never outlive a prepare killed with kill -9
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
+    _WORKER.update(updates=updates, job=job, tok=load_tokenizer(job.tokenizer), pending=[0, 0], last=0.0)
+
+
+def _work(unit: Unit) -> None:
+    w = _WORKER
+    pending = w["pending"]
+
+    def progress(nbytes: int, ndocs: int) -> None:  # batched: a queue message every 0.2 s at most
+        pending[0] += nbytes
+        pending[1] += ndocs
+        now = time.monotonic()
+        if now - w["last"] > 0.2:
+            w["updates"].put((pending[0], pending[1]))
+            pending[0] = pending[1] = 0
+            w["last"] = now
+
+    prepare_unit(unit, w["job"], w["tok"], progress)
+    w["updates"].put((pending[0], pending[1]))
+    pending[0] = pending[1] = 0
+
+
+@contextlib.contextmanager
+def _single_threaded_tokenizer():
+    """The tokenizer's own thread pool off while units are counted here: --workers 1 means one core."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def _write_part_manifest(stage: Path, plan: Plan, part: int, parts: int, results: dict[int, dict]) -> None:
+    """What this part prepared: its units, their shards (staged names) and totals."""
+    mine = {u.index: results[u.index] for u in plan.part(part, parts) if u.index in results}
+    splits, totals, _ = assemble(mine)
+    summary = {"part": part, "parts": parts, "plan": plan.id, "units": sorted(mine),
+               "splits": {name: {k: v for k, v in split.items() if k != "shards"} | {
+                   "shards": [r["file"] for i in sorted(mine) for r in mine[i]["splits"][name]["shards"]]}
+                   for name, split in splits.items()}, **totals}
+    atomic_write_bytes(part_file(stage, part, parts), (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
 
 
 def _load_reusable_tokenizer(path: str | Path) -> Tokenizer:
@@ -220,57 +425,6 @@ def _copy_tokenizer(src_dir: str | Path, tok_dir: Path) -> None:
         write_hf_configs(tok_dir)
 
 
-def _write_split(
-    out: Path, name: str, docs: list[Doc], tok: Tokenizer, docs_per_shard: int, max_shard_bytes: int | None
-) -> dict:
-    """Count tokens, write the shards; the split's entry in the manifest."""
-    counts = count_tokens(tok, [text for _, text in docs], desc=f"tokenizing {name}")
-    shards = write_shards(docs, out, name, docs_per_shard, max_shard_bytes)
-    # Shards hold consecutive runs of `docs`, so their token counts are sums over consecutive runs.
-    ends = np.cumsum([0] + [s.docs for s in shards])
-    return {
-        "shards": [
-            {"name": s.name, "docs": s.docs, "tokens": int(sum(counts[ends[i] : ends[i + 1]])), "bytes": s.bytes}
-            for i, s in enumerate(shards)
-        ],
-        "docs": len(docs),
-        "tokens": int(sum(counts)),
-        "lengths": length_stats(counts),
-    }
-
-
-def length_stats(counts: Sequence[int]) -> dict:
-    """Summary of document lengths in tokens (EOS included). All zeros for an empty split.
-
-    Example: [2, 4, 600] -> min 2, max 600, mean 202.0, median 4.0, p90 480.8, p99 588.08,
-    count_gt_512 1, count_gt_2048 0, count_gt_8192 0, histogram with power-of-two edges
-    [1, 2, 4, ..., 1024] and counts [0, 1, 1, 0, 0, 0, 0, 0, 0, 1] (bins [lo, hi), the last one closed).
-    """
-    a = np.asarray(counts, dtype=np.int64)
-    if a.size == 0:
-        return {"min": 0, "max": 0, "mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0,
-                **{f"count_gt_{t}": 0 for t in LONG_THRESHOLDS}, "histogram": {"edges": [1], "counts": []}}
-    edges = 2 ** np.arange(0, max(1, int(np.ceil(np.log2(max(2, a.max()))))) + 1)
-    return {
-        "min": int(a.min()),
-        "max": int(a.max()),
-        "mean": round(float(a.mean()), 2),
-        "median": float(np.median(a)),
-        "p90": round(float(np.percentile(a, 90)), 2),
-        "p99": round(float(np.percentile(a, 99)), 2),
-        **{f"count_gt_{t}": int((a > t).sum()) for t in LONG_THRESHOLDS},
-        "histogram": {"edges": edges.tolist(), "counts": np.histogram(a, bins=edges)[0].tolist()},
-    }
-
-
-def _remove_stale_shards(out: Path, manifest: dict) -> None:
-    """Delete shards of an earlier, larger run that this manifest does not list."""
-    listed = {s["name"] for split in manifest["splits"].values() for s in split["shards"]}
-    for path in out.iterdir():
-        if _SHARD_RE.match(path.name) and path.name not in listed:
-            path.unlink()
-
-
 def format_report(manifest: dict, out: str | Path) -> str:
     """A few lines for the terminal: docs, tokens, shards, lengths, skips, tokenizer."""
     lines = [f"prepared {manifest['source']} -> {out}"]
@@ -295,33 +449,61 @@ def format_report(manifest: dict, out: str | Path) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--source", required=True, help="demo | demo-chat | text:GLOB | jsonl:PATH | chat:PATH")
-    p.add_argument("--out", required=True, help="output directory (shards, tokenizer/, manifest.json)")
+    p.add_argument("--source", help="demo | demo-chat | text:GLOB | jsonl:GLOB | parquet:GLOB | hf:DIR_OR_NAME | "
+                   "chat:GLOB")
+    p.add_argument("--out", help="output directory (shards, tokenizer/, manifest.json)")
+    p.add_argument("--merge", metavar="DIR", default=None,
+                   help="only merge the parts staged in DIR into its dataset (after every --part finished)")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size when training (default 8192)")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer directory instead of training one")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=DEFAULT_SAMPLE_MB,
+                   help=f"train the tokenizer on this much text, spread over the corpus (default {DEFAULT_SAMPLE_MB})")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for val (default 0.01)")
     p.add_argument("--docs-per-shard", type=int, default=2000, help="documents per tar shard (default 2000)")
     p.add_argument("--shard-bytes", type=int, default=None, help="also close a shard before this much text")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split and the shuffle")
-    p.add_argument("--text-key", default="text", help="jsonl: the field holding the text (default 'text')")
+    p.add_argument("--text-key", default="text",
+                   help="jsonl/parquet/hf: the field holding the text, a.b for a nested one (default 'text')")
     p.add_argument("--on-error", choices=ON_ERROR, default="raise",
-                   help="text/jsonl/chat: stop at, or skip (warn and count), bad items")
+                   help="stop at, or skip (warn and count), bad items")
     p.add_argument("--max-docs", type=int, default=None, help="keep only the first N documents")
     p.add_argument("--add-tokens", nargs="+", default=[], metavar="TOKEN",
                    help="append these special tokens to the --tokenizer (train with tokenizer.add_tokens=[...])")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes preparing units side by side (default: the cores this process may use)")
+    p.add_argument("--part", type=int, default=0, help="prepare the part I (0-based) of --parts (several machines)")
+    p.add_argument("--parts", type=int, default=1, help="the number of parts the input is split into (default 1)")
+    p.add_argument("--unit-mb", type=float, default=None,
+                   help="input per unit, the piece one worker prepares (default: the corpus / 64, 1 to 64 MB)")
+    p.add_argument("--resume", action="store_true",
+                   help="insist on continuing an interrupted prepare (the same command resumes anyway)")
+    args = p.parse_args(argv)
+    if args.merge is None and (args.source is None or args.out is None):
+        p.error("--source and --out are required (or --merge DIR alone)")
+    return args
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @command(extra_user_errors=(OSError,))  # OSError: the output cannot be written (permissions, disk full)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
+    if args.merge is not None:
+        print(format_report(merge(args.merge), args.merge))
+        return 0
     manifest = prepare(
         args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
         val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
         seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
-        add_tokens=args.add_tokens,
+        add_tokens=args.add_tokens, workers=args.workers or default_workers(), part=args.part, parts=args.parts,
+        unit_mb=args.unit_mb, tokenizer_sample_mb=args.tokenizer_sample_mb, resume=args.resume,
     )
-    print(format_report(manifest, args.out))
+    if manifest is not None:
+        print(format_report(manifest, args.out))
+        print(f"  in {time.monotonic() - started:.1f} s")
     return 0
 
 

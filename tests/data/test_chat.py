@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import webdataset as wds
 
 from tests.harness import require_module
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
@@ -22,14 +23,13 @@ from trainer.data.chat import (
     GenerationBlock,
     assistant_spans,
     assistant_token_mask,
-    chat_docs,
     chat_template,
     chatml,
     render,
     render_conversation,
 )
 from trainer.data.config import DataConfig
-from trainer.data.corpus import ErrorPolicy, PrepareError
+from trainer.data.corpus import PrepareError
 from trainer.data.packing import PackingStats, split_long
 from trainer.data.shards import load_manifest, shard_paths
 from trainer.data.sources import resolve_source
@@ -230,7 +230,8 @@ def hand_docs(bytes_dir, tmp_path_factory) -> dict[str, Document]:
     prepare(f"chat:{src}", root / "data", tokenizer=bytes_dir, val_fraction=0)
     stream = DocumentStream(shard_paths(root / "data", "train"), root / "data" / "tokenizer",
                             special_ids(load_tokenizer(bytes_dir)).eos, epochs=1, loss_on="assistant")
-    return {doc.key: doc for _, _, chunk in stream for doc in chunk}
+    by_line = {"hand--1": "A", "hand--2": "B"}  # keys are the file stem and line
+    return {by_line[doc.key]: doc for _, _, chunk in stream for doc in chunk}
 
 
 def test_hand_checked_tokens_of_the_two_conversations(hand_docs, bytes_dir):
@@ -291,7 +292,7 @@ def merged_docs(merged_dir, tmp_path_factory) -> list[Document]:
     stream = DocumentStream(shard_paths(root / "data", "train"), root / "data" / "tokenizer",
                             special_ids(load_tokenizer(merged_dir)).eos, epochs=1, loss_on="assistant")
     docs = {doc.key: doc for _, _, chunk in stream for doc in chunk}
-    return [docs[f"c{i}"] for i in range(len(CONVERSATIONS))]
+    return [docs[f"c--{i + 1}"] for i in range(len(CONVERSATIONS))]
 
 
 def test_stream_masks_equal_transformers_assistant_masks(merged_docs, merged_dir):
@@ -370,7 +371,7 @@ def test_a_long_conversation_split_into_chunks_keeps_its_mask_aligned(hand_docs,
     chunks = split_long(doc, seq_len, "split", PackingStats())
     assert len(chunks) == -(-len(doc) // seq_len) > 3
     for i, chunk in enumerate(chunks):
-        assert chunk.key == f"L#{i}"
+        assert chunk.key == f"long--1#{i}"
         assert np.array_equal(chunk.loss_mask, doc.loss_mask[i * seq_len : (i + 1) * seq_len])
         assert np.array_equal(chunk.tokens, doc.tokens[i * seq_len : (i + 1) * seq_len])
     batch = collate_rows([[c] for c in chunks], seq_len, 1, "unpacked")
@@ -391,7 +392,7 @@ OK = [user("q"), assistant("a")]
 BAD_RECORDS = {  # case -> (line, reason under --on-error skip, words the error holds)
     "not_json": ('{"messages": [', "invalid_json", "invalid JSON"),
     "not_object": ('["a list"]', "invalid_json", "expected a JSON object"),
-    "no_messages": ({"text": "hi"}, "missing_messages", "field 'messages' is missing"),
+    "no_messages": ({"text": "hi"}, "missing_messages", "no 'messages' field (fields: ['text'])"),
     "messages_not_list": ({"messages": "hi"}, "messages_not_list", "field 'messages' is a string"),
     "empty": ({"messages": []}, "empty_messages", "field 'messages' is empty"),
     "message_not_object": ({"messages": ["hi", *OK]}, "bad_message", "field 'messages[0]' is a string"),
@@ -409,7 +410,6 @@ BAD_RECORDS = {  # case -> (line, reason under --on-error skip, words the error 
                        "holds '<|endoftext|>'"),
     "pad_in_content": ({"messages": [system("<|pad|>"), *OK]}, "special_token_in_content", "holds '<|pad|>'"),
     "no_assistant": ({"messages": [system("s"), user("q")]}, "no_assistant_turn", "has no assistant turn"),
-    "id_not_string": ({"id": 7, "messages": OK}, "id_not_string", "field 'id' is a number (7)"),
 }
 
 
@@ -444,10 +444,11 @@ def test_bad_records_are_skipped_and_counted(tmp_path, capsys, bytes_dir):
     assert f"warning: skipping {path}:{len(records) + 1}: not valid UTF-8" in capsys.readouterr().err
 
 
-def test_keys_from_id_or_file_name_and_line(tmp_path):
+def test_keys_from_file_name_and_line(tmp_path):
     path = write_jsonl(tmp_path / "my chats.jsonl", [{"id": "conv.1", "messages": OK}, "", {"messages": OK}])
-    keys = [key for key, _ in chat_docs(str(path), ErrorPolicy(), CHAT_TEMPLATE)]
-    assert keys == ["conv__1", "my_chats__jsonl--L3"]
+    prepare(f"chat:{path}", tmp_path / "data", vocab_size=300, val_fraction=0)
+    keys = [s["__key__"] for s in wds.WebDataset(shard_paths(tmp_path / "data", "train"), shardshuffle=False)]
+    assert sorted(keys) == ["my_chats--1", "my_chats--3"]  # the id is not the key: positions are unique
 
 
 # ---------------------------------------------------------------------------------------------

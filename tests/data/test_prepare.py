@@ -11,6 +11,7 @@ import pytest
 import webdataset as wds
 
 from tests.harness import require_module
+from trainer.data.assemble import length_stats
 from trainer.data.corpus import ErrorPolicy, PrepareError, sanitize_key, split_module, unique_keys
 from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths, write_shards
 from trainer.data.tokenizer import (
@@ -23,7 +24,7 @@ from trainer.data.tokenizer import (
     tokenizer_hash,
     train_tokenizer,
 )
-from trainer.prepare import length_stats, main, prepare, split_train_val
+from trainer.prepare import main, prepare
 
 VOCAB = 300  # the smallest useful size (256 bytes + 4 special + a few merges): training takes milliseconds
 
@@ -183,15 +184,36 @@ def test_length_stats_worked_example():
     assert stats["histogram"] == {"edges": [2**i for i in range(11)], "counts": [0, 1, 1, 0, 0, 0, 0, 0, 0, 1]}
 
 
-def test_split_is_deterministic_and_gives_val_at_least_one_doc():
-    docs = [(f"k{i}", "t") for i in range(3)]
-    train, val = split_train_val(docs, 0.01, seed=0)
-    assert len(val) == 1 and len(train) == 2
-    assert split_train_val(docs, 0.01, seed=0) == (train, val)
-    many = [(f"k{i}", "t") for i in range(2000)]
-    _, val = split_train_val(many, 0.1, seed=1)
-    assert 120 < len(val) < 280
-    assert split_train_val(many, 0.0, seed=0)[1] == []
+def write_jsonl_texts(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_split_is_a_hash_of_the_key_and_gives_val_at_least_one_doc(tmp_path):
+    """Val holds exactly the keys whose sha256 score is below val_fraction (an independent recomputation here);
+    with too few documents for that, the lowest-scoring key moves to val, and train always keeps one."""
+    import hashlib
+
+    def score(key: str, seed: int) -> float:
+        return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") / 2**64
+
+    src = write_jsonl_texts(tmp_path / "many.jsonl", 400)
+    keys = [f"many--{i}" for i in range(1, 401)]
+    prepare(f"jsonl:{src}", tmp_path / "a", vocab_size=VOCAB, val_fraction=0.1, seed=1)
+    val = {key for key, _ in read_back(tmp_path / "a", "val")}
+    assert val == {k for k in keys if score(k, 1) < 0.1} and 20 < len(val) < 70
+    assert {key for key, _ in read_back(tmp_path / "a", "train")} == set(keys) - val
+
+    few = write_jsonl_texts(tmp_path / "few.jsonl", 3)
+    few_keys = [f"few--{i}" for i in range(1, 4)]
+    assert not any(score(k, 0) < 0.01 for k in few_keys)  # the hash alone would give val nothing
+    manifest = prepare(f"jsonl:{few}", tmp_path / "b", vocab_size=VOCAB, val_fraction=0.01, seed=0)
+    assert [k for k, _ in read_back(tmp_path / "b", "val")] == [min(few_keys, key=lambda k: score(k, 0))]
+    assert (manifest["splits"]["train"]["docs"], manifest["splits"]["val"]["docs"]) == (2, 1)
+    assert prepare(f"jsonl:{few}", tmp_path / "c", vocab_size=VOCAB, val_fraction=0.0)["splits"]["val"]["docs"] == 0
+    one = write_jsonl_texts(tmp_path / "one.jsonl", 1)
+    manifest = prepare(f"jsonl:{one}", tmp_path / "d", vocab_size=VOCAB, val_fraction=0.5)
+    assert (manifest["splits"]["train"]["docs"], manifest["splits"]["val"]["docs"]) == (1, 0)
 
 
 def test_rerun_with_fewer_docs_removes_stale_shards(tmp_path):
@@ -310,7 +332,7 @@ def test_bad_jsonl_line_is_skipped_and_counted(tmp_path, case, capsys):
     manifest = prepare(f"jsonl:{path}", tmp_path / "out", vocab_size=VOCAB, on_error="skip")
     assert manifest["skipped"] == {BAD_JSONL[case][1]: 1}
     assert sorted(key for key, _ in read_back(tmp_path / "out", "train") + read_back(tmp_path / "out", "val")) == [
-        "good", "good2"
+        "data--1", "data--4"
     ]
     assert f"warning: skipping {path}:3" in capsys.readouterr().err
 
@@ -327,14 +349,18 @@ def test_bad_text_file_is_a_clear_error_or_a_counted_skip(tmp_path, case, capsys
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 2
 
 
-def test_jsonl_keys_from_id_or_line_number(tmp_path):
+def test_jsonl_keys_from_file_stem_and_line_number(tmp_path):
+    """Keys come from the position (stem + line), never from a field: unique by construction, nothing to
+    remember. A second file with the same stem gets `-2` and its documents count as renamed."""
     path = tmp_path / "c.jsonl"
-    path.write_text('{"text": "no id"}\n{"id": "x.1", "body": "custom key"}\n{"id": "x.1", "body": "dup"}\n')
-    manifest = prepare(f"jsonl:{path}", tmp_path / "out", vocab_size=VOCAB, text_key="body", val_fraction=0.0,
-                       on_error="skip")
+    path.write_text('{"text": "no body"}\n{"id": "x.1", "body": "custom key"}\n\n{"id": "x.1", "body": "dup"}\n')
+    (tmp_path / "c.json").write_text('{"body": "same stem"}\n')
+    manifest = prepare(f"jsonl:{tmp_path}/c.*", tmp_path / "out", vocab_size=VOCAB, text_key="body",
+                       val_fraction=0.0, on_error="skip")
     assert manifest["skipped"] == {"missing_text": 1}  # line 1 has no "body"
-    assert manifest["renamed_duplicate_keys"] == 1
-    assert sorted(read_back(tmp_path / "out", "train")) == [("x__1", "custom key"), ("x__1-2", "dup")]
+    assert manifest["renamed_duplicate_keys"] == 2  # the documents of c.jsonl, whose stem c.json had first
+    assert sorted(read_back(tmp_path / "out", "train")) == [("c--1", "same stem"), ("c-2--2", "custom key"),
+                                                             ("c-2--4", "dup")]
 
 
 def test_user_mistakes_exit_2_without_traceback(tmp_path, capsys):
@@ -342,7 +368,7 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path, capsys):
     cases = {
         "no files match": ["--source", f"text:{tmp_path}/nothing/*.txt"],
         "unknown source": ["--source", "csv:x.csv"],
-        f"{tmp_path / 'absent.jsonl'}: cannot read": ["--source", f"jsonl:{tmp_path / 'absent.jsonl'}"],
+        "absent.jsonl": ["--source", f"jsonl:{tmp_path / 'absent.jsonl'}"],
         "no tokenizer at": ["--source", "demo", "--tokenizer", str(tmp_path / "none")],
         "val fraction": ["--source", "demo", "--val-fraction", "1.5"],
     }

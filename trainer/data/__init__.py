@@ -1,6 +1,9 @@
 """Data: text in, batches out. Owns everything between a corpus on disk and the tensors of a micro-batch.
 
-    corpus, chat      sources of text for `trainer.prepare` (stdlib demo, text files, JSONL, chat records)
+    corpus, chat      sources of text for `trainer.prepare` (stdlib demo, text files, chat records)
+    formats           record files as corpora ship them (JSONL, .gz, .zst, parquet, HF datasets), cut in spans
+    plan, units       prepare's plan (the input cut into units, keys from positions) and one unit's work
+    assemble          the output directory: staging, the merge of units and parts, the swap into place
     tokenizer         the byte-level BPE and its special tokens (trained, saved, hashed, extended)
     shards            WebDataset shards and manifest.json (written by prepare, read here)
     sources           where training shards come from (data.path, data.urls: files, http(s), pipe:)

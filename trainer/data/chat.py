@@ -38,9 +38,6 @@ from trainer.data.corpus import (
     ErrorPolicy,
     PrepareError,
     json_kind,
-    jsonl_lines,
-    sanitize_key,
-    stdlib_modules,
 )
 from trainer.data.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS, tokenizer_file
 
@@ -223,8 +220,6 @@ def message_problem(record: object) -> tuple[str, str, str] | None:
     """
     if not isinstance(record, dict):
         return "invalid_json", "", f"expected a JSON object with a 'messages' list, got {json_kind(record)}"
-    if "id" in record and not isinstance(record["id"], str):
-        return "id_not_string", "id", f"is {json_kind(record['id'])}, not a string"
     if "messages" not in record:
         return "missing_messages", "messages", f"is missing (fields: {sorted(record)[:8]})"
     messages = record["messages"]
@@ -254,74 +249,25 @@ def message_problem(record: object) -> tuple[str, str, str] | None:
     return None
 
 
-def chat_docs(path: str, policy: ErrorPolicy, template: str) -> Iterator[tuple[str, str]]:
-    """One rendered conversation per line of a JSON-lines file; key from "id", else the file name and line.
-
-    Blank lines are ignored. Example: line 3 of chats.jsonl, {"messages": [...]} -> key "chats__jsonl--L3";
-    a bad line -> PrepareError "chats.jsonl:3: field 'messages[1].role' is 'bot'; expected ..." (or, with
-    --on-error skip, a warning and a count under its reason in the manifest's "skipped").
-    """
-    name = os.path.basename(path)
-    for lineno, where, record in jsonl_lines(path, policy, "reading chat"):
-        problem = message_problem(record)
-        if problem is not None:
-            reason, field, what = problem
-            policy.bad(reason, where, f"field {field!r} {what}" if field else what)
-            continue
-        messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-        try:
-            text = render_conversation(messages, template)
-        except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
-            policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
-            continue
-        yield sanitize_key(record.get("id") or f"{name}:L{lineno}"), text
-
-
-def chat_summary(texts: list[str]) -> dict:
-    """The manifest's "chat" entry: the data is ChatML conversations, with this many assistant turns."""
-    return {"template": TEMPLATE_NAME, "conversations": len(texts),
-            "assistant_turns": sum(len(assistant_spans(t)) for t in texts)}
-
-
-def is_chat_source(source: str) -> bool:
-    return source == "demo-chat" or source.startswith("chat:")
-
-
-def read_chat_source(source: str, policy: ErrorPolicy, template: str) -> Iterator[tuple[str, str]]:
-    """Rendered conversations of "chat:PATH" or "demo-chat"; keys not yet deduplicated."""
-    kind, _, arg = source.partition(":")
-    if kind == "chat" and arg:
-        return chat_docs(arg, policy, template)
-    if source == "demo-chat":
-        return demo_chat_docs(policy, template)
-    raise PrepareError(f"unknown chat source {source!r}; expected 'chat:PATH' or 'demo-chat'")
-
-
 # ---------------------------------------------------------------------------------------------
 # The demo chat set: questions about the standard library, answered from its docstrings
 # ---------------------------------------------------------------------------------------------
 
 
-def demo_chat_docs(policy: ErrorPolicy, template: str) -> Iterator[tuple[str, str]]:
-    """One conversation per documented public top-level function or class of the standard library.
-
-    Built on this machine, nothing downloaded, deterministic. Undocumented names give nothing (not a skip).
-    Example, json.dumps -> [user "What does `json.dumps` do?", assistant "Serialize ``obj`` to a JSON
-    formatted ``str``."] (or another of the four shapes of `demo_conversation`).
-    """
-    for module, _source, tree in stdlib_modules(policy):
-        for node in tree.body:
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
-                continue
-            summary = first_paragraph(ast.get_docstring(node) or "")
-            if not summary:
-                continue
-            messages = demo_conversation(f"{module}.{node.name}", summary, def_line(node))
-            problem = message_problem({"messages": messages})
-            if problem is not None:
-                policy.skip(problem[0], f"{module}.{node.name}", f"field {problem[1]!r} {problem[2]}")
-                continue
-            yield sanitize_key(f"{module}:{node.name}"), render_conversation(messages, template)
+def module_conversations(module: str, tree: ast.Module, policy: ErrorPolicy, template: str) -> Iterator[tuple[str, str]]:
+    """(name, rendered conversation) for each documented public top-level def/class of one module."""
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+            continue
+        summary = first_paragraph(ast.get_docstring(node) or "")
+        if not summary:
+            continue
+        messages = demo_conversation(f"{module}.{node.name}", summary, def_line(node))
+        problem = message_problem({"messages": messages})
+        if problem is not None:
+            policy.skip(problem[0], f"{module}.{node.name}", f"field {problem[1]!r} {problem[2]}")
+            continue
+        yield node.name, render_conversation(messages, template)
 
 
 def demo_conversation(name: str, summary: str, signature: str) -> list[dict]:

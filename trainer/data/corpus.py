@@ -1,8 +1,9 @@
-"""Raw documents from a source: the demo corpus (the standard library), text files, or JSON lines.
+"""Raw documents: the demo corpus (the standard library) and text files; keys, and the policy for bad input.
 
-Every reader yields `(key, text)` pairs in a deterministic order. Keys are WebDataset keys: webdataset
-splits a tar member name into key and field at the FIRST dot, so a key must hold no dot; `sanitize_key`
-maps module and path separators to `__` and the def separator to `--`, and `unique_keys` makes them unique.
+Keys are WebDataset keys: webdataset splits a tar member name into key and field at the FIRST dot, so a key
+must hold no dot; `sanitize_key` maps module and path separators to `__` and the def separator to `--`, and
+`unique_keys` makes names unique (trainer.data.plan says how every document's key is made). Record files
+(JSONL, parquet, ...) are read by trainer.data.formats.
 
 Example: the class `JSONDecoder` in `json/decoder.py` becomes the document `json__decoder--JSONDecoder`,
 and the module's header (docstring and imports) becomes `json__decoder`.
@@ -152,9 +153,13 @@ def module_name(rel_path: Path) -> str:
     return ".".join(parts)
 
 
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files(include_tests: bool = False) -> tuple[Path, list[Path]]:
     """The standard library's root and its `.py` files on this machine, sorted; site-packages excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     skip = _NOT_STDLIB | (set() if include_tests else _TEST_DIRS)
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -172,28 +177,18 @@ def decode_python(data: bytes) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def stdlib_modules(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str, ast.Module]]:
-    """(module name, source, syntax tree) of each standard-library file. Files that cannot be read, decoded
-    or parsed are skipped and counted (`policy.skipped`), whatever the policy says: the demo has no user to blame."""
-    root, files = stdlib_files(include_tests)
-    for path in tqdm(files, desc="reading stdlib", unit="file", disable=None):
-        try:
-            source = decode_python(path.read_bytes())
-            tree = ast.parse(source)
-        except OSError as e:
-            policy.skip("unreadable", str(path), f"cannot read: {e.strerror or e}")
-            continue
-        except (UnicodeDecodeError, SyntaxError, LookupError) as e:
-            reason = "syntax_error" if isinstance(e, SyntaxError) else "not_decodable"
-            policy.skip(reason, str(path), f"{type(e).__name__}: {e}")
-            continue
-        yield module_name(path.relative_to(root)), source, tree
-
-
-def demo_docs(policy: ErrorPolicy, include_tests: bool = False) -> Iterator[tuple[str, str]]:
-    """Documents of the standard library: `split_module` of each file `stdlib_modules` gives."""
-    for module, source, tree in stdlib_modules(policy, include_tests):
-        yield from split_module(source, module, tree)
+def read_module(path: str | Path, policy: ErrorPolicy) -> tuple[str, ast.Module] | None:
+    """A standard-library file's source and syntax tree, or None after counting it as skipped (`policy.skip`,
+    whatever the policy says: the demo has no user to blame) when it cannot be read, decoded or parsed."""
+    try:
+        source = decode_python(Path(path).read_bytes())
+        return source, ast.parse(source)
+    except OSError as e:
+        policy.skip("unreadable", str(path), f"cannot read: {e.strerror or e}")
+    except (UnicodeDecodeError, SyntaxError, LookupError, ValueError) as e:  # ValueError: a NUL byte
+        reason = "syntax_error" if isinstance(e, SyntaxError) else "not_decodable"
+        policy.skip(reason, str(path), f"{type(e).__name__}: {e}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,75 +228,12 @@ def read_text_file(path: str, policy: ErrorPolicy) -> str | None:
     return text
 
 
-def text_docs(pattern: str, policy: ErrorPolicy) -> Iterator[tuple[str, str]]:
-    """One document per file matching `pattern` (recursive `**` allowed), sorted by path."""
+def text_paths(pattern: str) -> list[str]:
+    """The files matching `pattern` (recursive `**` allowed), sorted; an error if there are none."""
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
     if not paths:
         raise PrepareError(f"no files match {pattern!r}")
-    root = glob_root(pattern)
-    for path in tqdm(paths, desc="reading files", unit="file", disable=None):
-        text = read_text_file(path, policy)
-        if text is not None:
-            yield sanitize_key(os.path.relpath(path, root)), text
-
-
-def jsonl_lines(path: str, policy: ErrorPolicy, desc: str) -> Iterator[tuple[int, str, object]]:
-    """(line number, "path:line", parsed JSON value) for each non-blank line of a JSON-lines file.
-
-    An unreadable file, a line that is not UTF-8 or not JSON is reported to `policy` (an error naming the
-    line, or a counted skip) and yields nothing. Example: line 3 of a.jsonl holding {"text": "hi"} ->
-    (3, "a.jsonl:3", {"text": "hi"}).
-    """
-    try:
-        handle = open(path, "rb")
-    except OSError as e:
-        policy.bad("unreadable", path, f"cannot read: {e.strerror or e}")
-        return
-    with handle:
-        for lineno, raw in enumerate(tqdm(handle, desc=desc, unit="line", disable=None), start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield lineno, where, json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                policy.bad("not_utf8", where, f"not valid UTF-8 (byte {e.start} of the line)")
-            except json.JSONDecodeError as e:
-                policy.bad("invalid_json", where, f"invalid JSON: {e.msg} (column {e.colno})")
-
-
-def jsonl_docs(path: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """One document per line of a JSON-lines file: the `text_key` field; key from `id`, else the line.
-
-    Blank lines are ignored. Example: line 3 of `a.jsonl`, {"text": "hi"} -> key "a__jsonl--L3";
-    {"id": "doc.7", "text": "hi"} -> key "doc__7".
-    """
-    name = os.path.basename(path)
-    for lineno, where, record in jsonl_lines(path, policy, "reading jsonl"):
-        text = _document_text(record, where, policy, text_key)
-        if text is not None:
-            doc_id = record.get("id")
-            yield sanitize_key(str(doc_id) if doc_id is not None else f"{name}:L{lineno}"), text
-
-
-def _document_text(record: object, where: str, policy: ErrorPolicy, text_key: str) -> str | None:
-    """The text of one parsed line, or None for a bad one (reported to `policy`)."""
-    if not isinstance(record, dict):
-        policy.bad("invalid_json", where, f"expected a JSON object, got {type(record).__name__}")
-        return None
-    if text_key not in record:
-        policy.bad("missing_text", where, f"no {text_key!r} field (fields: {sorted(record)[:8]})")
-        return None
-    text = record[text_key]
-    if not isinstance(text, str):
-        policy.bad("text_not_string", where, f"field {text_key!r} is {json_kind(text)}, not a string: each line needs "
-                   f"its document as a JSON string there (pick another field with --text-key, or skip such lines "
-                   f"with --on-error skip)")
-        return None
-    if not text.strip():
-        policy.bad("empty", where, "document is empty (only whitespace)")
-        return None
-    return text
+    return paths
 
 
 def json_kind(value: object) -> str:
@@ -312,17 +244,3 @@ def json_kind(value: object) -> str:
             dict: "an object"}
     preview = json.dumps(value, ensure_ascii=False)
     return f"{kind.get(type(value), type(value).__name__)} ({preview if len(preview) <= 40 else preview[:37] + '...'})"
-
-
-def read_source(source: str, policy: ErrorPolicy, text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """Documents of `source`: "demo", "text:GLOB" or "jsonl:PATH"; keys not yet deduplicated. Chat sources
-    ("chat:PATH", "demo-chat") need the tokenizer's template: trainer.data.chat.read_chat_source reads them."""
-    kind, _, arg = source.partition(":")
-    if kind == "demo" and not arg:
-        return demo_docs(policy)
-    if kind == "text" and arg:
-        return text_docs(arg, policy)
-    if kind == "jsonl" and arg:
-        return jsonl_docs(arg, policy, text_key)
-    raise PrepareError(f"unknown source {source!r}; expected 'demo', 'demo-chat', 'text:GLOB', 'jsonl:PATH' or "
-                       "'chat:PATH'")

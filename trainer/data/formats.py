@@ -244,8 +244,8 @@ def _size_or_zero(path: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def read_span(span: Span, policy: ErrorPolicy, field: str, progress: Callable[[int], None] | None = None
-              ) -> Iterator[tuple[int, str, object]]:
+def read_span(span: Span, policy: ErrorPolicy, field: str, progress: Callable[[int], None] | None = None,
+              missing: str = "missing_text") -> Iterator[tuple[int, str, object]]:
     """(record number, where, value of `field`) of each record of `span`, in order.
 
     `field` is a key ("text") or a path into nested objects / struct columns ("meta.body": the literal key
@@ -253,17 +253,18 @@ def read_span(span: Span, policy: ErrorPolicy, field: str, progress: Callable[[i
     a record without the field, a line that is not UTF-8, not JSON or not an object is reported to `policy`
     and not yielded; blank lines are skipped silently. A whole-file problem (unreadable, corrupt or truncated
     .gz/.zst, not a parquet file, no such column) is reported once and ends the span. `progress(n)` gets the
-    on-disk bytes advanced, about every MB; over a span they sum to about `span.bytes`.
+    on-disk bytes advanced, about every MB; over a span they sum to about `span.bytes`. `missing` is the
+    reason a record without the field is counted under (chat: "missing_messages").
     """
     report = _Progress(progress)
     try:
         if span.kind in ("jsonl", "jsonl.gz", "jsonl.zst"):
             blocks = {"jsonl": _plain_blocks, "jsonl.gz": _gzip_blocks, "jsonl.zst": _zstd_blocks}[span.kind]
-            yield from _jsonl_records(span, blocks(span, report), policy, field)
+            yield from _jsonl_records(span, blocks(span, report), policy, field, missing)
         elif span.kind == "parquet":
-            yield from _parquet_records(span, policy, field, report)
+            yield from _parquet_records(span, policy, field, report, missing)
         elif span.kind == "hf":
-            yield from _hf_records(span, policy, field, report)
+            yield from _hf_records(span, policy, field, report, missing)
         else:
             raise PrepareError(f"{span.path}: unknown input kind {span.kind!r}; expected one of {KINDS}")
     except _BadFile as e:
@@ -406,7 +407,7 @@ def _decode(line: bytes) -> str | _NotUtf8:
         return _NotUtf8(e)
 
 
-def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, field: str
+def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, field: str, missing: str = "missing_text"
                    ) -> Iterator[tuple[int, str, object]]:
     path, parts = span.path, field.split(".")
     decode = json.JSONDecoder().raw_decode  # 3x faster than json.loads on short lines; errors go to _parse_line
@@ -438,7 +439,7 @@ def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, fie
                 if value is _MISSING and len(parts) > 1:
                     value = _walk(record, parts)
                 if value is _MISSING:
-                    policy.bad("missing_text", f"{path}:{n}", f"no {field!r} field (fields: {sorted(record)[:8]})")
+                    policy.bad(missing, f"{path}:{n}", f"no {field!r} field (fields: {sorted(record)[:8]})")
                     continue
                 yield n, f"{path}:{n}", value
     except _Corrupt as e:
@@ -535,21 +536,21 @@ def _leaf_names(schema) -> list[str]:
     return [n for f in schema for n in names(f.name, f.type)]
 
 
-def _arrow_values(values: list, rest: list[str], number: int, where: str, field: str, policy: ErrorPolicy
-                  ) -> Iterator[tuple[int, str, object]]:
+def _arrow_values(values: list, rest: list[str], number: int, where: str, field: str, policy: ErrorPolicy,
+                  missing: str = "missing_text") -> Iterator[tuple[int, str, object]]:
     """(row number, where, value) for the values of one batch; `rest` walks into struct values."""
     for value in values:
         if rest:
             value = _walk(value, rest)
             if value is _MISSING:
-                policy.bad("missing_text", f"{where}{number}", f"no {field!r} field (a struct above it is null)")
+                policy.bad(missing, f"{where}{number}", f"no {field!r} field (a struct above it is null)")
                 number += 1
                 continue
         yield number, f"{where}{number}", value
         number += 1
 
 
-def _parquet_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress
+def _parquet_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress, missing: str = "missing_text"
                      ) -> Iterator[tuple[int, str, object]]:
     pa = _pyarrow()
     pf = _open_parquet(span.path)
@@ -561,7 +562,7 @@ def _parquet_records(span: Span, policy: ErrorPolicy, field: str, report: _Progr
         for group in range(span.start, stop):
             for batch in pf.iter_batches(batch_size=_BATCH, row_groups=[group], columns=[column]):
                 values = batch.column(0).to_pylist()
-                yield from _arrow_values(values, rest, number, where, field, policy)
+                yield from _arrow_values(values, rest, number, where, field, policy, missing)
                 number += len(values)
             report(_group_bytes(meta.row_group(group)))
     except (pa.ArrowException, OSError) as e:
@@ -615,7 +616,7 @@ def _load_cached(datasets, name: str, split: str):
             setattr(m, f, value)
 
 
-def _hf_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress
+def _hf_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress, missing: str = "missing_text"
                 ) -> Iterator[tuple[int, str, object]]:
     pa = _pyarrow()
     ds = _load_hf(span.path)
@@ -628,7 +629,7 @@ def _hf_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress
     try:
         for i in range(span.start, stop, _BATCH):
             values = table[i : min(i + _BATCH, stop)].column(0).to_pylist()
-            yield from _arrow_values(values, rest, number, where, field, policy)
+            yield from _arrow_values(values, rest, number, where, field, policy, missing)
             number += len(values)
             report(round(len(values) * per_row))
     except (pa.ArrowException, OSError) as e:

@@ -12,7 +12,8 @@ webdataset reads back as {"__key__": key, "txt": bytes}. Keys hold no dot (webda
 name into key and field at the first dot) and are unique across the dataset.
 
 Every file is written atomically (temp file in the same directory, then `os.replace`), so a reader
-never sees half a shard, and an interrupted run leaves no manifest (the old one is removed first).
+never sees half a shard; `trainer.prepare` stages a new dataset beside the old one and swaps it in at the end,
+manifest last (trainer.data.assemble).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import os
 import tarfile
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -92,6 +93,64 @@ class _OpenShard:
         Path(self.tmp).unlink(missing_ok=True)
 
 
+class ShardWriter:
+    """Shards written one document at a time: `<out_dir>/<prefix>-000000.tar`, `-000001.tar`, ...
+
+    A shard closes after `docs_per_shard` documents, or before the text that would take it past
+    `max_shard_bytes` of text (a single larger document still gets a shard of its own). `tokens` given to
+    `add` are summed per shard. Use as a context manager: an error mid-shard leaves no temp file behind.
+    Example: 5 documents, docs_per_shard=2 -> shards of 2, 2 and 1 documents; none -> no shards.
+    """
+
+    def __init__(self, out_dir: str | Path, prefix: str, docs_per_shard: int, max_shard_bytes: int | None = None,
+                 name: Callable[[str, int], str] | None = None) -> None:
+        if docs_per_shard < 1:
+            raise PrepareError(f"docs per shard must be >= 1, got {docs_per_shard}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.prefix, self.docs_per_shard, self.max_shard_bytes = prefix, docs_per_shard, max_shard_bytes
+        self._name = name or shard_name
+        self.shards: list[ShardInfo] = []
+        self.tokens: list[int] = []  # per shard in `shards`
+        self._open: _OpenShard | None = None
+        self._open_tokens = 0
+        self._keys: set[str] = set()  # of the open shard: keys are unique by construction, this catches a bug
+
+    def add(self, key: str, data: bytes, tokens: int = 0) -> None:
+        if self._open is not None and _is_full(self._open, len(data), self.docs_per_shard, self.max_shard_bytes):
+            self._commit()
+        _check_key(key, self._keys)
+        if self._open is None:
+            self._open = _OpenShard(self.out_dir, self._name(self.prefix, len(self.shards)))
+        self._open.write(key, data)
+        self._open_tokens += tokens
+
+    def close(self) -> list[ShardInfo]:
+        if self._open is not None:
+            self._commit()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._open is not None:
+            self._open.abort()
+            self._open = None
+
+    def _commit(self) -> None:
+        assert self._open is not None
+        self.shards.append(self._open.commit())
+        self.tokens.append(self._open_tokens)
+        self._open, self._open_tokens, self._keys = None, 0, set()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_shards(
     samples: Iterable[tuple[str, str]],
     out_dir: str | Path,
@@ -99,36 +158,16 @@ def write_shards(
     docs_per_shard: int,
     max_shard_bytes: int | None = None,
 ) -> list[ShardInfo]:
-    """Write (key, text) samples, in order, to `<out_dir>/<prefix>-000000.tar`, `-000001.tar`, ...
-
-    A shard closes after `docs_per_shard` documents, or before the text that would take it past
-    `max_shard_bytes` of text (a single larger document still gets a shard of its own).
-    Example: 5 samples, docs_per_shard=2 -> shards of 2, 2 and 1 documents. No samples -> no shards.
-    """
-    if docs_per_shard < 1:
-        raise PrepareError(f"docs per shard must be >= 1, got {docs_per_shard}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[ShardInfo] = []
+    """Write (key, text) samples, in order, to `<out_dir>/<prefix>-000000.tar`, ... (see ShardWriter);
+    keys must be unique."""
     seen: set[str] = set()
-    shard: _OpenShard | None = None
-    try:
+    with ShardWriter(out_dir, prefix, docs_per_shard, max_shard_bytes) as writer:
         for key, text in tqdm(samples, desc=f"writing {prefix}", unit="doc", disable=None):
-            _check_key(key, seen)
-            data = text.encode("utf-8")
-            if shard is not None and _is_full(shard, len(data), docs_per_shard, max_shard_bytes):
-                shards.append(shard.commit())
-                shard = None
-            if shard is None:
-                shard = _OpenShard(out_dir, shard_name(prefix, len(shards)))
-            shard.write(key, data)
-        if shard is not None:
-            shards.append(shard.commit())
-            shard = None
-    finally:
-        if shard is not None:  # an error mid-shard: leave no temp file behind
-            shard.abort()
-    return shards
+            if key in seen:
+                raise PrepareError(f"duplicate sample key {key!r}")
+            seen.add(key)
+            writer.add(key, text.encode("utf-8"))
+    return writer.shards
 
 
 def _is_full(shard: _OpenShard, next_bytes: int, docs_per_shard: int, max_shard_bytes: int | None) -> bool:

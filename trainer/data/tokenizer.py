@@ -94,8 +94,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=sys.stderr.isatty(),
     )
-    texts = texts if isinstance(texts, Sequence) else list(texts)
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    # An iterator is consumed as it comes (prepare streams its sample): the trainer keeps word counts, not texts.
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if isinstance(texts, Sequence) else None)
     return tok
 
 
@@ -210,15 +210,17 @@ def tokenizer_hash(path: str | Path) -> str:
         raise PrepareError(f"cannot read {file}: {e.strerror or e}") from e
 
 
-def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, desc: str = "tokenizing") -> list[int]:
+def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, desc: str | None = "tokenizing") -> list[int]:
     """Tokens per document as the stream will produce them: len(encode(text)) + 1 for the EOS.
 
-    Example: if encode("ab") is [64, 65], count_tokens(tok, ["ab"]) == [3].
+    Example: if encode("ab") is [64, 65], count_tokens(tok, ["ab"]) == [3]. `desc=None`: no progress bar.
     """
+    # encode_batch_fast skips the offsets (the same ids, ~1.5x faster); tokenizers < 0.20 lacks it.
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     counts: list[int] = []
-    with tqdm(total=len(texts), desc=desc, unit="doc", disable=None) as bar:
+    with tqdm(total=len(texts), desc=desc, unit="doc", disable=None if desc else True) as bar:
         for i in range(0, len(texts), batch_size):
-            batch = tok.encode_batch(list(texts[i : i + batch_size]), add_special_tokens=False)
+            batch = encode(list(texts[i : i + batch_size]), add_special_tokens=False)
             counts.extend(len(e.ids) + 1 for e in batch)
             bar.update(len(batch))
     return counts

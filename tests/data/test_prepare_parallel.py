@@ -1,0 +1,312 @@
+"""`python -m trainer.prepare` at scale: units, worker processes, parts and their merge, resuming after kill -9,
+the formats corpora ship in, and the output directory (never a file prepare did not write; the old dataset kept
+until the new one is complete). Every comparison is with an uninterrupted one-process run on the same input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import webdataset as wds
+
+from tests.helpers import ENV, ROOT
+from trainer.data.assemble import STATE_DIR, length_stats, length_stats_of
+from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths
+from trainer.prepare import main, merge, prepare
+
+VOCAB = 300
+UNIT_MB = 0.02  # ~20 kB units: the small corpus below is cut into a dozen, as a large one would be
+
+
+def corpus_records(n: int = 1500, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    words = ["packing", "attention", "tokens", "Grüße", "日本語", "naïve", "loss", "batch", "🎉", "document"]
+    return [{"text": " ".join(rng.choice(words, size=int(rng.integers(3, 60)))) + f" #{i}", "meta": {"n": i}}
+            for i in range(n)]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Three JSONL files of ~40 kB (one gzipped), so units come from byte ranges and whole files."""
+    root = tmp_path_factory.mktemp("corpus")
+    records = corpus_records()
+    write_jsonl(root / "a.jsonl", records[:700])
+    write_jsonl(root / "b.jsonl", records[700:1200])
+    with gzip.open(root / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records[1200:])
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """The corpus prepared in one process, uninterrupted: what every other way must reproduce exactly."""
+    out = tmp_path_factory.mktemp("reference")
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
+    return out
+
+
+def assert_same_dataset(a: Path, b: Path) -> None:
+    """Same manifest (but the source string) and byte-identical shards and tokenizer files."""
+    ma, mb = load_manifest(a), load_manifest(b)
+    ma.pop("source"), mb.pop("source")
+    assert ma == mb
+    names = [s["name"] for split in ma["splits"].values() for s in split["shards"]]
+    for name in [*names, "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert sorted(p.name for p in b.glob("*.tar")) == sorted(names)
+    assert not (b / STATE_DIR).exists()
+
+
+def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300, **kwargs)
+
+
+def test_the_corpus_is_cut_into_units_and_every_document_is_there_once(corpus, reference):
+    manifest = load_manifest(reference)
+    assert len(manifest["splits"]["train"]["shards"]) >= 10  # units each end a shard: there were many
+    keys = Counter(s["__key__"] for split in ("train", "val")
+                   for s in wds.WebDataset(shard_paths(reference, split), shardshuffle=False))
+    expected = {f"a--{i}" for i in range(1, 701)} | {f"b--{i}" for i in range(1, 501)} | {f"c--{i}" for i in range(1, 301)}
+    assert set(keys) == expected and set(keys.values()) == {1}
+    texts = {s["__key__"]: s[TEXT_FIELD].decode() for split in ("train", "val")
+             for s in wds.WebDataset(shard_paths(reference, split), shardshuffle=False)}
+    records = corpus_records()
+    offset = {"a": 0, "b": 700, "c": 1200}
+    for key, text in texts.items():
+        stem, line = key.split("--")
+        assert text == records[offset[stem] + int(line) - 1]["text"], key
+
+
+def test_two_workers_give_the_same_bytes_as_one(corpus, reference, tmp_path):
+    out = tmp_path / "w2"
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB,
+            workers=2)
+    assert_same_dataset(reference, out)
+
+
+def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, reference, tmp_path):
+    out = tmp_path / "parts"
+    args = dict(vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB, parts=3)
+    assert prepare(f"jsonl:{corpus}/*", out, part=2, **args) is None
+    assert not (out / "manifest.json").exists()
+    assert main(["--merge", str(out)]) == 2  # parts 0 and 1 have not run
+    assert prepare(f"jsonl:{corpus}/*", out, part=0, **args) is None
+    [stage] = (out / STATE_DIR).iterdir()
+    part = json.loads((stage / "part-002-of-003.json").read_text())
+    assert part["units"] and all(u % 3 == 2 for u in part["units"])
+    with pytest.raises(Exception, match=r"parts not finished: \[1\] of --parts 3"):
+        merge(out)
+    manifest = prepare(f"jsonl:{corpus}/*", out, part=1, **args)  # the last part merges by itself
+    assert manifest == load_manifest(out)
+    assert_same_dataset(reference, out)
+
+
+def test_merge_is_idempotent_and_says_when_there_is_nothing(reference, capsys):
+    assert main(["--merge", str(reference)]) == 2
+    assert "nothing to merge: the dataset is complete" in capsys.readouterr().err
+
+
+def staged_results(out: Path) -> list[Path]:
+    return list((out / STATE_DIR).glob("*/u*.json")) if (out / STATE_DIR).is_dir() else []
+
+
+def test_killed_with_sigkill_and_started_again_equals_an_uninterrupted_run(corpus, reference, tmp_path):
+    """kill -9 once some units are done: the old dataset in --out is untouched, the restart keeps the finished
+    units (their staged shards become the final ones: same inode) and ends byte-identical to the reference."""
+    out = tmp_path / "killed"
+    old = prepare(f"jsonl:{corpus}/a.jsonl", out, vocab_size=VOCAB, docs_per_shard=100)  # a dataset to keep
+    old_bytes = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB), "--docs-per-shard",
+            "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(staged_results(out)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = staged_results(out)
+    total = len(json.loads(next((out / STATE_DIR).glob("*/plan.json")).read_text())["units"])
+    assert 3 <= len(done) < total, "the kill must land halfway"
+    assert load_manifest(out) == old and {p.name: p.read_bytes() for p in out.glob("*.tar")} == old_bytes
+    kept = {}
+    for result in done:
+        for split in json.loads(result.read_text())["splits"].values():
+            for shard in split["shards"]:
+                kept[shard["file"]] = (result.parent / shard["file"]).stat().st_ino
+    assert cli(*args, "--resume").returncode == 0
+    assert_same_dataset(reference, out)
+    inodes = {p.stat().st_ino for p in out.glob("*.tar")}
+    assert set(kept.values()) <= inodes  # finished units were not redone
+
+
+def test_a_merge_interrupted_midway_is_finished_by_the_next_run(corpus, reference, tmp_path, monkeypatch):
+    """The swap moves staged shards one by one; killed after a few, the old manifest is already gone (a
+    half-swapped directory must not look complete) and the same command again finishes the swap."""
+    import trainer.data.assemble as assemble
+
+    out = tmp_path / "swap"
+    args = dict(vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
+    prepare(f"jsonl:{corpus}/a.jsonl", out, vocab_size=VOCAB)  # an old dataset being replaced
+    real_replace, moved = os.replace, []
+
+    def dying_replace(src, dst):  # os.replace is os.replace everywhere: count only the swap's moves
+        if Path(dst).parent == out and Path(src).parent.parent.parent.name == STATE_DIR:
+            if len(moved) == 5:
+                raise KeyboardInterrupt  # as good as kill -9 here: nothing after it runs
+            moved.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(assemble.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(f"jsonl:{corpus}/*", out, **args)
+    monkeypatch.setattr(assemble.os, "replace", real_replace)
+    assert len(moved) == 5 and not (out / "manifest.json").exists()
+    assert list((out / STATE_DIR).glob("*/swap.json"))
+    prepare(f"jsonl:{corpus}/*", out, **args)
+    assert_same_dataset(reference, out)
+
+
+def test_resume_without_earlier_work_is_refused(corpus, tmp_path, capsys):
+    assert main(["--source", f"jsonl:{corpus}/a.jsonl", "--out", str(tmp_path / "o"), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+
+
+def test_workers_die_with_a_killed_prepare(corpus, tmp_path):
+    args = ["--source", f"jsonl:{corpus}/*", "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB),
+            "--unit-mb", "0.005", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 60
+    children: list[psutil.Process] = []
+    while len(children) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        children = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+        time.sleep(0.01)
+    assert len(children) == 2, "the workers must have started"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphaned workers: {[p.pid for p in alive]}"
+
+
+def test_a_bad_line_in_a_worker_is_one_error_line_naming_it(corpus, tmp_path):
+    src = tmp_path / "src"
+    for name in ("a.jsonl", "b.jsonl"):
+        (src / name).parent.mkdir(exist_ok=True)
+        (src / name).write_bytes((corpus / name).read_bytes())
+    with open(src / "b.jsonl", "ab") as f:
+        f.write(b'{"text": "unterminated\n')
+    proc = cli("--source", f"jsonl:{src}/*", "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB),
+               "--unit-mb", str(UNIT_MB), "--workers", "2")
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {src / 'b.jsonl'}:501: invalid JSON: Unterminated string starting at (column 10)"] \
+        or (len(lines) == 1 and lines[0].startswith(f"error: {src / 'b.jsonl'}:501: invalid JSON")), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The output directory
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_out_dir_with_foreign_files_is_refused_and_left_alone(corpus, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("my notes")
+    (out / "train-000000.tar").write_bytes(b"not ours? it has our name: allowed")
+    assert main(["--source", f"jsonl:{corpus}/a.jsonl", "--out", str(out), "--vocab-size", str(VOCAB)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out}: holds files prepare did not write (notes.txt)")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "train-000000.tar"]
+
+
+def test_a_failed_reprepare_keeps_the_old_dataset(corpus, reference, tmp_path, capsys):
+    out = tmp_path / "keep"
+    prepare(f"jsonl:{corpus}/a.jsonl", out, vocab_size=VOCAB, docs_per_shard=100)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["--source", f"jsonl:{corpus}/mistyped*.jsonl", "--out", str(out)]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "wrong field"}\n')
+    assert main(["--source", f"jsonl:{bad}", "--out", str(out), "--vocab-size", str(VOCAB)]) == 2
+    capsys.readouterr()
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and STATE_DIR not in p.parts}
+    assert after == before
+    # ... and a prepare that succeeds replaces it, leaving none of the old shards
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
+    assert_same_dataset(reference, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats: the same records as .jsonl, .jsonl.zst, parquet and a saved Hugging Face dataset
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_format_gives_the_same_dataset(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    records = corpus_records(600, seed=1)
+    src = tmp_path / "src"
+    write_jsonl(src / "jsonl" / "corpus.jsonl", records)
+    (src / "zst").mkdir()
+    (src / "zst" / "corpus.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress((src / "jsonl" / "corpus.jsonl").read_bytes()))
+    (src / "parquet").mkdir()
+    pq.write_table(pa.Table.from_pylist(records), src / "parquet" / "corpus.parquet", row_group_size=64)
+    datasets.Dataset.from_list(records).save_to_disk(str(src / "hf" / "corpus"))
+    common = dict(vocab_size=VOCAB, docs_per_shard=50, val_fraction=0.05)
+    ref = tmp_path / "out-jsonl"
+    prepare(f"jsonl:{src}/jsonl/*.jsonl", ref, **common)
+    tok = ref / "tokenizer"
+    for name, source in [("zst", f"jsonl:{src}/zst/*"), ("parquet", f"parquet:{src}/parquet/*.parquet"),
+                         ("hf", f"hf:{src}/hf/corpus")]:
+        out = tmp_path / f"out-{name}"
+        prepare(source, out, tokenizer=tok, workers=2 if name == "parquet" else 1, **common)
+        a, b = load_manifest(ref), load_manifest(out)
+        assert a["splits"] == b["splits"], name
+        for split in a["splits"].values():
+            for shard in split["shards"]:
+                assert (ref / shard["name"]).read_bytes() == (out / shard["name"]).read_bytes(), (name, shard["name"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Length statistics merge exactly
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_length_stats_from_counts_equal_numpy_on_the_lengths(seed):
+    rng = np.random.default_rng(seed)
+    lengths = (rng.lognormal(4, 1.5, size=int(rng.integers(1, 3000))) + 1).astype(int)
+    stats = length_stats_of(Counter(lengths.tolist()))
+    assert stats["median"] == float(np.median(lengths))
+    assert stats["p90"] == round(float(np.percentile(lengths, 90)), 2)
+    assert stats["p99"] == round(float(np.percentile(lengths, 99)), 2)
+    assert stats["mean"] == round(float(lengths.mean()), 2)
+    assert (stats["min"], stats["max"]) == (lengths.min(), lengths.max())
+    edges = stats["histogram"]["edges"]
+    assert stats["histogram"]["counts"] == np.histogram(lengths, bins=edges)[0].tolist()
+    assert stats["count_gt_512"] == int((lengths > 512).sum())
+    halves = Counter(lengths[: len(lengths) // 2].tolist()) + Counter(lengths[len(lengths) // 2 :].tolist())
+    assert length_stats_of(halves) == stats == length_stats(lengths.tolist())

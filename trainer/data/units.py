@@ -1,0 +1,289 @@
+"""Preparing one unit of a plan: its documents -> train/val split -> token counts -> staged shards + a result.
+
+A unit is read start to end by one process, in windows of a few MB (memory never holds more than one window,
+whatever the corpus or unit size). In each window the documents go to train or val by a hash of their key
+(`is_val`: a key's side never depends on the other documents), each side is shuffled with a seed of the unit
+and window (sources come grouped: all of asyncio, then all of email; the trainer's stream shuffles further),
+counted with the tokenizer and appended to the unit's shards:
+
+    <stage>/u000003/train-0000.tar, train-0001.tar, ..., val-0000.tar    (final names are given at the merge)
+    <stage>/u000003.json                                                  the result, written last
+
+The result holds what the manifest needs (per-shard docs/tokens/bytes, the exact length distribution as
+{length: count}, skips, renames, chat turns) and is all a restarted prepare needs to know the unit is done.
+Everything is a function of the unit and the options, so a unit redone after a crash gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from trainer.data import formats
+from trainer.data.chat import assistant_spans, message_problem, module_conversations, render_conversation
+from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
+from trainer.data.corpus import (
+    ErrorPolicy,
+    PrepareError,
+    json_kind,
+    module_name,
+    read_module,
+    read_text_file,
+    sanitize_key,
+    split_module,
+    stdlib_root,
+    unique_keys,
+)
+from trainer.data.plan import Piece, Unit
+from trainer.data.shards import ShardWriter, atomic_write_bytes
+from trainer.data.tokenizer import count_tokens
+
+WINDOW_BYTES = 4 << 20  # text per window (split, shuffle, count, write)
+WINDOW_DOCS = 8192
+SPLITS = (TRAIN_SPLIT, VAL_SPLIT)
+Progress = Callable[[int, int], None]  # (input bytes advanced, documents finished)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The options every unit of a plan is prepared with (picklable: it travels to worker processes)."""
+
+    stage: str
+    """The plan's staging directory."""
+    tokenizer: str
+    """Directory of the tokenizer to count with (staged)."""
+    seed: int
+    val_fraction: float
+    docs_per_shard: int
+    max_shard_bytes: int | None
+    text_key: str
+    on_error: str
+    chat_template: str | None
+    """Chat sources: the template conversations are rendered with."""
+    max_docs: int | None = None
+    force: dict[str, str] = field(default_factory=dict)
+    """key -> split, overriding the hash (the merge's at-least-one-val-document rule)."""
+
+
+def unit_hash(key: str, seed: int) -> float:
+    """A uniform number in [0, 1) from the key and seed; the same on every machine and Python."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def result_path(stage: str | Path, index: int) -> Path:
+    return Path(stage) / f"u{index:06d}.json"
+
+
+def unit_dir(stage: str | Path, index: int) -> Path:
+    return Path(stage) / f"u{index:06d}"
+
+
+def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, force: dict[str, str] | None = None
+                 ) -> dict:
+    """Prepare `unit` into `<stage>/u<index>/` and write its result `<stage>/u<index>.json`; return the result."""
+    out = unit_dir(job.stage, unit.index)
+    shutil.rmtree(out, ignore_errors=True)  # what an interrupted attempt left
+    force = dict(force or {})
+    policy = ErrorPolicy(job.on_error)
+    renamed = Counter()
+    lengths = {split: Counter() for split in SPLITS}
+    extremes: dict[str, list] = {}  # train_min / val_max: [score, key] for the merge's at-least-one rules
+    turns = 0
+    writers = {split: ShardWriter(out, split, job.docs_per_shard, job.max_shard_bytes, name=_staged_name)
+               for split in SPLITS}
+    try:
+        docs = unit_documents(unit, job, policy, renamed, progress)
+        for number, window in enumerate(_windows(docs)):
+            sides: dict[str, list[tuple[str, str]]] = {split: [] for split in SPLITS}
+            for key, text in window:
+                score = unit_hash(key, job.seed)
+                split = force.get(key) or (VAL_SPLIT if score < job.val_fraction else TRAIN_SPLIT)
+                sides[split].append((key, text))
+                _track(extremes, split, score, key)
+            for split, side in sides.items():
+                random.Random(f"{job.seed}:{unit.index}:{number}:{split}").shuffle(side)
+                counts = count_tokens(tok, [text for _, text in side], desc=None)
+                for (key, text), n in zip(side, counts, strict=True):
+                    writers[split].add(key, text.encode("utf-8"), n)
+                lengths[split].update(counts)
+                if job.chat_template is not None:
+                    turns += sum(len(assistant_spans(text)) for _, text in side)
+            if progress is not None:
+                progress(0, len(window))
+        shards = {split: writer.close() for split, writer in writers.items()}
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    result = {
+        "unit": unit.index,
+        "force": force,
+        "splits": {
+            split: {
+                "shards": [{"file": f"{out.name}/{s.name}", "docs": s.docs, "tokens": t, "bytes": s.bytes}
+                           for s, t in zip(shards[split], writers[split].tokens, strict=True)],
+                "docs": sum(s.docs for s in shards[split]),
+                "tokens": sum(writers[split].tokens),
+                "lengths": {str(k): v for k, v in sorted(lengths[split].items())},
+            }
+            for split in SPLITS
+        },
+        "skipped": dict(sorted(policy.skipped.items())),
+        "renamed": renamed["doc"],
+        "extremes": extremes,
+        **({"chat": {"conversations": sum(lengths[s].total() for s in SPLITS), "assistant_turns": turns}}
+           if job.chat_template is not None else {}),
+    }
+    atomic_write_bytes(result_path(job.stage, unit.index), (json.dumps(result) + "\n").encode("utf-8"))
+    return result
+
+
+def load_result(stage: str | Path, index: int) -> dict | None:
+    """A unit's result if the unit is done: the result file is there and every shard it lists has its size."""
+    path = result_path(stage, index)
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for split in result["splits"].values():
+        for shard in split["shards"]:
+            file = Path(stage) / shard["file"]
+            if not file.is_file() or file.stat().st_size != shard["bytes"]:
+                return None
+    return result
+
+
+def _staged_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:04d}.tar"
+
+
+def _track(extremes: dict[str, list], split: str, score: float, key: str) -> None:
+    if split == TRAIN_SPLIT and ("train_min" not in extremes or [score, key] < extremes["train_min"]):
+        extremes["train_min"] = [score, key]
+    if split == VAL_SPLIT and ("val_max" not in extremes or [score, key] > extremes["val_max"]):
+        extremes["val_max"] = [score, key]
+
+
+def _windows(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
+    window: list[tuple[str, str]] = []
+    size = 0
+    for key, text in docs:
+        window.append((key, text))
+        size += len(text)
+        if size >= WINDOW_BYTES or len(window) >= WINDOW_DOCS:
+            yield window
+            window, size = [], 0
+    if window:
+        yield window
+
+
+# ---------------------------------------------------------------------------------------------
+# The documents of a unit
+# ---------------------------------------------------------------------------------------------
+
+
+def unit_documents(unit: Unit, job: Job, policy: ErrorPolicy, renamed: Counter | None = None,
+                   progress: Progress | None = None) -> Iterator[tuple[str, str]]:
+    """(key, text) of every document of `unit`, in order; at most `job.max_docs`."""
+    renamed = Counter() if renamed is None else renamed
+    left = job.max_docs
+    for piece in unit.pieces:
+        for key, text in _piece_documents(piece, job, policy, renamed, progress):
+            if left is not None:
+                if left == 0:
+                    return
+                left -= 1
+            yield key, text
+        if progress is not None and piece.kind in ("text", "module"):
+            progress(piece.bytes, 0)
+
+
+def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter,
+                     progress: Progress | None) -> Iterator[tuple[str, str]]:
+    if piece.kind == "text":
+        text = read_text_file(piece.path, policy)
+        if text is not None:
+            renamed["doc"] += piece.renamed
+            yield piece.name, text
+        return
+    if piece.kind == "module":
+        yield from _module_documents(piece, job, policy, renamed)
+        return
+    assert piece.span is not None
+    bytes_progress = (lambda n: progress(n, 0)) if progress is not None else None
+    chat = job.chat_template is not None
+    field_name = "messages" if chat else job.text_key
+    missing = "missing_messages" if chat else "missing_text"
+    for number, where, value in formats.read_span(piece.span, policy, field_name, bytes_progress, missing):
+        text = _conversation(value, where, policy, job.chat_template) if chat else \
+            document_text(value, where, policy, field_name)
+        if text is not None:
+            renamed["doc"] += piece.renamed
+            yield f"{piece.name}--{number}", text
+
+
+def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter) -> Iterator[tuple[str, str]]:
+    """The demo's documents of one module (`split_module`), or the demo chat's conversations about it."""
+    parsed = read_module(piece.path, policy)
+    if parsed is None:
+        return
+    source, tree = parsed
+    if job.chat_template is not None:  # the demo chat set: questions about the module's definitions
+        module = module_name(Path(piece.path).relative_to(stdlib_root()))
+        docs: Iterator[tuple[str, str]] = (
+            (f"{piece.name}--{sanitize_key(name)}", text)
+            for name, text in module_conversations(module, tree, policy, job.chat_template))
+    else:
+        docs = ((_rekey(piece.name, key), text) for key, text in split_module(source, "m", tree))
+    # A module can define the same name twice: the second `k` becomes `k-2`.
+    for (key, text), (original, _) in zip(unique_keys(docs := list(docs)), docs, strict=True):
+        renamed["doc"] += key != original or piece.renamed
+        yield key, text
+
+
+def _rekey(module_key: str, key: str) -> str:
+    """split_module's keys of the module "m" ("m", "m--f") with the module's real key in place of "m"."""
+    return module_key + key[1:]
+
+
+def document_text(value: object, where: str, policy: ErrorPolicy, field_name: str) -> str | None:
+    """The document's text from a record's field, or None for a bad one (reported to `policy`)."""
+    if not isinstance(value, str):
+        policy.bad("text_not_string", where, f"field {field_name!r} is {json_kind(value)}, not a string: each record "
+                   f"needs its document as a string there (pick another field with --text-key, or skip such records "
+                   f"with --on-error skip)")
+        return None
+    if not value.strip():
+        policy.bad("empty", where, "document is empty (only whitespace)")
+        return None
+    return value
+
+
+def _conversation(value: object, where: str, policy: ErrorPolicy, template: str) -> str | None:
+    """A chat record's messages rendered by the template, or None for a bad one (reported to `policy`)."""
+    record = {"messages": value}
+    problem = message_problem(record)
+    if problem is not None:
+        reason, field_path, what = problem
+        policy.bad(reason, where, f"field {field_path!r} {what}" if field_path else what)
+        return None
+    messages = [{"role": m["role"], "content": m["content"]} for m in value]  # type: ignore[union-attr]
+    try:
+        return render_conversation(messages, template)
+    except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
+        policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
+        return None
+
+
+def check_text_key(text_key: str) -> None:
+    if not text_key:
+        raise PrepareError("--text-key must name a field")
