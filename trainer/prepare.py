@@ -31,6 +31,7 @@ import os
 import queue
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -55,6 +56,7 @@ from trainer.data.assemble import (
     part_file,
     remove_abandoned_stages,
     stage_dir,
+    staged_plan,
     swap_into_place,
     unit_results,
     write_plan,
@@ -62,7 +64,7 @@ from trainer.data.assemble import (
 from trainer.data.chat import TEMPLATE_NAME, chat_template
 from trainer.data.config import ON_ERROR
 from trainer.data.corpus import ErrorPolicy, PrepareError
-from trainer.data.plan import Plan, Unit, is_chat, make_plan
+from trainer.data.plan import Plan, Unit, input_files, inputs_key, is_chat, make_plan
 from trainer.data.shards import FORMAT_VERSION, SCHEMA, atomic_write_bytes, load_manifest
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
@@ -136,7 +138,10 @@ def prepare(
                       "added_tokens": list(add_tokens)},
         "chat_template": template,
     }
-    plan = make_plan(source, options, None if unit_mb is None else int(unit_mb * MB), single_unit=max_docs is not None)
+    unit_bytes, single = (None if unit_mb is None else int(unit_mb * MB)), max_docs is not None
+    files = input_files(source)
+    plan = staged_plan(out, inputs_key(files, options, unit_bytes, single)) or \
+        make_plan(source, options, unit_bytes, single, files=files)
     stage = stage_dir(out, plan.id)
     if resume and not (stage / "plan.json").is_file():
         raise PrepareError(f"--resume: nothing to resume in {out}: no earlier prepare of this source with these "
@@ -148,8 +153,13 @@ def prepare(
         write_plan(stage, plan)
         _stage_tokenizer(stage, plan, tokenizer, reused, add_tokens)
         job = job_of(plan, stage)
-        todo = [u for u in plan.part(part, parts) if load_result(stage, u.index) is None]
-        _run_units(todo, job, workers)
+        mine = plan.part(part, parts)
+        todo = [u for u in mine if load_result(stage, u.index) is None]
+        label = f"part {part} of {parts}: " if parts > 1 else ""
+        if len(todo) < len(mine):
+            print(f"{label}resuming: {len(mine) - len(todo)} of {len(mine)} units already done in {stage}",
+                  file=sys.stderr)
+        _run_units(todo, job, workers, label)
         results, _ = unit_results(stage, plan)
         _write_part_manifest(stage, plan, part, parts, results)
     done, missing = unit_results(stage, plan)
@@ -164,6 +174,9 @@ def merge(out: str | Path, stage: Path | None = None) -> dict:
     """Write the dataset of the prepare staged in `out` (every unit done) and return its manifest."""
     out = Path(out)
     stage = stage if stage is not None else find_stage(out)
+    if stage is None:
+        print(f"{out}: already merged (manifest.json, nothing staged)", file=sys.stderr)
+        return load_manifest(out)
     with holding(stage, exclusive=True):
         if not (stage / "plan.json").is_file():  # another part merged while this one waited for the lock
             return load_manifest(out)
@@ -173,7 +186,7 @@ def merge(out: str | Path, stage: Path | None = None) -> dict:
         results, missing = unit_results(stage, plan)
         if missing:
             raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing parts "
-                               "(the same command with their --part)")
+                               "(the same command with --part I --parts N for each)")
         rule = at_least_one_rule(results, plan.options["val_fraction"])
         if rule is not None:  # e.g. 40 documents at val_fraction 0.01: the lowest-scoring one goes to val
             index, key, split = rule
@@ -181,6 +194,8 @@ def merge(out: str | Path, stage: Path | None = None) -> dict:
             results[index] = prepare_unit(plan.units[index], job, load_tokenizer(job.tokenizer),
                                           force={**results[index]["force"], key: split})
         splits, totals, moves = assemble(results)
+        skipped = Counter(totals["skipped"]) + Counter(plan.options.get("plan_skipped", {}))
+        totals["skipped"] = dict(sorted(skipped.items()))
         return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
 
 
@@ -282,32 +297,65 @@ def sample_texts(plan: Plan, job: Job, sample_bytes: int) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_units(units: Sequence[Unit], job: Job, workers: int) -> None:
-    """Prepare `units`, `workers` at a time, with one progress bar (input MB/s, docs/s, ETA)."""
+def _run_units(units: Sequence[Unit], job: Job, workers: int, label: str = "") -> None:
+    """Prepare `units`, `workers` at a time, with one progress bar (input MB/s, docs/s, ETA); without a
+    terminal (a Slurm log), a status line every STATUS_EVERY_S seconds instead."""
     if not units:
         return
     total = sum(u.bytes for u in units)
-    started = time.monotonic()
-    docs = 0
-    with tqdm(total=total, desc="preparing", unit="B", unit_scale=True, unit_divisor=MB, disable=None) as bar:
-        def progress(nbytes: int, ndocs: int) -> None:
-            nonlocal docs
-            docs += ndocs
-            bar.update(nbytes)
-            if ndocs:
-                bar.set_postfix_str(f"{docs / max(time.monotonic() - started, 1e-9):,.0f} docs/s", refresh=False)
-
+    with tqdm(total=total, desc="preparing", unit="B", unit_scale=True, unit_divisor=1024, disable=None) as bar:
+        status = _Status(bar, total, len(units), label)
         if workers == 1 or len(units) == 1:
             with _single_threaded_tokenizer():
                 tok = load_tokenizer(job.tokenizer)
                 for unit in units:
-                    prepare_unit(unit, job, tok, progress)
+                    prepare_unit(unit, job, tok, status.progress)
+                    status.unit_done()
         else:
-            _run_in_workers(units, job, min(workers, len(units)), progress)
+            _run_in_workers(units, job, min(workers, len(units)), status)
         bar.update(max(0, total - bar.n))  # sizes on disk are estimates for compressed input and datasets
+        status.line(final=True)
 
 
-def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, progress) -> None:
+STATUS_EVERY_S = 30.0
+
+
+class _Status:
+    """Progress of the units: the bar's numbers, and the same as a line every STATUS_EVERY_S without a bar."""
+
+    def __init__(self, bar: tqdm, total: int, units: int, label: str) -> None:
+        self.bar, self.total, self.units, self.label = bar, total, units, label
+        self.started = self.last = time.monotonic()
+        self.docs = self.done = self.nbytes = 0
+
+    def progress(self, nbytes: int, ndocs: int) -> None:
+        self.docs += ndocs
+        self.nbytes += nbytes
+        self.bar.update(nbytes)
+        if ndocs:
+            self.bar.set_postfix_str(f"{self.docs / self.elapsed:,.0f} docs/s", refresh=False)
+        if self.bar.disable and time.monotonic() - self.last >= STATUS_EVERY_S:
+            self.line()
+
+    def unit_done(self) -> None:
+        self.done += 1
+
+    @property
+    def elapsed(self) -> float:
+        return max(time.monotonic() - self.started, 1e-9)
+
+    def line(self, final: bool = False) -> None:
+        if not self.bar.disable:
+            return
+        self.last = time.monotonic()
+        rate = self.nbytes / MB / self.elapsed
+        left = max(self.total - self.nbytes, 0) / MB / rate if rate > 0 and not final else 0.0
+        print(f"{self.label}preparing: {self.done}/{self.units} units, {self.nbytes / MB:,.1f}/{self.total / MB:,.1f} MB, "
+              f"{rate:.2f} MB/s, {self.docs:,} docs ({self.docs / self.elapsed:,.0f}/s)"
+              + ("" if final else f", ETA {left:,.0f} s"), file=sys.stderr, flush=True)
+
+
+def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, status: _Status) -> None:
     context = multiprocessing.get_context("spawn")  # no fork of a process that already ran the Rust thread pool
     updates = context.Queue()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
@@ -317,15 +365,16 @@ def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, progress) -> 
         pending = set(futures)
         while pending:
             finished, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-            _drain(updates, progress)
+            _drain(updates, status.progress)
             for future in finished:
                 try:
                     future.result()
+                    status.unit_done()
                 except BrokenProcessPool as e:
                     raise PrepareError(f"a prepare worker died (killed, or out of memory?) while preparing unit "
                                        f"{futures[future].index} ({_where(futures[future])}); run the same command "
                                        "again: finished units are kept") from e
-        _drain(updates, progress)
+        _drain(updates, status.progress)
     finally:
         for future in futures:
             future.cancel()

@@ -101,12 +101,18 @@ def test_two_workers_give_the_same_bytes_as_one(corpus, reference, tmp_path):
     assert_same_dataset(reference, out)
 
 
-def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, reference, tmp_path):
+def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, reference, tmp_path, monkeypatch):
     out = tmp_path / "parts"
     args = dict(vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB, parts=3)
     assert prepare(f"jsonl:{corpus}/*", out, part=2, **args) is None
     assert not (out / "manifest.json").exists()
     assert main(["--merge", str(out)]) == 2  # parts 0 and 1 have not run
+    import trainer.data.formats as formats
+
+    def plan_again(*_args, **_kwargs):
+        raise AssertionError("planned again: the staged plan of the same input and options must be reused")
+
+    monkeypatch.setattr(formats, "plan_spans", plan_again)  # planning a JSONL reads it all: once is enough
     assert prepare(f"jsonl:{corpus}/*", out, part=0, **args) is None
     [stage] = (out / STATE_DIR).iterdir()
     part = json.loads((stage / "part-002-of-003.json").read_text())
@@ -118,9 +124,14 @@ def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, referenc
     assert_same_dataset(reference, out)
 
 
-def test_merge_is_idempotent_and_says_when_there_is_nothing(reference, capsys):
-    assert main(["--merge", str(reference)]) == 2
-    assert "nothing to merge: the dataset is complete" in capsys.readouterr().err
+def test_merge_is_idempotent_and_an_empty_dir_has_nothing_to_merge(reference, tmp_path, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in reference.iterdir()}
+    assert main(["--merge", str(reference)]) == 0  # a dependent merge job after the last part merged
+    captured = capsys.readouterr()
+    assert "already merged" in captured.err and "train:" in captured.out
+    assert {p.name: p.stat().st_mtime_ns for p in reference.iterdir()} == before
+    assert main(["--merge", str(tmp_path)]) == 2
+    assert "nothing to merge: no prepare staged there" in capsys.readouterr().err
 
 
 def staged_results(out: Path) -> list[Path]:
@@ -151,7 +162,10 @@ def test_killed_with_sigkill_and_started_again_equals_an_uninterrupted_run(corpu
         for split in json.loads(result.read_text())["splits"].values():
             for shard in split["shards"]:
                 kept[shard["file"]] = (result.parent / shard["file"]).stat().st_ino
-    assert cli(*args, "--resume").returncode == 0
+    proc = cli(*args, "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming: {len(done)} of {total} units already done" in proc.stderr  # no terminal: status lines
+    assert f"preparing: {total - len(done)}/{total - len(done)} units" in proc.stderr
     assert_same_dataset(reference, out)
     inodes = {p.stat().st_ino for p in out.glob("*.tar")}
     assert set(kept.values()) <= inodes  # finished units were not redone
@@ -310,3 +324,19 @@ def test_length_stats_from_counts_equal_numpy_on_the_lengths(seed):
     assert stats["count_gt_512"] == int((lengths > 512).sum())
     halves = Counter(lengths[: len(lengths) // 2].tolist()) + Counter(lengths[len(lengths) // 2 :].tolist())
     assert length_stats_of(halves) == stats == length_stats(lengths.tolist())
+
+
+def test_a_file_that_is_not_parquet_is_an_error_or_a_counted_skip(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.Table.from_pylist(corpus_records(50)), src / "good.parquet")
+    (src / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    assert main(["--source", f"parquet:{src}/*.parquet", "--out", str(tmp_path / "a"), "--vocab-size", str(VOCAB)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {src / 'broken.parquet'}: not a parquet file"), err
+    manifest = prepare(f"parquet:{src}/*.parquet", tmp_path / "b", vocab_size=VOCAB, on_error="skip")
+    assert manifest["skipped"] == {"corrupt_file": 1}
+    assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 50

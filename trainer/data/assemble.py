@@ -139,14 +139,29 @@ def load_stage_plan(stage: Path) -> Plan:
         raise PrepareError(f"{stage / PLAN_FILE}: cannot read the plan of this prepare ({e})") from e
 
 
-def find_stage(out: Path) -> Path:
-    """The one staging area of `out` (for --merge)."""
+def staged_plan(out: Path, inputs: str) -> Plan | None:
+    """The staged plan whose inputs key (trainer.data.plan.inputs_key) is `inputs`, if any."""
+    root = out / STATE_DIR
+    for path in sorted(root.glob(f"*/{PLAN_FILE}")) if root.is_dir() else []:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if data.get("options", {}).get("inputs") == inputs:
+            plan = Plan.from_json(data)
+            if plan.id == path.parent.name:
+                return plan
+    return None
+
+
+def find_stage(out: Path) -> Path | None:
+    """The staging area of `out` to merge (the newest, if several); None if the dataset is complete and nothing
+    is staged (a merge that already happened: merging again is not an error)."""
     root = out / STATE_DIR
     stages = sorted(p for p in root.iterdir() if (p / PLAN_FILE).is_file()) if root.is_dir() else []
     if not stages:
         if (out / MANIFEST_FILE).is_file():
-            raise PrepareError(f"{out}: nothing to merge: the dataset is complete (manifest.json) and no prepare is "
-                               "staged there")
+            return None
         raise PrepareError(f"{out}: nothing to merge: no prepare staged there ({STATE_DIR}/ is missing or empty)")
     if len(stages) > 1:
         newest = max(stages, key=lambda p: (p / PLAN_FILE).stat().st_mtime)
@@ -170,17 +185,16 @@ def unit_results(stage: Path, plan: Plan) -> tuple[dict[int, dict], list[int]]:
     return done, missing
 
 
-def missing_message(stage: Path, missing: Sequence[int], parts_hint: int | None = None) -> str:
-    """Which units (and, with parts, which parts) have not finished."""
+def missing_message(stage: Path, missing: Sequence[int], parts: int | None = None) -> str:
+    """Which units, and with parts, which parts (those owning a unfinished unit), have not finished."""
     shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-    parts = sorted({int(m.group(2)) for p in stage.glob("part-*-of-*.json")
-                    if (m := re.match(r"part-(\d+)-of-(\d+)\.json", p.name))})
     text = f"{len(missing)} unit(s) of this prepare are not done (units {shown})"
-    n = parts_hint or (parts[-1] if parts else None)
-    if n:
-        finished = sorted(int(p.name[5:8]) for p in stage.glob(f"part-*-of-{n:03d}.json"))
-        waiting = [i for i in range(n) if i not in finished]
-        text += f"; parts not finished: {waiting} of --parts {n}"
+    if parts is None:  # --merge: the parts the part manifests were written for
+        found = sorted({int(m.group(2)) for p in stage.glob("part-*-of-*.json")
+                        if (m := re.match(r"part-(\d+)-of-(\d+)\.json", p.name))})
+        parts = found[-1] if found else None
+    if parts and parts > 1:
+        text += f"; parts not finished: {sorted({u % parts for u in missing})} of --parts {parts}"
     return text
 
 

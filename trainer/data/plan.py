@@ -32,6 +32,7 @@ from pathlib import Path
 
 from trainer.data import formats
 from trainer.data.corpus import (
+    ErrorPolicy,
     PrepareError,
     glob_root,
     module_name,
@@ -129,37 +130,57 @@ def is_chat(source: str) -> bool:
     return source == "demo-chat" or source.startswith("chat:")
 
 
-def make_plan(source: str, options: dict, unit_bytes: int | None = None, single_unit: bool = False) -> Plan:
-    """Cut `source` into units of ~`unit_bytes` (None: automatic, see UNITS_PER_CORPUS). `single_unit`: one unit
-    holding every piece in order (--max-docs: "the first N documents" needs one sequential reader)."""
+def input_files(source: str) -> list[Piece]:
+    """The files of `source`, named, with their sizes (a listing and a stat each: cheap)."""
     kind, _, arg = source.partition(":")
     if kind in ("demo", "demo-chat") and not arg:
-        files = list(_module_files())
-    elif kind == "text" and arg:
-        files = list(_text_files(arg))
-    elif kind in ("jsonl", "parquet", "chat") and arg:
-        files = list(_record_files("jsonl" if kind == "chat" else kind, arg))
-    elif kind == "hf" and arg:
-        files = [Piece("hf", arg, sanitize_key(Path(arg.rstrip("/")).name or arg), 0)]
-    else:
-        raise PrepareError(f"unknown source {source!r}; expected {SOURCES}")
+        return list(_module_files())
+    if kind == "text" and arg:
+        return list(_text_files(arg))
+    if kind in ("jsonl", "parquet", "chat") and arg:
+        return list(_record_files("jsonl" if kind == "chat" else kind, arg))
+    if kind == "hf" and arg:
+        return [Piece("hf", arg, sanitize_key(Path(arg.rstrip("/")).name or arg), 0)]
+    raise PrepareError(f"unknown source {source!r}; expected {SOURCES}")
+
+
+def inputs_key(files: Sequence[Piece], options: dict, unit_bytes: int | None, single_unit: bool) -> str:
+    """What the plan is a function of, short of reading the files: their names and sizes, and the options. A
+    restarted prepare (or another part) with the same key reuses the staged plan instead of planning again,
+    which for a plain JSONL means reading it through to count lines."""
+    data = [[p.to_json() for p in files], options, unit_bytes, single_unit]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def make_plan(source: str, options: dict, unit_bytes: int | None = None, single_unit: bool = False,
+              files: list[Piece] | None = None) -> Plan:
+    """Cut `source` (its `input_files`, unless given) into units of ~`unit_bytes` (None: automatic, see
+    UNITS_PER_CORPUS). `single_unit`: one unit holding every piece in order (--max-docs: "the first N documents"
+    needs one sequential reader)."""
+    files = input_files(source) if files is None else files
+    key = inputs_key(files, options, unit_bytes, single_unit)
     total = sum(p.bytes for p in files)
     if unit_bytes is None:
         unit_bytes = min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_PER_CORPUS))
-    pieces = [piece for f in files for piece in _spans(f, unit_bytes)]
+    # --on-error skip: a file that cannot be planned (not a parquet, unreadable) is skipped and counted here.
+    policy = ErrorPolicy(options.get("on_error", "raise"))
+    pieces = [piece for f in files for piece in _spans(f, unit_bytes, policy)]
     if not pieces:
-        raise PrepareError(f"no documents in {source!r}: its files are empty")
+        raise PrepareError(f"no documents in {source!r}: its files are empty or were skipped "
+                           f"({dict(policy.skipped) or 'none skipped'})")
     groups = [pieces] if single_unit else list(_group(pieces, unit_bytes))
     units = [Unit(i, tuple(g)) for i, g in enumerate(groups)]
-    return Plan(source=source, units=units, options={**options, "unit_bytes": unit_bytes})
+    return Plan(source=source, units=units, options={**options, "unit_bytes": unit_bytes, "inputs": key,
+                                                     "plan_skipped": dict(sorted(policy.skipped.items()))})
 
 
-def _spans(piece: Piece, unit_bytes: int) -> Iterator[Piece]:
+def _spans(piece: Piece, unit_bytes: int, policy: ErrorPolicy) -> Iterator[Piece]:
     """A record file cut into its spans; a text file or module as it is."""
     if piece.kind in ("text", "module"):
         yield piece
         return
-    for span in formats.plan_spans(piece.path, piece.kind, unit_bytes):
+    for span in formats.plan_spans(piece.path, piece.kind, unit_bytes,
+                                   policy=policy if policy.on_error == "skip" else None):
         yield Piece(piece.kind, piece.path, piece.name, span.bytes, piece.renamed, span)
 
 

@@ -22,7 +22,7 @@ import random
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -69,8 +69,6 @@ class Job:
     chat_template: str | None
     """Chat sources: the template conversations are rendered with."""
     max_docs: int | None = None
-    force: dict[str, str] = field(default_factory=dict)
-    """key -> split, overriding the hash (the merge's at-least-one-val-document rule)."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -89,7 +87,8 @@ def unit_dir(stage: str | Path, index: int) -> Path:
 
 def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, force: dict[str, str] | None = None
                  ) -> dict:
-    """Prepare `unit` into `<stage>/u<index>/` and write its result `<stage>/u<index>.json`; return the result."""
+    """Prepare `unit` into `<stage>/u<index>/` and write its result `<stage>/u<index>.json`; return the result.
+    `force` (key -> split) overrides the hash for those keys: the merge's at-least-one-document rules."""
     out = unit_dir(job.stage, unit.index)
     shutil.rmtree(out, ignore_errors=True)  # what an interrupted attempt left
     force = dict(force or {})
