@@ -29,12 +29,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from trainer.data.config import LAYOUTS
 from trainer.errors import UserError
 
 IGNORE_INDEX = -100
-
-LAYOUTS = ("packed", "unpacked", "bucketed")
-
 
 @dataclass
 class Document:

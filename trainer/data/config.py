@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.data.batch import LAYOUTS
-from trainer.data.packing import LONG_DOC_POLICIES
+# The allowed values live here, not beside their code (batch.py, packing.py): prepare imports this module, and
+# must not import torch (its worker processes stay light).
+LAYOUTS = ("packed", "unpacked", "bucketed")
+LONG_DOC_POLICIES = ("split", "truncate", "drop")
 
 ON_ERROR = ("raise", "skip")
 """What a bad sample or an unreadable shard does: raise (an error naming shard and key) or skip (warn, count)."""

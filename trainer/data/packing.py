@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer.data.batch import Document
+from trainer.data.config import LONG_DOC_POLICIES
 
-LONG_DOC_POLICIES = ("split", "truncate", "drop")
 SHORTS_PER_LONG_FOR_PAIRS = 2  # see OnlinePacker._shorts_to_spare
 
 
