@@ -340,3 +340,18 @@ def test_a_file_that_is_not_parquet_is_an_error_or_a_counted_skip(tmp_path, caps
     manifest = prepare(f"parquet:{src}/*.parquet", tmp_path / "b", vocab_size=VOCAB, on_error="skip")
     assert manifest["skipped"] == {"corrupt_file": 1}
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 50
+
+
+def test_a_fifo_matched_by_a_glob_is_refused_or_skipped_never_opened(tmp_path, capsys):
+    """Opening a FIFO blocks until someone writes to it: prepare must not hang on one a glob matched."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a document")
+    os.mkfifo(src / "pipe.txt")
+    write_jsonl(src / "r.jsonl", corpus_records(5))
+    os.mkfifo(src / "q.jsonl")
+    for argv, where in ([f"text:{src}/*.txt"], src / "pipe.txt"), ([f"jsonl:{src}/*.jsonl"], src / "q.jsonl"):
+        proc = cli("--source", argv[0], "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB))
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {where}: not a regular file (a FIFO)"), proc.stderr
+    manifest = prepare(f"text:{src}/*.txt", tmp_path / "skip", vocab_size=VOCAB, on_error="skip")
+    assert manifest["skipped"] == {"not_a_file": 1} and manifest["splits"]["train"]["docs"] == 1

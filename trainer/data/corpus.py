@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import stat
 import sys
 import sysconfig
 import tokenize
@@ -210,8 +211,26 @@ def glob_root(pattern: str) -> str:
     return str(Path(*fixed)) if fixed else "."
 
 
+def not_regular_file(path: str) -> str | None:
+    """Why `path` is not a regular file one can read to its end (None if it is, or if it cannot be stat'ed: the
+    read reports that). Example: a FIFO -> "not a regular file (a FIFO): reading it would block"."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"not a regular file ({kind}): reading it would block or never end"
+
+
 def read_text_file(path: str, policy: ErrorPolicy) -> str | None:
-    """A file's text, or None after reporting why it is unusable (unreadable, not UTF-8, empty)."""
+    """A file's text, or None after reporting why it is unusable (unreadable, not a regular file, not UTF-8,
+    empty). A FIFO, socket or device is never opened: reading one would block, or never end."""
+    problem = not_regular_file(path)
+    if problem is not None:
+        policy.bad("not_a_file", path, problem)
+        return None
     try:
         data = Path(path).read_bytes()
     except OSError as e:

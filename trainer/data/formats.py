@@ -27,7 +27,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainer.data.corpus import ErrorPolicy, PrepareError, glob_root, json_kind, sanitize_key
+from trainer.data.corpus import (
+    ErrorPolicy,
+    PrepareError,
+    glob_root,
+    json_kind,
+    not_regular_file,
+    sanitize_key,
+)
 
 KINDS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf")
 
@@ -103,6 +110,9 @@ def expand_inputs(kind: str, pattern: str) -> tuple[str, list[str]]:
         hint = " (a directory: give a glob such as 'DIR/**/*.jsonl')" if os.path.isdir(pattern) else ""
         raise PrepareError(f"no files match {pattern!r}{hint}")
     for path in paths:
+        problem = not_regular_file(path)  # a FIFO matched by the glob would hang the plan
+        if problem is not None:
+            raise PrepareError(f"{path}: {problem}")
         found = file_kind(path)
         if found is None or found.split(".")[0] != kind:
             wanted = "a .jsonl/.json/.ndjson(.gz/.zst) file" if kind == "jsonl" else "a .parquet file"
