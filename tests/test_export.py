@@ -244,3 +244,32 @@ def test_a_bias_free_model_exports_zero_biases(transformers, demo_data, tmp_path
     with torch.no_grad():
         diff = (model(ids).logits - ref(ids).logits).abs().max()
     assert diff <= 1e-5
+
+
+def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(checkpoint, exported, tmp_path):
+    """A run directory, a checkpoint's tokenizer/ and a directory of one's own files are refused, untouched; an
+    earlier export is replaced (tests/fixtures are not needed: the refusals come before any weight is read)."""
+    run_dir = checkpoint.parent.parent
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    cases = {
+        run_dir: "is not empty and not an earlier export",
+        checkpoint / "tokenizer": f"is inside the checkpoint {checkpoint.resolve()}",
+        checkpoint: f"is inside the checkpoint {checkpoint.resolve()}",
+        mine: "(notes.txt)",
+    }
+    for out, words in cases.items():
+        proc = run_export(checkpoint, out)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: --out {out} ") and words in proc.stderr, \
+            proc.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    again = tmp_path / "again"
+    again.mkdir()
+    for p in exported.iterdir():
+        (again / p.name).write_bytes(p.read_bytes())
+    (again / hf.WEIGHTS_FILE).write_bytes(b"stale")
+    assert run_export(checkpoint, again).returncode == 0  # over an earlier export
+    assert (again / hf.WEIGHTS_FILE).read_bytes() == (exported / hf.WEIGHTS_FILE).read_bytes()

@@ -39,12 +39,40 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the GPT-2 directory of packtrain checkpoint `checkpoint` into `out`; returns `out`."""
     checkpoint, out = Path(checkpoint), Path(out)
     hf.check_exportable(model_config(checkpoint))  # before reading any weights
-    if out.resolve() == checkpoint.resolve() or (out / META_FILE).exists():
-        raise hf.ExportError(f"--out {out} is a checkpoint directory: give a new or export directory")
+    check_out_dir(out)
     model = load_model(checkpoint)
     write_gpt2(model, tokenizer_dir(checkpoint), out)
     shutil.copyfile(checkpoint / CONVENTIONS_FILE, out / CONVENTIONS_FILE)
     return out
+
+
+EXPORT_FILES = frozenset({hf.CONFIG_FILE, hf.WEIGHTS_FILE, hf.GENERATION_CONFIG_FILE, CONVENTIONS_FILE, *TOKENIZER_FILES})
+
+
+def check_out_dir(out: Path) -> None:
+    """Export writes only into a new or empty directory, or over a previous export (its files and nothing else,
+    config.json a GPT-2 config) — never into a checkpoint, a run directory or anything inside one."""
+    for parent in [out, *out.resolve().parents]:
+        if (parent / META_FILE).is_file():
+            raise hf.ExportError(f"--out {out} is inside the checkpoint {parent}: give a new directory "
+                                 "(e.g. exports/NAME)")
+    if out.exists() and not out.is_dir():
+        raise hf.ExportError(f"--out {out} is a file: give a new directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+    if not foreign and _is_gpt2_config(out / hf.CONFIG_FILE):
+        return  # a previous export: replaced file by file
+    shown = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "") if foreign else "no GPT-2 config.json"
+    raise hf.ExportError(f"--out {out} is not empty and not an earlier export ({shown}): export writes only into a "
+                         "new or empty directory or over an earlier export")
+
+
+def _is_gpt2_config(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("model_type") == "gpt2"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def write_gpt2(model: GPT, tok_dir: str | Path, out: str | Path) -> None:
