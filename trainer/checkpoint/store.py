@@ -26,6 +26,7 @@ A save is atomic: every rank writes into `.tmp-step_000050/` (TMP_PREFIX), which
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -40,7 +41,7 @@ from safetensors.torch import save_file
 
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.distributed.engine import Engine
-from trainer.distributed.groups import DistInfo, barrier
+from trainer.distributed.groups import DistInfo, barrier, dist_max
 from trainer.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,24 +154,75 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
+    # A write that fails (a full disk, a quota, permissions) is caught on its rank and agreed on by all ranks
+    # (dist_max) before anyone moves on: the partial directory is removed, the previous checkpoint is intact, and
+    # every rank raises the same one-line error instead of a traceback from deep inside torch.save.
+    failure: BaseException | None = None
+    try:
+        save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
+    except (OSError, RuntimeError) as e:
+        failure = e
     if engine.sharded:
         engine.save_shards(tmp / DEEPSPEED_DIR)  # collective: every rank writes its shard
-    elif info.is_main:
-        save_state(engine.state_dict(), tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
+    elif info.is_main and failure is None:
+        try:
+            save_state(engine.state_dict(), tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
+        except (OSError, RuntimeError) as e:
+            failure = e
     weights = engine.full_weights()  # collective (ZeRO-3 gathers the partitions); empty off rank 0
-    if info.is_main:
-        save_file({k: v for k, v in weights.items() if k != TIED_KEY}, tmp / WEIGHTS_FILE)
-        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
-        (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
-        shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
-    barrier()
+    if info.is_main and failure is None:
+        try:
+            save_file({k: v for k, v in weights.items() if k != TIED_KEY}, tmp / WEIGHTS_FILE)
+            (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
+            (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
+            shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
+        except (OSError, RuntimeError) as e:
+            failure = e
+    if dist_max(1.0 if failure is not None else 0.0, info.device) > 0:  # also the barrier before the rename
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(failure, root, step)
     if info.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _prune(root, keep_last)
     barrier()
     return final
+
+
+def _save_error(failure: BaseException | None, root: Path, step: int) -> BaseException:
+    """The one-line error for a checkpoint that could not be written, or `failure` itself if it is not about
+    the file system (a bug keeps its traceback)."""
+    done = _complete(root)
+    last = f"step {done[-1][0]}" if done else "none"
+    where = f"the checkpoint of step {step} ({root})"
+    errno_ = getattr(failure, "errno", None)
+    full = errno_ == errno.ENOSPC or _nearly_full(root)  # torch.save reports a full disk as "unexpected pos ..."
+    if full:
+        return CheckpointError(f"no space left on {_mount_point(root)} while writing {where}; the partial directory "
+                               f"was removed; the last complete checkpoint is {last}")
+    if isinstance(failure, OSError):
+        return CheckpointError(f"cannot write {where}: {failure.strerror or failure}; the last complete checkpoint "
+                               f"is {last}")
+    if failure is None:  # another rank failed
+        return CheckpointError(f"another rank could not write {where}; the last complete checkpoint is {last}")
+    return failure
+
+
+def _nearly_full(path: Path, margin: int = 1 << 20) -> bool:
+    try:
+        return shutil.disk_usage(path).free < margin
+    except OSError:
+        return False
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system holding `path` (what `df` names)."""
+    path = path.resolve()
+    dev = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == dev:
+        path = path.parent
+    return path
 
 
 def _prune(root: Path, keep_last: int) -> None:
