@@ -122,6 +122,8 @@ def prepare(
     if max_docs is not None and parts > 1:
         raise PrepareError("--max-docs reads the first documents in order: it cannot be split into --parts")
     reused = _load_reusable_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the slow part
+    if not all(isinstance(t, str) and t for t in add_tokens):
+        raise PrepareError(f"--add-tokens {list(add_tokens)}: each token must be a non-empty string")
     if add_tokens and reused is None:
         raise PrepareError("--add-tokens extends an existing tokenizer: give it with --tokenizer (e.g. the "
                            "checkpoint's <run dir>/checkpoints/step_NNNNNN/tokenizer)")
@@ -283,7 +285,7 @@ def sample_texts(plan: Plan, job: Job, sample_bytes: int) -> Iterator[str]:
     quiet = ErrorPolicy(job.on_error, warn=lambda _msg: None)  # the units' pass warns and counts
     for unit in tqdm(plan.units, desc="tokenizer sample", unit="unit", disable=None):
         taken = 0
-        for key, text in unit_documents(unit, job, quiet):
+        for key, text, _ in unit_documents(unit, job, quiet):
             if unit_hash(key, job.seed) < job.val_fraction:
                 continue
             yield text
@@ -510,7 +512,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents for val (default 0.01)")
     p.add_argument("--docs-per-shard", type=int, default=2000, help="documents per tar shard (default 2000)")
     p.add_argument("--shard-bytes", type=int, default=None, help="also close a shard before this much text")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split and the shuffle")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (a hash of seed and key)")
     p.add_argument("--text-key", default="text",
                    help="jsonl/parquet/hf: the field holding the text, a.b for a nested one (default 'text')")
     p.add_argument("--on-error", choices=ON_ERROR, default="raise",

@@ -579,3 +579,29 @@ def test_record_stems_drop_format_suffixes():
     assert record_stem("corpus.parquet", ".") == record_stem("corpus.jsonl.zst", ".") == "corpus"
     assert record_stem("d/v1.2/a.b.NDJSON.ZSTD", "d") == "v1__2__a__b"
     assert record_stem("d/notes.txt", "d") == "notes__txt"
+
+
+@pytest.mark.parametrize("block", [1, 7, 50])
+def test_spans_start_at_a_block_of_records_and_still_partition_the_file(tmp_path, block):
+    """prepare ends shards at blocks of `block` records: a span never cuts one, wherever the byte target falls."""
+    path = tmp_path / "b.jsonl"
+    path.write_bytes(b"".join(json.dumps({"text": "x" * (i % 37)}).encode() + b"\n" for i in range(400)))
+    starts = {}
+    offset = 0
+    for number, line in enumerate(path.read_bytes().splitlines(keepends=True), start=1):
+        starts[offset] = number
+        offset += len(line)
+    for target in (1, 100, 999, 5000):
+        spans = plan_spans(str(path), "jsonl", target, block=block)
+        assert spans[0].start == 0 and spans[-1].stop == offset
+        assert all(a.stop == b.start for a, b in zip(spans, spans[1:], strict=False))
+        assert all(starts[s.start] == s.first and (s.first - 1) % block == 0 for s in spans), (block, target)
+        assert all(s.bytes >= target for s in spans[:-1])
+        if target == 1:
+            assert [s.first for s in spans] == list(range(1, 401, block))  # every block its own span
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": str(i)} for i in range(400)]), tmp_path / "b.parquet", row_group_size=40)
+    groups = plan_spans(str(tmp_path / "b.parquet"), "parquet", 1, block=block)
+    assert all((s.first - 1) % block == 0 for s in groups) and groups[-1].stop == 10

@@ -275,33 +275,44 @@ def test_a_failed_reprepare_keeps_the_old_dataset(corpus, reference, tmp_path, c
 
 
 def test_every_format_gives_the_same_dataset(tmp_path):
+    """The same records as .jsonl (cut into many byte-range units), .jsonl.zst (one unit: not seekable), parquet
+    (units of row groups) and a saved HF dataset (row ranges): byte-identical shards and the same manifest, because
+    shards end at blocks of records, whatever the units."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
 
-    records = corpus_records(600, seed=1)
+    records = corpus_records(1500, seed=1)
     src = tmp_path / "src"
     write_jsonl(src / "jsonl" / "corpus.jsonl", records)
     (src / "zst").mkdir()
     (src / "zst" / "corpus.jsonl.zst").write_bytes(
         zstandard.ZstdCompressor().compress((src / "jsonl" / "corpus.jsonl").read_bytes()))
     (src / "parquet").mkdir()
-    pq.write_table(pa.Table.from_pylist(records), src / "parquet" / "corpus.parquet", row_group_size=64)
+    pq.write_table(pa.Table.from_pylist(records), src / "parquet" / "corpus.parquet", row_group_size=100)
     datasets.Dataset.from_list(records).save_to_disk(str(src / "hf" / "corpus"))
-    common = dict(vocab_size=VOCAB, docs_per_shard=50, val_fraction=0.05)
+    common = dict(vocab_size=VOCAB, docs_per_shard=50, val_fraction=0.05, unit_mb=UNIT_MB)
     ref = tmp_path / "out-jsonl"
-    prepare(f"jsonl:{src}/jsonl/*.jsonl", ref, **common)
+    prepare(f"jsonl:{src}/jsonl/*.jsonl", ref, workers=2, **common)
     tok = ref / "tokenizer"
     for name, source in [("zst", f"jsonl:{src}/zst/*"), ("parquet", f"parquet:{src}/parquet/*.parquet"),
                          ("hf", f"hf:{src}/hf/corpus")]:
         out = tmp_path / f"out-{name}"
         prepare(source, out, tokenizer=tok, workers=2 if name == "parquet" else 1, **common)
+        units = len(json.loads((out / "manifest.json").read_text())["splits"]["train"]["shards"])
         a, b = load_manifest(ref), load_manifest(out)
         assert a["splits"] == b["splits"], name
         for split in a["splits"].values():
             for shard in split["shards"]:
                 assert (ref / shard["name"]).read_bytes() == (out / shard["name"]).read_bytes(), (name, shard["name"])
+    assert units == 30  # 1500 records in blocks of 50: one train shard per block
+    from trainer.data.plan import make_plan
+
+    cut = {name: len(make_plan(source, {"docs_per_shard": 50}, int(UNIT_MB * 2**20)).units)
+           for name, source in [("jsonl", f"jsonl:{src}/jsonl/*.jsonl"), ("zst", f"jsonl:{src}/zst/*"),
+                                ("parquet", f"parquet:{src}/parquet/*.parquet")]}
+    assert cut["zst"] == 1 and cut["jsonl"] > 3 and cut["parquet"] > 3, cut  # the inputs were cut differently
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,8 +136,11 @@ def record_stem(path: str, root: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_spans(path: str, kind: str, target_bytes: int, *, policy: ErrorPolicy | None = None) -> list[Span]:
-    """The spans of one input, each about `target_bytes` on disk, whatever the number of workers.
+def plan_spans(path: str, kind: str, target_bytes: int, *, policy: ErrorPolicy | None = None,
+               block: int = 1) -> list[Span]:
+    """The spans of one input, each about `target_bytes` on disk, whatever the number of workers. Every span
+    starts at a record number 1 + k * `block`: a block of records is never cut (prepare ends its shards at block
+    ends, so that the shards do not depend on how the input was cut, nor on its format).
 
     An unreadable or corrupt input raises a PrepareError naming it; with `policy`, it goes to
     `policy.bad("unreadable" | "corrupt_file", path, ...)` instead and the input has no spans.
@@ -148,14 +151,14 @@ def plan_spans(path: str, kind: str, target_bytes: int, *, policy: ErrorPolicy |
         raise PrepareError(f"span size must be at least 1 byte, got {target_bytes}")
     try:
         if kind == "jsonl":
-            return _plan_jsonl(path, target_bytes)
+            return _plan_jsonl(path, target_bytes, block)
         if kind in ("jsonl.gz", "jsonl.zst"):
             size = _file_size(path)
             return [Span(path, kind, 0, -1, 1, size)] if size else []
         if kind == "parquet":
-            return _plan_parquet(path, target_bytes)
+            return _plan_parquet(path, target_bytes, block)
         if kind == "hf":
-            return _plan_hf(path, target_bytes)
+            return _plan_hf(path, target_bytes, block)
     except _BadFile as e:
         if policy is None:
             raise PrepareError(f"{path}: {e.what}") from None
@@ -184,27 +187,26 @@ def _file_size(path: str) -> int:
         raise _cannot_read(e) from None
 
 
-def _plan_jsonl(path: str, target: int) -> list[Span]:
-    """Cut at the first line start at or after each `start + target`, counting newlines on the way."""
+def _plan_jsonl(path: str, target: int, block: int = 1) -> list[Span]:
+    """Cut at the first line start at or after each `start + target` that begins a block of `block` lines (its
+    line number is 1 + a multiple of `block`), counting newlines on the way."""
     cuts = [(0, 1)]  # (byte offset, line number) of each span's first line
-    off = newlines = 0
-    p = target - 1  # a cut goes after the first newline at or after byte p
+    off = newlines = 0  # bytes and newlines before the current read
     try:
         with open(path, "rb") as f:
-            while block := f.read(_SCAN):
-                end = off + len(block)
-                counted = 0
-                while p < end:
-                    j = block.find(b"\n", p - off)
-                    if j < 0:
-                        break
-                    newlines += block.count(b"\n", counted, j + 1)
-                    counted = j + 1
-                    cuts.append((off + j + 1, newlines + 1))
-                    p = off + j + target
-                p = max(p, end)
-                newlines += block.count(b"\n", counted)
-                off = end
+            while chunk := f.read(_SCAN):
+                n = chunk.count(b"\n")
+                m = (newlines // block + 1) * block  # the next newline number that ends a block
+                pos, at = -1, newlines  # the position and number of the last newline located in this chunk
+                while m <= newlines + n:
+                    for _ in range(m - at):
+                        pos = chunk.find(b"\n", pos + 1)
+                    at = m
+                    if off + pos + 1 - cuts[-1][0] >= target:
+                        cuts.append((off + pos + 1, m + 1))
+                    m += block
+                newlines += n
+                off += len(chunk)
     except OSError as e:
         raise _cannot_read(e) from None
     if cuts[-1][0] >= off:  # the last cut fell on the end of the file (or the file is empty)
@@ -214,8 +216,9 @@ def _plan_jsonl(path: str, target: int) -> list[Span]:
             for (start, first), stop in zip(cuts, stops, strict=True)]
 
 
-def _plan_parquet(path: str, target: int) -> list[Span]:
-    """Consecutive row groups until their compressed size reaches `target`; from the footer only."""
+def _plan_parquet(path: str, target: int, block: int = 1) -> list[Span]:
+    """Consecutive row groups until their compressed size reaches `target` and the next group starts a block of
+    `block` rows (its row index is a multiple of `block`); from the footer only."""
     meta = _open_parquet(path).metadata
     spans: list[Span] = []
     start, first, size, row = 0, 1, 0, 0
@@ -223,14 +226,15 @@ def _plan_parquet(path: str, target: int) -> list[Span]:
         group = meta.row_group(i)
         size += _group_bytes(group)
         row += group.num_rows
-        if size >= target or i == meta.num_row_groups - 1:
+        if (size >= target and row % block == 0) or i == meta.num_row_groups - 1:
             spans.append(Span(path, "parquet", start, i + 1, first, size))
             start, first, size = i + 1, row + 1, 0
     return spans
 
 
-def _plan_hf(path: str, target: int) -> list[Span]:
-    """Row ranges of about `target` bytes, estimated from the dataset's arrow files and its number of rows."""
+def _plan_hf(path: str, target: int, block: int = 1) -> list[Span]:
+    """Row ranges of about `target` bytes (estimated from the dataset's arrow files and its number of rows), each
+    a whole number of blocks of `block` rows."""
     ds = _load_hf(path)
     rows = len(ds)
     if not rows:
@@ -238,6 +242,7 @@ def _plan_hf(path: str, target: int) -> list[Span]:
     sizes = [_size_or_zero(f.get("filename", "")) for f in ds.cache_files]
     per_row = (sum(sizes) or ds.data.nbytes) / rows
     step = max(1, int(target / per_row)) if per_row else rows
+    step = -(-step // block) * block
     return [Span(path, "hf", s, min(s + step, rows), s + 1, round((min(s + step, rows) - s) * per_row))
             for s in range(0, rows, step)]
 

@@ -22,6 +22,7 @@ a second `a.jsonl.gz` beside `a.jsonl` gets the stem `a-2` (counted in the manif
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -63,6 +64,8 @@ class Piece:
     renamed: bool = False
     """`name` was made unique (another file had it first)."""
     span: formats.Span | None = None
+    number: int = 0
+    """Text: the file's 1-based position in the listing (its record number: files make blocks too)."""
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "span"}
@@ -164,36 +167,40 @@ def make_plan(source: str, options: dict, unit_bytes: int | None = None, single_
         unit_bytes = min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_PER_CORPUS))
     # --on-error skip: a file that cannot be planned (not a parquet, unreadable) is skipped and counted here.
     policy = ErrorPolicy(options.get("on_error", "raise"))
-    pieces = [piece for f in files for piece in _spans(f, unit_bytes, policy)]
+    block = options.get("docs_per_shard", 1)
+    pieces = [piece for f in files for piece in _spans(f, unit_bytes, policy, block)]
     if not pieces:
         raise PrepareError(f"no documents in {source!r}: its files are empty or were skipped "
                            f"({dict(policy.skipped) or 'none skipped'})")
-    groups = [pieces] if single_unit else list(_group(pieces, unit_bytes))
+    groups = [pieces] if single_unit else list(_group(pieces, unit_bytes, block))
     units = [Unit(i, tuple(g)) for i, g in enumerate(groups)]
     return Plan(source=source, units=units, options={**options, "unit_bytes": unit_bytes, "inputs": key,
                                                      "plan_skipped": dict(sorted(policy.skipped.items()))})
 
 
-def _spans(piece: Piece, unit_bytes: int, policy: ErrorPolicy) -> Iterator[Piece]:
-    """A record file cut into its spans; a text file or module as it is."""
+def _spans(piece: Piece, unit_bytes: int, policy: ErrorPolicy, block: int) -> Iterator[Piece]:
+    """A record file cut into its spans (each starting a block); a text file or module as it is."""
     if piece.kind in ("text", "module"):
         yield piece
         return
-    for span in formats.plan_spans(piece.path, piece.kind, unit_bytes,
+    for span in formats.plan_spans(piece.path, piece.kind, unit_bytes, block=block,
                                    policy=policy if policy.on_error == "skip" else None):
         yield Piece(piece.kind, piece.path, piece.name, span.bytes, piece.renamed, span)
 
 
-def _group(pieces: Sequence[Piece], unit_bytes: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces into units of at least `unit_bytes` (the last may be smaller)."""
+def _group(pieces: Sequence[Piece], unit_bytes: int, block: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces into units of at least `unit_bytes` (the last may be smaller), cut only where a block
+    starts: before a span or a file of records, before a text file whose number is 1 + a multiple of `block`, or
+    between modules (the demo's blocks are its units)."""
     group: list[Piece] = []
     size = 0
     for piece in pieces:
-        group.append(piece)
-        size += piece.bytes
-        if size >= unit_bytes:
+        starts_block = piece.kind != "text" or (piece.number - 1) % block == 0
+        if group and size >= unit_bytes and starts_block:
             yield group
             group, size = [], 0
+        group.append(piece)
+        size += piece.bytes
     if group:
         yield group
 
@@ -211,7 +218,9 @@ def _module_files() -> Iterator[Piece]:
 
 def _text_files(pattern: str) -> Iterator[Piece]:
     root = glob_root(pattern)
-    yield from _unique([(sanitize_key(os.path.relpath(p, root)), p) for p in text_paths(pattern)], "text")
+    named = [(sanitize_key(os.path.relpath(p, root)), p) for p in text_paths(pattern)]
+    for number, piece in enumerate(_unique(named, "text"), start=1):
+        yield dataclasses.replace(piece, number=number)
 
 
 def _record_files(kind: str, pattern: str) -> Iterator[Piece]:

@@ -128,9 +128,13 @@ class ShardWriter:
         self._open.write(key, data)
         self._open_tokens += tokens
 
-    def close(self) -> list[ShardInfo]:
+    def cut(self) -> None:
+        """End the open shard here (the next document starts a new one)."""
         if self._open is not None:
             self._commit()
+
+    def close(self) -> list[ShardInfo]:
+        self.cut()
         return self.shards
 
     def abort(self) -> None:

@@ -1,13 +1,17 @@
 """Preparing one unit of a plan: its documents -> train/val split -> token counts -> staged shards + a result.
 
 A unit is read start to end by one process, in windows of a few MB (memory never holds more than one window,
-whatever the corpus or unit size). In each window the documents go to train or val by a hash of their key
-(`is_val`: a key's side never depends on the other documents), each side is shuffled with a seed of the unit
-and window (sources come grouped: all of asyncio, then all of email; the trainer's stream shuffles further),
-counted with the tokenizer and appended to the unit's shards:
+whatever the corpus or unit size). Each document goes to train or val by a hash of its key (`unit_hash`: a
+key's side never depends on the other documents), in input order (shuffling is the trainer stream's job: shard
+permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards:
 
     <stage>/u000003/train-0000.tar, train-0001.tar, ..., val-0000.tar    (final names are given at the merge)
     <stage>/u000003.json                                                  the result, written last
+
+A shard never crosses a block: `docs_per_shard` consecutive records of one file (a train shard holds the train
+documents of its block, a val shard the val ones), and units are cut only between blocks (trainer.data.plan).
+So the shards are a function of the records alone: the same for 1 or 16 workers, 1 or 8 parts, and for the same
+corpus as .jsonl, .jsonl.zst or .parquet (which the plan cuts differently). The demo's blocks are its units.
 
 The result holds what the manifest needs (per-shard docs/tokens/bytes, the exact length distribution as
 {length: count}, skips, renames, chat turns) and is all a restarted prepare needs to know the unit is done.
@@ -18,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -46,7 +49,7 @@ from trainer.data.plan import Piece, Unit
 from trainer.data.shards import ShardWriter, atomic_write_bytes
 from trainer.data.tokenizer import count_tokens
 
-WINDOW_BYTES = 4 << 20  # text per window (split, shuffle, count, write)
+WINDOW_BYTES = 4 << 20  # text per window (split, count, write)
 WINDOW_DOCS = 8192
 SPLITS = (TRAIN_SPLIT, VAL_SPLIT)
 Progress = Callable[[int, int], None]  # (input bytes advanced, documents finished)
@@ -101,7 +104,12 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
                for split in SPLITS}
     try:
         docs = unit_documents(unit, job, policy, renamed, progress)
-        for number, window in enumerate(_windows(docs)):
+        previous = None
+        for block, window in _windows(docs):
+            if block != previous:  # shards end with their block: the same shards however the input was cut
+                for writer in writers.values():
+                    writer.cut()
+                previous = block
             sides: dict[str, list[tuple[str, str]]] = {split: [] for split in SPLITS}
             for key, text in window:
                 score = unit_hash(key, job.seed)
@@ -109,7 +117,6 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
                 sides[split].append((key, text))
                 _track(extremes, split, score, key)
             for split, side in sides.items():
-                random.Random(f"{job.seed}:{unit.index}:{number}:{split}").shuffle(side)
                 counts = count_tokens(tok, [text for _, text in side], desc=None)
                 for (key, text), n in zip(side, counts, strict=True):
                     writers[split].add(key, text.encode("utf-8"), n)
@@ -172,17 +179,19 @@ def _track(extremes: dict[str, list], split: str, score: float, key: str) -> Non
         extremes["val_max"] = [score, key]
 
 
-def _windows(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
+def _windows(docs: Iterator[tuple[str, str, object]]) -> Iterator[tuple[object, list[tuple[str, str]]]]:
+    """(block, documents) in order: runs of one block's documents of at most WINDOW_BYTES / WINDOW_DOCS."""
     window: list[tuple[str, str]] = []
-    size = 0
-    for key, text in docs:
+    size, current = 0, None
+    for key, text, block in docs:
+        if window and (block != current or size >= WINDOW_BYTES or len(window) >= WINDOW_DOCS):
+            yield current, window
+            window, size = [], 0
+        current = block
         window.append((key, text))
         size += len(text)
-        if size >= WINDOW_BYTES or len(window) >= WINDOW_DOCS:
-            yield window
-            window, size = [], 0
     if window:
-        yield window
+        yield current, window
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,31 +200,35 @@ def _windows(docs: Iterator[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]
 
 
 def unit_documents(unit: Unit, job: Job, policy: ErrorPolicy, renamed: Counter | None = None,
-                   progress: Progress | None = None) -> Iterator[tuple[str, str]]:
-    """(key, text) of every document of `unit`, in order; at most `job.max_docs`."""
+                   progress: Progress | None = None) -> Iterator[tuple[str, str, object]]:
+    """(key, text, block) of every document of `unit`, in order; at most `job.max_docs`. The block is what a shard
+    may not cross: `docs_per_shard` consecutive records of a file (text: files of the listing), or the whole unit
+    for the demo (whose units are cut between modules)."""
     renamed = Counter() if renamed is None else renamed
     left = job.max_docs
     for piece in unit.pieces:
-        for key, text in _piece_documents(piece, job, policy, renamed, progress):
+        for key, text, block in _piece_documents(piece, job, policy, renamed, progress):
             if left is not None:
                 if left == 0:
                     return
                 left -= 1
-            yield key, text
+            yield key, text, block
         if progress is not None and piece.kind in ("text", "module"):
             progress(piece.bytes, 0)
 
 
 def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter,
-                     progress: Progress | None) -> Iterator[tuple[str, str]]:
+                     progress: Progress | None) -> Iterator[tuple[str, str, object]]:
+    size = job.docs_per_shard
     if piece.kind == "text":
         text = read_text_file(piece.path, policy)
         if text is not None:
             renamed["doc"] += piece.renamed
-            yield piece.name, text
+            yield piece.name, text, ("text", (piece.number - 1) // size)
         return
     if piece.kind == "module":
-        yield from _module_documents(piece, job, policy, renamed)
+        for key, text in _module_documents(piece, job, policy, renamed):
+            yield key, text, "unit"
         return
     assert piece.span is not None
     bytes_progress = (lambda n: progress(n, 0)) if progress is not None else None
@@ -227,7 +240,7 @@ def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Count
             document_text(value, where, policy, field_name)
         if text is not None:
             renamed["doc"] += piece.renamed
-            yield f"{piece.name}--{number}", text
+            yield f"{piece.name}--{number}", text, (piece.path, (number - 1) // size)
 
 
 def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter) -> Iterator[tuple[str, str]]:
