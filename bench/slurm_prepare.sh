@@ -36,8 +36,9 @@ REF_TOK=$WORK/ref_tok
 LOGS=$WORK/logs
 SOURCE="jsonl:$CORPUS/*.jsonl"
 # --unit-mb 0.25: ~26 units, so each part has several (a unit is the piece one worker prepares and the granule
-# a restarted part keeps); the default would be 1 MB here (the corpus / 64, at least 1 MB).
-ARGS=(--source "$SOURCE" --vocab-size 2048 --docs-per-shard 300 --val-fraction 0.05 --unit-mb 0.25)
+# a restarted part keeps); the default would be 1 MB here (the corpus / 64, at least 1 MB). Units are cut only
+# between blocks of --docs-per-shard records (~2 kB each here): 50 keeps blocks (~100 kB) below the unit size.
+ARGS=(--source "$SOURCE" --vocab-size 2048 --docs-per-shard 50 --val-fraction 0.05 --unit-mb 0.25)
 
 log() { echo "[$(date +%T)] $*"; }
 die() { log "FAIL: $*"; exit 1; }
