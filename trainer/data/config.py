@@ -44,7 +44,10 @@ class DataConfig:
     retries: int = 2
     """Re-reads of a shard after a transient failure (connection refused or reset, a transfer cut short, HTTP
     408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
-    it already gave. Local files and HTTP 4xx are not retried."""
+    it already gave. Local files and HTTP 4xx are not retried. The only retries: curl runs without its own."""
+    read_timeout_s: float = 60.0
+    """Seconds a shard's command (curl for http(s), a pipe: command) may send no byte before the read counts as a
+    transient failure (retried as above; then `error: URL: ... no data for N s`, or skipped under on_error=skip)."""
 
     loss_on: str = "all"
     """Which tokens are targets: 'all' (every token but each document's first) or 'assistant' (chat data only:
@@ -63,6 +66,8 @@ class DataConfig:
             raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.retries < 0:
             raise ValueError(f"data.retries must be >= 0, got {self.retries}")
+        if not 0 < self.read_timeout_s <= 86400:  # also NaN
+            raise ValueError(f"data.read_timeout_s must be in (0, 86400] seconds, got {self.read_timeout_s}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"data.loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
         for key in ("urls", "val_urls"):

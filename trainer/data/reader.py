@@ -32,6 +32,7 @@ from typing import Protocol
 
 from trainer.data.shards import TEXT_FIELD, non_sample_members
 from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
+from trainer.data.workers import sleep_unless_interrupted
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class ReadPolicy(Protocol):
 
     retries: int
     retry_backoff_s: float
+    read_timeout_s: float
     expected_docs: dict[str, int]
     shuffle_buffer: int
     _replaying: bool
@@ -147,9 +149,10 @@ class ShardCursor:
 
     Its position is (shard index, samples taken from that shard, key of the last one). `seek` opens the shard
     at that position, reading past the samples taken before without decoding them: a resume. A transient
-    failure (a transfer cut short, connection refused, HTTP 5xx, a failed command) reopens the shard the same
-    way, up to `retries` times, so the samples come out as without the failure. Example: a shard of 200 samples
-    cut after 120 -> the retry reads samples 1..120 silently and passes on 121..200.
+    failure (a transfer cut short, connection refused, HTTP 5xx, a failed command, no data for read_timeout_s)
+    reopens the shard the same way, up to `retries` times, so the samples come out as without the failure.
+    Example: a shard of 200 samples cut after 120 -> the retry reads samples 1..120 silently and passes on
+    121..200.
     """
 
     def __init__(self, stream: ReadPolicy, shards: list[str], state: SlotState, index: int = 0, taken: int = 0,
@@ -206,7 +209,7 @@ class ShardCursor:
         """The current shard, read past its first `taken` samples (the last one's key must be `last_key`)."""
         url = self.shards[self.index]
         self.state.shard = url
-        samples = read_shard(url, self.read)
+        samples = read_shard(url, self.read, self.stream.read_timeout_s)
         found = {}
         try:
             for i in range(self.taken):
@@ -241,7 +244,7 @@ class ShardCursor:
         again = f", skipping the {self.taken} samples already passed on" if self.taken else ""
         log.warning("%s: cannot read shard (%s): %s; retry %d of %d in %.1f s from the shard's start%s",
                     url, where, exn, self._attempt, self.stream.retries, delay, again)
-        time.sleep(delay)
+        sleep_unless_interrupted(delay)  # a preemption signal ends the wait (ReadInterrupted)
 
     def _check_count(self) -> None:
         """A shard read to its end must hold as many samples as the manifest lists."""

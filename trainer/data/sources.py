@@ -8,24 +8,33 @@ SHARDS is a string or a list of strings, each expanded by webdataset's own `expa
 lists, braces expand, `$WDS_*` variables substitute), then local globs by `glob`:
     /data/c4/train-{000000..000127}.tar                 local paths (checked at startup)
     /data/c4/train-*.tar                                a local glob (sorted)
-    https://host/c4/train-{000000..000127}.tar          http(s): webdataset's curl handler
+    https://host/c4/train-{000000..000127}.tar          http(s): curl (without its own retries)
     pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -     any command writing the tar to stdout
 
-`read_shard` opens a shard with webdataset's `gopen` and cuts it into samples with its tar iterators;
-a failure comes out as a `ShardReadError` that says whether reading again may help (`transient`).
-The stream (trainer.data.stream) owns the retries.
+`read_shard` opens a shard (`open_shard`: a file, curl, or a shell for pipe:, like webdataset's `gopen` but each
+command in a process group of its own that dies with the trainer) and cuts it into samples with webdataset's tar
+iterators; a failure comes out as a `ShardReadError` that says whether reading again may help (`transient`),
+a command that sends nothing for data.read_timeout_s seconds included. The stream (trainer.data.stream, through
+trainer.data.reader) owns the retries: data.retries, 1 s, 2 s, 4 s ... apart, is the only retry policy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import glob
 import logging
 import os
 import posixpath
+import queue
+import select
 import shlex
 import signal
 import subprocess
+import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -42,6 +51,7 @@ from webdataset.gopen import gopen
 
 from trainer.data.config import VAL_SPLIT
 from trainer.data.shards import MANIFEST_FILE, load_manifest, shard_paths
+from trainer.data.workers import INTERRUPT_CHECK_S, PR_SET_PDEATHSIG, ReadInterrupted, check_interrupt
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
@@ -222,6 +232,8 @@ CURL_EXITS = {
     56: "the connection broke while receiving",
 }
 CLOSE_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 60.0
+"""Default of data.read_timeout_s: a shard command that sends no byte for this long has failed (transiently)."""
 
 
 @dataclass
@@ -246,16 +258,18 @@ class _CountedStream:
         return data
 
 
-def read_shard(url: str, counter: ReadCounter | None = None) -> Iterator[dict]:
-    """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, read by webdataset.
+def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = READ_TIMEOUT_S) -> Iterator[dict]:
+    """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut by webdataset's tar
+    iterators.
 
-    `gopen` opens the URL (a local file, curl for http(s), a shell for pipe:) and webdataset's tar
-    iterators cut the stream into samples. At the end the stream is read to EOF and the command's exit
-    status checked, so a failed transfer is never mistaken for a short shard. Raises ShardReadError.
-    `counter`, if given, counts the samples and bytes read.
+    `open_shard` opens the URL (a local file; curl for http(s); a shell for pipe:). At the end the stream is read
+    to EOF and the command's exit status checked, so a failed transfer is never mistaken for a short shard. A
+    command that sends nothing for `timeout_s` seconds is a transient failure ("no data for N s"). Raises
+    ShardReadError, or ReadInterrupted after a preemption signal (trainer.data.workers). `counter`, if given,
+    counts the samples and bytes read. However the read ends, no process of the shard's command is left.
     """
     try:
-        stream = gopen(url)
+        stream = open_shard(url, timeout_s)
     except (OSError, ValueError) as exn:  # a local file that is not there, no curl, a scheme webdataset lacks
         raise ShardReadError(_describe(exn), transient=False) from exn
     counter = counter if counter is not None else ReadCounter()
@@ -270,10 +284,13 @@ def read_shard(url: str, counter: ReadCounter | None = None) -> Iterator[dict]:
         while counted.read(1 << 16):  # the tar's end padding: let the command finish writing
             pass
         finished = True
-    except Exception as exn:  # tarfile, webdataset or the command's status, checked by webdataset's Pipe
+    except Exception as exn:  # tarfile, webdataset, the stream (no data in time, a signal), gopen's Pipe
         error = exn
     finally:
         status = _close(stream, abandoned=not finished and error is None)  # abandoned: the reader stopped early
+    failure = getattr(stream, "failure", None)
+    if failure is not None:  # a preemption signal, or no data in time: the command was killed
+        raise failure from None
     if status is None or status in STOPPED_BY_READER:
         if error is None:
             return
@@ -282,9 +299,131 @@ def read_shard(url: str, counter: ReadCounter | None = None) -> Iterator[dict]:
     raise _command_failure(url, status) from error
 
 
+CURL_SCHEMES = ("http", "https", "sftp", "ftps", "scp")
+
+
+def open_shard(url: str, timeout_s: float = READ_TIMEOUT_S):
+    """A readable binary stream of the shard: a file for a local path, else a `CommandStream` over curl (http(s)
+    and the other schemes webdataset hands to curl) or over the pipe: command; other schemes go to webdataset's
+    `gopen` (gs:, ais:, hf: ...: their commands retry, time out and outlive the trainer as webdataset has them).
+
+    curl runs without its own retries (`--retry`): data.retries is the only retry policy, in the stream.
+    """
+    scheme = urlparse(url).scheme
+    if url.startswith("pipe:"):
+        return CommandStream(["/bin/sh", "-c", PIPE_WRAPPER, "packtrain-shard", url[5:]], timeout_s,
+                             parent_death_signal=signal.SIGTERM)
+    if scheme in CURL_SCHEMES:
+        return CommandStream(["curl", "--fail", "--silent", "--location", url], timeout_s,
+                             parent_death_signal=signal.SIGKILL)
+    return gopen(url)
+
+
+PIPE_WRAPPER = 'trap "kill -KILL 0" TERM HUP; /bin/sh -c "$1" & wait $!'
+"""The shell that runs a pipe: command ($1) in the command's own process group. The kernel sends it SIGTERM when
+the trainer (or the DataLoader worker) that started it dies (PR_SET_PDEATHSIG); it then kills the whole group, the
+command's children included. `wait $!` is its exit status: the command's (128 + N if a signal N ended it)."""
+
+
+class CommandStream:
+    """The stdout of a shard's command (curl, or a pipe: command under PIPE_WRAPPER), read with a deadline.
+
+    The command runs in a process group (and session) of its own, started from a thread that lives as long as
+    this process (`_spawn`), with a parent-death signal: it never outlives the process that reads it, even after
+    a kill -9. `close` kills the whole group: at once when the read stopped early, else once the command exited
+    (its children with it). A read that gets no byte for `timeout_s` seconds, or a preemption signal
+    (trainer.data.workers.interrupt_reads), ends the read: `failure` says which.
+    """
+
+    def __init__(self, args: list[str], timeout_s: float, parent_death_signal: int) -> None:
+        self.timeout_s = timeout_s
+        self.proc = _spawn(args, parent_death_signal)
+        self.fd = self.proc.stdout.fileno()
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
+        self._buffer = b""
+        self._eof = False
+        self.failure: ShardReadError | ReadInterrupted | None = None
+        """Why reading stopped, if the stream stopped it: no data for timeout_s, or a preemption signal."""
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to `size` bytes (fewer only at EOF; all that is left for size < 0)."""
+        if size is None or size < 0:
+            while not self._eof:
+                self._fill(1 << 20)
+            data, self._buffer = self._buffer, b""
+            return data
+        while len(self._buffer) < size and not self._eof:
+            self._fill(size - len(self._buffer))
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def _fill(self, wanted: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            # What is raised passes webdataset's tar iterators, which append to its message: `failure` keeps a
+            # clean copy for read_shard to raise.
+            try:
+                check_interrupt()
+            except ReadInterrupted as exn:
+                self.failure = ReadInterrupted(str(exn))
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                message = f"no data for {self.timeout_s:g} s (data.read_timeout_s)"
+                self.failure = ShardReadError(message, transient=True)
+                raise ShardReadError(message, transient=True)
+            if self._poll.poll(min(left, INTERRUPT_CHECK_S) * 1000):
+                break
+        chunk = os.read(self.fd, max(wanted, 1 << 16))
+        self._eof = not chunk
+        self._buffer += chunk
+
+    def close(self, kill: bool) -> int | None:
+        """Close the pipe and end the command's process group; the command's exit status, or None if it had to
+        be killed (`kill`: at once; else after timeout_s for it to exit)."""
+        proc = self.proc
+        with contextlib.suppress(OSError):
+            proc.stdout.close()
+        exited = not kill and self.failure is None and _exited_within(proc.pid, self.timeout_s)
+        # The leader is not reaped yet (a zombie at most), so its pid, the group's id, cannot have been reused.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the command's children too (a backgrounded one, a pipeline)
+        try:
+            status = proc.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("shard command %s did not end after SIGKILL", proc.args)
+            return None
+        return status if exited else None
+
+
+def _exited_within(pid: int, seconds: float) -> bool:
+    """Whether child `pid` exits within `seconds`, without reaping it (waitid with WNOWAIT)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() > deadline or _interrupted():
+            return False
+        time.sleep(0.005)
+
+
+def _interrupted() -> bool:
+    try:
+        check_interrupt()
+    except ReadInterrupted:
+        return True
+    return False
+
+
 def _close(stream, abandoned: bool) -> int | None:
-    """Close a shard's stream; for a command (webdataset's Pipe: pipe: and curl), return its exit status."""
-    proc: subprocess.Popen | None = getattr(stream, "proc", None)
+    """Close a shard's stream; for a command, return its exit status (None: a file, or a command we killed)."""
+    if isinstance(stream, CommandStream):
+        return stream.close(kill=abandoned)
+    proc: subprocess.Popen | None = getattr(stream, "proc", None)  # webdataset's Pipe (schemes left to gopen)
     if proc is None:
         stream.close()
         return None
@@ -297,6 +436,71 @@ def _close(stream, abandoned: bool) -> int | None:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+# -- starting shard commands --------------------------------------------------------------------------
+#
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process. Shard commands are read
+# from the main thread, the row-prefetch thread or a DataLoader worker; so that none is killed because the thread
+# that happened to open its shard ended, every command is forked by one daemon thread per process, which lives
+# until the process ends.
+
+_spawners: dict[int, tuple[threading.Thread, queue.SimpleQueue]] = {}
+_spawners_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _spawners_lock
+    _spawners_lock = threading.Lock()  # the parent's could have been held by another thread at the fork
+    _spawners.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _spawn(args: list[str], parent_death_signal: int) -> subprocess.Popen:
+    """Popen(args) with stdout piped, in a new session (its own process group), with a parent-death signal,
+    forked by this process's spawner thread."""
+    pid = os.getpid()
+    with _spawners_lock:
+        if pid not in _spawners:  # the first command of this process (a fork child starts its own thread)
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_spawner, args=(requests,), name="shard-command-spawner", daemon=True)
+            thread.start()
+            _spawners[pid] = (thread, requests)
+        _, requests = _spawners[pid]
+    done = threading.Event()
+    box: list = []
+    requests.put((args, parent_death_signal, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _spawner(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, parent_death_signal, box, done = requests.get()
+        try:
+            box.append(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, bufsize=0,
+                                        start_new_session=True,
+                                        preexec_fn=functools.partial(_in_child, os.getpid(), parent_death_signal)))
+        except BaseException as exn:  # handed to the caller
+            box.append(exn)
+        done.set()
+
+
+def _in_child(parent_pid: int, parent_death_signal: int) -> None:
+    """Between fork and exec: default signal actions, the parent-death signal, and exit if the parent died
+    before it was set. (A DataLoader worker ignores SIGTERM, and an ignored signal stays ignored across exec:
+    the pipe: shell could not trap it.)"""
+    if _libc is not None:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1):
+            _libc.signal(sig, 0)  # SIG_DFL
+        _libc.prctl(PR_SET_PDEATHSIG, parent_death_signal, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _command_failure(url: str, status: int) -> ShardReadError:

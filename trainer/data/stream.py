@@ -25,6 +25,7 @@ from trainer.data.chat import assistant_token_mask
 from trainer.data.config import LOSS_ON, ON_ERROR
 from trainer.data.reader import DataStreamError, Item, ReadPosition, SlotReader, SlotState
 from trainer.data.shards import TEXT_FIELD
+from trainer.data.sources import READ_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class DocumentStream(IterableDataset):
         expected_docs: dict[str, int] | None = None,
         retries: int = 2,
         retry_backoff_s: float = 1.0,
+        read_timeout_s: float = READ_TIMEOUT_S,
         loss_on: str = "all",
     ) -> None:
         if on_error not in ON_ERROR:
@@ -56,6 +58,8 @@ class DocumentStream(IterableDataset):
             raise ValueError(f"loss_on must be one of {LOSS_ON}, got {loss_on!r}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
+        if not read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {read_timeout_s}")
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         if not shards:
@@ -75,6 +79,8 @@ class DocumentStream(IterableDataset):
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         """Wait before the first retry of a shard; it doubles with each further one."""
+        self.read_timeout_s = read_timeout_s
+        """Seconds a shard command (curl, pipe:) may send nothing before the read counts as a transient failure."""
         self.loss_on = loss_on
         """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
         self.resume_states: dict[int, SlotState] = {}

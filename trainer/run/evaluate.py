@@ -64,6 +64,7 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
+        read_timeout_s=data.read_timeout_s,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split

@@ -62,6 +62,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         on_error=cfg.data.on_error,
         expected_docs=source.expected_docs,
         retries=cfg.data.retries,
+        read_timeout_s=cfg.data.read_timeout_s,
         loss_on=cfg.data.loss_on,
     )
     loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)

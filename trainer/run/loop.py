@@ -26,6 +26,7 @@ from tqdm import tqdm
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
 from trainer.config import RunConfig, resolve_dtype
+from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
@@ -132,15 +133,25 @@ class Trainer:
                    desc="train", dynamic_ncols=True)
         preemption = PreemptionHandler()
         preempted = None
+        saved_step = self.step  # a resumed run's checkpoint is its first step's
         try:
             while self.step < cfg.train.max_steps:
-                stats, step_time = self._train_one_step()
+                try:
+                    stats, step_time = self._train_one_step()
+                except ReadInterrupted:  # the signal came while this step's rows were still being read
+                    if preemption.signal_name is None or info.world_size > 1:  # ranks elsewhere: no joint save
+                        raise
+                    if self.step != saved_step:  # the step never ran: the checkpoint is the last finished one's
+                        self.save()
+                    preempted = preemption.signal_name
+                    break
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
                                 tok_s=f"{stats.valid_tokens / step_time:,.0f}")
                 saved = self.checkpointer.due(self.step)
                 if saved:
                     self.save()
+                    saved_step = self.step
                 if preemption.requested(info.device):  # collective: every rank stops at this same step
                     if not saved:
                         self.save()
@@ -149,7 +160,9 @@ class Trainer:
         finally:
             preemption.close()
             bar.close()
+            interrupt_reads()  # a read still blocked (drawing ahead, in a worker) gives up: nothing more is trained on
             self.data.rows.close()  # DataLoader workers (and the prefetch thread) end here, however training ended
+            allow_reads()
             if self.compile_counter is not None:
                 self.compile_counter.close()
         if preempted and info.is_main:

@@ -8,6 +8,10 @@ stops them all at the same step, and the checkpoint they write together is that 
     handler = PreemptionHandler()            # main thread, before training
     ...after each optimizer step...
     if handler.requested(device): save, report handler.signal_name, return
+
+A step whose rows cannot be read (a stalled shard source) would never end: so the handler also interrupts every
+shard read of this process and its DataLoader workers (trainer.data.workers.interrupt_reads). The read raises
+ReadInterrupted within a fraction of a second, and the loop checkpoints the last finished step instead.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import signal
 import threading
 
+from trainer.data.workers import allow_reads, interrupt_reads
 from trainer.distributed.groups import dist_max
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -26,12 +31,14 @@ class PreemptionHandler:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
+        allow_reads()
         if threading.current_thread() is threading.main_thread():  # Python installs handlers only there
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.signal_name = self.signal_name or signal.Signals(signum).name
+        interrupt_reads()  # a reader blocked on a stalled source gives up now (ReadInterrupted)
 
     def requested(self, device) -> bool:
         """Collective: True on every rank if any rank got a signal since training started."""
