@@ -52,6 +52,9 @@ class TrainConfig:
     """Checkpoints kept in <run dir>/checkpoints."""
     resume: bool | str = False
     """False, True (latest checkpoint in the run dir) or a checkpoint path."""
+    overwrite: bool = False
+    """A fresh run (resume false) in a run dir that holds a run: move that run's files into
+    `<run dir>/replaced-<UTC time>/` first. False: such a start is refused (trainer/run/run_dir.py)."""
     init_from: str | None = None
     """A checkpoint directory whose weights start this run (fine-tuning): weights only; the optimizer, LR
     schedule, step count and data stream start fresh. Its tokenizer must be the data's (see TokenizerConfig)."""
@@ -72,6 +75,9 @@ class TrainConfig:
     more compute (see trainer.model.gpt.apply_activation_checkpointing)."""
 
     def __post_init__(self) -> None:
+        if self.overwrite and self.resume not in (False, "false", "False"):
+            raise ValueError("train.overwrite=true replaces the run dir's run and train.resume continues one: "
+                             "set only one of them")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"train.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                              f"got {self.activation_checkpointing!r}")

@@ -49,6 +49,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "train.checkpoint_every": (IGNORED, "checkpoint cadence"),
     "train.keep_last": (IGNORED, "checkpoint retention"),
     "train.resume": (IGNORED, "a resumed run continues the same steps"),
+    "train.overwrite": (IGNORED, "where an earlier run in the same run dir is moved; this run computes the same"),
     "train.init_from": (OTHER, "different starting weights"),
     "train.warmup_marked_steps": (SAME_OBJECTIVE, "only flags steps in metrics (and so the steady-state means)"),
     "train.eval_every": (SAME_OBJECTIVE, "eval cadence: eval draws no random number and reads no training document"),

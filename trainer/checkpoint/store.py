@@ -105,6 +105,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+def checkpoints_after(run_dir: str | Path, step: int) -> list[Path]:
+    """The run dir's complete checkpoints of steps after `step`, oldest first."""
+    root = checkpoint_root(run_dir)
+    return [path for s, path in _complete(root) if s > step] if root.is_dir() else []
+
+
 def incomplete_checkpoints(run_dir: str | Path) -> list[Path]:
     """Directories of saves that were interrupted (the process died before the rename)."""
     root = checkpoint_root(run_dir)

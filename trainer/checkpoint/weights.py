@@ -123,9 +123,25 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "max_seq_len", "bias", "pos_emb", "
 """GPTConfig fields that must match between a checkpoint and the model it initializes (dropout, init may differ)."""
 
 
-def tokenizer_mismatch(path: str | Path, data_tokenizer: str | Path, data_hash: str, purpose: str) -> str:
-    """The refusal for a checkpoint whose tokenizer is not the data's: both hashes and the supported path."""
-    ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"]
+def checkpoint_tokenizer_hash(path: str | Path) -> str:
+    """sha256 of the tokenizer checkpoint `path` was trained with: of its own tokenizer/tokenizer.json (the bytes,
+    as train.init_from reads them), else the record in its conventions.json; a WeightsError when it holds
+    neither, since a run's data could not be checked against it."""
+    from trainer.data.tokenizer import tokenizer_hash
+
+    path = Path(path)
+    if (path / TOKENIZER_DIR / "tokenizer.json").is_file():
+        return tokenizer_hash(path / TOKENIZER_DIR)
+    if (path / CONVENTIONS_FILE).is_file():
+        return checkpoint_conventions(path)["tokenizer"]["sha256"]
+    raise WeightsError(f"{path} holds neither {TOKENIZER_DIR}/tokenizer.json nor {CONVENTIONS_FILE}: the tokenizer "
+                       f"its weights were trained with is unknown; copy that tokenizer's files into {path / TOKENIZER_DIR}")
+
+
+def tokenizer_mismatch(path: str | Path, ckpt_hash: str, data_tokenizer: str | Path, data_hash: str,
+                       purpose: str) -> str:
+    """The refusal for a checkpoint whose tokenizer (sha256 `ckpt_hash`) is not the data's: both hashes and the
+    supported path."""
     return (f"{purpose}: {path} was trained with tokenizer sha256 {ckpt_hash}, but the data's tokenizer "
             f"({data_tokenizer}) is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with "
             f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / TOKENIZER_DIR}); to add "
@@ -158,7 +174,7 @@ def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Pat
     record = {"checkpoint": str(path.resolve()), "step": meta.get("step"), "tokenizer_sha256": ckpt_hash}
     if ckpt_hash != data_hash or add_tokens:
         if not add_tokens:
-            raise WeightsError(tokenizer_mismatch(path, data_tokenizer, data_hash, "train.init_from"))
+            raise WeightsError(tokenizer_mismatch(path, ckpt_hash, data_tokenizer, data_hash, "train.init_from"))
         base, extended = load_tokenizer(ckpt_tok_dir), load_tokenizer(data_tokenizer)
         problem = extension_problem(base, extended, add_tokens)
         if problem:

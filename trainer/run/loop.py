@@ -24,7 +24,12 @@ import torch
 from tqdm import tqdm
 
 from trainer.checkpoint import store
-from trainer.checkpoint.weights import checkpoint_conventions, init_from_checkpoint, tokenizer_mismatch
+from trainer.checkpoint.weights import (
+    checkpoint_conventions,
+    checkpoint_tokenizer_hash,
+    init_from_checkpoint,
+    tokenizer_mismatch,
+)
 from trainer.config import RunConfig, resolve_dtype
 from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.engine import parallelize
@@ -39,6 +44,7 @@ from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
+from trainer.run.run_dir import guard_fresh_start, set_aside_after
 from trainer.run.step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ class Trainer:
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.run_dir)
+        guard_fresh_start(self.run_dir, cfg.train.resume, cfg.train.overwrite, info)  # before anything is written
         self.dtype = resolve_dtype(cfg.train.dtype, info.device)
         """train.dtype as run: 'auto' resolved to 'bf16' (CUDA with bf16) or 'fp32'."""
         _seed_everything(cfg.seed)
@@ -110,9 +117,11 @@ class Trainer:
         path = self.resume_path
         if path is None:
             return
-        ckpt_hash = checkpoint_conventions(path)["tokenizer"]["sha256"] if (path / store.CONVENTIONS_FILE).is_file() else None
-        if ckpt_hash is not None and ckpt_hash != self.data.tokenizer_hash:
-            raise ConfigError(tokenizer_mismatch(path, self.data.tokenizer_dir, self.data.tokenizer_hash, "train.resume"))
+        is_checkpoint = (path / store.META_FILE).is_file()  # if not, the store's load below says so
+        ckpt_hash = checkpoint_tokenizer_hash(path) if is_checkpoint else self.data.tokenizer_hash
+        if ckpt_hash != self.data.tokenizer_hash:
+            raise ConfigError(tokenizer_mismatch(path, ckpt_hash, self.data.tokenizer_dir, self.data.tokenizer_hash,
+                                                 "train.resume"))
         if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
         meta, rank_state = self.checkpointer.load(path, self.engine)
@@ -120,6 +129,8 @@ class Trainer:
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
         self.resumed_at = self.step
+        if self.info.is_main:  # the branch after this step, if any, is abandoned: set aside, never picked again
+            set_aside_after(self.run_dir, self.step)
         self.data.loader.start()  # the readers restore their positions now: the line below says what that read
         read = self._resume_read()
         if self.info.is_main:

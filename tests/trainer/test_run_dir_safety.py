@@ -1,0 +1,189 @@
+"""Nothing of an earlier run is lost: a fresh run in a used run dir is refused (or, with train.overwrite=true,
+moves the old run aside whole), a resume from an older step sets the newer branch aside so that
+train.resume=true never picks it again, and a checkpoint without conventions.json still has its tokenizer
+checked against the data's. Real runs of `python -m trainer.train` on the tiny model (trainer/run/run_dir.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, make_trainer, metrics, run_train, torchrun
+from trainer.checkpoint import store
+from trainer.checkpoint.weights import WeightsError, checkpoint_tokenizer_hash
+from trainer.errors import ConfigError
+
+EARLIER = ("train.max_steps=8", "train.checkpoint_every=2", "train.keep_last=4", "train.eval_every=0")
+"""The earlier run: 8 steps, checkpoints at 2, 4, 6 and 8 all kept, a metrics line per step."""
+
+
+SEEDED = "replaced-20260101T000000Z"
+"""What an earlier train.overwrite=true set aside, put into `earlier`'s run dir before its run."""
+
+
+@pytest.fixture(scope="module")
+def earlier_run(demo_data, tmp_path_factory) -> tuple[Path, str]:
+    """A finished run dir and its stdout (read-only: each test works on a copy). Its run started in a dir that
+    held only what Hydra writes before every job (.hydra/, the job log) and a set-aside earlier run."""
+    run_dir = tmp_path_factory.mktemp("earlier") / "run"
+    (run_dir / SEEDED).mkdir(parents=True)
+    (run_dir / SEEDED / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run_dir, run_train(run_dir, demo_data, *EARLIER).stdout
+
+
+@pytest.fixture(scope="module")
+def earlier(earlier_run) -> Path:
+    return earlier_run[0]
+
+
+def copy_of(run_dir: Path, dest: Path) -> Path:
+    shutil.copytree(run_dir, dest)
+    return dest
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file of a run, Hydra's own (.hydra/, the job log) aside: Hydra rewrites
+    them at the start of every job, before the trainer runs."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.relative_to(directory).parts[0] not in (".hydra", "train.log")}
+
+
+def train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer.train` that may fail (tests.helpers.run_train insists on success)."""
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
+                                                  *SMALL, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fresh run in a used run dir
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data, tmp_path):
+    run_dir = copy_of(earlier, tmp_path / "run")
+    before = snapshot(run_dir)
+    proc = train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.eval_every=0")
+    assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} already holds a run", "metrics.jsonl",
+                          "train.resume=true", "hydra.run.dir", "train.overwrite=true")
+    assert snapshot(run_dir) == before  # metrics lines, config.json, summary.json, all four checkpoints
+
+
+@pytest.mark.slow
+def test_under_torchrun_both_ranks_refuse_a_used_run_dir_without_waiting(earlier, demo_data, tmp_path):
+    """Rank 0 decides and tells rank 1: both print the line and exit; no rank is left in a collective."""
+    run_dir = copy_of(earlier, tmp_path / "run")
+    before = snapshot(run_dir)
+    t0 = time.perf_counter()
+    proc = train(run_dir, demo_data, "train.max_steps=2", "train.eval_every=0", launcher=torchrun())
+    assert proc.returncode != 0 and time.perf_counter() - t0 < 60
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all(f"{run_dir} already holds a run" in e for e in errors), proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_overwrite_moves_the_earlier_run_aside_whole(earlier, demo_data, tmp_path):
+    run_dir = copy_of(earlier, tmp_path / "run")
+    before = snapshot(run_dir)
+    proc = run_train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.keep_last=4",
+                     "train.eval_every=0", "train.overwrite=true")
+    # The new run alone in the run dir: its own lines, config and checkpoint (not pruned for the old steps 6, 8).
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002"]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    assert json.loads((run_dir / "config.json").read_text())["train"]["overwrite"] is True
+    # The earlier run whole under replaced-<time>/, said so; an older set-aside run stays as it was.
+    [aside] = sorted(set(run_dir.glob("replaced-*")) - {run_dir / SEEDED})
+    assert f"moved into {aside} (nothing deleted)" in proc.stdout
+    earlier_files = {k: v for k, v in before.items() if not k.startswith(f"{SEEDED}/")}
+    assert snapshot(aside) == earlier_files  # every file of the earlier run, byte for byte
+    assert (run_dir / SEEDED / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
+
+
+def test_a_run_dir_holding_only_hydras_files_or_set_aside_runs_is_fresh(earlier_run):
+    """What Hydra writes into every new run dir (a timestamped one, a sweep's job dir) before the job starts, and
+    what an earlier overwrite set aside, are not a run: `earlier`'s fresh run started there, untouched."""
+    run_dir, stdout = earlier_run
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert "overwrite:" not in stdout and [m["step"] for m in metrics(run_dir)] == list(range(1, 9))
+    assert (run_dir / SEEDED / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+# ---------------------------------------------------------------------------------------------------
+# A resume from an older step
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, tmp_path):
+    """Resumed from step 4 and trained to 6: the old steps 6 and 8 must not stay where train.resume=true would
+    pick step 8, nor be overwritten; metrics.jsonl holds steps 1..6 once, the old 5..8 lines are set aside."""
+    run_dir = copy_of(earlier, tmp_path / "run")
+    before = snapshot(run_dir)
+    old_lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    proc = run_train(run_dir, demo_data, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=4",
+                     "train.eval_every=0", f"train.resume={store.checkpoint_dir(run_dir, 4)}")
+    # The run dir: the new branch from step 4 on (what train.resume=true picks next), old steps 1..4 untouched.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    assert store.latest_checkpoint(run_dir) == store.checkpoint_dir(run_dir, 6)
+    after = snapshot(run_dir)
+    for name, data in before.items():
+        if name.startswith(("checkpoints/step_000002/", "checkpoints/step_000004/")):
+            assert after[name] == data, name
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6] and lines[:4] == old_lines[:4]
+    # The abandoned branch under abandoned-after-step_000004-<time>/, said so, byte for byte.
+    [aside] = sorted(run_dir.glob("abandoned-after-step_000004-*"))
+    assert f"moved into {aside} (nothing deleted)" in proc.stdout and "steps 5..8" in proc.stdout
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_000006", "step_000008"]
+    abandoned = snapshot(aside)
+    for step in (6, 8):
+        for name, data in before.items():
+            if name.startswith(f"checkpoints/{store.step_name(step)}/"):
+                assert abandoned[name] == data, name
+    assert abandoned["summary.json"] == before["summary.json"] and abandoned["config.json"] == before["config.json"]
+    assert (aside / "metrics.jsonl").read_text().splitlines(keepends=True) == old_lines[4:]
+    assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tokenizer of a checkpoint without conventions.json
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> Path:
+    """demo_data's documents and shards under another tokenizer of the same size (trained on a 50 kB sample):
+    the model's shapes and each shard's documents match, so only the tokenizer check can tell."""
+    from trainer.prepare import prepare
+
+    out = tmp_path_factory.mktemp("other_tokenizer")
+    prepare("demo", out, vocab_size=512, max_docs=1000, docs_per_shard=200, val_fraction=0.05, seed=0,
+            tokenizer_sample_mb=0.05)
+    return out
+
+
+def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier, demo_data, other_tokenizer,
+                                                                          tmp_path):
+    ckpt = tmp_path / "old" / store.step_name(8)
+    shutil.copytree(store.checkpoint_dir(earlier, 8), ckpt)
+    (ckpt / store.CONVENTIONS_FILE).unlink()
+    ours = hashlib.sha256((ckpt / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+    theirs = json.loads((other_tokenizer / "manifest.json").read_text())["tokenizer"]["sha256"]
+    assert ours != theirs and checkpoint_tokenizer_hash(ckpt) == ours
+    assert ours == json.loads((demo_data / "manifest.json").read_text())["tokenizer"]["sha256"]  # its own data fits
+    before = snapshot(ckpt)
+    with pytest.raises(ConfigError) as refused:  # in-process (the command's one line: tests/trainer/test_init_from.py)
+        make_trainer(other_tokenizer, tmp_path / "run", "train.max_steps=9", f"train.resume={ckpt}")
+    assert "train.resume:" in str(refused.value) and ours in str(refused.value) and theirs in str(refused.value)
+    assert snapshot(ckpt) == before and not (tmp_path / "run").exists()
+    # Neither the tokenizer nor conventions.json: nothing to check the data against, so refused too.
+    shutil.rmtree(ckpt / "tokenizer")
+    with pytest.raises(WeightsError, match="the tokenizer its weights were trained with is unknown"):
+        checkpoint_tokenizer_hash(ckpt)
