@@ -57,8 +57,8 @@ def guard_fresh_start(run_dir: Path, resume: bool | str, overwrite: bool, info: 
             print(f"overwrite: the earlier run's {', '.join(found)} moved into {dest} (nothing deleted)", flush=True)
         else:
             refusal = (f"{run_dir} already holds a run ({', '.join(found)}): continue it with train.resume=true, "
-                       "start in another hydra.run.dir, or replace it with train.overwrite=true (its files are "
-                       "moved into <run dir>/replaced-<UTC time>/, not deleted)")
+                       "start in another hydra.run.dir (hydra.sweep.dir under -m), or replace it with train.overwrite=true "
+                       "(its files are moved into <run dir>/replaced-<UTC time>/, not deleted)")
     refusal = broadcast_object(refusal)
     if refusal:
         raise ConfigError(refusal)
