@@ -12,6 +12,7 @@ place `train.dtype=auto` becomes the dtype a run computes in.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import DistributedConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
 
@@ -95,7 +96,8 @@ class TrainConfig:
                              "next-token target, so nothing could train (try train.seq_len=512)")
         rows, left = divmod(self.tokens_per_step, self.seq_len)
         if rows < 1 or left:
-            nearest = " or ".join(f"{n * self.seq_len} ({n} row{'s' * (n > 1)})" for n in (rows, rows + 1) if n >= 1)
+            nearest = (" or ".join(f"{n * self.seq_len} ({n} row{'s' * (n > 1)})" for n in (rows, rows + 1) if n >= 1)
+                       or f"{self.seq_len} (1 row)")
             raise ValueError(
                 f"train.tokens_per_step ({self.tokens_per_step}) must be a positive multiple of train.seq_len "
                 f"({self.seq_len}), since a step is a whole number of rows: use train.tokens_per_step={nearest}"
@@ -104,6 +106,12 @@ class TrainConfig:
             raise ValueError(
                 f"train.micro_batch_tokens ({self.micro_batch_tokens}) must hold one row of train.seq_len ({self.seq_len})"
             )
+        for key, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_last", 1), ("warmup_marked_steps", 0),
+                         ("grad_clip", 0)):
+            require_range(f"train.{key}", getattr(self, key), low)
+        for key in ("resume", "init_from"):
+            if getattr(self, key) == "":
+                raise ValueError(f"train.{key} must be a checkpoint path, not an empty string")
 
     @property
     def rows_per_step(self) -> int:
@@ -132,6 +140,24 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.fused not in (True, False, "auto"):
             raise ValueError(f"optim.fused must be auto, true or false, got {self.fused!r}")
+        require_range("optim.lr", self.lr, 0)  # 0: weights stay (a check of train.init_from)
+        require_range("optim.eps", self.eps, 0, low_open=True)
+        require_range("optim.weight_decay", self.weight_decay, 0)
+        require_range("optim.warmup_steps", self.warmup_steps, 0)
+        require_range("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        betas = self.betas
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {betas!r}")
+        for i, beta in enumerate(betas):
+            require_range(f"optim.betas[{i}]", beta, 0, 1, high_open=True)
+        module, _, name = str(self.target).rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), name, None) if module else None
+        except ImportError:
+            found = None
+        if not isinstance(found, type):
+            raise ValueError(f"optim._target_ must name an optimizer class such as torch.optim.AdamW, "
+                             f"got {self.target!r} (no such class)")
 
 
 NORMALIZATIONS = ("global_tokens", "document_mean", "micro_batch_mean", "row_mean")
@@ -157,6 +183,9 @@ class LossConfig:
             raise ValueError(f"loss.chunk_tokens must be >= 0 (0 or null: no chunking), got {self.chunk_tokens}")
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
 @dataclass
 class WandbConfig:
     mode: str = "offline"
@@ -165,6 +194,15 @@ class WandbConfig:
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb.mode must be one of {WANDB_MODES}, got {self.mode!r}")
+        if not isinstance(self.tags, list) or not all(isinstance(t, str) and t for t in self.tags):
+            raise ValueError(f"logging.wandb.tags must be a list of non-empty strings, got {self.tags!r}")
+        for key in ("project", "entity", "group"):
+            if getattr(self, key) == "":
+                raise ValueError(f"logging.wandb.{key} must not be an empty string (null: W&B's default)")
 
 
 @dataclass
@@ -177,6 +215,9 @@ class LoggingConfig:
     """Each rank appends the keys of the documents it trained on to <run dir>/doc_keys/rank_NNNNN.jsonl
     (one line per step): an audit of what was consumed, e.g. exactly once per epoch across a resume."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self) -> None:
+        require_range("logging.log_every", self.log_every, 1)
 
 
 @dataclass
@@ -226,6 +267,9 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     if cfg.train.on_nonfinite == "skip" and deepspeed:
         problems.append("train.on_nonfinite=skip needs distributed.engine=ddp (DeepSpeed clips and applies the update "
                         "in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
+    if cfg.model.max_seq_len < cfg.train.seq_len:
+        problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
+                        f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")
     if cfg.tokenizer.add_tokens and not cfg.train.init_from:
         problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} extends the tokenizer of train.init_from's "
                         "checkpoint: set train.init_from=CHECKPOINT too")
@@ -271,13 +315,14 @@ _SCALARS = {bool: "true or false", int: "an integer", float: "a number", type(No
 def _fits(value: Any, hint: Any) -> bool:
     """Whether a config value has a field's numeric or Boolean type (int, float, bool, None, unions of them).
 
-    Strings, containers and nested sections pass: Hydra reads `data.path=2024` as an int, and each section
-    checks its own choices. Example: _fits(3, float) is True (YAML writes 3.0 as 3), _fits(True, int) is False.
+    A string field takes any scalar (Hydra reads `data.path=2024` as an int) but no list or section; container
+    and nested-section fields pass, and each section checks its own choices. Example: _fits(3, float) is True
+    (YAML writes 3.0 as 3), _fits(True, int) is False, _fits(["a"], str) is False.
     """
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return any(_fits(value, h) for h in typing.get_args(hint))
-    if hint is str:
-        return True
+    if hint is str:  # a path or a name: Hydra may read it as a number, never as a list or a section
+        return not isinstance(value, (list, dict))
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -297,9 +342,11 @@ def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
     """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig; a ConfigError for unknown keys and bad values."""
     if not _fits(cfg.get("seed"), int):
         raise ConfigError(f"seed must be an integer, got {cfg.get('seed')!r}")
+    require_range("seed", cfg["seed"], 0, 2**32 - 1)  # numpy's seeds
     optim = dict(cfg["optim"])
     optim["target"] = optim.pop("_target_", OptimConfig.target)
-    optim["betas"] = tuple(optim.get("betas", OptimConfig.betas))
+    betas = optim.get("betas", OptimConfig.betas)
+    optim["betas"] = tuple(betas) if isinstance(betas, (list, tuple)) else betas
     logging_cfg = dict(cfg["logging"])
     logging_cfg["wandb"] = _build(WandbConfig, logging_cfg.get("wandb", {}), "logging.wandb")
     run = RunConfig(

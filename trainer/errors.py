@@ -15,12 +15,16 @@ Every command (`python -m trainer.train`, `prepare`, `report`, `inspect_mask`, `
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import sys
 from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
 """The exit status of a user's mistake (argparse uses 2 for its usage errors too); a bug exits 1."""
+
+EXIT_INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (SIGINT), as a shell reports a process killed by it."""
 
 ErrorTypes = tuple[type[BaseException], ...]
 
@@ -31,6 +35,31 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """An unknown key, or a value of the wrong type or out of range, in the composed config."""
+
+
+def require_range(key: str, value, low: float | None = None, high: float | None = None, *,
+                  low_open: bool = False, high_open: bool = False) -> None:
+    """A ConfigError naming `key`, its value and the valid range unless `value` is a finite number in it.
+
+    Example: require_range("model.n_head", 0, 1) -> "model.n_head must be >= 1, got 0";
+    require_range("model.dropout", -0.5, 0, 1, high_open=True) -> "model.dropout must be in [0, 1), got -0.5".
+    """
+    if low is not None and high is not None:
+        valid = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    elif low is not None:
+        valid = f"{'>' if low_open else '>='} {low}"
+    elif high is not None:
+        valid = f"{'<' if high_open else '<='} {high}"
+    else:
+        valid = "a finite number"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = number and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        raise ConfigError(f"{key} must be {valid}, got {value!r}")
 
 
 def run_command(
@@ -44,8 +73,10 @@ def run_command(
 
     A UserError (or one of `extra_user_errors`) prints one line, `error: <message(e)>`, on stderr and returns
     EXIT_USER_ERROR; `message` defaults to `original_message` (train passes one that also shortens Hydra's).
-    `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Whatever ends the command,
-    its multiprocessing children are stopped first (stop_worker_processes), so the process can exit.
+    `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Ctrl-C (KeyboardInterrupt)
+    prints one line too, `error: interrupted (SIGINT)...` with the interrupt's own text (train's says which step
+    and checkpoint), and returns EXIT_INTERRUPTED. Whatever ends the command, its multiprocessing children are
+    stopped first (stop_worker_processes), so the process can exit.
     """
     try:
         return command() or 0
@@ -55,6 +86,12 @@ def run_command(
             raise
         print_user_error((message or original_message)(e))
         return EXIT_USER_ERROR
+    except KeyboardInterrupt as e:
+        if tracebacks:
+            stop_worker_processes()
+            raise
+        print_user_error("interrupted (SIGINT)" + (f": {e}" if str(e) else ""))
+        return EXIT_INTERRUPTED
     except BaseException:  # a bug (its traceback follows) or an exit: the process must still end
         stop_worker_processes()
         raise

@@ -16,6 +16,7 @@ trainer/errors.py says.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -136,11 +137,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_device(name: str) -> None:
+    """A GenerateError unless --device names a torch device this machine has. Example: "cuda" without a GPU."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise GenerateError(f"--device {name!r} is not a torch device ({e}); use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GenerateError(f"--device {name}: no CUDA device is visible on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise GenerateError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise GenerateError(f"--device {name}: generate runs on cpu or cuda")
+
+
 @command(extra_user_errors=(OSError,))  # OSError: e.g. an unreadable checkpoint file
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        raise GenerateError("--max-new-tokens and --top-k must be >= 1 and --temperature >= 0")
+    if args.max_new_tokens < 1 or not (0 <= args.temperature < math.inf) or (args.top_k is not None and args.top_k < 1):
+        raise GenerateError(f"--max-new-tokens and --top-k must be >= 1 and --temperature a finite number >= 0, got "
+                            f"{args.max_new_tokens}, {args.top_k} and {args.temperature}")
+    check_device(args.device)
     model, tok_dir = load(args.path, args.device)
     tok = load_tokenizer(tok_dir)
     ids = special_ids(tok, where=tok_dir)

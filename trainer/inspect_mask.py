@@ -106,6 +106,8 @@ def text_documents(text: str, tokenizer_dir: str | Path, sep: str = "|") -> Docu
     """
     from trainer.data.tokenizer import load_tokenizer, special_ids
 
+    if not sep:
+        raise InspectError("--sep is empty: give the text that separates the documents of --text (default: |)")
     pieces = text.split(sep)
     empty = [i for i, p in enumerate(pieces) if not p]
     if empty:

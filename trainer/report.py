@@ -23,6 +23,7 @@ import argparse
 import base64
 import html
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -155,7 +156,17 @@ def read_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """The JSON object in `path` (None: no such file); a ReportError for a file that holds none."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReportError(f"{path}: not valid JSON ({e}); fix or remove it (trainer.train writes it)") from e
+    if not isinstance(value, dict):
+        raise ReportError(f"{path}: holds a JSON {type(value).__name__}, not an object of config keys; fix or "
+                          "remove it (trainer.train writes it)")
+    return value
 
 
 def load_run(path: Path, name: str) -> Run:
@@ -387,6 +398,11 @@ def same_objective_verdict(run: Run, ref: Run, keys: Sequence[str], tolerance: f
     if gap is None:
         return "not comparable: no shared logged steps"
     value, n = gap
+    nonfinite = [s for s in sorted(set(ref_loss) & set(run_loss))
+                 if not (math.isfinite(ref_loss[s]) and math.isfinite(run_loss[s]))]
+    if nonfinite:  # NaN equals nothing, itself included: such steps prove no agreement
+        return (f"not comparable: non-finite loss at {len(nonfinite)} shared step(s) (first: step {nonfinite[0]}), "
+                "where equal losses cannot be checked")
     early_steps = sorted(set(ref_loss) & set(run_loss))[:EARLY_STEPS]
     early = max(abs(ref_loss[s] - run_loss[s]) for s in early_steps)
     drift = max(abs(ref_loss[s] - run_loss[s]) / max(abs(ref_loss[s]), 1e-12) for s in ref_loss if s in run_loss)
@@ -790,6 +806,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 @command()
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if not (0 <= args.tolerance < math.inf):
+        raise ReportError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     for path in make_report(args.dirs, args.out, args.reference, args.tolerance):
         print(path)
     return 0

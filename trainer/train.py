@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config import RunConfig, from_container, resolve_dtype
+from trainer.distributed.config import missing_engine_package
 from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
-from trainer.errors import ConfigError, one_line, original_message, run_command
+from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
 from trainer.model import resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
 
@@ -33,8 +34,30 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 HYDRA_ERRORS = (CompactHydraException,)
 """Hydra's own override and composition errors: the user's mistakes too, though not UserError subclasses."""
 
+_DEEPSPEED_ONLY = ("{key} exists only with distributed.engine=deepspeed, which distributed=ddp (the default) is not: "
+                   "choose distributed=deepspeed_zero1, deepspeed_zero2 or deepspeed_zero3, then override {key}")
+GROUP_ONLY_KEYS = {key: _DEEPSPEED_ONLY.format(key=key) for key in ("distributed.zero_stage", "distributed.offload")}
+"""Keys that only some options of a config group set: an override of one under another option says so."""
+
 _user_full_error: bool | None = None
 """HYDRA_FULL_ERROR=1 as the user set it; cli() sets the variable itself for Hydra (see there)."""
+_job_started = False
+"""Whether Hydra has reached a job: an OSError before that is about the run directory Hydra creates."""
+
+
+class RunDirError(UserError):
+    """Hydra cannot create the run (or sweep) directory, or write its files into it."""
+
+
+def _hydra_main() -> None:
+    """main() as Hydra runs it; an OSError raised before any job (making hydra.run.dir) becomes a RunDirError."""
+    try:
+        main()
+    except OSError as e:
+        if _job_started:
+            raise
+        raise RunDirError(f"cannot create the run directory or write Hydra's files into it ({e}): "
+                          "hydra.run.dir (or hydra.sweep.dir under -m) must name a directory that can be written") from e
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:
@@ -59,6 +82,8 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
     """One training run (one job of a sweep under -m)."""
+    global _job_started
+    _job_started = True
     # Caught inside the job, so Hydra prints no "Error executing job ..." line above ours.
     status = run_command(lambda: run(raw), extra_user_errors=HYDRA_ERRORS, message=user_message,
                          tracebacks=_tracebacks_wanted())
@@ -66,14 +91,24 @@ def main(raw: DictConfig) -> None:
         raise SystemExit(status)  # passes through Hydra: under -m it ends the sweep
 
 
-def run(raw: DictConfig) -> None:
+def build_config(raw: DictConfig, run_dir: str) -> RunConfig:
+    """The composed Hydra config -> the typed RunConfig, every value and rule checked, and the engine's package
+    installed (a ConfigError if not)."""
     try:
         container = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:  # e.g. an override `model.n_layer=${oops}`
         raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from e
+    cfg = from_container(container, run_dir)
+    missing = missing_engine_package(cfg.distributed)
+    if missing:
+        raise ConfigError(missing)
+    return cfg
+
+
+def run(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
-    cfg = from_container(container, run_dir)
+    cfg = build_config(raw, run_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logging.wandb.group is None:
         cfg.logging.wandb.group = Path(hydra_cfg.sweep.dir).name  # every run of one sweep in one W&B group
     info = init_distributed(cfg.distributed)
@@ -121,6 +156,8 @@ def user_message(error: BaseException) -> str:
         return original_message(error)
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException) and "not in struct" in str(cause) and cause.full_key:
+        if cause.full_key in GROUP_ONLY_KEYS:  # a real key that the chosen group option does not set
+            return GROUP_ONLY_KEYS[cause.full_key]
         return (f"unknown config key {cause.full_key!r}: check its spelling "
                 "(`python -m trainer.train --cfg job` prints every key)")
     text = str(error).split("Config search path:")[0]
@@ -142,7 +179,8 @@ def _tracebacks_wanted() -> bool:
 
 def cli() -> int:
     """`python -m trainer.train`: the exit status (a user's mistake in a job exits 2 from inside it)."""
-    global _user_full_error
+    global _user_full_error, _job_started
+    _job_started = False
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
@@ -151,7 +189,8 @@ def cli() -> int:
     _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:  # Hydra's own errors are raised here, before any job
-        return run_command(main, extra_user_errors=HYDRA_ERRORS, message=user_message, tracebacks=_user_full_error)
+        return run_command(_hydra_main, extra_user_errors=HYDRA_ERRORS, message=user_message,
+                           tracebacks=_user_full_error)
     finally:
         if not _user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)

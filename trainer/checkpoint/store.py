@@ -244,14 +244,31 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict]:
-    """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
-    path = Path(path)
-    meta_file = path / META_FILE
+def read_meta(path: str | Path) -> dict:
+    """The META_FILE of checkpoint `path`: a JSON object with an integer step and world_size, or a CheckpointError.
+
+    Example: a meta.json cut short by a full disk -> "ckpt/meta.json is not valid JSON (...): the checkpoint is
+    damaged; resume from an earlier one".
+    """
+    meta_file = Path(path) / META_FILE
     if not meta_file.is_file():
         raise CheckpointError(f"{path} is not a packtrain checkpoint (no {META_FILE}): give train.resume a "
                               f"{PATH_HINT} directory, or true for the run dir's latest")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_file} is not valid JSON ({e}): the checkpoint is damaged; resume from an "
+                              "earlier one") from e
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "world_size")):
+        raise CheckpointError(f"{meta_file} is not a packtrain checkpoint's meta (a JSON object with an integer "
+                              "step and world_size): the checkpoint is damaged; resume from an earlier one")
+    return meta
+
+
+def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict]:
+    """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
+    path = Path(path)
+    meta = read_meta(path)
     if meta["world_size"] != info.world_size:
         raise CheckpointError(
             f"{path} was written by {meta['world_size']} ranks and this run has {info.world_size}: "

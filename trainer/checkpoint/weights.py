@@ -35,12 +35,15 @@ class WeightsError(UserError):
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise WeightsError(f"{path.parent} is not a packtrain checkpoint: no {path.name} (give a "
                            f"{PATH_HINT} directory)") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"{path}: unreadable ({e})") from e
+    if not isinstance(value, dict):
+        raise WeightsError(f"{path}: not a JSON object (got {type(value).__name__}): the checkpoint is damaged")
+    return value
 
 
 def checkpoint_meta(path: str | Path) -> dict:
@@ -50,7 +53,12 @@ def checkpoint_meta(path: str | Path) -> dict:
 
 def checkpoint_conventions(path: str | Path) -> dict:
     """The conventions of a checkpoint directory (layout, labels, loss, tokenizer hash and size)."""
-    return _read_json(Path(path) / CONVENTIONS_FILE)
+    conv = _read_json(Path(path) / CONVENTIONS_FILE)
+    tok = conv.get("tokenizer")
+    if not (isinstance(tok, dict) and isinstance(tok.get("sha256"), str) and isinstance(tok.get("vocab_size"), int)):
+        raise WeightsError(f"{Path(path) / CONVENTIONS_FILE} holds no tokenizer sha256 and vocab_size: the "
+                           "checkpoint is damaged")
+    return conv
 
 
 def model_config(path: str | Path) -> GPTConfig:

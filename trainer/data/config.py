@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainer.errors import require_range
+
 # The allowed values live here, not beside their code (batch.py, packing.py): prepare imports this module, and
 # must not import torch (its worker processes stay light).
 LAYOUTS = ("packed", "unpacked", "bucketed")
@@ -68,6 +70,11 @@ class DataConfig:
             raise ValueError(f"data.retries must be >= 0, got {self.retries}")
         if not 0 < self.read_timeout_s <= 86400:  # also NaN
             raise ValueError(f"data.read_timeout_s must be in (0, 86400] seconds, got {self.read_timeout_s}")
+        require_range("data.num_workers", self.num_workers, 0)
+        require_range("data.shuffle_buffer", self.shuffle_buffer, 1)
+        for key in ("path", "tokenizer", "split"):
+            if getattr(self, key) == "":
+                raise ValueError(f"data.{key} must not be an empty string")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"data.loss_on must be one of {LOSS_ON}, got {self.loss_on!r}")
         for key in ("urls", "val_urls"):
@@ -103,3 +110,4 @@ class PackingConfig:
             raise ValueError(f"packing.long_docs must be one of {LONG_DOC_POLICIES}, got {self.long_docs!r}")
         if self.pad_to not in PAD_TO:
             raise ValueError(f"packing.pad_to must be one of {PAD_TO}, got {self.pad_to!r}")
+        require_range("packing.buffer_size", self.buffer_size, 1)

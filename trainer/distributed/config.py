@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 ENGINES = ("ddp", "deepspeed")
+BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+ENGINE_MODULES = {"deepspeed": "deepspeed"}
+"""The module an engine needs installed (checked, not imported, when the config is built)."""
 
 
 @dataclass
@@ -27,3 +32,17 @@ class DistributedConfig:
             raise ValueError(f"distributed.zero_stage must be 1, 2 or 3 with engine=deepspeed, got {self.zero_stage}")
         if self.engine == "ddp" and (self.zero_stage != 0 or self.offload):
             raise ValueError("distributed.zero_stage / offload need engine=deepspeed (try distributed=deepspeed_zero2)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"distributed.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"distributed.device must be one of {DEVICES}, got {self.device!r}")
+
+
+def missing_engine_package(cfg: DistributedConfig) -> str | None:
+    """Why distributed.engine cannot run here (its package is not installed), or None. Checked when the run's
+    config is built (trainer.train.build_config), before anything is started."""
+    module = ENGINE_MODULES.get(cfg.engine)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return (f"distributed.engine={cfg.engine} needs the {module!r} package, which is not installed here: "
+                f"pip install -e '.[{cfg.engine}]', or use distributed=ddp")
+    return None

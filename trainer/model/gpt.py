@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.data.batch import Batch
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
 from trainer.model.loss import chunked_cross_entropy, shifted_cross_entropy, weighted_cross_entropy
 
@@ -65,11 +65,19 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.pos_emb not in POS_EMBS:
-            raise ValueError(f"pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+            raise ValueError(f"model.pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+        if self.vocab_size is not None:
+            require_range("model.vocab_size", self.vocab_size, 1)
+        for key in ("n_layer", "n_head", "n_embd", "max_seq_len"):
+            require_range(f"model.{key}", getattr(self, key), 1)
+        require_range("model.dropout", self.dropout, 0, 1, high_open=True)
+        require_range("model.rope_theta", self.rope_theta, 0, low_open=True)
+        require_range("model.init_std", self.init_std, 0, low_open=True)
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError("RoPE needs an even head dimension")
+            raise ValueError(f"model.pos_emb=rope needs an even head dimension, got model.n_embd / model.n_head = "
+                             f"{self.n_embd // self.n_head}")
 
     @property
     def head_dim(self) -> int:

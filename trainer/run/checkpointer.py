@@ -13,6 +13,44 @@ from trainer.checkpoint import store
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
 
+RESUME_KEYS = ("seed", "train.seq_len", "data.num_workers", "data.shuffle_buffer", "model.vocab_size", "model.n_layer",
+               "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
+"""Config keys a resumed run must share with its checkpoint: the model's shapes (the weights and the optimizer
+state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
+cuts it into rows, each DataLoader worker holds its own reader)."""
+
+
+def check_resumable(path: Path, config: dict) -> None:
+    """A CheckpointError, naming each key, if checkpoint `path` was written with other RESUME_KEYS values than
+    `config` (the resolved run config); also for a damaged meta.json. Run before the model and data are built.
+
+    Example: a checkpoint of model=tiny resumed with model=small -> "cannot resume from ...: it was written
+    with model.n_layer=2, model.n_head=4, ... and this run has model.n_layer=6, ...".
+    """
+    saved = store.read_meta(path).get("config")
+    if not isinstance(saved, dict):
+        return  # an older checkpoint without its config: the load itself checks what it can
+    differ = [(key, a, b) for key in RESUME_KEYS
+              if (a := _dotted(saved, key)) is not _ABSENT and a != (b := _dotted(config, key))]
+    if differ:
+        then = ", ".join(f"{key}={a}" for key, a, _ in differ)
+        now = ", ".join(f"{key}={'(unset)' if b is _ABSENT else b}" for key, _, b in differ)
+        raise store.CheckpointError(
+            f"cannot resume from {path}: it was written with {then} and this run has {now}; resume with the "
+            "checkpoint's values (the weights and each rank's data position depend on them), or start a new run "
+            "(another hydra.run.dir, or train.init_from for its weights only)")
+
+
+_ABSENT = object()
+
+
+def _dotted(config: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return _ABSENT
+        config = config[part]
+    return config
+
 
 class Checkpointer:
     """Saves every `every` steps and after the last one; keeps the newest `keep_last`."""

@@ -71,6 +71,12 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
         docs.extend(chunk)
         if max_docs is not None and len(docs) >= max_docs:
             break
+    if not docs:
+        shards = ", ".join(map(str, source.val_urls[:3])) + (", ..." if len(source.val_urls) > 3 else "")
+        why = (" (data.on_error=skip skipped what it could not read: see the warnings above)"
+               if on_error == "skip" else "")
+        raise ShardSourceError(f"the eval read no document from its {len(source.val_urls)} held-out shard(s) "
+                               f"[{shards}]{why}; check those shards, or set train.eval_every=0")
     stats = PackingStats()
     return [piece for doc in docs[:max_docs] for piece in split_long(doc, seq_len, "split", stats)]
 
@@ -113,7 +119,8 @@ class Evaluator:
             module.train(was_training)
         total_loss, tokens, docs = dist_sum([float(loss_sum), self.tokens, self.docs], info.device)
         if tokens == 0:
-            raise RuntimeError("the eval set has no targets (every val document is a single token?)")
+            raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single token, "
+                                   "or data.loss_on=assistant finds no assistant turn); set train.eval_every=0")
         val_loss = total_loss / tokens
         return EvalResult(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=int(tokens),
                           val_docs=int(docs))

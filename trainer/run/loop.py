@@ -37,7 +37,7 @@ from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
 from trainer.model import apply_activation_checkpointing, build_model
 from trainer.model.compile import CompileCounter
-from trainer.run.checkpointer import Checkpointer
+from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.run.inputs import StepInputs, build_data
@@ -59,10 +59,12 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.train.dtype, info.device)
         """train.dtype as run: 'auto' resolved to 'bf16' (CUDA with bf16) or 'fp32'."""
         _seed_everything(cfg.seed)
-        self.data = build_data(cfg, info)
         self.checkpointer = Checkpointer(self.run_dir, info, cfg.train.checkpoint_every, cfg.train.keep_last,
                                          cfg.train.max_steps)
         self.resume_path = self.checkpointer.resume_path(cfg.train.resume)
+        if self.resume_path is not None:  # before the data and the model are built from this config
+            check_resumable(self.resume_path, cfg.resolved)
+        self.data = build_data(cfg, info)
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
                             loss_chunk_tokens=cfg.loss.chunk_tokens)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -168,6 +170,11 @@ class Trainer:
                         self.save()
                     preempted = preemption.signal_name or "a signal on another rank"
                     break
+        except KeyboardInterrupt:  # Ctrl-C: no save (the step in progress may be half applied); one line, not a trace
+            raise KeyboardInterrupt(
+                f"training stopped during step {self.step + 1}; nothing after step {self.step} was saved (last "
+                f"checkpoint: {self.checkpointer.last or 'none written by this run'}); continue with "
+                "train.resume=true and the same hydra.run.dir") from None
         finally:
             preemption.close()
             bar.close()

@@ -1,0 +1,511 @@
+"""Every user mistake ends as ONE line, `error: ...` on stderr, exit status 2 (Ctrl-C: 130), and leaves what
+the user had intact: a table of bad inputs, one row per mistake, covering every key of trainer.registry.CONFIG_KEYS.
+
+Three kinds of rows, cheapest first:
+    CONFIG_ROWS    overrides composed by Hydra's compose API and built by trainer.train.build_config (what
+                   `python -m trainer.train` runs), in this process, through run_command: exit 2, one line
+    CALL_ROWS      a damaged checkpoint, a resume with other settings, a report or command argument: the function
+                   the command calls (or the command's main) in this process, through run_command
+    COMMAND_ROWS   a handful as real commands (the train rows through trainer.train.cli() in one process, the
+                   others as python -m trainer.<command>, side by side): exit status 2, exactly one stderr line
+                   `error: ...`, no "Traceback", and what must be intact afterwards
+The SIGINT row interrupts a real training run (Ctrl-C to its process group).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+import trainer.distributed.config as distributed_config
+from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line
+from trainer import generate, inspect_mask, prepare, report
+from trainer.checkpoint import store
+from trainer.checkpoint.weights import checkpoint_conventions
+from trainer.data.config import DataConfig
+from trainer.distributed.groups import DistInfo
+from trainer.errors import EXIT_INTERRUPTED, run_command
+from trainer.registry import CONFIG_KEYS
+from trainer.run.checkpointer import check_resumable
+from trainer.run.evaluate import load_eval_docs
+from trainer.train import HYDRA_ERRORS, build_config, user_message
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+# ---------------------------------------------------------------------------------------------------
+# CONFIG_ROWS: (config key, overrides on top of tests.helpers.SMALL, regex the one error line must match)
+# ---------------------------------------------------------------------------------------------------
+
+CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    ("seed", ("seed=-1",), r"seed must be in \[0, 4294967295\], got -1"),
+    ("seed", ("seed=abc",), r"seed must be an integer, got 'abc'"),
+    # train
+    ("train.seq_len", ("train.seq_len=1",), r"train.seq_len must be >= 2, got 1"),
+    ("train.tokens_per_step", ("train.tokens_per_step=1000",), r"train.tokens_per_step \(1000\) must be a positive "
+                                                               r"multiple of train.seq_len \(128\)"),
+    ("train.tokens_per_step", ("train.tokens_per_step=-128",), r"train.tokens_per_step \(-128\) must be a positive .*use train.tokens_per_step=128 \(1 row\)$"),
+    ("train.micro_batch_tokens", ("train.micro_batch_tokens=64",), r"train.micro_batch_tokens \(64\) must hold one row"),
+    ("train.max_steps", ("train.max_steps=-1",), r"train.max_steps must be >= 1, got -1"),
+    ("train.max_steps", ("train.max_steps=0",), r"train.max_steps must be >= 1, got 0"),
+    ("train.grad_clip", ("train.grad_clip=-1",), r"train.grad_clip must be >= 0, got -1"),
+    ("train.grad_clip", ("train.grad_clip=nan",), r"train.grad_clip must be >= 0, got nan"),
+    ("train.dtype", ("train.dtype=fp16",), r"train.dtype must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"),
+    ("train.compile", ("train.compile=maybe",), r"train.compile must be true or false, got 'maybe'"),
+    ("train.checkpoint_every", ("train.checkpoint_every=-1",), r"train.checkpoint_every must be >= 0, got -1"),
+    ("train.keep_last", ("train.keep_last=0",), r"train.keep_last must be >= 1, got 0"),
+    ("train.resume", ("train.resume=''",), r"train.resume must be a checkpoint path, not an empty string"),
+    ("train.resume", ("train.resume=[a]",), r"train.resume must be true or false or a string, got \['a'\]"),
+    ("train.overwrite", ("train.overwrite=maybe",), r"train.overwrite must be true or false, got 'maybe'"),
+    ("train.overwrite", ("train.overwrite=true", "train.resume=true"), r"set only one of them"),
+    ("train.init_from", ("train.init_from=''",), r"train.init_from must be a checkpoint path, not an empty string"),
+    ("train.warmup_marked_steps", ("train.warmup_marked_steps=-2",), r"train.warmup_marked_steps must be >= 0, got -2"),
+    ("train.eval_every", ("train.eval_every=-1",), r"train.eval_every must be >= 0"),
+    ("train.eval_docs", ("train.eval_docs=0",), r"train.eval_docs null or >= 1, got -?\d+ and 0"),
+    ("train.eval_layout", ("train.eval_layout=bucketed",), r"train.eval_layout must be 'packed' or 'unpacked'"),
+    ("train.on_nonfinite", ("train.on_nonfinite=ignore",), r"train.on_nonfinite must be 'stop' or 'skip'"),
+    ("train.on_nonfinite", ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"),
+     r"train.on_nonfinite=skip needs distributed.engine=ddp"),
+    ("train.activation_checkpointing", ("train.activation_checkpointing=half",),
+     r"train.activation_checkpointing must be one of"),
+    ("tokenizer.add_tokens", ('tokenizer.add_tokens=[""]',), r"tokenizer.add_tokens must be a list of non-empty"),
+    ("tokenizer.add_tokens", ("tokenizer.add_tokens=[a,a]",), r"tokenizer.add_tokens lists a token twice"),
+    ("tokenizer.add_tokens", ("tokenizer.add_tokens=[a]",), r"set train.init_from=CHECKPOINT too"),
+    # loss
+    ("loss.normalization", ("loss.normalization=bogus",), r"loss.normalization must be one of"),
+    ("loss.chunk_tokens", ("loss.chunk_tokens=-1",), r"loss.chunk_tokens must be >= 0"),
+    # data
+    ("data.path", ("data.path=''",), r"data.path must not be an empty string"),
+    ("data.path", ("data.path=[a,b]",), r"data.path must be a string or null, got \['a', 'b'\]"),
+    ("data.urls", ("data.urls=[]",), r"data.urls must be a string or a non-empty list of strings, got \[\]"),
+    ("data.val_urls", ("data.val_urls=[1]",), r"data.val_urls must be a string or a non-empty list of strings"),
+    ("data.tokenizer", ("data.tokenizer={a: 1}",), r"data.tokenizer must be a string or null"),
+    ("data.split", ("data.split=''",), r"data.split must not be an empty string"),
+    ("data.num_workers", ("data.num_workers=-1",), r"data.num_workers must be >= 0, got -1"),
+    ("data.shuffle_buffer", ("data.shuffle_buffer=0",), r"data.shuffle_buffer must be >= 1, got 0"),
+    ("data.on_error", ("data.on_error=ignore",), r"data.on_error must be 'raise' or 'skip'"),
+    ("data.retries", ("data.retries=-1",), r"data.retries must be >= 0, got -1"),
+    ("data.read_timeout_s", ("data.read_timeout_s=0",), r"data.read_timeout_s must be in \(0, 86400\] seconds, got 0"),
+    ("data.read_timeout_s", ("data.read_timeout_s=nan",), r"data.read_timeout_s must be in \(0, 86400\]"),
+    ("data.loss_on", ("data.loss_on=user",), r"data.loss_on must be one of \('all', 'assistant'\)"),
+    ("data.prefetch", ("data.prefetch=maybe",), r"data.prefetch must be true or false, got 'maybe'"),
+    ("data.epoch_lockstep", ("data.epoch_lockstep=2",), r"data.epoch_lockstep must be true or false, got 2"),
+    # packing
+    ("packing.layout", ("packing.layout=zigzag",), r"packing.layout must be one of"),
+    ("packing.buffer_size", ("packing.buffer_size=0",), r"packing.buffer_size must be >= 1, got 0"),
+    ("packing.long_docs", ("packing.long_docs=keep",), r"packing.long_docs must be one of"),
+    ("packing.reset_positions", ("packing.reset_positions=maybe",), r"packing.reset_positions must be true or false"),
+    ("packing.pad_to", ("packing.pad_to=max",), r"packing.pad_to must be one of"),
+    # model
+    ("model.vocab_size", ("model.vocab_size=0",), r"model.vocab_size must be >= 1, got 0"),
+    ("model.n_layer", ("model.n_layer=0",), r"model.n_layer must be >= 1, got 0"),
+    ("model.n_head", ("model.n_head=0",), r"model.n_head must be >= 1, got 0"),
+    ("model.n_head", ("model.n_head=5",), r"model.n_embd=64 is not divisible by model.n_head=5"),
+    ("model.n_embd", ("model.n_embd=0",), r"model.n_embd must be >= 1, got 0"),
+    ("model.max_seq_len", ("model.max_seq_len=64",), r"model.max_seq_len \(64\) must be >= train.seq_len \(128\)"),
+    ("model.max_seq_len", ("model.max_seq_len=0",), r"model.max_seq_len must be >= 1, got 0"),
+    ("model.dropout", ("model.dropout=-0.5",), r"model.dropout must be in \[0, 1\), got -0.5"),
+    ("model.dropout", ("model.dropout=1.0",), r"model.dropout must be in \[0, 1\), got 1.0"),
+    ("model.bias", ("model.bias=maybe",), r"model.bias must be true or false"),
+    ("model.pos_emb", ("model.pos_emb=rope", "model.n_head=64"), r"model.pos_emb=rope needs an even head dimension"),
+    ("model.pos_emb", ("model.pos_emb=alibi",), r"model.pos_emb must be one of \('learned', 'rope'\), got 'alibi'"),
+    ("model.rope_theta", ("model.rope_theta=0",), r"model.rope_theta must be > 0, got 0"),
+    ("model.init_std", ("model.init_std=-1",), r"model.init_std must be > 0, got -1"),
+    # attention
+    ("attention.backend", ("attention.backend=bogus",), r"unknown attention backend 'bogus'"),
+    ("attention.backend", ("attention=bogus",), r"Could not find 'attention/bogus'"),
+    ("attention.isolate_documents", ("attention.isolate_documents=maybe",),
+     r"attention.isolate_documents must be true or false"),
+    ("attention.flex_compile", ("attention.flex_compile=2",), r"attention.flex_compile must be true or false, got 2"),
+    # optim
+    ("optim._target_", ("optim._target_=nope.Nope",), r"optim._target_ must name an optimizer class .*'nope.Nope'"),
+    ("optim.lr", ("optim.lr=-1",), r"optim.lr must be >= 0, got -1"),
+    ("optim.lr", ("optim.lr=nan",), r"optim.lr must be >= 0, got nan"),
+    ("optim.betas", ("optim.betas=[2,3]",), r"optim.betas\[0\] must be in \[0, 1\), got 2"),
+    ("optim.betas", ("optim.betas=0.9",), r"optim.betas must be two numbers in \[0, 1\)"),
+    ("optim.eps", ("optim.eps=0",), r"optim.eps must be > 0, got 0"),
+    ("optim.weight_decay", ("optim.weight_decay=-0.1",), r"optim.weight_decay must be >= 0, got -0.1"),
+    ("optim.warmup_steps", ("optim.warmup_steps=-1",), r"optim.warmup_steps must be >= 0, got -1"),
+    ("optim.min_lr_ratio", ("optim.min_lr_ratio=-5",), r"optim.min_lr_ratio must be in \[0, 1\], got -5"),
+    ("optim.fused", ("optim.fused=maybe",), r"optim.fused must be auto, true or false, got 'maybe'"),
+    # distributed
+    ("distributed.engine", ("distributed.engine=horovod",), r"distributed.engine must be one of"),
+    ("distributed.backend", ("distributed.backend=mpi",), r"distributed.backend must be one of .*got 'mpi'"),
+    ("distributed.device", ("distributed.device=tpu",), r"distributed.device must be one of .*got 'tpu'"),
+    ("distributed.zero_stage", ("distributed.zero_stage=1",),
+     r"distributed.zero_stage exists only with distributed.engine=deepspeed.*distributed=deepspeed_zero1"),
+    ("distributed.zero_stage", ("distributed=deepspeed_zero2", "distributed.zero_stage=4"),
+     r"distributed.zero_stage must be 1, 2 or 3 with engine=deepspeed, got 4"),
+    ("distributed.zero_stage", ("train.compile=true", "distributed=deepspeed_zero3"),
+     r"train.compile=true does not run under ZeRO-3"),
+    ("distributed.offload", ("distributed.offload=true",), r"distributed.offload exists only with"),
+    ("distributed.offload", ("distributed=deepspeed_zero2", "distributed.offload=maybe"),
+     r"distributed.offload must be true or false"),
+    # logging
+    ("logging.log_every", ("logging.log_every=0",), r"logging.log_every must be >= 1, got 0"),
+    ("logging.progress", ("logging.progress=maybe",), r"logging.progress must be true or false"),
+    ("logging.record_doc_keys", ("logging.record_doc_keys=2",), r"logging.record_doc_keys must be true or false"),
+    ("logging.wandb.mode", ("logging.wandb.mode=bogus",),
+     r"logging.wandb.mode must be one of \('offline', 'online', 'disabled'\), got 'bogus'"),
+    ("logging.wandb.project", ("logging.wandb.project=''",), r"logging.wandb.project must not be an empty string"),
+    ("logging.wandb.entity", ("logging.wandb.entity=[a]",), r"logging.wandb.entity must be a string or null"),
+    ("logging.wandb.group", ("logging.wandb.group=''",), r"logging.wandb.group must not be an empty string"),
+    ("logging.wandb.tags", ("logging.wandb.tags=abc",), r"logging.wandb.tags must be a list of non-empty strings"),
+    # Hydra's own: a malformed override, an unknown key
+    ("hydra.*", ("train.seq_len=[1",), r"cannot parse the override 'train.seq_len=\[1'"),
+    ("hydra.*", ("train.bogus=1",), r"unknown config key 'train.bogus'"),
+]
+
+
+@pytest.fixture(scope="module")
+def hydra_configs():
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        yield
+
+
+GROUPS = {p.name for p in (ROOT / "configs").iterdir() if p.is_dir()}
+_composed_groups: dict[tuple[str, ...], DictConfig] = {}
+
+
+def hydra_config(*overrides: str) -> DictConfig:
+    """What Hydra's compose gives for SMALL + `overrides`, in ~10 ms instead of ~300: the config-group
+    selections are composed once per selection (compose API, cached), and the value overrides applied to a copy
+    the way compose applies them (parsed by Hydra, then ConfigLoaderImpl._apply_overrides_to_config on the
+    struct config). test_the_fast_compose_is_hydra_s_compose checks that both give the same error line."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))  # a malformed override fails here, as in compose
+    groups = tuple(o.input_line for o in parsed if o.key_or_group.split("/")[0] in GROUPS or o.package is not None)
+    if groups not in _composed_groups:
+        _composed_groups[groups] = compose(config_name="config", overrides=[*SMALL, *groups])
+    cfg = copy.deepcopy(_composed_groups[groups])
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.input_line not in groups], cfg)
+    return cfg
+
+
+def composed(*overrides: str) -> dict:
+    """The resolved config of `overrides` on SMALL (as plain containers); inside `hydra_configs`."""
+    return OmegaConf.to_container(hydra_config(*overrides), resolve=True)
+
+
+def one_error(capsys, action: Callable[[], object], extra=()) -> str:
+    """Run `action` as a command runs (trainer.errors.run_command, train's message): assert exit status 2 and one
+    `error: ` line on stderr, and return that line."""
+    capsys.readouterr()
+    status = run_command(action, extra_user_errors=(*HYDRA_ERRORS, *extra), message=user_message)
+    return assert_one_error_line(status, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("key, overrides, message", CONFIG_ROWS, ids=[" ".join(r[1]) for r in CONFIG_ROWS])
+def test_a_bad_config_value_is_one_error_line_naming_it(hydra_configs, capsys, tmp_path, key, overrides, message):
+    line = one_error(capsys, lambda: build_config(hydra_config(*overrides), str(tmp_path / "run")))
+    assert re.search(message, line), (message, line)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [("model.n_head=0",), ("train.seq_len=[1",), ("train.bogus=1",),
+                                       ("distributed.zero_stage=1",), ("train.resume=''",),
+                                       ("distributed=deepspeed_zero2", "distributed.zero_stage=4")])
+def test_the_fast_compose_is_hydra_s_compose(hydra_configs, capsys, tmp_path, overrides):
+    def line(make_config) -> str:
+        return one_error(capsys, lambda: build_config(make_config(), str(tmp_path)))
+
+    assert line(lambda: hydra_config(*overrides)) == line(
+        lambda: compose(config_name="config", overrides=[*SMALL, *overrides]))
+
+
+def test_the_shipped_configs_still_build(hydra_configs, tmp_path):
+    for overrides in [(), ("experiment=demo",), ("experiment=sft", "train.init_from=x"), ("model=small",),
+                      ("model=gpt2-124m",),
+                      ("distributed=deepspeed_zero1",), ("distributed=deepspeed_zero3", "distributed.offload=true")]:
+        if overrides and overrides[0].startswith("distributed=deepspeed") and importlib.util.find_spec("deepspeed") is None:
+            continue  # refused where deepspeed is not installed (the next test)
+        build_config(compose(config_name="config", overrides=[*SMALL, *overrides]), str(tmp_path))
+
+
+def test_an_engine_whose_package_is_not_installed_is_one_error_line(hydra_configs, capsys, monkeypatch, tmp_path):
+    """deepspeed is installed here: the engine's module is swapped for a name that cannot import."""
+    monkeypatch.setitem(distributed_config.ENGINE_MODULES, "deepspeed", "packtrain_no_such_module")
+    line = one_error(capsys, lambda: build_config(
+        compose(config_name="config", overrides=[*SMALL, "distributed=deepspeed_zero2"]), str(tmp_path)))
+    assert "distributed.engine=deepspeed needs the 'packtrain_no_such_module' package" in line, line
+    assert "use distributed=ddp" in line
+
+
+# ---------------------------------------------------------------------------------------------------
+# CALL_ROWS: checkpoints, resumes, the other commands' arguments, in this process
+# ---------------------------------------------------------------------------------------------------
+
+
+def fake_checkpoint(root: Path, meta: dict | None = None, conventions=None) -> Path:
+    """A checkpoint directory holding only meta.json (and conventions.json): what is read before anything else."""
+    path = store.checkpoint_dir(root, 3)
+    path.mkdir(parents=True)
+    (path / store.META_FILE).write_text(json.dumps(meta) if isinstance(meta, dict) else str(meta))
+    if conventions is not None:
+        (path / store.CONVENTIONS_FILE).write_text(conventions)
+    return path
+
+
+Call = Callable[[Path, Callable[[str], Any]], int | None]
+"""A row's action: (a fresh directory, pytest's getfixturevalue) -> the exit status, or None after it raised."""
+
+
+def resumed_with(*overrides: str) -> Call:
+    """Resume a checkpoint written with SMALL under `overrides` (check_resumable, as Trainer does first)."""
+    def call(tmp: Path, _) -> None:
+        path = fake_checkpoint(tmp, {"step": 3, "world_size": 1, "config": composed()})
+        check_resumable(path, composed(*overrides))
+    return call
+
+
+def damaged_meta(text: str) -> Call:
+    return lambda tmp, _: store.read_meta(fake_checkpoint(tmp, text))
+
+
+def damaged_conventions(text: str) -> Call:
+    return lambda tmp, _: checkpoint_conventions(fake_checkpoint(tmp, {"step": 3, "world_size": 1}, text))
+
+
+def other_world_size(tmp: Path, _) -> None:
+    store.load_checkpoint(fake_checkpoint(tmp, {"step": 3, "world_size": 2}), CPU, engine=None)
+
+
+def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str | None = None) -> Call:
+    """A command's own main (decorated with trainer.errors.command: it prints its line and returns the status);
+    `config_json`: first write {tmp}/runs/a with that config.json and one metrics line (for report)."""
+    def call(tmp: Path, _) -> int:
+        if config_json is not None:
+            (tmp / "runs" / "a").mkdir(parents=True)
+            (tmp / "runs" / "a" / "config.json").write_text(config_json)
+            (tmp / "runs" / "a" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+        return main([a.replace("{tmp}", str(tmp)) for a in argv])
+    return call
+
+
+def report_of(config_json: str, *flags: str) -> Call:
+    return command_main(report.main, "{tmp}/runs", "--out", "{tmp}/report", *flags, config_json=config_json)
+
+
+def unreadable_val_shard(tmp: Path, fixture) -> None:
+    demo_data = fixture("demo_data")
+    data = tmp / "data"
+    shutil.copytree(demo_data, data)
+    for shard in data.glob("val-*.tar"):
+        shard.write_bytes(b"this is no tar file" * 100)
+    load_eval_docs(DataConfig(path=str(data), on_error="skip", retries=0), data / "tokenizer", 0, 128, None, "skip")
+
+
+unreadable_val_shard.fixtures = ("demo_data",)  # made before the row runs: its output is not the row's
+
+
+CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of the error line)
+    ("seed", resumed_with("seed=1"), r"cannot resume from .*step_000003: it was written with seed=0 and this run "
+                                     r"has seed=1"),
+    ("train.seq_len", resumed_with("train.seq_len=256", "train.tokens_per_step=1024"),
+     r"written with train.seq_len=128, model.max_seq_len=128 and this run has train.seq_len=256, "
+     r"model.max_seq_len=256"),
+    ("data.num_workers", resumed_with("data.num_workers=2"), r"data.num_workers=1 and this run has data.num_workers=2"),
+    ("data.shuffle_buffer", resumed_with("data.shuffle_buffer=8"), r"data.shuffle_buffer=64 and this run has "),
+    ("model.n_layer", resumed_with("model=small", "model.max_seq_len=128"),
+     r"model.n_layer=2, model.n_head=4, model.n_embd=64 and this run has model.n_layer=6, model.n_head=6, "
+     r"model.n_embd=384; resume with the checkpoint's values"),
+    ("world_size", other_world_size, r"was written by 2 ranks and this run has 1"),
+    ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),
+    ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
+    ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
+    ("train.resume", damaged_conventions("{}"), r"conventions.json holds no tokenizer sha256 and vocab_size"),
+    ("train.resume", damaged_conventions("{"), r"conventions.json: unreadable"),
+    ("report", report_of(""), r"config.json: not valid JSON"),
+    ("report", report_of("[1, 2]"), r"config.json: holds a JSON list, not an object"),
+    ("report", report_of("{}", "--tolerance", "nan"), r"--tolerance must be a finite number >= 0, got nan"),
+    ("generate", command_main(generate.main, "{tmp}/x", "--prompt", "a", "--temperature", "nan"),
+     r"--temperature a finite number >= 0, got .* nan"),
+    ("generate", command_main(generate.main, "{tmp}/x", "--prompt", "a", "--device",
+                              "cuda" if not torch.cuda.is_available() else "cuda:999"),
+     r"--device cuda.*(no CUDA device is visible|CUDA device\(s\))"),
+    ("generate", command_main(generate.main, "{tmp}/x", "--prompt", "a", "--device", "gpu0"),
+     r"--device 'gpu0' is not a torch device"),
+    ("inspect_mask", command_main(inspect_mask.main, "--text", "a|b", "--sep", "", "--out", "{tmp}/out"),
+     r"--sep is empty"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--add-tokens", ""),
+     r"--add-tokens \[''\]: each token must be a non-empty string"),
+    ("data.on_error", unreadable_val_shard, r"the eval read no document from its 1 held-out shard\(s\) .*"
+                                              r"data.on_error=skip skipped what it could not read"),
+]
+
+
+@pytest.mark.parametrize("key, call, message", CALL_ROWS, ids=[f"{i}-{r[0]}" for i, r in enumerate(CALL_ROWS)])
+def test_a_bad_checkpoint_resume_or_argument_is_one_error_line(hydra_configs, capsys, tmp_path, request, key, call,
+                                                               message):
+    for name in getattr(call, "fixtures", ()):
+        request.getfixturevalue(name)
+    capsys.readouterr()
+    status = run_command(lambda: call(tmp_path, request.getfixturevalue), message=user_message)
+    line = assert_one_error_line(status, capsys.readouterr().err)
+    assert re.search(message, line), (message, line)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "report").exists()
+
+
+def test_nan_losses_at_the_same_steps_are_not_called_the_same_objective():
+    def run(name: str, losses: list[float]) -> report.Run:
+        return report.Run(name, Path(name), {"loss.normalization": "global_tokens"},
+                          [{"step": i + 1, "loss": x} for i, x in enumerate(losses)], None, [])
+
+    ref, other = run("a", [3.0, math.nan, math.nan]), run("b", [3.0, math.nan, math.nan])
+    verdict = report.same_objective_verdict(other, ref, ["data.prefetch"], 1e-4)
+    assert verdict.startswith("not comparable: non-finite loss at 2 shared step(s) (first: step 2)"), verdict
+    assert report.same_objective_verdict(run("c", [3.0, 2.5]), run("d", [3.0, 2.5]), [], 1e-4).startswith(
+        "same objective")
+
+
+# ---------------------------------------------------------------------------------------------------
+# COMMAND_ROWS: real subprocesses, side by side
+# ---------------------------------------------------------------------------------------------------
+
+COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
+    # name -> (config key or command, python -m argv ({tmp}: the row's directory), regex of the line, what stays intact)
+    "n_head_0": ("model.n_head", ["trainer.train", *SMALL, "model.n_head=0", "hydra.run.dir={tmp}/run"],
+                 r"^error: model.n_head must be >= 1, got 0$", None),
+    "zero_stage_under_ddp": ("distributed.zero_stage", ["trainer.train", *SMALL, "distributed.zero_stage=1",
+                                                        "hydra.run.dir={tmp}/run"],
+                             r"distributed.zero_stage exists only with distributed.engine=deepspeed", None),
+    "run_dir_is_a_file": ("hydra.*", ["trainer.train", *SMALL, "hydra.run.dir={tmp}/a_file"],
+                          r"cannot create the run directory .*a_file.*hydra.run.dir .* must name a directory",
+                          "a_file"),
+    "resume_with_another_seed": ("seed", ["trainer.train", *SMALL, "seed=1", "train.resume={tmp}/ckpt/checkpoints/"
+                                          "step_000003", "hydra.run.dir={tmp}/run"],
+                                 r"cannot resume from .*: it was written with seed=0 and this run has seed=1", "ckpt"),
+    "generate_temperature_nan": ("generate", ["trainer.generate", "{tmp}/ckpt/checkpoints/step_000003", "--prompt",
+                                              "x", "--temperature", "nan"], r"--temperature a finite number", "ckpt"),
+    "report_empty_config": ("report", ["trainer.report", "{tmp}/runs", "--out", "{tmp}/report"],
+                            r"config.json: not valid JSON", "runs"),
+    "inspect_mask_empty_sep": ("inspect_mask", ["trainer.inspect_mask", "--text", "a|b", "--sep", "", "--out",
+                                                "{tmp}/out"], r"--sep is empty", None),
+}
+
+# The trainer.train rows run through the real cli() one after another in ONE process (a start costs seconds);
+# writes [[exit status, stderr], ...] as JSON.
+TRAIN_DRIVER = r"""
+import contextlib, io, json, sys
+from trainer.train import cli
+cases, out_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        sys.argv = ["trainer.train", *argv]
+        try:
+            code = cli()
+        except SystemExit as e:  # a mistake inside the Hydra job exits from there
+            code = e.code
+    results.append([code, err.getvalue()])
+with open(out_path, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def tree_digest(path: Path) -> str:
+    """A digest of every file under `path` (or of the file itself): names and contents."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(path.parent)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def command_results(hydra_configs, tmp_path_factory) -> dict[str, tuple]:
+    """name -> (exit status, stderr, digest of what must be intact before, after, the row's directory)."""
+    config = composed()
+    rows, train_cases, procs = {}, {}, {}
+    for name, (_, argv, _, intact) in COMMAND_ROWS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        (tmp / "a_file").write_text("not a directory\n")
+        fake_checkpoint(tmp / "ckpt", {"step": 3, "world_size": 1, "config": config})
+        (tmp / "runs" / "r").mkdir(parents=True)
+        (tmp / "runs" / "r" / "config.json").write_text("")
+        (tmp / "runs" / "r" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+        rows[name] = (tmp, tree_digest(tmp / intact) if intact else None)
+        args = [a.replace("{tmp}", str(tmp)) for a in argv]
+        if args[0] == "trainer.train":
+            train_cases[name] = args[1:]
+        else:  # side by side with the train driver
+            procs[name] = subprocess.Popen([sys.executable, "-m", *args], cwd=tmp, env=ENV,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    out = tmp_path_factory.mktemp("train_driver") / "results.json"
+    driver = subprocess.run([sys.executable, "-c", TRAIN_DRIVER, json.dumps(list(train_cases.values())), str(out)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 0, driver.stderr[-5000:]
+    results = dict(zip(train_cases, map(tuple, json.loads(out.read_text())), strict=True))
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        results[name] = (proc.returncode, stderr)
+    out = {}
+    for name, (tmp, digest) in rows.items():
+        intact = COMMAND_ROWS[name][3]
+        out[name] = (*results[name], digest, tree_digest(tmp / intact) if intact else None, tmp)
+    return out
+
+
+@pytest.mark.parametrize("name", list(COMMAND_ROWS))
+def test_a_real_command_ends_a_mistake_with_one_line_and_exit_2(command_results, name):
+    code, stderr, before, after, tmp = command_results[name]
+    line = assert_one_error_line(code, stderr)
+    assert re.search(COMMAND_ROWS[name][2], line), (COMMAND_ROWS[name][2], line)
+    assert before == after, f"{COMMAND_ROWS[name][3]} changed"
+    assert not (tmp / "out").exists() and not (tmp / "report").exists()
+    run_dir = tmp / "run"  # Hydra makes it before the job; the job wrote nothing into it
+    assert not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}
+
+
+def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
+           "train.max_steps=100000", "train.checkpoint_every=1", "train.eval_every=0", "train.keep_last=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: Ctrl-C reaches the workers too
+    deadline = time.monotonic() + 90
+    while store.latest_checkpoint(run_dir) is None or store.latest_checkpoint(run_dir).name < store.step_name(2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert re.match(r"error: interrupted \(SIGINT\): training stopped during step \d+; nothing after step \d+ was "
+                    r"saved \(last checkpoint: .*step_\d+\); continue with train.resume=true", lines[0]), lines[0]
+    last = store.latest_checkpoint(run_dir)
+    assert store.read_meta(last)["step"] >= 2 and (last / store.WEIGHTS_FILE).is_file()  # complete, loadable
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table covers every config key
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_every_config_key_has_a_bad_input_row():
+    covered = ({key for key, _, _ in CONFIG_ROWS} | {key for key, _, _ in CALL_ROWS}
+               | {row[0] for row in COMMAND_ROWS.values()})
+    missing = sorted(set(CONFIG_KEYS) - covered)
+    assert missing == [], f"add a row with an invalid value of each new config key: {missing}"
+    for key, overrides, _ in CONFIG_ROWS:  # each config row sets the key it is filed under (or a group of it)
+        assert key == "hydra.*" or any(o.split("=")[0] in (key, key.split(".")[0]) for o in overrides), key
