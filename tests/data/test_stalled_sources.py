@@ -245,6 +245,7 @@ def small_shard(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_zero(demo_data, small_shard, tmp_path,
                                                                                      num_workers):
@@ -282,6 +283,7 @@ def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_z
     assert survivors(commands, groups) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_kill_9_of_the_trainer_leaves_no_shard_command_running(demo_data, tmp_path, silent, num_workers):
     """kill -9 of the trainer while its readers wait on a pipe: command with children (`sleep | cat`) and, with
@@ -311,6 +313,7 @@ def test_a_shard_read_to_its_end_leaves_no_child_of_its_command(demo_data):
     assert processes_running(f"sleep {mark}") == []
 
 
+@pytest.mark.slow
 def test_a_run_that_abandons_its_shards_leaves_no_process_of_their_commands(demo_data, tmp_path):
     """The same commands in a real run of 2 steps: it stops in the middle of its shard (abandons it). Once it
     exited, no child of any shard command is alive."""
