@@ -5,11 +5,14 @@ process harnesses (gloo ranks, free ports, optional modules) in tests/harness.py
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +47,27 @@ SMALL = [
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
 """The environment of a command run by a test: one thread per process, this checkout on the path, no W&B."""
+
+
+# Runs each argv through trainer.train.cli() in ONE process (a start costs seconds); argv[1] is a JSON list of
+# argv lists, argv[2] the path it writes [[exit status, stderr], ...] to (tests/trainer/test_errors.py and
+# tests/test_bad_inputs.py).
+TRAIN_CLI_DRIVER = r"""
+import contextlib, io, json, sys
+from trainer.train import cli
+cases, out_path, results = json.loads(sys.argv[1]), sys.argv[2], []
+for argv in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        sys.argv = ["trainer.train", *argv]
+        try:
+            code = cli()
+        except SystemExit as e:  # a user's mistake inside the Hydra job exits from there
+            code = e.code
+    results.append([code, err.getvalue()])
+with open(out_path, "w") as f:
+    json.dump(results, f)
+"""
 
 
 def run_train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None,
@@ -184,6 +208,21 @@ class ShardServer(http.server.ThreadingHTTPServer):
     def curl_gets(self, name: str) -> int:
         """GET requests for `name` made by curl (the reader), not by the status probe (urllib)."""
         return sum(agent.startswith("curl/") for agent in self.requests[name])
+
+
+@contextlib.contextmanager
+def serve_shards(directory: Path, handler: type = None):
+    """A real local HTTP server for the files of `directory` (handler: ShardHandler or a subclass), in a thread;
+    `server.base` is its URL."""
+    server = ShardServer(("127.0.0.1", 0), functools.partial(handler or ShardHandler, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 import trainer.distributed.config as distributed_config
-from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line
+from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import checkpoint_conventions
@@ -401,26 +401,6 @@ COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
                                                 "{tmp}/out"], r"--sep is empty", None),
 }
 
-# The trainer.train rows run through the real cli() one after another in ONE process (a start costs seconds);
-# writes [[exit status, stderr], ...] as JSON.
-TRAIN_DRIVER = r"""
-import contextlib, io, json, sys
-from trainer.train import cli
-cases, out_path, results = json.loads(sys.argv[1]), sys.argv[2], []
-for argv in cases:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        sys.argv = ["trainer.train", *argv]
-        try:
-            code = cli()
-        except SystemExit as e:  # a mistake inside the Hydra job exits from there
-            code = e.code
-    results.append([code, err.getvalue()])
-with open(out_path, "w") as f:
-    json.dump(results, f)
-"""
-
-
 def tree_digest(path: Path) -> str:
     """A digest of every file under `path` (or of the file itself): names and contents."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -450,7 +430,7 @@ def command_results(hydra_configs, tmp_path_factory) -> dict[str, tuple]:
             procs[name] = subprocess.Popen([sys.executable, "-m", *args], cwd=tmp, env=ENV,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     out = tmp_path_factory.mktemp("train_driver") / "results.json"
-    driver = subprocess.run([sys.executable, "-c", TRAIN_DRIVER, json.dumps(list(train_cases.values())), str(out)],
+    driver = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(list(train_cases.values())), str(out)],
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert driver.returncode == 0, driver.stderr[-5000:]
     results = dict(zip(train_cases, map(tuple, json.loads(out.read_text())), strict=True))

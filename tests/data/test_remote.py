@@ -16,13 +16,12 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 from tests.harness import free_port
-from tests.helpers import ROOT, SMALL, ShardHandler, ShardServer, metrics
+from tests.helpers import ROOT, SMALL, ShardHandler, metrics, serve_shards
 from trainer.data.config import DataConfig
 from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError
@@ -36,13 +35,8 @@ TRAIN = "train-{000000..000004}.tar"  # the demo_data fixture's five train shard
 
 @pytest.fixture(scope="module")
 def server(demo_data):
-    srv = ShardServer(("127.0.0.1", 0), functools.partial(ShardHandler, directory=str(demo_data)))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    srv.base = f"http://127.0.0.1:{srv.server_address[1]}"
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with serve_shards(demo_data, ShardHandler) as srv:
+        yield srv
 
 
 @pytest.fixture

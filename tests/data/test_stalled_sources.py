@@ -9,7 +9,6 @@ found with psutil: the shard commands are the trainer's descendants running `sle
 from __future__ import annotations
 
 import collections
-import functools
 import io
 import json
 import os
@@ -20,14 +19,13 @@ import socket
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import ROOT, SMALL, ShardHandler, ShardServer
+from tests.helpers import ROOT, SMALL, ShardHandler, serve_shards
 from trainer.data.config import DataConfig
 from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError
@@ -51,13 +49,8 @@ class StatusHandler(ShardHandler):
 
 @pytest.fixture(scope="module")
 def server(demo_data):
-    srv = ShardServer(("127.0.0.1", 0), functools.partial(StatusHandler, directory=str(demo_data)))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    srv.base = f"http://127.0.0.1:{srv.server_address[1]}"
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with serve_shards(demo_data, StatusHandler) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -23,31 +23,13 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from tests.harness import free_port
-from tests.helpers import ENV, LAYERS, ROOT, SMALL, assert_one_error_line
+from tests.helpers import ENV, LAYERS, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
 from trainer.data.corpus import PrepareError
 from trainer.data.reader import DataStreamError
 from trainer.errors import EXIT_USER_ERROR, UserError, command, one_line, original_message, run_command
 from trainer.inspect_mask import InspectError
 from trainer.model import BackendUnavailable, resolve_backend
 from trainer.report import ReportError
-
-# Runs each argv through trainer.train.cli() in this one process; writes [[exit status, stderr], ...] as JSON.
-DRIVER = r"""
-import contextlib, io, json, sys
-from trainer.train import cli
-cases, out_path, results = json.loads(sys.argv[1]), sys.argv[2], []
-for argv in cases:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        sys.argv = ["trainer.train", *argv]
-        try:
-            code = cli()
-        except SystemExit as e:  # a user's mistake inside the Hydra job exits from there
-            code = e.code
-    results.append([code, err.getvalue()])
-with open(out_path, "w") as f:
-    json.dump(results, f)
-"""
 
 
 def train_cli(run_dir: Path, data: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -142,7 +124,7 @@ def cheap_results(demo_data, tmp_path_factory) -> dict[str, tuple[int, str]]:
         for name, (overrides, _) in CHEAP.items()
     ]
     out = root / "results.json"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases), str(out)], cwd=ROOT, env=ENV,
+    proc = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(cases), str(out)], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return dict(zip(CHEAP, map(tuple, json.loads(out.read_text())), strict=True))
