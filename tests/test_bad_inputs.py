@@ -76,7 +76,8 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("train.resume", ("train.resume=''",), r"train.resume must be a checkpoint path, not an empty string"),
     ("train.resume", ("train.resume=[a]",), r"train.resume must be true or false or a string, got \['a'\]"),
     ("train.overwrite", ("train.overwrite=maybe",), r"train.overwrite must be true or false, got 'maybe'"),
-    ("train.overwrite", ("train.overwrite=true", "train.resume=true"), r"set only one of them"),
+    ("train.overwrite", ("train.overwrite=true", "train.resume=true"),
+     r"train.overwrite=true replaces .* and train.resume=true continues it: set only one of them"),
     ("train.init_from", ("train.init_from=''",), r"train.init_from must be a checkpoint path, not an empty string"),
     ("train.warmup_marked_steps", ("train.warmup_marked_steps=-2",), r"train.warmup_marked_steps must be >= 0, got -2"),
     ("train.eval_every", ("train.eval_every=-1",), r"train.eval_every must be >= 0"),
@@ -393,6 +394,15 @@ COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
     "resume_with_another_seed": ("seed", ["trainer.train", *SMALL, "seed=1", "train.resume={tmp}/ckpt/checkpoints/"
                                           "step_000003", "hydra.run.dir={tmp}/run"],
                                  r"cannot resume from .*: it was written with seed=0 and this run has seed=1", "ckpt"),
+    "resume_another_runs_checkpoint_into_a_used_run_dir": (
+        "train.resume", ["trainer.train", *SMALL, "train.resume={tmp}/ckpt/checkpoints/step_000003",
+                         "hydra.run.dir={tmp}/runs/r"],
+        r"runs/r already holds a run \(metrics.jsonl, config.json\) and train.resume=.*ckpt/checkpoints/step_000003 is "
+        r"another run's checkpoint: resume it in another hydra.run.dir, or with train.overwrite=true", "runs/r/metrics.jsonl"),
+    "overwrite_and_resume_own_checkpoint": (
+        "train.overwrite", ["trainer.train", *SMALL, "train.overwrite=true", "train.resume={tmp}/ckpt/checkpoints/"
+                            "step_000003", "hydra.run.dir={tmp}/ckpt"],
+        r"train.overwrite=true would move .*step_000003 aside with the rest of the run it continues", "ckpt/checkpoints"),
     "generate_temperature_nan": ("generate", ["trainer.generate", "{tmp}/ckpt/checkpoints/step_000003", "--prompt",
                                               "x", "--temperature", "nan"], r"--temperature a finite number", "ckpt"),
     "report_empty_config": ("report", ["trainer.report", "{tmp}/runs", "--out", "{tmp}/report"],

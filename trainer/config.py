@@ -54,8 +54,9 @@ class TrainConfig:
     resume: bool | str = False
     """False, True (latest checkpoint in the run dir) or a checkpoint path."""
     overwrite: bool = False
-    """A fresh run (resume false) in a run dir that holds a run: move that run's files into
-    `<run dir>/replaced-<UTC time>/` first. False: such a start is refused (trainer/run/run_dir.py)."""
+    """A fresh run (resume false), or a resume of another run's checkpoint, in a run dir that holds a run: move
+    that run's files into `<run dir>/replaced-<UTC time>/` first. False: such a start is refused
+    (trainer/run/run_dir.py). With train.resume=true, or a checkpoint of the run dir's own: refused."""
     init_from: str | None = None
     """A checkpoint directory whose weights start this run (fine-tuning): weights only; the optimizer, LR
     schedule, step count and data stream start fresh. Its tokenizer must be the data's (see TokenizerConfig)."""
@@ -76,9 +77,10 @@ class TrainConfig:
     more compute (see trainer.model.gpt.apply_activation_checkpointing)."""
 
     def __post_init__(self) -> None:
-        if self.overwrite and self.resume not in (False, "false", "False"):
-            raise ValueError("train.overwrite=true replaces the run dir's run and train.resume continues one: "
-                             "set only one of them")
+        if self.overwrite and self.resume in (True, "true", "True"):
+            raise ValueError("train.overwrite=true replaces the run dir's run and train.resume=true continues it: "
+                             "set only one of them (launch/slurm.sbatch adds train.resume=true to every start; "
+                             "a new run there needs another hydra.run.dir)")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise ValueError(f"train.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                              f"got {self.activation_checkpointing!r}")

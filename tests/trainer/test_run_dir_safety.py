@@ -1,12 +1,14 @@
-"""Nothing of an earlier run is lost: a fresh run in a used run dir is refused (or, with train.overwrite=true,
-moves the old run aside whole), a resume from an older step sets the newer branch aside so that
-train.resume=true never picks it again, and a checkpoint without conventions.json still has its tokenizer
-checked against the data's. Real runs of `python -m trainer.train` on the tiny model (trainer/run/run_dir.py)."""
+"""Nothing of an earlier run is lost: a fresh run, or a resume of another run's checkpoint, in a used run dir is
+refused (or, with train.overwrite=true, moves the old run aside whole), a resume from an older step sets the
+newer branch aside so that train.resume=true never picks it again, and a checkpoint without conventions.json
+still has its tokenizer checked against the data's. Real runs of `python -m trainer.train` on the tiny model
+(trainer/run/run_dir.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,8 +129,10 @@ def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, 
     run_dir = copy_of(earlier, tmp_path / "run")
     before = snapshot(run_dir)
     old_lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "link").symlink_to(run_dir)  # its own checkpoint, named through a symlink and a relative path
+    own = os.path.relpath(store.checkpoint_dir(tmp_path / "link", 4), ROOT)
     proc = run_train(run_dir, demo_data, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=4",
-                     "train.eval_every=0", f"train.resume={store.checkpoint_dir(run_dir, 4)}")
+                     "train.eval_every=0", f"train.resume={own}")
     # The run dir: the new branch from step 4 on (what train.resume=true picks next), old steps 1..4 untouched.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
     assert store.latest_checkpoint(run_dir) == store.checkpoint_dir(run_dir, 6)
@@ -150,6 +154,39 @@ def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, 
     assert abandoned["summary.json"] == before["summary.json"] and abandoned["config.json"] == before["config.json"]
     assert (aside / "metrics.jsonl").read_text().splitlines(keepends=True) == old_lines[4:]
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
+
+
+# ---------------------------------------------------------------------------------------------------
+# A checkpoint of another run
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_another_runs_checkpoint_into_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data, tmp_path):
+    """Resumed into a run dir that holds a run, a checkpoint from outside its checkpoints/ would mix two runs
+    there: refused with the choices, also when its path starts with the run dir's (`run/../other/...`)."""
+    run_dir = copy_of(earlier, tmp_path / "run")
+    other = copy_of(earlier, tmp_path / "other")
+    before, theirs = snapshot(run_dir), store.checkpoint_dir(other, 4)
+    proc = train(run_dir, demo_data, "train.max_steps=6", "train.eval_every=0",
+                 f"train.resume={run_dir}/../other/checkpoints/{theirs.name}")
+    assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} already holds a run", "metrics.jsonl",
+                          f"{theirs.resolve()} is another run's checkpoint", "hydra.run.dir", "train.overwrite=true")
+    assert snapshot(run_dir) == before and snapshot(other) == snapshot(earlier)
+
+
+def test_overwrite_moves_the_earlier_run_aside_for_another_runs_checkpoint(earlier, demo_data, tmp_path):
+    run_dir = copy_of(earlier, tmp_path / "run")
+    other = copy_of(earlier, tmp_path / "other")
+    before, theirs = snapshot(run_dir), store.checkpoint_dir(other, 4)
+    proc = run_train(run_dir, demo_data, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=4",
+                     "train.eval_every=0", "train.overwrite=true", f"train.resume={theirs}")
+    # The earlier run whole under replaced-<time>/; the resumed one alone in the run dir, from step 4 on.
+    [aside] = sorted(set(run_dir.glob("replaced-*")) - {run_dir / SEEDED})
+    assert f"moved into {aside} (nothing deleted)" in proc.stdout and f"resumed from {theirs} at step 4" in proc.stdout
+    assert snapshot(aside) == {k: v for k, v in before.items() if not k.startswith(f"{SEEDED}/")}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000006"]
+    assert [m["step"] for m in metrics(run_dir)] == [5, 6] and not list(run_dir.glob("abandoned-*"))
+    assert snapshot(other) == snapshot(earlier)
 
 
 # ---------------------------------------------------------------------------------------------------

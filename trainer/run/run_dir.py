@@ -3,6 +3,9 @@
     a fresh run (train.resume=false) in a used run dir    refused with one line naming the choices; with
                                                          train.overwrite=true the old run's files are moved
                                                          into `<run dir>/replaced-<UTC time>/`
+    a resume from another run's checkpoint (a path        the same: refused, or with train.overwrite=true the
+      outside the run dir's checkpoints/) in a used one   old run moved aside; into an empty run dir it starts
+    a resume from the run dir's own checkpoints/          continues it (with train.overwrite=true: refused)
     a resume from step k while checkpoints after k exist  that abandoned branch (its checkpoints, its
                                                          metrics.jsonl lines after k, its summary.json) is
                                                          moved into `<run dir>/abandoned-after-step_k-<UTC time>/`
@@ -42,26 +45,50 @@ def used_by(run_dir: Path) -> list[str]:
     return [name for name in RUN_FILES if (run_dir / name).exists()]
 
 
+def own_checkpoint(run_dir: Path, checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` lies in `run_dir`'s checkpoints/, both resolved first (symlinks, `..`, a relative path
+    from the working directory, as the checkpointer reads train.resume): a resume from it continues that run."""
+    return Path(checkpoint).resolve().parent == store.checkpoint_root(run_dir).resolve()
+
+
+OVERWRITE = "train.overwrite=true (the run dir's files are moved into <run dir>/replaced-<UTC time>/, not deleted)"
+
+
 def guard_fresh_start(run_dir: Path, resume: bool | str, overwrite: bool, info: DistInfo) -> None:
-    """Collective, before anything is written. A fresh start in a used run dir raises a ConfigError naming the
-    choices, or with `overwrite` moves the old run's files aside and says where. Rank 0 looks and decides;
-    every rank raises the same error, so none is left waiting in a later collective."""
-    if resuming(resume):
+    """Collective, before anything is written. A start that would put a second run into a used run dir (a fresh
+    one, or a resume from another run's checkpoint) raises a ConfigError naming the choices, or with `overwrite`
+    moves the old run's files aside and says where; a resume from the run dir's own checkpoints continues it.
+    Rank 0 looks and decides; every rank raises the same error, so none is left waiting in a later collective."""
+    if resume in (True, "true", "True"):  # the run dir's latest (with overwrite: refused by TrainConfig)
         return
     refusal = None
     if info.is_main and (found := used_by(run_dir)):
-        if overwrite:
+        refusal = _refusal(run_dir, resume, overwrite, found)
+        if refusal is None and overwrite:
             dest = _new_dir(run_dir, "replaced")
             for name in found:
                 os.replace(run_dir / name, dest / name)
             print(f"overwrite: the earlier run's {', '.join(found)} moved into {dest} (nothing deleted)", flush=True)
-        else:
-            refusal = (f"{run_dir} already holds a run ({', '.join(found)}): continue it with train.resume=true, "
-                       "start in another hydra.run.dir (hydra.sweep.dir under -m), or replace it with train.overwrite=true "
-                       "(its files are moved into <run dir>/replaced-<UTC time>/, not deleted)")
     refusal = broadcast_object(refusal)
     if refusal:
         raise ConfigError(refusal)
+
+
+def _refusal(run_dir: Path, resume: bool | str, overwrite: bool, found: list[str]) -> str | None:
+    """Why this start may not use `run_dir`, which holds `found` of an earlier run; None: it may (with
+    `overwrite`, once those are moved aside)."""
+    held = f"{run_dir} already holds a run ({', '.join(found)})"
+    if resuming(resume) and own_checkpoint(run_dir, str(resume)):  # a continuation
+        return (f"train.overwrite=true would move {Path(str(resume)).resolve()} aside with the rest of the run it "
+                f"continues: drop train.overwrite to continue {run_dir}'s run from it, or resume it in another "
+                "hydra.run.dir") if overwrite else None
+    if overwrite:
+        return None
+    if resuming(resume):
+        return (f"{held} and train.resume={Path(str(resume)).resolve()} is another run's checkpoint: resume it in "
+                f"another hydra.run.dir, or with {OVERWRITE}")
+    return (f"{held}: continue it with train.resume=true, start in another hydra.run.dir (hydra.sweep.dir under -m), "
+            f"or replace it with {OVERWRITE}")
 
 
 def set_aside_after(run_dir: Path, step: int) -> Path | None:
