@@ -162,14 +162,19 @@ def save_checkpoint(
     barrier()
     # A write that fails (a full disk, a quota, permissions) is caught on its rank and agreed on by all ranks
     # (dist_max) before anyone moves on: the partial directory is removed, the previous checkpoint is intact, and
-    # every rank raises the same one-line error instead of a traceback from deep inside torch.save.
+    # every rank raises the same one-line error instead of a traceback from deep inside torch.save. A sharded
+    # engine's save_shards raises its write failure only after its own collectives (DeepSpeedEngine.save_shards
+    # says which writes that covers), so no rank is left waiting inside it.
     failure: BaseException | None = None
     try:
         save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
     except (OSError, RuntimeError) as e:
         failure = e
     if engine.sharded:
-        engine.save_shards(tmp / DEEPSPEED_DIR)  # collective: every rank writes its shard
+        try:
+            engine.save_shards(tmp / DEEPSPEED_DIR)  # collective: every rank writes its shard
+        except (OSError, RuntimeError) as e:
+            failure = failure or e
     elif info.is_main and failure is None:
         try:
             save_state(engine.state_dict(), tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
@@ -184,10 +189,14 @@ def save_checkpoint(
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         except (OSError, RuntimeError) as e:
             failure = e
-    if dist_max(1.0 if failure is not None else 0.0, info.device) > 0:  # also the barrier before the rename
+    # Also the barrier before the rename. "No space" is agreed too: it is seen before rank 0 frees the disk, so
+    # every rank's line names the full disk, the ranks whose own writes went through as well.
+    status = _WRITTEN if failure is None else _NO_SPACE if _no_space(failure, root) else _FAILED
+    agreed = dist_max(float(status), info.device)
+    if agreed > 0:
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(failure, root, step)
+        raise _save_error(failure, root, step, no_space=agreed == _NO_SPACE)
     if info.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -196,15 +205,22 @@ def save_checkpoint(
     return final
 
 
-def _save_error(failure: BaseException | None, root: Path, step: int) -> BaseException:
-    """The one-line error for a checkpoint that could not be written, or `failure` itself if it is not about
-    the file system (a bug keeps its traceback)."""
+_WRITTEN, _FAILED, _NO_SPACE = 0, 1, 2
+"""A rank's outcome of a save, agreed over the ranks by their maximum."""
+
+
+def _no_space(failure: BaseException, root: Path) -> bool:
+    """Whether `failure` is a full disk (torch.save reports one as "unexpected pos ...", not as ENOSPC)."""
+    return getattr(failure, "errno", None) == errno.ENOSPC or _nearly_full(root)
+
+
+def _save_error(failure: BaseException | None, root: Path, step: int, no_space: bool) -> BaseException:
+    """The one-line error for a checkpoint that could not be written (`no_space`: on some rank, a full disk),
+    or `failure` itself if it is not about the file system (a bug keeps its traceback)."""
     done = _complete(root)
     last = f"step {done[-1][0]}" if done else "none"
     where = f"the checkpoint of step {step} ({root})"
-    errno_ = getattr(failure, "errno", None)
-    full = errno_ == errno.ENOSPC or _nearly_full(root)  # torch.save reports a full disk as "unexpected pos ..."
-    if full:
+    if no_space:
         return CheckpointError(f"no space left on {_mount_point(root)} while writing {where}; the partial directory "
                                f"was removed; the last complete checkpoint is {last}")
     if isinstance(failure, OSError):

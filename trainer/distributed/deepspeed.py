@@ -18,12 +18,16 @@ rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is t
 Checkpoints: ZeRO's state is sharded, so DeepSpeed writes and reads its own files (`save_shards`, `load_shards`),
 in the one directory the checkpoint store names and after the store has checked them (trainer.checkpoint.store
 describes the files); the whole weights are gathered and returned (`full_weights`) for the store to write.
+A write of DeepSpeed's that fails (a full disk) is raised only once DeepSpeed's save has ended, so that no rank
+is left waiting in its collectives (`save_shards`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -125,8 +129,23 @@ class DeepSpeedEngine:
         """Collective: every rank writes its ZeRO shard (and rank 0 the module and schedule) into `directory`.
 
         DeepSpeed writes a checkpoint into `save_dir/tag/`: here `directory.parent/directory.name` (it also
-        copies its recovery scripts, zero_to_fp32.py and zero_to_torch.py, into `directory.parent`)."""
-        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+        copies its recovery scripts, zero_to_fp32.py and zero_to_torch.py, into `directory.parent`).
+
+        A write that fails (a full disk, a quota) is raised only after DeepSpeed's save has ended on this rank,
+        that is after every collective of it: DeepSpeed's save writes its files between a barrier before and
+        collectives after (ZeRO-3's gather of its persistent parameters, a closing barrier), so a rank that
+        raised from a write would leave the others waiting there. While it saves, its file writes
+        (`checkpoint_engine.save`: the module file, each rank's optimizer partition) and rank 0's copy of the
+        recovery scripts record their OSError or RuntimeError (torch.save's "unexpected pos" on a full disk)
+        instead of raising it; DeepSpeed goes on through the rest of its save, and the first failure is raised
+        at the end, for the store to agree on over the ranks (trainer.checkpoint.store.save_checkpoint).
+        Not covered: an error DeepSpeed raises outside those writes (in 0.19.8, the creation of directories it
+        already catches itself, and NVMe offload's copy, which packtrain's offload=cpu does not use)."""
+        failures: list[BaseException] = []
+        with _failures_recorded(failures, (self.ds.checkpoint_engine, "save"), (self.ds, "_copy_recovery_script")):
+            self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+        if failures:
+            raise failures[0]
 
     def load_shards(self, directory: Path) -> None:
         """Collective. DeepSpeed unpickles with weights_only=False: the caller checks the files first."""
@@ -147,6 +166,35 @@ class DeepSpeedEngine:
             if self.ds.global_rank != 0:
                 return {}
             return {k: v.detach().float().cpu().clone().contiguous() for k, v in self.module.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _failures_recorded(failures: list[BaseException], *methods: tuple[object, str]) -> Iterator[None]:
+    """Within the block, each `(obj, name)` method appends an OSError or RuntimeError it raises to `failures`
+    and returns None instead (a method `obj` lacks is left out); afterwards the methods are as before."""
+
+    def recorded(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except (OSError, RuntimeError) as e:
+                failures.append(e)
+                return None
+
+        return call
+
+    patched = [(obj, name, vars(obj).get(name)) for obj, name in methods if hasattr(obj, name)]
+    for obj, name, _ in patched:
+        setattr(obj, name, recorded(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, name, own in patched:  # an instance's own attribute back, or the class's method again
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
 
 
 def _import_deepspeed(device: torch.device):
