@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.harness import free_port
 from tests.helpers import ROOT, SMALL, ShardHandler, serve_shards
 from trainer.data.config import DataConfig
 from trainer.data.loader import DocumentLoader
@@ -136,14 +137,15 @@ def test_http_503_is_tried_exactly_retries_plus_one_times(demo_data, http, retri
 # -- real training runs: SIGTERM while stalled, kill -9, abandoned shards ----------------------------------------
 
 
-def start(run_dir: Path, demo_data: Path, *overrides: str) -> subprocess.Popen:
-    """`python -m trainer.train` in the background (its own session), output to files beside run_dir."""
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
+def start(run_dir: Path, demo_data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.Popen:
+    """`python -m trainer.train` (or `launcher` + trainer.train) in the background (its own session), output to
+    files beside run_dir."""
+    cmd = [*(launcher or [sys.executable, "-m"]), "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
            "train.eval_every=0", "train.checkpoint_every=0", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115 (closed with the process)
-    err = open(run_dir.parent / f"{run_dir.name}.err", "w")  # noqa: SIM115
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (closed with the process)
+    err = open(run_dir.parent / f"{run_dir.name}.err", "a")  # noqa: SIM115
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
 
 
@@ -320,3 +322,89 @@ def test_a_run_that_abandons_its_shards_leaves_no_process_of_their_commands(demo
     finally:
         stop(proc)
     assert processes_running(f"sleep {mark}") == []
+
+
+def _small_shards(directory: Path, count: int, docs: int) -> list[Path]:
+    """`count` shards of `docs` one-line functions (~20 tokens) each."""
+    paths = []
+    for s in range(count):
+        path = directory / f"small-{s:06d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in range(docs):
+                text = f"def g{s}_{i}(x):\n    return x * {s}\n".encode()
+                info = tarfile.TarInfo(f"doc{s}_{i:03d}.txt")
+                info.size = len(text)
+                tar.addfile(info, io.BytesIO(text))
+        paths.append(path)
+    return paths
+
+
+def _rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """torchrun's rank processes by RANK (their environment)."""
+    found = {}
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            rank = p.environ().get("RANK")
+            if rank is not None and "trainer.train" in " ".join(p.cmdline()):
+                found[int(rank)] = p
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_one_rank_stalled_in_a_read_checkpoints_every_rank_and_resumes_exactly(demo_data, tmp_path):
+    """Two ranks (torchrun, gloo). Rank 1's shard source stalls at its end while the flag file exists (the pipe:
+    command sees RANK): rank 1 trains on the first 64 documents (the stream tokenizes 64 at a time), then blocks
+    inside its read, rank 0 waits for it in the step's collective. SIGTERM to
+    rank 1 alone: both ranks checkpoint the last finished step together and exit 0 (before, rank 1 raised and the
+    job died). Resumed without the stall, the run's losses are those of a run never interrupted: rank 0's rows
+    of the abandoned step were put back, none lost or doubled."""
+    shards = _small_shards(tmp_path, 2, docs=80)  # ~3 steps per epoch
+    flag, mark = tmp_path / "stall", marker()
+    urls = [f'pipe:cat {s}; if [ -e {flag} ] && [ "$RANK" = 1 ]; then exec sleep {mark}; fi' for s in shards]
+    common = ["data.num_workers=0", "train.max_steps=10", "data.shuffle_buffer=4", "packing.buffer_size=4",
+              "data.read_timeout_s=600", f"data.urls=[{','.join(repr(u) for u in urls)}]"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                str(free_port()), "-m"]
+    reference = tmp_path / "reference"
+    done = start(reference, demo_data, *common, launcher=launcher)
+    try:
+        assert done.wait(timeout=300) == 0, output(reference)[-3000:]
+    finally:
+        stop(done)
+
+    flag.touch()
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, demo_data, *common, launcher=launcher)
+    try:
+        shard_commands(proc, run_dir, f"sleep {mark}", timeout=180)  # rank 1 reached the stall
+        deadline, logged, since = time.time() + 90, -1, time.time()
+        while time.time() < deadline and not (logged > 0 and time.time() - since > 2):  # steps stopped: blocked
+            if steps_logged(run_dir) != logged:
+                logged, since = steps_logged(run_dir), time.time()
+            time.sleep(0.1)
+        assert 0 < logged < 10, f"the stall did not stop the run mid-way: {output(run_dir)[-3000:]}"
+        _rank_processes(proc)[1].send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("SIGTERM to the stalled rank did not end the job in 60 s") from None
+    finally:
+        stop(proc)
+    assert code == 0, output(run_dir)[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == logged and summary["preempted"] == "a signal on another rank"
+    assert f"preempted (a signal on another rank) after step {logged}" in output(run_dir)
+    assert (run_dir / "checkpoints" / f"step_{logged:06d}").is_dir()
+
+    flag.unlink()
+    resumed = start(run_dir, demo_data, *common, "train.resume=true", launcher=launcher)
+    try:
+        assert resumed.wait(timeout=300) == 0, output(run_dir)[-3000:]
+    finally:
+        stop(resumed)
+    losses = {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    expected = {m["step"]: m["loss"] for m in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(losses) == list(range(1, 11))
+    assert losses == pytest.approx(expected, abs=1e-6), "the resumed run trained on other rows"

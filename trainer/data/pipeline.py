@@ -56,6 +56,11 @@ class RowStream:
                 self._ready.extend(self.packer.push(piece))
         return [self._ready.popleft() for _ in range(min(num_rows, len(self._ready)))]
 
+    def unread(self, rows: list[list[Document]]) -> None:
+        """Put rows handed out by the last `take` back in front: the next `take` (and a checkpoint's state) has
+        them again, as if they had never been taken (a step abandoned before it ran, trainer.run.inputs)."""
+        self._ready.extendleft(reversed(rows))
+
     def next_epoch(self) -> None:
         """Continue after the end of a finite (lockstep: one epoch) document stream: iterate it again."""
         self._doc_iter = None
@@ -176,6 +181,12 @@ class RowPrefetcher:
         stats = PackingStats()
         stats.load_state_dict(self.state_dict()["stats"])
         return stats
+
+    def unread(self, rows: list[list[Document]]) -> None:
+        """RowStream.unread: before any next draw started (a draw holds the rows after these)."""
+        self._no_pending("unread")
+        self._prepared = None
+        self.rows.unread(rows)
 
     def next_epoch(self) -> None:
         self._no_pending("next_epoch")

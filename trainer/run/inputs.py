@@ -23,10 +23,16 @@ from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from trainer.data.workers import ReadInterrupted
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+class StepInterrupted(ReadInterrupted):
+    """A preemption signal stopped a read of this step's rows: raised by `StepInputs.next` on every rank at the
+    same point, before the step ran, so the ranks can checkpoint the last finished step together."""
 
 
 @dataclass
@@ -125,19 +131,43 @@ class StepInputs:
     def take_rows(self, n_rows: int) -> list:
         """This rank's rows of the next step. With data.epoch_lockstep, a rank whose readers finished the epoch
         has packed what it held and contributes fewer (or no) rows until every rank has finished; then all
-        start the next epoch together. Collective (two tiny all-reduces per step)."""
+        start the next epoch together. Collective with several ranks (two tiny all-reduces per step with
+        lockstep, one without); raises StepInterrupted on every rank if a preemption signal stopped a read."""
         rows_stream = self.data.rows
         if not self.cfg.data.epoch_lockstep:
-            return rows_stream.take(n_rows)
+            return self._take_agreed(n_rows)[0] if self.info.world_size > 1 else self._take_alone(n_rows)
         for _ in range(3):
             (waiting,) = dist_sum([float(rows_stream.exhausted)], self.info.device)
             if waiting == self.info.world_size:  # every rank is done with the epoch
                 rows_stream.next_epoch()
-            rows = rows_stream.take(n_rows)
-            (total,) = dist_sum([float(len(rows))], self.info.device)
+            rows, total = self._take_agreed(n_rows)
             if total > 0:
                 return rows
         raise RuntimeError("a whole epoch gave no documents on any rank (empty or all-skipped training shards?)")
+
+    def _take_alone(self, n_rows: int) -> list:
+        try:
+            return self.data.rows.take(n_rows)
+        except ReadInterrupted as exn:
+            raise StepInterrupted(str(exn)) from exn
+
+    def _take_agreed(self, n_rows: int) -> tuple[list, float]:
+        """take(n_rows) and the number of rows taken over all ranks (collective). A read interrupted on any rank
+        (a preemption signal while its source stalled) abandons the step on every rank, before it runs: the ranks
+        that got their rows put them back (RowStream.unread), so the checkpoint of the last finished step holds
+        them, and all raise StepInterrupted here together. Without this, the interrupted rank would leave while
+        the others wait in this step's collectives."""
+        try:
+            rows, interrupted = self.data.rows.take(n_rows), None
+        except ReadInterrupted as exn:
+            rows, interrupted = [], exn
+        total, n_interrupted = dist_sum([float(len(rows)), float(interrupted is not None)], self.info.device)
+        if n_interrupted:
+            if rows:
+                self.data.rows.unread(rows)
+            raise StepInterrupted(str(interrupted) if interrupted else
+                                  f"a preemption signal stopped a shard read on {int(n_interrupted)} other rank(s)")
+        return rows, total
 
     def lay_out(self, rows: list) -> list[Batch]:
         """A step's rows as micro-batches, checked, and pinned when bound for CUDA (in the prefetch thread, when

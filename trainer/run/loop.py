@@ -40,7 +40,7 @@ from trainer.model.compile import CompileCounter
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
-from trainer.run.inputs import StepInputs, build_data
+from trainer.run.inputs import StepInputs, StepInterrupted, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
@@ -151,12 +151,13 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 try:
                     stats, step_time = self._train_one_step()
-                except ReadInterrupted:  # the signal came while this step's rows were still being read
-                    if preemption.signal_name is None or info.world_size > 1:  # ranks elsewhere: no joint save
+                except ReadInterrupted as exn:  # the signal came while this step's rows were still being read
+                    joint = isinstance(exn, StepInterrupted)  # raised on every rank at the same point
+                    if not joint and (preemption.signal_name is None or info.world_size > 1):
                         raise
                     if self.step != saved_step:  # the step never ran: the checkpoint is the last finished one's
                         self.save()
-                    preempted = preemption.signal_name
+                    preempted = preemption.signal_name or "a signal on another rank"
                     break
                 bar.update(1)
                 bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
