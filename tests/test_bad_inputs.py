@@ -42,11 +42,12 @@ from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_l
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import checkpoint_conventions
+from trainer.config import from_container
 from trainer.data.config import DataConfig
 from trainer.distributed.groups import DistInfo
 from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
-from trainer.run.checkpointer import check_resumable
+from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.evaluate import load_eval_docs
 from trainer.train import HYDRA_ERRORS, build_config, user_message
 
@@ -285,6 +286,13 @@ def damaged_conventions(text: str) -> Call:
     return lambda tmp, _: checkpoint_conventions(fake_checkpoint(tmp, {"step": 3, "world_size": 1}, text))
 
 
+def numeric_resume(tmp: Path, _) -> None:
+    """train.resume=123: Hydra reads the path as an int; resolved and read as the trainer does."""
+    cfg = from_container(composed("train.resume=123"), str(tmp / "run"))
+    checkpointer = Checkpointer(tmp / "run", CPU, 0, 1, 1)
+    store.read_meta(checkpointer.resume_path(cfg.train.resume))
+
+
 def other_world_size(tmp: Path, _) -> None:
     store.load_checkpoint(fake_checkpoint(tmp, {"step": 3, "world_size": 2}), CPU, engine=None)
 
@@ -334,6 +342,7 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
     ("train.resume", damaged_conventions("{}"), r"conventions.json holds no tokenizer sha256 and vocab_size"),
     ("train.resume", damaged_conventions("{"), r"conventions.json: unreadable"),
+    ("train.resume", numeric_resume, r"123 is not a packtrain checkpoint \(no meta.json\)"),
     ("report", report_of(""), r"config.json: not valid JSON"),
     ("report", report_of("[1, 2]"), r"config.json: holds a JSON list, not an object"),
     ("report", report_of("{}", "--tolerance", "nan"), r"--tolerance must be a finite number >= 0, got nan"),

@@ -77,6 +77,9 @@ class TrainConfig:
     more compute (see trainer.model.gpt.apply_activation_checkpointing)."""
 
     def __post_init__(self) -> None:
+        for key in ("resume", "init_from"):  # a path Hydra read as a number (train.resume=123)
+            if isinstance(getattr(self, key), (int, float)) and not isinstance(getattr(self, key), bool):
+                setattr(self, key, str(getattr(self, key)))
         if self.overwrite and self.resume in (True, "true", "True"):
             raise ValueError("train.overwrite=true replaces the run dir's run and train.resume=true continues it: "
                              "set only one of them (launch/slurm.sbatch adds train.resume=true to every start; "

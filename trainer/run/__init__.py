@@ -8,8 +8,8 @@
                   across ranks, then forward/backward over the micro-batches and the update
     evaluate      the held-out eval (fixed val set, layout- and rank-invariant val_loss); `Evaluator.due`
     checkpointer  when the run saves and what it resumes from (`Checkpointer.due`); the files are the store's
-    run_dir       one run per run dir: a fresh start in a used one refused (or, train.overwrite, the old run
-                  set aside); a resume from an older step sets the newer branch aside
+    run_dir       one run per run dir: a fresh start, or another run's checkpoint, in a used one refused (or,
+                  train.overwrite, the old run set aside); a resume from an older step sets the newer branch aside
     conventions   what conventions.json says: how inputs and objective were built
     metrics       metrics.jsonl, W&B, MFU; `MetricsLogger.due`; every key registered in trainer.registry
     optim         the optimizer and the learning-rate schedule
