@@ -8,14 +8,20 @@ SHARDS is a string or a list of strings, each expanded by webdataset's own `expa
 lists, braces expand, `$WDS_*` variables substitute), then local globs by `glob`:
     /data/c4/train-{000000..000127}.tar                 local paths (checked at startup)
     /data/c4/train-*.tar                                a local glob (sorted)
-    https://host/c4/train-{000000..000127}.tar          http(s): curl (without its own retries)
+    https://host/c4/train-{000000..000127}.tar          http(s), sftp:, ftps:, scp: curl (without its own retries)
+    gs://bucket/c4/train-{000000..000127}.tar           `gsutil cat URL`
+    ais://bucket/c4/train-{000000..000127}.tar          `ais get URL -`
+    hf://datasets/org/c4/train-{000000..000127}.tar     curl on the Hub's resolve URL (also hf://ORG/NAME/..., models,
+                                                        hf://spaces/..., and @REVISION after the name)
+    htgs://bucket/c4/train-000000.tar                   curl on gs://bucket/... (as webdataset has it)
     pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -     any command writing the tar to stdout
 
-`read_shard` opens a shard (`open_shard`: a file, curl, or a shell for pipe:, like webdataset's `gopen` but each
-command in a process group of its own that dies with the trainer) and cuts it into samples with webdataset's tar
-iterators; a failure comes out as a `ShardReadError` that says whether reading again may help (`transient`),
-a command that sends nothing for data.read_timeout_s seconds included. The stream (trainer.data.stream, through
-trainer.data.reader) owns the retries: data.retries, 1 s, 2 s, 4 s ... apart, is the only retry policy.
+`read_shard` opens a shard (`open_shard`: a file, or the command that webdataset's `gopen` would run for the
+scheme, but each command in a process group of its own that dies with the trainer) and cuts it into samples with
+webdataset's tar iterators; a failure comes out as a `ShardReadError` that says whether reading again may help
+(`transient`), a command that sends nothing for data.read_timeout_s seconds included. The stream
+(trainer.data.stream, through trainer.data.reader) owns the retries: data.retries, 1 s, 2 s, 4 s ... apart, is
+the only retry policy.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ import logging
 import os
 import posixpath
 import queue
+import re
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +50,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
+from urllib.parse import quote, unquote, urlparse
 from urllib.request import url2pathname
 
 import webdataset as wds
@@ -59,8 +67,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s):// URLs or pipe: commands "
-             "(e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
+URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s)://, gs://, ais:// or hf:// URLs, or "
+             "pipe: commands (e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
 
 
 class ShardSourceError(UserError, ValueError):
@@ -72,7 +80,7 @@ class ShardSource:
     """What the run reads, resolved from `DataConfig` by `resolve_source`."""
 
     train_urls: list[str]
-    """Training shards: absolute local paths, http(s) URLs or pipe: commands."""
+    """Training shards: absolute local paths, URLs (http(s), gs:, ais:, hf: ...) or pipe: commands."""
     val_urls: list[str]
     """Held-out shards (data.val_urls, else the manifest's val split); empty when there are none."""
     tokenizer_dir: Path
@@ -157,7 +165,7 @@ def _missing_message(key: str, pattern: str, expanded: list[str], missing: list[
 
 
 def _local_path(url: str) -> str | None:
-    """The file path of a local shard ('/d/x.tar', 'file:///d/x.tar'), None for http(s), pipe: and others."""
+    """The file path of a local shard ('/d/x.tar', 'file:///d/x.tar'), None for URLs and pipe: commands."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return url2pathname(parsed.path)
@@ -221,6 +229,7 @@ class ShardReadError(Exception):
 STOPPED_BY_READER = (0, 23, 141, -signal.SIGPIPE)  # curl's 23 is its write error, 141 / -13 SIGPIPE
 TRANSIENT_HTTP = (408, 425, 429)  # and every 5xx
 CURL_EXITS = {
+    1: "unsupported protocol",
     6: "could not resolve the host",
     7: "could not connect (connection refused?)",
     18: "the transfer was cut short (fewer bytes than the server announced)",
@@ -262,15 +271,16 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut by webdataset's tar
     iterators.
 
-    `open_shard` opens the URL (a local file; curl for http(s); a shell for pipe:). At the end the stream is read
-    to EOF and the command's exit status checked, so a failed transfer is never mistaken for a short shard. A
-    command that sends nothing for `timeout_s` seconds is a transient failure ("no data for N s"). Raises
-    ShardReadError, or ReadInterrupted after a preemption signal (trainer.data.workers). `counter`, if given,
-    counts the samples and bytes read. However the read ends, no process of the shard's command is left.
+    `open_shard` opens the URL (a local file, else its scheme's command: curl, gsutil, ais, a shell for pipe:). At
+    the end the stream is read to EOF and the command's exit status checked, so a failed transfer is never
+    mistaken for a short shard. A command that sends nothing for `timeout_s` seconds is a transient failure ("no
+    data for N s"). Raises ShardReadError, or ReadInterrupted after a preemption signal (trainer.data.workers).
+    `counter`, if given, counts the samples and bytes read. However the read ends, no process of the shard's
+    command is left.
     """
     try:
-        stream = open_shard(url, timeout_s)
-    except (OSError, ValueError) as exn:  # a local file that is not there, no curl, a scheme webdataset lacks
+        stream = open_shard(url, timeout_s)  # a scheme nobody reads, a program not installed: ShardReadError
+    except (OSError, ValueError) as exn:  # a local file that is not there or not readable
         raise ShardReadError(_describe(exn), transient=False) from exn
     counter = counter if counter is not None else ReadCounter()
     counted = _CountedStream(stream, counter)
@@ -284,7 +294,7 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
         while counted.read(1 << 16):  # the tar's end padding: let the command finish writing
             pass
         finished = True
-    except Exception as exn:  # tarfile, webdataset, the stream (no data in time, a signal), gopen's Pipe
+    except Exception as exn:  # tarfile, webdataset, the stream (no data in time, a signal)
         error = exn
     finally:
         status = _close(stream, abandoned=not finished and error is None)  # abandoned: the reader stopped early
@@ -296,37 +306,126 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
             return
         # The bytes arrived as they are (a local file, or a command that did not fail): reading again won't help.
         raise ShardReadError(_describe(error), transient=False) from error
-    raise _command_failure(url, status) from error
+    raise _command_failure(stream.command, status) from error
 
 
 CURL_SCHEMES = ("http", "https", "sftp", "ftps", "scp")
+SCHEMES_HELP = ("local paths, file:, http(s): (and sftp:, ftps:, scp:), gs: (gsutil), ais: (ais), htgs:, "
+                "hf: (the Hugging Face Hub) and pipe:COMMAND")
+CURL = ("curl", "--fail", "--silent", "--location")
+"""curl as shards are fetched: without its own retries (`--retry`), data.retries is the only retry policy."""
+COMMAND_WRAPPER = 'trap "kill -KILL 0" TERM HUP; "$@" & wait $!'
+"""The shell that runs a shard's command ("$@": gsutil, ais, or `/bin/sh -c` for pipe:) in the command's own process
+group. The kernel sends it SIGTERM when the trainer (or the DataLoader worker) that started it dies
+(PR_SET_PDEATHSIG); it then kills the whole group, the command's children included. `wait $!` is its exit status:
+the command's (128 + N if a signal N ended it)."""
+
+
+@dataclass(frozen=True)
+class ShardCommand:
+    """The command that writes a (non-local) shard to its stdout, as `shard_command` makes it."""
+
+    command: tuple[str, ...]
+    """The program and its arguments, e.g. ('gsutil', 'cat', 'gs://b/train-000000.tar')."""
+    wrapped: bool
+    """Run under COMMAND_WRAPPER (it may start children); else directly (curl: one process, killed with SIGKILL if
+    the trainer dies)."""
+    curl_url: str | None = None
+    """The URL curl fetches, if it is curl: its exit statuses are curl's, and an HTTP error is asked its status."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """Request headers for curl, handed to it on its stdin (`--config -`), so that no token shows in `ps`."""
+
+    @property
+    def args(self) -> list[str]:
+        return ["/bin/sh", "-c", COMMAND_WRAPPER, "packtrain-shard", *self.command] if self.wrapped else [*self.command]
 
 
 def open_shard(url: str, timeout_s: float = READ_TIMEOUT_S):
-    """A readable binary stream of the shard: a file for a local path, else a `CommandStream` over curl (http(s)
-    and the other schemes webdataset hands to curl) or over the pipe: command; other schemes go to webdataset's
-    `gopen` (gs:, ais:, hf: ...: their commands retry, time out and outlive the trainer as webdataset has them).
+    """A readable binary stream of the shard: a file for a local path (webdataset's `gopen`), else a `CommandStream`
+    over the command `shard_command` names for it (each in a process group of its own, dying with the trainer,
+    with the read timeout). Raises ShardReadError for a scheme nobody reads or a program that is not installed.
+    """
+    if _local_path(url) is not None:
+        return gopen(url)
+    command = shard_command(url)
+    if shutil.which(command.command[0]) is None:
+        raise ShardReadError(f"{command.command[0]!r} is not installed (not found on PATH); "
+                             f"{urlparse(url).scheme}: shards are read with `{shlex.join(command.command)}`",
+                             transient=False)
+    return CommandStream(command, timeout_s)
 
-    curl runs without its own retries (`--retry`): data.retries is the only retry policy, in the stream.
+
+def shard_command(url: str) -> ShardCommand:
+    """The command webdataset's `gopen` runs for the URL's scheme, under the trainer's rules: curl with `CURL`,
+    gs: `gsutil cat URL`, ais: `ais get URL -`, htgs: curl on the gs:// URL, hf: curl on the Hub's resolve URL
+    (`hf_resolve_url`; with the token, `hf_token`, if there is one), pipe: the command under `/bin/sh -c`.
+
+    Example: 'gs://b/train-000000.tar' -> ShardCommand(('gsutil', 'cat', 'gs://b/train-000000.tar'), wrapped=True).
     """
     scheme = urlparse(url).scheme
     if url.startswith("pipe:"):
-        return CommandStream(["/bin/sh", "-c", PIPE_WRAPPER, "packtrain-shard", url[5:]], timeout_s,
-                             parent_death_signal=signal.SIGTERM)
-    if scheme in CURL_SCHEMES:
-        return CommandStream(["curl", "--fail", "--silent", "--location", url], timeout_s,
-                             parent_death_signal=signal.SIGKILL)
-    return gopen(url)
+        return ShardCommand(("/bin/sh", "-c", url[5:]), wrapped=True)
+    if scheme == "gs":
+        return ShardCommand(("gsutil", "cat", url), wrapped=True)
+    if scheme == "ais":
+        return ShardCommand(("ais", "get", url, "-"), wrapped=True)
+    if scheme in CURL_SCHEMES or scheme == "htgs":
+        fetched = re.sub(r"(?i)^htgs://", "gs://", url)  # webdataset's gopen_htgs
+        return ShardCommand((*CURL, fetched), wrapped=False, curl_url=fetched)
+    if scheme == "hf":
+        resolved, token = hf_resolve_url(url), hf_token()
+        headers = (("Authorization", f"Bearer {token}"),) if token else ()
+        return ShardCommand((*CURL, *(("--config", "-") if headers else ()), resolved), wrapped=False,
+                            curl_url=resolved, headers=headers)
+    raise ShardReadError(f"no reader for {scheme}: URLs (accepted: {SCHEMES_HELP})", transient=False)
 
 
-PIPE_WRAPPER = 'trap "kill -KILL 0" TERM HUP; /bin/sh -c "$1" & wait $!'
-"""The shell that runs a pipe: command ($1) in the command's own process group. The kernel sends it SIGTERM when
-the trainer (or the DataLoader worker) that started it dies (PR_SET_PDEATHSIG); it then kills the whole group, the
-command's children included. `wait $!` is its exit status: the command's (128 + N if a signal N ended it)."""
+HF_ENDPOINT = "https://huggingface.co"
+"""The Hub's address when the HF_ENDPOINT environment variable does not name another (as huggingface_hub has it)."""
+HF_REPO_PREFIXES = {"datasets": "datasets/", "spaces": "spaces/", "models": ""}
+HF_FILE = re.compile(r"(?P<repo>[^/@]+/[^/@]+)(?:@(?P<revision>refs/(?:convert/[\w.-]+|pr/\d+)|[^/]+))?/(?P<path>.+)")
+"""ORG/NAME[@REVISION]/PATH, the part of an hf:// URL after its repository type (huggingface_hub's grammar)."""
+
+
+def hf_resolve_url(url: str) -> str:
+    """The https URL of an hf:// file at the Hub's resolve endpoint, as huggingface_hub's `hf_hub_url` builds it,
+    without a network call: hf://[datasets/|spaces/|models/]ORG/NAME[@REVISION]/PATH, REVISION main by default,
+    the Hub at HF_ENDPOINT.
+
+    Examples: 'hf://datasets/org/c4@v1/en/train-000000.tar' -> 'https://huggingface.co/datasets/org/c4/resolve/v1/
+    en/train-000000.tar'; 'hf://org/model/x.tar' (a model) -> 'https://huggingface.co/org/model/resolve/main/x.tar'.
+    """
+    body = url.split("://", 1)[1]
+    kind, _, rest = body.partition("/")
+    if kind not in HF_REPO_PREFIXES:
+        kind, rest = "models", body
+    match = HF_FILE.fullmatch(rest)
+    if match is None:
+        raise ShardReadError("not an hf:// file: expected hf://[datasets/|spaces/]ORG/NAME[@REVISION]/PATH",
+                             transient=False)
+    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or HF_ENDPOINT
+    revision = quote(unquote(match["revision"] or "main"), safe="")
+    return f"{endpoint}/{HF_REPO_PREFIXES[kind]}{match['repo']}/resolve/{revision}/{quote(match['path'])}"
+
+
+def hf_token() -> str | None:
+    """The Hugging Face token: HF_TOKEN, else huggingface_hub's `get_token()` (a login's) when it is installed."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    try:
+        return get_token()
+    except Exception as exn:  # e.g. a failed OIDC token exchange (HF_OIDC_RESOURCE)
+        raise ShardReadError(f"cannot get the Hugging Face token: {_describe(exn)}", transient=True) from exn
 
 
 class CommandStream:
-    """The stdout of a shard's command (curl, or a pipe: command under PIPE_WRAPPER), read with a deadline.
+    """The stdout of a shard's command (`ShardCommand`: curl, or gsutil, ais, a pipe: command under
+    COMMAND_WRAPPER), read with a deadline.
 
     The command runs in a process group (and session) of its own, started from a thread that lives as long as
     this process (`_spawn`), with a parent-death signal: it never outlives the process that reads it, even after
@@ -335,9 +434,12 @@ class CommandStream:
     (trainer.data.workers.interrupt_reads), ends the read: `failure` says which.
     """
 
-    def __init__(self, args: list[str], timeout_s: float, parent_death_signal: int) -> None:
+    def __init__(self, command: ShardCommand, timeout_s: float) -> None:
+        self.command = command
         self.timeout_s = timeout_s
-        self.proc = _spawn(args, parent_death_signal)
+        config = "".join(f'header = "{_curl_quoted(f"{name}: {value}")}"\n' for name, value in command.headers)
+        self.proc = _spawn(command.args, signal.SIGTERM if command.wrapped else signal.SIGKILL,
+                           config.encode() if config else None)
         self.fd = self.proc.stdout.fileno()
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
@@ -423,19 +525,13 @@ def _close(stream, abandoned: bool) -> int | None:
     """Close a shard's stream; for a command, return its exit status (None: a file, or a command we killed)."""
     if isinstance(stream, CommandStream):
         return stream.close(kill=abandoned)
-    proc: subprocess.Popen | None = getattr(stream, "proc", None)  # webdataset's Pipe (schemes left to gopen)
-    if proc is None:
-        stream.close()
-        return None
-    with contextlib.suppress(Exception):
-        stream.stream.close()  # the Pipe's own close() would raise on a bad status; we classify it instead
-    if abandoned and proc.poll() is None:
-        proc.kill()
-    try:
-        return proc.wait(timeout=CLOSE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    stream.close()
+    return None
+
+
+def _curl_quoted(text: str) -> str:
+    """`text` inside double quotes of a curl config file (backslash and quote escaped)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 # -- starting shard commands --------------------------------------------------------------------------
@@ -459,9 +555,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _spawn(args: list[str], parent_death_signal: int) -> subprocess.Popen:
+def _spawn(args: list[str], parent_death_signal: int, stdin: bytes | None = None) -> subprocess.Popen:
     """Popen(args) with stdout piped, in a new session (its own process group), with a parent-death signal,
-    forked by this process's spawner thread."""
+    forked by this process's spawner thread; `stdin`, if given, is its whole stdin (else /dev/null)."""
     pid = os.getpid()
     with _spawners_lock:
         if pid not in _spawners:  # the first command of this process (a fork child starts its own thread)
@@ -472,7 +568,7 @@ def _spawn(args: list[str], parent_death_signal: int) -> subprocess.Popen:
         _, requests = _spawners[pid]
     done = threading.Event()
     box: list = []
-    requests.put((args, parent_death_signal, box, done))
+    requests.put((args, parent_death_signal, stdin, box, done))
     done.wait()
     if isinstance(box[0], BaseException):
         raise box[0]
@@ -481,11 +577,16 @@ def _spawn(args: list[str], parent_death_signal: int) -> subprocess.Popen:
 
 def _spawner(requests: queue.SimpleQueue) -> None:
     while True:
-        args, parent_death_signal, box, done = requests.get()
+        args, parent_death_signal, stdin, box, done = requests.get()
         try:
-            box.append(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, bufsize=0,
-                                        start_new_session=True,
-                                        preexec_fn=functools.partial(_in_child, os.getpid(), parent_death_signal)))
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                    stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
+                                    preexec_fn=functools.partial(_in_child, os.getpid(), parent_death_signal))
+            if stdin is not None:
+                with contextlib.suppress(OSError):  # a few bytes: the pipe takes them before the child reads
+                    proc.stdin.write(stdin)
+                proc.stdin.close()
+            box.append(proc)
         except BaseException as exn:  # handed to the caller
             box.append(exn)
         done.set()
@@ -503,12 +604,13 @@ def _in_child(parent_pid: int, parent_death_signal: int) -> None:
         os._exit(1)
 
 
-def _command_failure(url: str, status: int) -> ShardReadError:
+def _command_failure(command: ShardCommand, status: int) -> ShardReadError:
     """Name what failed; a client error (HTTP 4xx but 408/425/429) is not transient, anything else is."""
-    if urlparse(url).scheme not in ("http", "https"):
+    if command.curl_url is None:
         return ShardReadError(f"the command exited with status {status} (its stderr is above)", transient=True)
-    if status == 22:  # curl -f says "HTTP error" without the status: ask once, with a 1-byte ranged GET
-        code = _http_status(url)
+    if status == 22 and urlparse(command.curl_url).scheme in ("http", "https"):
+        # curl -f says "HTTP error" without the status: ask once, with a 1-byte ranged GET
+        code = _http_status(command.curl_url, dict(command.headers))
         if code is not None and code >= 400:
             transient = code in TRANSIENT_HTTP or code >= 500
             hint = "" if transient else " (a client error: not retried; check the URL)"
@@ -516,9 +618,9 @@ def _command_failure(url: str, status: int) -> ShardReadError:
     return ShardReadError(f"curl exit {status}: {CURL_EXITS.get(status, 'failed')}", transient=True)
 
 
-def _http_status(url: str) -> int | None:
-    """The status the server answers for `url` now, or None if it cannot be reached."""
-    request = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
+def _http_status(url: str, headers: dict[str, str]) -> int | None:
+    """The status the server answers for `url` (with `headers`) now, or None if it cannot be reached."""
+    request = urllib.request.Request(url, headers={**headers, "Range": "bytes=0-0"})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status
