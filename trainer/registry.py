@@ -185,6 +185,11 @@ METRIC_KEYS: dict[str, str] = {
     "val_tokens": "eval targets, all ranks (eval steps only)",
     "val_docs": "eval documents, chunks of split ones counted once each, all ranks (eval steps only)",
     "eval_time_s": "wall time of the evaluation (eval steps only)",
+    "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an epoch at "
+             "the same step)",
+    "lockstep_wait_steps": "steps so far in which some rank had fewer rows than its share because its readers had "
+                           "finished the epoch (data.epoch_lockstep only)",
+    "epoch_lockstep_wait_steps": "lockstep_wait_steps of this step's epoch so far (data.epoch_lockstep only)",
     "resume_samples_read": "samples the readers of all ranks re-read to restore their positions (first step "
                            "after a resume only)",
     "resume_bytes_read": "bytes read from shards to restore the readers' positions (first step after a resume only)",
@@ -216,6 +221,10 @@ SUMMARY_KEYS: dict[str, str] = {
     "total_docs": "documents (and chunks) trained on, all steps",
     "skipped_steps": "steps dropped for a non-finite loss or gradient",
     "skipped_samples": "samples skipped under data.on_error=skip, by reason (rank 0's readers)",
+    "lockstep_wait_steps": "steps in which some rank had fewer rows than its share because its readers had "
+                           "finished the epoch (null without data.epoch_lockstep)",
+    "lockstep_wait_steps_by_epoch": "lockstep_wait_steps per epoch, from epoch 0 (resumed from a checkpoint older "
+                                    "than this count: counted from the resume)",
     "resume_samples_read": "samples re-read to restore the readers after a resume (null: a fresh start)",
     "resume_bytes_read": "bytes re-read to restore the readers after a resume (null: a fresh start)",
     "packing_stats": "rank 0's packer counts: documents and tokens in, split, truncated, dropped",

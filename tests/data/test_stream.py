@@ -92,6 +92,16 @@ def test_every_document_read_exactly_once_per_epoch(corpus, world_size, num_work
     assert set(seen.values()) == {2}  # two epochs, once each
 
 
+@pytest.mark.parametrize("world_size,num_workers", [(2, 0), (2, 2)])
+def test_readers_balanced_by_skewed_tokens_still_read_every_document_once(corpus, world_size, num_workers):
+    tokens = [9_000, 10, 40, 3_000, 25, 700]  # rank 0 takes the 9,000 alone, or with the smallest
+    seen = collections.Counter()
+    for rank in range(world_size):
+        stream = _stream(corpus, rank=rank, world_size=world_size, epochs=2, seed=3, shard_tokens=tokens)
+        seen.update(_keys(DocumentLoader(stream, num_workers=num_workers)))
+    assert set(seen) == set(corpus["texts"]) and set(seen.values()) == {2}
+
+
 def test_ranks_read_disjoint_documents(corpus):
     per_rank = [set(_keys(DocumentLoader(_stream(corpus, rank=r, world_size=2, epochs=1)))) for r in range(2)]
     assert per_rank[0] and per_rank[1] and not per_rank[0] & per_rank[1]
@@ -145,6 +155,18 @@ def test_resume_through_the_packer(corpus):
     stats = uninterrupted.stats
     assert stats.docs_in == 150 and stats.docs_split > 0  # some documents are longer than the row
     assert sum(len(r) for r in whole) == stats.docs_in - stats.docs_split + stats.chunks_from_splits
+
+
+def test_a_stream_is_exhausted_only_once_the_rows_of_its_last_flush_are_handed_out(corpus):
+    """The flush at the end of the documents can leave more rows than a take asks for: until those are handed
+    out the stream is not exhausted (with lockstep, its rank has not finished the epoch)."""
+    rows = RowStream(DocumentLoader(_stream(corpus, seed=11, epochs=1)), 32, PackingConfig(buffer_size=16))
+    taken, ended_not_exhausted = [], 0
+    while not rows.exhausted:
+        taken.append(len(rows.take(1)))
+        ended_not_exhausted += rows.state_dict()["exhausted"] and not rows.exhausted
+    assert set(taken) == {1}  # every take got its row: the stream was never exhausted with rows left
+    assert ended_not_exhausted > 1 and rows.take(1) == []
 
 
 def test_resume_rejects_a_different_worker_count(corpus):

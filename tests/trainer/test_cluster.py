@@ -207,8 +207,14 @@ def test_a_failing_rank_takes_the_job_down_within_seconds(demo_data, tmp_path):
     shutil.copytree(demo_data, data)
     manifest = json.loads((data / "manifest.json").read_text())
     shards = [s["name"] for s in manifest["splits"]["train"]["shards"]]
-    order = np.random.default_rng([0, 0]).permutation(len(shards))  # the stream's epoch-0 order for seed 0
-    victim = data / shards[order[1::2][0]]  # slot 1 (rank 1, one worker) reads this one first
+    tokens = [s["tokens"] for s in manifest["splits"]["train"]["shards"]]
+    order = list(np.random.default_rng([0, 0]).permutation(len(shards)))  # the stream's epoch-0 order for seed 0
+    held, loads = [[], []], [0, 0]  # its split by tokens: largest shard first, to the rank holding fewer
+    for i in sorted(order, key=lambda i: -tokens[i]):
+        rank = min((0, 1), key=lambda r: (loads[r], len(held[r]), r))
+        held[rank].append(i)
+        loads[rank] += tokens[i]
+    victim = data / shards[min(held[1], key=order.index)]  # rank 1 (one worker) reads this one first
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
     run_dir = tmp_path / "run"
     t0 = time.time()

@@ -169,12 +169,14 @@ def test_close_waits_for_a_slow_draw_then_closes_the_stream_and_ends_the_thread(
 
 
 def test_no_draw_starts_on_an_exhausted_stream():
-    prefetcher = RowPrefetcher(stream(Docs(n=10)))
+    docs = Docs(n=10)
+    prefetcher = RowPrefetcher(stream(docs))
     try:
         while not prefetcher.exhausted:
             prefetcher.take(ROWS)
         prefetcher.prefetch(ROWS)  # the ranks decide whether next_epoch comes first: nothing drawn ahead
         assert prefetcher._pending is None
+        docs.pos = 0  # the source's next epoch (exhausted: every row of this one was handed out)
         prefetcher.next_epoch()
         assert keys(prefetcher.take(ROWS))
     finally:

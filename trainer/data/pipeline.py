@@ -40,16 +40,17 @@ class RowStream:
         self.stats = PackingStats()
         self._ready: deque[list[Document]] = deque()
         self._doc_iter: Iterator[Document] | None = None
-        self.exhausted = False
+        self._ended = False
+        """The documents ended (lockstep: the epoch's) and the packer was flushed; rows of it may be left."""
 
     def take(self, num_rows: int) -> list[list[Document]]:
         """The next `num_rows` rows (fewer only when a finite stream has ended)."""
         if self._doc_iter is None:
             self._doc_iter = iter(self.docs)
-        while len(self._ready) < num_rows and not self.exhausted:
+        while len(self._ready) < num_rows and not self._ended:
             doc = next(self._doc_iter, None)
             if doc is None:
-                self.exhausted = True
+                self._ended = True
                 self._ready.extend(self.packer.flush())
                 break
             for piece in split_long(doc, self.seq_len, self.cfg.long_docs, self.stats):
@@ -61,10 +62,17 @@ class RowStream:
         them again, as if they had never been taken (a step abandoned before it ran, trainer.run.inputs)."""
         self._ready.extendleft(reversed(rows))
 
+    @property
+    def exhausted(self) -> bool:
+        """The documents ended and every row of them was handed out. Not before: the flush at a lockstep epoch's
+        end can leave more rows than a take asks for, and a rank holding such rows has not finished the epoch
+        (were it counted as done, the other ranks would start the next epoch while it still trains this one)."""
+        return self._ended and not self._ready
+
     def next_epoch(self) -> None:
         """Continue after the end of a finite (lockstep: one epoch) document stream: iterate it again."""
         self._doc_iter = None
-        self.exhausted = False
+        self._ended = False
 
     def close(self) -> None:
         """Stop reading: closes the document iterator (and with it any DataLoader workers)."""
@@ -79,7 +87,7 @@ class RowStream:
             "packer": self.packer.state_dict(),
             "ready": [[(d.key, d.tokens, d.loss_mask) for d in row] for row in self._ready],
             "stats": self.stats.state_dict(),
-            "exhausted": self.exhausted,
+            "exhausted": self._ended,  # the name checkpoints have always given it
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -89,7 +97,7 @@ class RowStream:
         self._ready = deque([[Document(k, t, m) for k, t, m in row] for row in state["ready"]])
         self.stats.load_state_dict(state["stats"])
         self._doc_iter = None
-        self.exhausted = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
+        self._ended = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
 
 
 PREFETCH_THREAD = "row-prefetch"

@@ -1,7 +1,8 @@
 """WebDataset shards -> documents -> token ids, split over ranks and DataLoader workers, resumable.
 
-Each (rank, worker) pair is one *slot*. Every epoch the shard list is permuted with the seed, and slot
-s of S reads shards[s::S], so across all ranks x workers every document is read exactly once per epoch.
+Each (rank, worker) pair is one *slot*. Every epoch the shard list is permuted with the seed and split over
+the slots balanced by the shards' tokens (`assign_shards`), so across all ranks x workers every document is read
+exactly once per epoch, and with data.epoch_lockstep no rank waits long for another at the epoch's end.
 Inside a slot, samples pass a shuffle buffer, are decoded and checked, tokenized in batches by the fast
 tokenizer, and get EOS appended. With loss_on="assistant" (chat data) each document also gets a `loss_mask`,
 computed from its text: only the assistant turns' tokens are targets (trainer.data.chat.assistant_token_mask).
@@ -13,6 +14,7 @@ stream in DataLoader workers and handing out single documents is trainer.data.lo
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,8 +26,8 @@ from trainer.data.batch import Document
 from trainer.data.chat import assistant_token_mask
 from trainer.data.config import LOSS_ON, ON_ERROR
 from trainer.data.reader import DataStreamError, Item, ReadPosition, SlotReader, SlotState
-from trainer.data.shards import TEXT_FIELD
-from trainer.data.sources import READ_TIMEOUT_S
+from trainer.data.shards import TEXT_FIELD, load_manifest
+from trainer.data.sources import READ_TIMEOUT_S, url_file_name
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class DocumentStream(IterableDataset):
         retry_backoff_s: float = 1.0,
         read_timeout_s: float = READ_TIMEOUT_S,
         loss_on: str = "all",
+        shard_tokens: Sequence[int] | None = None,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -65,6 +68,11 @@ class DocumentStream(IterableDataset):
         if not shards:
             raise DataStreamError("no shards given")
         self.shards = [str(s) for s in shards]
+        shard_tokens = [1] * len(self.shards) if shard_tokens is None else shard_tokens
+        if len(shard_tokens) != len(self.shards):
+            raise ValueError(f"{len(shard_tokens)} token counts for {len(self.shards)} shards")
+        self.shard_tokens = [int(n) for n in shard_tokens]
+        """Tokens per shard, which the readers' shares are balanced by (`manifest_tokens`); 1 each when unknown."""
         self.tokenizer_path = str(tokenizer_path)
         self.eos_id = eos_id
         self.seed = seed
@@ -102,14 +110,14 @@ class DocumentStream(IterableDataset):
         return self.rank * workers + worker, self.world_size * workers
 
     def epoch_shards(self, epoch: int, slot: int, num_slots: int) -> list[str]:
-        """Shards of `slot` in `epoch`: a seeded permutation of all shards, then every num_slots-th."""
+        """Shards of `slot` in `epoch`, in reading order (`assign_shards`: the same split on every rank)."""
         if len(self.shards) < num_slots:
             raise DataStreamError(
                 f"{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
                 f"write more, smaller shards (trainer.prepare --docs-per-shard) or use fewer workers"
             )
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-        return [self.shards[i] for i in order[slot::num_slots]]
+        slots = assign_shards(self.shard_tokens, self.world_size, num_slots // self.world_size, self.seed, epoch)
+        return [self.shards[i] for i in slots[slot]]
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -210,3 +218,68 @@ class DocumentStream(IterableDataset):
     def _snapshot(self, state: SlotState, reader: SlotReader | None, restore_read=None) -> SlotState:
         return dataclasses.replace(state, skipped=dict(state.skipped), restore_read=restore_read,
                                    position=reader.position() if reader is not None else None)
+
+
+# -- which shards each slot reads: balanced by tokens -------------------------------------------
+
+
+def assign_shards(tokens: Sequence[int], world_size: int, workers: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shard indices of every slot (rank * workers + worker) in `epoch`, each in reading order: the epoch's
+    seeded permutation of the shards, split by `balance_shards`. Every rank computes the same split alone."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(tokens))
+    return balance_shards([int(i) for i in order], tokens, world_size, workers)
+
+
+def balance_shards(order: Sequence[int], tokens: Sequence[int], world_size: int, workers: int) -> list[list[int]]:
+    """Split the shards over world_size x workers slots so that each rank, then each of its workers, holds about
+    the same tokens: largest shard first (equal sizes in `order`), each to the rank with the fewest tokens so far,
+    then within each rank to the worker with the fewest (greedy longest-processing-time, `_greedy`). Ranks come
+    first because the lockstep wait is between ranks. Each slot reads its shards in `order`; every slot gets one
+    at least. With equal sizes (none known) this deals `order` out like cards: every S-th shard to each slot.
+
+    Example: order [3, 0, 4, 1, 2], tokens [50, 10, 40, 30, 20], 2 ranks x 1 worker. By size 0, 2, 3, 4, 1:
+    0 -> rank 0 (50), 2 -> rank 1 (40), 3 -> rank 1 (70), 4 -> rank 0 (70), 1 -> rank 0 (80, a tie goes to the
+    rank with fewer shards, then the lower one). Slots [[0, 4, 1], [3, 2]]: 80 and 70 tokens (every 2nd shard of
+    `order` would give [3, 4, 2] and [0, 1]: 90 and 60).
+    """
+    position = {shard: p for p, shard in enumerate(order)}
+    by_size = sorted(order, key=lambda shard: -tokens[shard])  # stable: equal sizes keep the permutation's order
+    slots = []
+    for rank_shards in _greedy(by_size, tokens, world_size, at_least=workers):
+        for worker_shards in _greedy(rank_shards, tokens, workers, at_least=1):
+            slots.append(sorted(worker_shards, key=position.__getitem__))
+    return slots
+
+
+def _greedy(items: list[int], tokens: Sequence[int], bins: int, at_least: int) -> list[list[int]]:
+    """`items` (largest first) into `bins`, each to the bin with the fewest tokens (ties: fewer items, then the
+    lower bin), except that once the items left are just enough to give every bin `at_least`, they go only to
+    bins that have fewer. Each bin's items keep their order in `items`.
+
+    Example: tokens 9, 1, 1 into 2 bins, at_least 1 -> [[9], [1, 1]]; tokens 100, 1, 1, 1, at_least 2 ->
+    [[100, 1], [1, 1]] (greedy alone would give [[100], [1, 1, 1]])."""
+    heap = [(0, 0, b) for b in range(bins)]  # (tokens, items, bin)
+    out: list[list[int]] = [[] for _ in range(bins)]
+    owed = bins * at_least  # items still needed by the bins below at_least
+    for k, item in enumerate(items):
+        load, count, b = heapq.heappop(heap)
+        while len(items) - k == owed and count >= at_least:  # only just enough left: such a bin is done
+            load, count, b = heapq.heappop(heap)
+        out[b].append(item)
+        owed -= count < at_least
+        heapq.heappush(heap, (load + tokens[item], count + 1, b))
+    return out
+
+
+def manifest_tokens(shards: Sequence[str], manifest: str | Path | None) -> list[int] | None:
+    """Tokens of each shard, by its file name, from `manifest` (the run's manifest.json, which
+    trainer.data.sources.resolve_source finds: data.path's, or the one beside local data.urls shards); None
+    without one, or when it does not list every shard (their sizes are not known).
+
+    Example: ["https://h/d/train-000000.tar", "pipe:cat /e/train-000001.tar"], /d/manifest.json -> [38427, 31894]."""
+    if manifest is None:
+        return None
+    splits = load_manifest(Path(manifest).parent)["splits"].values()
+    listed = {shard["name"]: shard.get("tokens") for split in splits for shard in split["shards"]}
+    tokens = [listed.get(url_file_name(s)) for s in shards]
+    return None if None in tokens else tokens

@@ -21,7 +21,7 @@ from trainer.data.loader import DocumentLoader
 from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
 from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
-from trainer.data.stream import DocumentStream
+from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 from trainer.data.workers import ReadInterrupted
 from trainer.distributed.groups import DistInfo, dist_sum
@@ -70,6 +70,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         retries=cfg.data.retries,
         read_timeout_s=cfg.data.read_timeout_s,
         loss_on=cfg.data.loss_on,
+        shard_tokens=manifest_tokens(source.train_urls, source.manifest),  # the readers are balanced by them
     )
     loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
     rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
@@ -114,6 +115,9 @@ class StepInputs:
         self.vocab_size = vocab_size
         """The model's embedding rows: every token id must be below it."""
         self.rows_per_rank = rows_for_rank(cfg.train.rows_per_step, info)
+        self.lockstep_wait_steps = [0]
+        """Per epoch (the ranks' agreed epochs, from 0), the steps in which some rank had fewer rows than its share
+        because its readers had finished the epoch (data.epoch_lockstep; the same on every rank)."""
 
     def next(self, prefetch_next: bool) -> tuple[list, list[Batch], float]:
         """(this step's rows, its micro-batches, seconds spent waiting for them). Collective (the lockstep
@@ -140,8 +144,10 @@ class StepInputs:
             (waiting,) = dist_sum([float(rows_stream.exhausted)], self.info.device)
             if waiting == self.info.world_size:  # every rank is done with the epoch
                 rows_stream.next_epoch()
+                self.lockstep_wait_steps.append(0)
             rows, total = self._take_agreed(n_rows)
             if total > 0:
+                self.lockstep_wait_steps[-1] += total < self.cfg.train.rows_per_step  # fewer only at an epoch's end
                 return rows
         raise RuntimeError("a whole epoch gave no documents on any rank (empty or all-skipped training shards?)")
 

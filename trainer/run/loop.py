@@ -79,7 +79,8 @@ class Trainer:
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, self.dtype,
                                   compile=cfg.train.compile)
         self.step = 0
-        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0}
+        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0,
+                         "lockstep_wait_steps": self.inputs.lockstep_wait_steps}  # counted into by take_rows
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
         self.last_eval: EvalResult | None = None
         self._resume()
@@ -130,6 +131,7 @@ class Trainer:
         self.data.rows.load_state_dict(rank_state["data"])
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
+        self.inputs.lockstep_wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
         self.resumed_at = self.step
         if self.info.is_main:  # the branch after this step, if any, is abandoned: set aside, never picked again
             set_aside_after(self.run_dir, self.step)
@@ -259,6 +261,7 @@ class Trainer:
             "total_docs": self.counters["docs"],
             "skipped_steps": self.counters["skipped_steps"],
             "skipped_samples": self.data.loader.skipped(),
+            **self._lockstep_summary(),
             **self.resume_read,
             "packing_stats": self.data.rows.stats.state_dict(),
             "dtype": self.dtype,
@@ -268,6 +271,11 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.checkpointer.last) if self.checkpointer.last else None,
         }
+
+    def _lockstep_summary(self) -> dict:
+        """The steps some rank waited at an epoch's end for the others, in all and per epoch (null without lockstep)."""
+        waits = self.inputs.lockstep_wait_steps if self.cfg.data.epoch_lockstep else None
+        return {"lockstep_wait_steps": None if waits is None else sum(waits), "lockstep_wait_steps_by_epoch": waits}
 
     def _compile_summary(self) -> dict:
         """train.compile's counts for summary.json: dynamo compilations, recompilations and their latest reasons."""
@@ -300,6 +308,9 @@ class Trainer:
             "peak_mem_gb": peak_mem_gb(self.info.device),
             "warmup": self.step <= self.cfg.train.warmup_marked_steps,
         }
+        if self.cfg.data.epoch_lockstep:
+            waits = self.inputs.lockstep_wait_steps
+            m.update(epoch=len(waits) - 1, lockstep_wait_steps=sum(waits), epoch_lockstep_wait_steps=waits[-1])
         if self.compile_counter is not None:
             m["compile_recompiles"] = self.compile_counter.recompiles
         if self.peak_flops:
