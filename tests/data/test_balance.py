@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from tests.helpers import make_trainer
 from trainer.data.config import DataConfig
+from trainer.data.loader import DocumentLoader
+from trainer.data.reader import SlotState
 from trainer.data.shards import load_manifest, shard_paths
 from trainer.data.sources import resolve_source
 from trainer.data.stream import DocumentStream, assign_shards, balance_shards, manifest_tokens
+from trainer.data.tokenizer import load_tokenizer, special_ids
 
 
 def deal(items: list[int], tokens: list[int], bins: int, at_least: int) -> list[list[int]]:
@@ -112,3 +115,38 @@ def test_the_trainer_balances_its_readers_by_the_manifest(demo_data, tmp_path):
         assert trainer.data.loader.stream.shard_tokens == listed
     finally:
         trainer.data.rows.close()
+
+
+def test_a_checkpoint_from_before_the_balanced_split_ends_its_epoch_on_the_old_split(demo_data):
+    """A slot state without `split` (written before the balanced split) reads the rest of its epoch from the old
+    rule's shards (every 2nd of the permutation), then balances the next epoch: read 70 documents, save, resume,
+    read to the end of two epochs; each epoch is exactly the documents of its shards, read alone."""
+    shards = [str(s) for s in shard_paths(demo_data, "train")]
+    tokens = [s["tokens"] for s in load_manifest(demo_data)["splits"]["train"]["shards"]]
+    eos = special_ids(load_tokenizer(demo_data / "tokenizer")).eos
+
+    def loader(state: dict) -> DocumentLoader:
+        stream = DocumentStream(shards, demo_data / "tokenizer", eos, seed=4, rank=1, world_size=2, epochs=2,
+                                shuffle_buffer=8, chunk_docs=16, shard_tokens=tokens)
+        out = DocumentLoader(stream, num_workers=0)
+        out.load_state_dict(state)
+        return out
+
+    def old(state: dict) -> dict:  # as a checkpoint of the earlier code has it: no "split" in the slot states
+        return {**state, "slot_states": {k: {f: v for f, v in s.items() if f != "split"}
+                                         for k, s in state["slot_states"].items()}}
+
+    def keys_of(paths: list[str]) -> list[str]:
+        stream = DocumentStream(paths, demo_data / "tokenizer", eos, epochs=1)
+        return sorted(d.key for d in DocumentLoader(stream, num_workers=0))
+
+    fresh = {"slot_states": {1: SlotState().to_dict()}, "chunks_consumed": 0, "num_workers": 0, "pending": []}
+    first = loader(old(fresh))
+    it = iter(first)
+    read = [next(it).key for _ in range(70)]
+    rest = [d.key for d in loader(old(first.state_dict()))]
+    order = np.random.default_rng([4, 0]).permutation(len(shards))
+    epoch0 = keys_of([shards[i] for i in order[1::2]])
+    epoch1 = keys_of([shards[i] for i in assign_shards(tokens, 2, 1, 4, 1)[1]])
+    assert sorted(read + rest[:len(epoch0) - 70]) == epoch0
+    assert sorted(rest[len(epoch0) - 70:]) == epoch1

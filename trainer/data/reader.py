@@ -115,6 +115,10 @@ class SlotState:
     saved: then `drawn` says where, and the epoch is replayed up to it."""
     restore_read: tuple[int, int, float] | None = None
     """Only in a resumed slot's first message: samples and bytes it read to restore its position, and seconds."""
+    split: str = "by_tokens"
+    """How this epoch's shards were split over the slots (trainer.data.stream.DocumentStream.epoch_shards):
+    "by_tokens", or "every_nth" in a state from a checkpoint written before the split was balanced by tokens,
+    whose epoch then ends on the split it began with (the next one is balanced)."""
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("position",
@@ -126,7 +130,7 @@ class SlotState:
     @classmethod
     def from_dict(cls, d: dict) -> SlotState:
         position = d.get("position")
-        return cls(**{**d, "skipped": dict(d["skipped"]),
+        return cls(**{**d, "skipped": dict(d["skipped"]), "split": d.get("split", "every_nth"),
                       "position": None if position is None else ReadPosition.from_dict(position)})
 
 

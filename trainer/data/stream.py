@@ -109,13 +109,18 @@ class DocumentStream(IterableDataset):
         worker = 0 if info is None else (info.id + self.worker_rotation) % workers
         return self.rank * workers + worker, self.world_size * workers
 
-    def epoch_shards(self, epoch: int, slot: int, num_slots: int) -> list[str]:
-        """Shards of `slot` in `epoch`, in reading order (`assign_shards`: the same split on every rank)."""
+    def epoch_shards(self, epoch: int, slot: int, num_slots: int, split: str = "by_tokens") -> list[str]:
+        """Shards of `slot` in `epoch`, in reading order (`assign_shards`: the same split on every rank). `split`
+        "every_nth" is the rule of checkpoints written before the split was balanced (SlotState.split): every
+        num_slots-th shard of the epoch's permutation, so such a checkpoint still resumes mid-epoch exactly."""
         if len(self.shards) < num_slots:
             raise DataStreamError(
                 f"{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
                 f"write more, smaller shards (trainer.prepare --docs-per-shard) or use fewer workers"
             )
+        if split == "every_nth":
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+            return [self.shards[i] for i in order[slot::num_slots]]
         slots = assign_shards(self.shard_tokens, self.world_size, num_slots // self.world_size, self.seed, epoch)
         return [self.shards[i] for i in slots[slot]]
 
@@ -193,6 +198,7 @@ class DocumentStream(IterableDataset):
                 reader.close()
                 state.epoch += 1
                 state.drawn = 0
+                state.split = "by_tokens"
                 # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
                 yield self._chunk(slot, state, None, keys, texts)
                 reader = self._reader(slot, num_slots, state, None)
@@ -206,7 +212,7 @@ class DocumentStream(IterableDataset):
             self.stop_epoch is not None and state.epoch >= self.stop_epoch
         ):
             return None
-        shards = self.epoch_shards(state.epoch, slot, num_slots)
+        shards = self.epoch_shards(state.epoch, slot, num_slots, state.split)
         seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
         return SlotReader(self, shards, seed, state, position)
 
