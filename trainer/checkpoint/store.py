@@ -16,6 +16,11 @@ in packtrain spells these names):
 Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io); DeepSpeed's own
 files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them.
 
+On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`); DeepSpeed's
+shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
+checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank's data
+stream still resumes only on the shape it was written with (`check_data_resumable`, the one refusal left).
+
 Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
 `engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its
 shards, `engine.save_shards`) into the one directory the store hands it.
@@ -56,6 +61,9 @@ STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 TMP_PREFIX = ".tmp-"
 """A checkpoint being written: `.tmp-step_000050/`, renamed to `step_000050/` once every rank has written its
 part. A kill at any moment leaves either the complete renamed directory or a `.tmp-` one, which is never loaded."""
+RESHARDED_PREFIX = f"{TMP_PREFIX}resharded-"
+"""A sharded engine's state converted for another number of ranks: `.tmp-resharded-step_000050/`, beside the
+checkpoint it was converted from, and removed after the load (or, left by a kill, by the next save's prune)."""
 
 META_FILE = "meta.json"
 CONVENTIONS_FILE = "conventions.json"
@@ -285,23 +293,79 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[d
     """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
     path = Path(path)
     meta = read_meta(path)
-    if meta["world_size"] != info.world_size:
+    check_data_resumable(path, meta, info)
+    load_engine(path, info, engine, meta)
+    rank_state = load_state(path / rank_file(info.rank))
+    set_rng_state(rank_state.pop("rng"))
+    return meta, rank_state
+
+
+def check_data_resumable(path: Path, meta: dict, info: DistInfo) -> None:
+    """The one refusal of a resume on another number of ranks: each rank's RANK_FILE holds its own data stream
+    (its readers' shard lists and positions, shuffle buffers, packer leftovers), which resumes only on the world
+    size it was written with; the model, optimizer and LR schedule would load (`load_engine`). data.num_workers,
+    the other half of the stream's shape, is compared with the run's config before anything is built
+    (trainer.run.checkpointer.RESUME_KEYS). A resume that redistributes the streams replaces this function.
+
+    Example: written by 2 ranks, resumed on 1 -> "... was written by 2 ranks and this run has 1: the model,
+    optimizer and LR schedule would load on 1 rank, but each rank's data stream resumes only on ...".
+    """
+    written, now = meta["world_size"], info.world_size
+    if written != now:
         raise CheckpointError(
-            f"{path} was written by {meta['world_size']} ranks and this run has {info.world_size}: "
-            "each rank resumes its own data stream, so the world size must match"
-        )
+            f"{path} was written by {written} ranks and this run has {now}: the model, optimizer and LR schedule "
+            f"would load on {now} rank{'s' if now > 1 else ''}, but each rank's data stream (its readers' "
+            "positions) resumes only on the world size and data.num_workers it was written with; resume on "
+            f"{written} ranks, or start a new run from its weights (train.init_from)")
+
+
+def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | None = None) -> None:
+    """Collective: the model, optimizer and LR schedule of checkpoint `path` into `engine`, on any number of ranks.
+
+    A replicated engine reads ENGINE_FILE whatever the world size (no part of it depends on the ranks: DDP's
+    gradient averaging factor is the running world size, not saved). A sharded engine reads its shards as
+    written on the same number of ranks; written on another, rank 0 converts them first (`_load_resharded`).
+    `meta`: the checkpoint's META_FILE, if already read.
+    """
+    path = Path(path)
+    meta = read_meta(path) if meta is None else meta
     if meta.get("engine", engine.name) != engine.name:
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                               "resume with the same distributed= config")
-    if engine.sharded:
+    if not engine.sharded:
+        engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
+    elif meta["world_size"] == info.world_size:
         shards = path / DEEPSPEED_DIR
         check_deepspeed_files(shards)  # DeepSpeed itself unpickles with weights_only=False
         engine.load_shards(shards)  # collective
     else:
-        engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
-    rank_state = load_state(path / rank_file(info.rank))
-    set_rng_state(rank_state.pop("rng"))
-    return meta, rank_state
+        _load_resharded(path, info, engine)
+
+
+def _load_resharded(path: Path, info: DistInfo, engine: Engine) -> None:
+    """Collective: rank 0 converts the shards of `path` into RESHARDED_PREFIX + its name beside it (its inputs and
+    outputs checked with weights_only=True, as DeepSpeed unpickles both without), every rank loads the copy,
+    rank 0 removes it. A conversion that fails is agreed on, so that no rank waits for rank 0."""
+    shards = path / DEEPSPEED_DIR
+    scratch = path.with_name(f"{RESHARDED_PREFIX}{path.name}")
+    failure: BaseException | None = None
+    if info.is_main:
+        try:
+            shutil.rmtree(scratch, ignore_errors=True)  # a copy left by a kill
+            check_deepspeed_files(shards)
+            engine.convert_shards(shards, scratch / DEEPSPEED_DIR)
+        except Exception as e:  # whatever it is, raised below (on rank 0 as itself) once every rank knows
+            failure = e
+    if dist_max(float(failure is not None), info.device) > 0:
+        if failure is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise failure
+        raise CheckpointError(f"rank 0 could not convert {shards} for {info.world_size} ranks; see its error")
+    check_deepspeed_files(scratch / DEEPSPEED_DIR)  # every rank, before its DeepSpeed reads the copy
+    engine.load_shards(scratch / DEEPSPEED_DIR, converted=True)  # collective
+    barrier()
+    if info.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,7 +381,8 @@ DEEPSPEED_SAFE_GLOBALS = (
 
 
 def check_deepspeed_files(directory: Path) -> None:
-    """Load every file of a DeepSpeed checkpoint with `weights_only=True`, allowing DEEPSPEED_SAFE_GLOBALS only.
+    """Load every file of a DeepSpeed checkpoint (or of its converted copy) with `weights_only=True`, in every
+    sub-directory, allowing DEEPSPEED_SAFE_GLOBALS only.
 
     DeepSpeed's `load_checkpoint` calls `torch.load(weights_only=False)` and has no switch for it, so this
     check runs first: a file carrying anything else (a pickle that would run code) is refused before DeepSpeed
@@ -328,5 +393,5 @@ def check_deepspeed_files(directory: Path) -> None:
         module, _, attr = name.rpartition(".")
         allowed.append(getattr(importlib.import_module(module), attr))
     with torch.serialization.safe_globals(allowed):
-        for path in sorted(directory.glob("*.pt")):
+        for path in sorted(directory.rglob("*.pt")):  # a converted copy keeps a file per parameter in zero/
             load_state(path, map_location="cpu")

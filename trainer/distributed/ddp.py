@@ -4,7 +4,9 @@ One process: the plain module, no wrapper. Several: DDP, whose gradient all-redu
 step (`no_sync` on every micro-batch but the last), so ranks may run different numbers of micro-batches.
 
 Checkpoints: the state is replicated, so the engine returns it (`state_dict`, `full_weights`) and the checkpoint
-store writes it (trainer.checkpoint.store describes the files); the engine writes no file itself.
+store writes it (trainer.checkpoint.store describes the files); the engine writes no file itself. Nothing in it
+depends on the number of ranks (the optimizer is not sharded, there is no loss scaler, and the gradient averaging
+factor is the running world size), so it loads unchanged on any number.
 """
 
 from __future__ import annotations
@@ -123,5 +125,8 @@ class DDPEngine:
     def save_shards(self, directory: Path) -> None:
         raise NotImplementedError(_REPLICATED)
 
-    def load_shards(self, directory: Path) -> None:
+    def load_shards(self, directory: Path, converted: bool = False) -> None:
+        raise NotImplementedError(_REPLICATED)
+
+    def convert_shards(self, directory: Path, out: Path) -> None:
         raise NotImplementedError(_REPLICATED)

@@ -20,12 +20,26 @@ in the one directory the checkpoint store names and after the store has checked 
 describes the files); the whole weights are gathered and returned (`full_weights`) for the store to write.
 A write of DeepSpeed's that fails (a full disk) is raised only once DeepSpeed's save has ended, so that no rank
 is left waiting in its collectives (`save_shards`).
+
+On another number of ranks. ZeRO partitions the optimizer state (and, at stage 3, the weights) by data-parallel
+rank, and DeepSpeed refuses to load shards written by another number. They go through DeepSpeed's universal
+checkpoint instead: `convert_shards` runs deepspeed/checkpoint/ds_to_universal.py (in this process, no worker
+processes) into a copy that holds each parameter whole (fp32 weights, exp_avg, exp_avg_sq, step), and
+`load_shards(..., converted=True)` reads it with DeepSpeed's `checkpoint.load_universal`, which each rank
+partitions for the running world size. Chosen over a conversion of our own because it is DeepSpeed's supported
+path for all three stages and reads its shard format itself; it works on CPU/gloo with DeepSpeed 0.19.8.
+It needs no setting at initialize: DeepSpeed consults load_universal only while loading, so `load_shards` sets
+it for that call alone, and a resume on the same number of ranks loads the shards exactly as before. Both the
+converter and DeepSpeed's loader unpickle with weights_only=False: the store checks the shards before the
+conversion and the copy before the load (trainer.checkpoint.store), and decides where the copy goes.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import io
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -147,12 +161,50 @@ class DeepSpeedEngine:
         if failures:
             raise failures[0]
 
-    def load_shards(self, directory: Path) -> None:
-        """Collective. DeepSpeed unpickles with weights_only=False: the caller checks the files first."""
-        path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    def load_shards(self, directory: Path, converted: bool = False) -> None:
+        """Collective. DeepSpeed unpickles with weights_only=False: the caller checks the files first.
+
+        `converted`: `directory` is what convert_shards wrote (DeepSpeed's universal checkpoint), read with
+        DeepSpeed's load_universal on for this call only; else the shards save_shards wrote on this many ranks."""
+        config = self.ds._config  # load_universal is read from here, and only by load_checkpoint
+        base = self.ds.optimizer.optimizer
+        own = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
+        config.load_universal_checkpoint = converted
+        try:
+            path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = False
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
+        if converted and self.zero_stage == 3:
+            # DeepSpeed 0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3) gives
+            # every parameter group the first group's settings, so the norms and biases would decay like the weight
+            # matrices: each group gets its own back, as this run built it, with its LR from the schedule. It also
+            # hands every group one and the same step tensor, which AdamW increments in place once per group (the
+            # second group's bias correction would be a step ahead): each gets its own copy.
+            for group, settings, lr in zip(base.param_groups, own, self.ds.lr_scheduler.get_last_lr(), strict=True):
+                group.update(settings, lr=lr)
+            for state in base.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+
+    def convert_shards(self, directory: Path, out: Path) -> None:
+        """Not collective (one rank runs it): the shards that save_shards wrote into `directory`, on any number of
+        ranks, as DeepSpeed's universal checkpoint in `out` (a new directory; DeepSpeed also writes a
+        `latest_universal` file beside it), for load_shards(out, converted=True) on this run's ranks.
+
+        ds_to_universal's options as its command line would set them, but: one process for the extraction and
+        the merge (no worker processes forked from a rank that holds a process group), and the universal-checkpoint
+        info that packtrain's models do not declare (no tensor or pipeline parallelism) filled in. Its progress
+        output is kept off the run's console."""
+        from deepspeed.checkpoint import ds_to_universal
+
+        args = argparse.Namespace(input_folder=str(directory), output_folder=str(out), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        chatter = io.StringIO()
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The whole model's weights in fp32 on the CPU, on rank 0 ({} elsewhere); under ZeRO-3 every rank

@@ -46,8 +46,9 @@ class Engine(Protocol):
     """True if clip_gradients / apply_gradients / discard_gradients split the optimizer step, so a non-finite
     step can be dropped; False if optimizer_step is the only way to step."""
     sharded: bool
-    """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's).
-    True: each rank holds a part, which only the engine can write and read (`save_shards` / `load_shards`)."""
+    """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
+    which loads on any number of ranks. True: each rank holds a part, which only the engine can write and read
+    (`save_shards` / `load_shards`), and convert for another number of ranks (`convert_shards`)."""
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
@@ -91,8 +92,14 @@ class Engine(Protocol):
         which need not exist (only if sharded)."""
         ...
 
-    def load_shards(self, directory: Path) -> None:
-        """Collective: every rank restores its part from a `directory` that save_shards wrote (only if sharded)."""
+    def load_shards(self, directory: Path, converted: bool = False) -> None:
+        """Collective: every rank restores its part from a `directory` that save_shards wrote on as many ranks, or
+        (`converted`) that convert_shards wrote from the parts of any number (only if sharded)."""
+        ...
+
+    def convert_shards(self, directory: Path, out: Path) -> None:
+        """Not collective: the parts that save_shards wrote into `directory`, on any number of ranks, rewritten into
+        a new directory `out` that load_shards(out, converted=True) reads on this run's ranks (only if sharded)."""
         ...
 
     def full_weights(self) -> dict[str, torch.Tensor]:

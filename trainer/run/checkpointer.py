@@ -17,7 +17,8 @@ RESUME_KEYS = ("seed", "train.seq_len", "data.num_workers", "data.shuffle_buffer
                "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
 """Config keys a resumed run must share with its checkpoint: the model's shapes (the weights and the optimizer
 state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
-cuts it into rows, each DataLoader worker holds its own reader)."""
+cuts it into rows, each DataLoader worker holds its own reader). The number of ranks is not among them: the model
+and optimizer load on any number, and the data stream's refusal of another is store.check_data_resumable."""
 
 
 def check_resumable(path: Path, config: dict) -> None:
