@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,98 @@ def split(steps, fractions: list[float]) -> list[list[list[Document]]]:
         cuts = np.cumsum([0] + [round(f * len(docs)) for f in fractions])
         cuts[-1] = len(docs)
         out.append([docs[cuts[r] : cuts[r + 1]] for r in range(len(fractions))])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# A corpus of short documents and one epoch of its chunks (the reshaped-resume tests)
+# ---------------------------------------------------------------------------------------------------
+
+SHORT_SHARD_SCALES = (2.0, 1.5, 1.0, 0.7, 0.5)
+"""Document lengths of each shard of `short_docs_corpus`, relative: shards of very different token counts."""
+
+
+def short_docs_corpus(out: Path, docs_per_shard: int = 100) -> Path:
+    """5 shards of `docs_per_shard` short documents (log-normal, ~10 to ~300 words; shard 0's twice shard 2's,
+    shard 4's half), words taken from standard-library sources, prepared with a 300-token BPE: more documents
+    per shard than a DataLoader chunk (64), so readers stop inside shards, and packer rows of several."""
+    import random
+    import re
+    import sysconfig
+
+    from trainer.prepare import prepare
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    words = [w for name in ("textwrap.py", "json/__init__.py", "argparse.py", "difflib.py")
+             for w in re.findall(r"[A-Za-z]+", (std / name).read_text())]
+    rng = random.Random(0)
+    lines = []
+    for s, scale in enumerate(SHORT_SHARD_SCALES):
+        for i in range(docs_per_shard):
+            n = max(3, int(rng.lognormvariate(3.3, 0.8) * scale))
+            start = rng.randrange(len(words) - n)
+            lines.append(json.dumps({"text": " ".join(words[start:start + n]), "id": f"s{s}d{i}"}) + "\n")
+    source = out.parent / f"{out.name}.jsonl"
+    source.write_text("".join(lines))
+    prepare(f"jsonl:{source}", out, vocab_size=300, docs_per_shard=docs_per_shard, val_fraction=0.0, seed=0)
+    return out
+
+
+def epoch_chunks(data: Path, seq_len: int) -> Counter:
+    """The chunks of one epoch of `data`'s train split (documents split at seq_len, as the trainer does), read
+    once in this process, without workers: what every epoch of training must consume exactly once."""
+    from trainer.data.packing import PackingStats, split_long
+    from trainer.data.shards import shard_paths
+    from trainer.data.stream import DocumentStream
+    from trainer.data.tokenizer import load_tokenizer, special_ids
+
+    tok_dir = data / "tokenizer"
+    stream = DocumentStream(shard_paths(data, "train"), tok_dir, special_ids(load_tokenizer(tok_dir)).eos, epochs=1)
+    stats = PackingStats()
+    return Counter(piece.key for _, _, docs in stream for doc in docs
+                   for piece in split_long(doc, seq_len, "split", stats))
+
+
+def stream_rows(data: Path, rank: int, world_size: int, workers: int, seq_len: int, shuffle_buffer: int = 8,
+                packer_buffer: int = 8):
+    """A rank's RowStream over `data`'s train shards as trainer.run.inputs.build_data makes it (lockstep, the
+    manifest's tokens, seed 0), in this process (workers 0: read in-process, one reader)."""
+    from trainer.data.config import DataConfig, PackingConfig
+    from trainer.data.loader import DocumentLoader
+    from trainer.data.pipeline import RowStream
+    from trainer.data.sources import resolve_source
+    from trainer.data.stream import DocumentStream, manifest_tokens
+    from trainer.data.tokenizer import load_tokenizer, special_ids
+
+    source = resolve_source(DataConfig(path=str(data)))
+    eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=0, rank=rank, world_size=world_size,
+                            shuffle_buffer=shuffle_buffer, expected_docs=source.expected_docs,
+                            shard_tokens=manifest_tokens(source.train_urls, source.manifest))
+    loader = DocumentLoader(stream, num_workers=workers, lockstep=True)
+    return RowStream(loader, seq_len, PackingConfig(buffer_size=packer_buffer))
+
+
+def first_keys_of_epoch(rows, epoch: int, n_rows: int) -> list[str]:
+    """The keys of the first `n_rows` rows of `epoch` of a fresh `stream_rows` stream: what a run on its shape
+    trains first in that epoch (an epoch starts with empty packers, trainer.data.pipeline)."""
+    from trainer.data.reader import SlotState
+
+    workers = max(1, rows.docs.num_workers)
+    first = rows.docs.stream.rank * workers
+    rows.docs.lockstep_epoch = epoch
+    rows.docs.slot_states = {slot: SlotState(epoch=epoch) for slot in range(first, first + workers)}
+    try:
+        return [doc.key for row in rows.take(n_rows) for doc in row]
+    finally:
+        rows.close()
+
+
+def doc_keys(run_dir: Path) -> dict[int, dict[int, list[str]]]:
+    """{rank: {step: keys}} from a run's logging.record_doc_keys files."""
+    out = {}
+    for path in sorted((run_dir / "doc_keys").glob("rank_*.jsonl")):
+        out[int(path.stem.split("_")[1])] = {r["step"]: r["keys"] for r in map(json.loads, path.read_text().splitlines())}
     return out
 
 

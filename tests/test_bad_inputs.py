@@ -41,9 +41,11 @@ import trainer.distributed.config as distributed_config
 from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
+from trainer.checkpoint.safe_io import save_state
 from trainer.checkpoint.weights import checkpoint_conventions
 from trainer.config import from_container
 from trainer.data.config import DataConfig
+from trainer.data.reshape import reshape_state
 from trainer.distributed.groups import DistInfo
 from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
@@ -293,8 +295,16 @@ def numeric_resume(tmp: Path, _) -> None:
     store.read_meta(checkpointer.resume_path(cfg.train.resume))
 
 
-def other_world_size(tmp: Path, _) -> None:
-    store.load_checkpoint(fake_checkpoint(tmp, {"step": 3, "world_size": 2}), CPU, engine=None)
+def missing_rank_file(tmp: Path, _) -> None:
+    """A checkpoint of 2 ranks whose rank_00001.pt is gone, resumed on 1 rank (which reads every rank's)."""
+    path = fake_checkpoint(tmp, {"step": 3, "world_size": 2})
+    save_state({"rng": {}}, path / store.rank_file(0))
+    store.load_rank_states(path, range(2))
+
+
+def reshaped_without_lockstep(tmp: Path, _) -> None:
+    """A data stream dealt over another shape with data.epoch_lockstep=false (trainer.data.reshape)."""
+    reshape_state([], None, 1, lockstep=False)
 
 
 def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str | None = None) -> Call:
@@ -331,12 +341,14 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("train.seq_len", resumed_with("train.seq_len=256", "train.tokens_per_step=1024"),
      r"written with train.seq_len=128, model.max_seq_len=128 and this run has train.seq_len=256, "
      r"model.max_seq_len=256"),
-    ("data.num_workers", resumed_with("data.num_workers=2"), r"data.num_workers=1 and this run has data.num_workers=2"),
     ("data.shuffle_buffer", resumed_with("data.shuffle_buffer=8"), r"data.shuffle_buffer=64 and this run has "),
     ("model.n_layer", resumed_with("model=small", "model.max_seq_len=128"),
      r"model.n_layer=2, model.n_head=4, model.n_embd=64 and this run has model.n_layer=6, model.n_head=6, "
      r"model.n_embd=384; resume with the checkpoint's values"),
-    ("world_size", other_world_size, r"was written by 2 ranks and this run has 1"),
+    ("world_size", missing_rank_file, r"rank_00001.pt is missing: the checkpoint is damaged \(it was written by 2 "
+                                      r"ranks\)"),
+    ("data.epoch_lockstep", reshaped_without_lockstep, r"resumes on another number of ranks or DataLoader workers "
+                                                       r"only with data.epoch_lockstep=true"),
     ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),
     ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),

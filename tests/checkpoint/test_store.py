@@ -184,9 +184,9 @@ def test_a_ddp_checkpoint_holds_exactly_the_layout_and_loads_back(tmp_path, toke
     assert saved.keys() == {"model", "optimizer", "scheduler"} and saved["scheduler"]["last_epoch"] == 1
 
     fresh = ddp_engine(1)
-    meta, rank_state = store.load_checkpoint(path, CPU, fresh)
+    meta, rank_states = store.load_checkpoint(path, CPU, fresh)
     assert (meta["step"], meta["world_size"], meta["counters"]) == (3, 1, {"tokens": 7})
-    assert rank_state == {"data": {"read": 3}}
+    assert rank_states == {0: {"data": {"read": 3}}}
     assert (random.random(), *torch.rand(2).tolist()) == (draws[0], *draws[1].tolist())
     assert all(torch.equal(v, state[k]) for k, v in fresh.module.state_dict().items())
     assert fresh.lr() == engine.lr() and fresh.optimizer.state_dict()["state"][0]["step"] == 1

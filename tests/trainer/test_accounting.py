@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, run_train, torchrun
-from trainer.data.packing import PackingStats, split_long
+from tests.helpers import doc_keys as consumed
+from tests.helpers import epoch_chunks, metrics, run_train, torchrun
 from trainer.data.shards import shard_paths
-from trainer.data.stream import DocumentStream
-from trainer.data.tokenizer import load_tokenizer, special_ids
 
 pytestmark = pytest.mark.slow
 
@@ -45,27 +43,9 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
-def epoch_chunks(data: Path) -> Counter:
-    """The chunks of one epoch (documents split at SEQ_LEN, as the trainer does), read once, in one process."""
-    tok_dir = data / "tokenizer"
-    stream = DocumentStream(shard_paths(data, "train"), tok_dir, special_ids(load_tokenizer(tok_dir)).eos, epochs=1)
-    stats = PackingStats()
-    return Counter(piece.key for _, _, docs in stream for doc in docs for piece in split_long(doc, SEQ_LEN, "split",
-                                                                                          stats))
-
-
-def consumed(run_dir: Path) -> dict[int, dict[int, list[str]]]:
-    """{rank: {step: keys}} from the doc_keys files."""
-    out = {}
-    for path in sorted((run_dir / "doc_keys").glob("rank_*.jsonl")):
-        rank = int(path.stem.split("_")[1])
-        out[rank] = {r["step"]: r["keys"] for r in map(json.loads, path.read_text().splitlines())}
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict[str, Path]:
-    epoch = epoch_chunks(corpus)
+    epoch = epoch_chunks(corpus, SEQ_LEN)
     tokens = json.loads((corpus / "manifest.json").read_text())["splits"]["train"]["tokens"]
     steps = math.ceil(1.5 * tokens / TOKENS_PER_STEP)  # an epoch, its boundary, and half the next
     root = tmp_path_factory.mktemp("acc_runs")

@@ -18,8 +18,8 @@ files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles 
 
 On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`); DeepSpeed's
 shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
-checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank's data
-stream still resumes only on the shape it was written with (`check_data_resumable`, the one refusal left).
+checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then reads
+every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them (trainer.data.reshape).
 
 Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
 `engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its
@@ -289,34 +289,32 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict]:
-    """Restore the engine and this rank's RNG; returns (meta, this rank's state with 'data' etc.)."""
+def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict[int, dict]]:
+    """Restore the engine and this rank's RNG; returns (meta, rank states): {rank: its RANK_FILE's state, with
+    'data' etc.}, this rank's alone when the checkpoint was written by this many ranks, else every written rank's
+    (a data stream resumed on another shape is dealt from all of them, trainer.data.reshape). The RNG states
+    are this rank's, or on another number of ranks old rank `rank % W`'s."""
     path = Path(path)
     meta = read_meta(path)
-    check_data_resumable(path, meta, info)
     load_engine(path, info, engine, meta)
-    rank_state = load_state(path / rank_file(info.rank))
-    set_rng_state(rank_state.pop("rng"))
-    return meta, rank_state
+    written = meta["world_size"]
+    states = load_rank_states(path, [info.rank] if written == info.world_size else range(written))
+    set_rng_state(states[info.rank % written]["rng"])
+    for state in states.values():
+        state.pop("rng")
+    return meta, states
 
 
-def check_data_resumable(path: Path, meta: dict, info: DistInfo) -> None:
-    """The one refusal of a resume on another number of ranks: each rank's RANK_FILE holds its own data stream
-    (its readers' shard lists and positions, shuffle buffers, packer leftovers), which resumes only on the world
-    size it was written with; the model, optimizer and LR schedule would load (`load_engine`). data.num_workers,
-    the other half of the stream's shape, is compared with the run's config before anything is built
-    (trainer.run.checkpointer.RESUME_KEYS). A resume that redistributes the streams replaces this function.
-
-    Example: written by 2 ranks, resumed on 1 -> "... was written by 2 ranks and this run has 1: the model,
-    optimizer and LR schedule would load on 1 rank, but each rank's data stream resumes only on ...".
-    """
-    written, now = meta["world_size"], info.world_size
-    if written != now:
-        raise CheckpointError(
-            f"{path} was written by {written} ranks and this run has {now}: the model, optimizer and LR schedule "
-            f"would load on {now} rank{'s' if now > 1 else ''}, but each rank's data stream (its readers' "
-            "positions) resumes only on the world size and data.num_workers it was written with; resume on "
-            f"{written} ranks, or start a new run from its weights (train.init_from)")
+def load_rank_states(path: str | Path, ranks) -> dict[int, dict]:
+    """{rank: the state in its RANK_FILE} for each of `ranks` (weights_only=True, as every .pt)."""
+    out = {}
+    for rank in ranks:
+        file = Path(path) / rank_file(rank)
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint is damaged (it was written by "
+                                  f"{read_meta(path)['world_size']} ranks); resume from an earlier one")
+        out[rank] = load_state(file)
+    return out
 
 
 def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | None = None) -> None:

@@ -141,10 +141,10 @@ class DocumentLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_workers"] != self.num_workers:
+        if state["num_workers"] != self.num_workers:  # the trainer deals such a state first (trainer.data.reshape)
             raise ValueError(
                 f"stream state was saved with {state['num_workers']} DataLoader workers; "
-                f"this run has {self.num_workers} (the shard split depends on it)"
+                f"this run has {self.num_workers} (deal it with trainer.data.reshape.reshape_state)"
             )
         self.slot_states = {int(slot): SlotState.from_dict(s) for slot, s in state["slot_states"].items()}
         self.chunks_consumed = state["chunks_consumed"]

@@ -18,7 +18,11 @@ which are references (shard, member) refilled as the resume reads past them. In 
 the buffer changes with every sample; each chunk carries only the items that entered it since the
 slot's previous chunk, and `DocumentLoader` keeps a copy of every slot's buffer up to the chunk it
 consumed. A checkpoint written before positions were saved (only `drawn`) still resumes: that slot
-replays its epoch up to `drawn` samples, reading every shard before its position."""
+replays its epoch up to `drawn` samples, reading every shard before its position.
+
+Resumed on another shape (trainer.data.reshape), a slot's shards of the rest of the epoch are dealt rather than
+split: `SlotState.shards`, where a shard an old reader had read in part starts past its samples taken
+(`SlotState.starts`), and the buffer may hold references into any of those shards."""
 
 from __future__ import annotations
 
@@ -118,19 +122,29 @@ class SlotState:
     split: str = "by_tokens"
     """How this epoch's shards were split over the slots (trainer.data.stream.DocumentStream.epoch_shards):
     "by_tokens", or "every_nth" in a state from a checkpoint written before the split was balanced by tokens,
-    whose epoch then ends on the split it began with (the next one is balanced)."""
+    whose epoch then ends on the split it began with (the next one is balanced), or "reshaped": the slot's
+    shards of this epoch are `shards`, dealt by a resume on another number of ranks or workers
+    (trainer.data.reshape)."""
+    shards: list[str] | None = None
+    """With split="reshaped": this slot's shards for the rest of the epoch, in reading order. The first
+    `position.shard_index` of them are already read (the buffered samples that came from them name them)."""
+    starts: dict[int, tuple[int, str]] = field(default_factory=dict)
+    """With split="reshaped": shards of `shards` that readers of the old shape read in part, by index:
+    (samples taken from it, the last one's key). The reader continues each of them there."""
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("position",
                                                                                                  "restore_read")}
         d["skipped"] = dict(self.skipped)
+        d["starts"] = dict(self.starts)
         d["position"] = None if self.position is None else self.position.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SlotState:
         position = d.get("position")
-        return cls(**{**d, "skipped": dict(d["skipped"]), "split": d.get("split", "every_nth"),
+        starts = {int(i): (int(taken), str(key)) for i, (taken, key) in d.get("starts", {}).items()}
+        return cls(**{**d, "skipped": dict(d["skipped"]), "split": d.get("split", "every_nth"), "starts": starts,
                       "position": None if position is None else ReadPosition.from_dict(position)})
 
 
@@ -265,7 +279,8 @@ class ShardCursor:
 
     def _next_shard(self) -> None:
         self._close()
-        self.index, self.taken, self.last_key, self._attempt = self.index + 1, 0, "", 0
+        self.index, self._attempt = self.index + 1, 0
+        self.taken, self.last_key = self.state.starts.get(self.index, (0, ""))  # read in part on another shape
 
     def _close(self) -> None:
         if self._samples is not None:
@@ -334,8 +349,10 @@ class SlotReader:
         t0 = time.perf_counter()
         self.shards = shards
         rng = random.Random(seed)
+        self._stream, self._state = stream, state
+        self._read_ahead = ReadCounter()  # shards other than the current one, read for their buffered samples
         if position is None:
-            self.cursor = ShardCursor(stream, shards, state)
+            self.cursor = ShardCursor(stream, shards, state, 0, *state.starts.get(0, (0, "")))
             self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng)
             if state.drawn:
                 self._replay(stream, state.drawn)
@@ -344,20 +361,41 @@ class SlotReader:
             self.cursor = ShardCursor(stream, shards, state, position.shard_index, position.taken, position.last_key)
             self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng, list(position.buffer), position.draining)
             self._refill(position.shard_index)
-        self.restore_read = (self.cursor.read.samples, self.cursor.read.bytes, time.perf_counter() - t0)
+        read = self.cursor.read.samples + self._read_ahead.samples, self.cursor.read.bytes + self._read_ahead.bytes
+        self.restore_read = (*read, time.perf_counter() - t0)
         """(samples, bytes, seconds) it took to get to the position."""
 
     def _refill(self, shard_index: int) -> None:
-        """Read the current shard up to the position, taking the buffered samples saved as references to it."""
+        """Read the current shard up to the position, taking the buffered samples saved as references to it.
+
+        After a resume on another shape (trainer.data.reshape) the buffer may also hold references to a later
+        shard of the slot's list that an old reader read in part (`SlotState.starts`): that shard's read part is
+        read now for them, and again when the reader gets to it. Example: shards [a, b], b started at 40
+        samples, buffer [ref(a, 3), ref(b, 17)] -> a read to its position (sample 3 taken on the way), b's first
+        40 samples read for sample 17."""
         items = self.buffer.items
-        refs = {item[1]: i for i, item in enumerate(items) if item[3] is None and item[1] >= 0}
-        if any(items[i][0] != shard_index for i in refs.values()):
-            raise DataStreamError(f"bad stream state: buffered references to a shard other than the current one "
-                                  f"({shard_index} of {len(self.shards)})")
-        found = self.cursor.seek(set(refs))
-        for member, i in refs.items():
-            # Missing only if the shard could not be read again (counted as unreadable): drop the sample silently.
-            items[i] = found.get(member, (shard_index, -1, "", None))
+        refs: dict[int, dict[int, int]] = {}  # shard index -> {member: position in the buffer}
+        for i, item in enumerate(items):
+            if item[3] is None and item[1] >= 0:
+                refs.setdefault(item[0], {})[item[1]] = i
+        for index, members in sorted(refs.items()):
+            if index == shard_index:
+                found = self.cursor.seek(set(members))
+            elif index in self._state.starts and index > shard_index:
+                cursor = ShardCursor(self._stream, self.shards, self._state, index, *self._state.starts[index])
+                try:
+                    found = cursor.seek(set(members))
+                finally:
+                    cursor.close()
+                    self._read_ahead.samples += cursor.read.samples
+                    self._read_ahead.bytes += cursor.read.bytes
+            else:
+                raise DataStreamError(f"bad stream state: buffered references to shard {index} of "
+                                      f"{len(self.shards)}, which is neither the current one ({shard_index}) nor "
+                                      "one read in part before")
+            for member, i in members.items():
+                # Missing only if the shard could not be read again (counted as unreadable): drop the sample.
+                items[i] = found.get(member, (index, -1, "", None))
 
     def _replay(self, stream: ReadPolicy, drawn: int) -> None:
         stream._replaying = True  # bad shards met again were counted before the checkpoint

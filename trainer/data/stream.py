@@ -68,6 +68,8 @@ class DocumentStream(IterableDataset):
         if not shards:
             raise DataStreamError("no shards given")
         self.shards = [str(s) for s in shards]
+        self.tokens_known = shard_tokens is not None
+        """Whether `shard_tokens` are the shards' real token counts (from the manifest)."""
         shard_tokens = [1] * len(self.shards) if shard_tokens is None else shard_tokens
         if len(shard_tokens) != len(self.shards):
             raise ValueError(f"{len(shard_tokens)} token counts for {len(self.shards)} shards")
@@ -118,11 +120,16 @@ class DocumentStream(IterableDataset):
                 f"{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
                 f"write more, smaller shards (trainer.prepare --docs-per-shard) or use fewer workers"
             )
+        workers = num_slots // self.world_size
+        return [self.shards[i] for i in self.split_shards(epoch, self.world_size, workers, split)[slot]]
+
+    def split_shards(self, epoch: int, world_size: int, workers: int, split: str = "by_tokens") -> list[list[int]]:
+        """Shard indices of every slot of a world_size x workers shape in `epoch` (`epoch_shards` of each slot;
+        trainer.data.reshape asks it for the shape a checkpoint was written on)."""
         if split == "every_nth":
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-            return [self.shards[i] for i in order[slot::num_slots]]
-        slots = assign_shards(self.shard_tokens, self.world_size, num_slots // self.world_size, self.seed, epoch)
-        return [self.shards[i] for i in slots[slot]]
+            return [[int(i) for i in order[slot::world_size * workers]] for slot in range(world_size * workers)]
+        return assign_shards(self.shard_tokens, world_size, workers, self.seed, epoch)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -198,7 +205,7 @@ class DocumentStream(IterableDataset):
                 reader.close()
                 state.epoch += 1
                 state.drawn = 0
-                state.split = "by_tokens"
+                state.split, state.shards, state.starts = "by_tokens", None, {}  # the next epoch: this shape's split
                 # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
                 yield self._chunk(slot, state, None, keys, texts)
                 reader = self._reader(slot, num_slots, state, None)
@@ -212,7 +219,10 @@ class DocumentStream(IterableDataset):
             self.stop_epoch is not None and state.epoch >= self.stop_epoch
         ):
             return None
-        shards = self.epoch_shards(state.epoch, slot, num_slots, state.split)
+        if state.split == "reshaped":  # dealt by a resume on another shape (trainer.data.reshape)
+            shards = list(state.shards)
+        else:
+            shards = self.epoch_shards(state.epoch, slot, num_slots, state.split)
         seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
         return SlotReader(self, shards, seed, state, position)
 

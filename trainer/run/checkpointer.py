@@ -13,12 +13,13 @@ from trainer.checkpoint import store
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
 
-RESUME_KEYS = ("seed", "train.seq_len", "data.num_workers", "data.shuffle_buffer", "model.vocab_size", "model.n_layer",
-               "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
+RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "model.vocab_size", "model.n_layer", "model.n_head",
+               "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
 """Config keys a resumed run must share with its checkpoint: the model's shapes (the weights and the optimizer
 state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
-cuts it into rows, each DataLoader worker holds its own reader). The number of ranks is not among them: the model
-and optimizer load on any number, and the data stream's refusal of another is store.check_data_resumable."""
+cuts it into rows). The shape is not among them: the model and optimizer load on any number of ranks
+(trainer.checkpoint.store.load_engine), and the data stream is dealt over other ranks and DataLoader workers
+(trainer.data.reshape)."""
 
 
 def check_resumable(path: Path, config: dict) -> None:
@@ -89,6 +90,7 @@ class Checkpointer:
                                           keep_last=self.keep_last)
         return self.last
 
-    def load(self, path: Path, engine: Engine) -> tuple[dict, dict]:
-        """Collective: the engine restored from `path`; returns (meta, this rank's state)."""
+    def load(self, path: Path, engine: Engine) -> tuple[dict, dict[int, dict]]:
+        """Collective: the engine restored from `path`; returns (meta, {rank: state}: this rank's, or on another
+        number of ranks every written rank's; store.load_checkpoint)."""
         return store.load_checkpoint(path, self.info, engine)

@@ -31,6 +31,7 @@ from trainer.checkpoint.weights import (
     tokenizer_mismatch,
 )
 from trainer.config import RunConfig, resolve_dtype
+from trainer.data.reshape import reshape_state
 from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
@@ -89,7 +90,7 @@ class Trainer:
             self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], self.wandb_group,
             enabled=info.is_main, resume_step=self.step, log_every=cfg.logging.log_every,
         )
-        self.doc_keys = DocKeysLog(self.run_dir, info.rank, self.step) if cfg.logging.record_doc_keys else None
+        self.doc_keys = DocKeysLog(self.run_dir, info, self.step) if cfg.logging.record_doc_keys else None
         if info.is_main:  # what trainer.report compares runs by
             (self.run_dir / "config.json").write_text(json.dumps(cfg.resolved, indent=2, default=str))
         self.flops_per_token = 6 * self.n_params  # + attention, ignored: an estimate for MFU
@@ -127,8 +128,8 @@ class Trainer:
                                                  "train.resume"))
         if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
-        meta, rank_state = self.checkpointer.load(path, self.engine)
-        self.data.rows.load_state_dict(rank_state["data"])
+        meta, rank_states = self.checkpointer.load(path, self.engine)
+        self.data.rows.load_state_dict(self._stream_state(path, meta, rank_states))
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
         self.inputs.lockstep_wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
@@ -140,6 +141,27 @@ class Trainer:
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
                   + " ".join(f"{k}={v}" for k, v in read.items()), flush=True)
+
+    def _stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> dict:
+        """This rank's data stream state: its own on the shape the checkpoint was written on; on another number
+        of ranks or data.num_workers, its part of every old rank's (trainer.data.reshape: each document of the
+        interrupted epoch not yet trained on is trained on once, in another order than the uninterrupted run's)."""
+        cfg, info, written = self.cfg, self.info, meta["world_size"]
+        own = rank_states.get(info.rank) if written == info.world_size else None
+        old_workers = (own or next(iter(rank_states.values())))["data"]["docs"]["num_workers"]
+        if own is not None and old_workers == cfg.data.num_workers:
+            return own["data"]
+        if len(rank_states) < written:  # the same ranks with other workers: this rank's state alone is not enough
+            rank_states = store.load_rank_states(path, range(written))
+        saved = (meta.get("config") or {}).get("data", {})
+        state = reshape_state([rank_states[r]["data"] for r in range(written)], self.data.loader.stream,
+                              cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep and saved.get("epoch_lockstep", True))
+        if info.is_main:
+            print(f"resume on another shape: written by {written} rank(s) x {old_workers} DataLoader worker(s), "
+                  f"resumed on {info.world_size} x {cfg.data.num_workers}: what was left of epoch "
+                  f"{state['docs']['lockstep_epoch']} is dealt over the new readers (each document once; the order "
+                  "differs from the uninterrupted run's)", flush=True)
+        return state
 
     def fit(self) -> dict:
         """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and return."""

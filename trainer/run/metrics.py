@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import WandbConfig
+from trainer.distributed.groups import DistInfo
 from trainer.registry import check_metric_keys, check_summary_keys
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU. Add yours; unknown devices get
@@ -150,10 +151,14 @@ class DocKeysLog:
     """<run dir>/doc_keys/rank_NNNNN.jsonl: {"step": s, "keys": [...]} per step, the documents (and chunks,
     `key#k`) this rank trained on, in order. Every rank writes its own file."""
 
-    def __init__(self, run_dir: str | Path, rank: int, resume_step: int) -> None:
-        self.path = Path(run_dir) / "doc_keys" / f"rank_{rank:05d}.jsonl"
+    def __init__(self, run_dir: str | Path, info: DistInfo, resume_step: int) -> None:
+        self.path = Path(run_dir) / "doc_keys" / f"rank_{info.rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_jsonl_after(self.path, resume_step)
+        if info.is_main:  # resumed on fewer ranks: the files of the ranks gone lose their steps after the resume too
+            for path in self.path.parent.glob("rank_*.jsonl"):
+                if path.stem[5:].isdigit() and int(path.stem[5:]) >= info.world_size:
+                    truncate_jsonl_after(path, resume_step)
 
     def log(self, step: int, keys: list[str]) -> None:
         with self.path.open("a") as f:
