@@ -45,8 +45,11 @@ sft: install
 	$(PY) -m trainer.generate $(SFT_RUN)/hf --chat --prompt "What does json.dumps do?" --max-new-tokens 60
 	@echo "fine-tuned model (Hugging Face format): $(SFT_RUN)/hf"
 
+# Two pytest workers, each given whole test files (module fixtures are built once), one thread per process:
+# ~15 min instead of ~19 serially on 2 cores. TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: install
 	$(PY) -m ruff check trainer tests bench scripts
