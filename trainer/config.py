@@ -219,10 +219,18 @@ class LoggingConfig:
     record_doc_keys: bool = False
     """Each rank appends the keys of the documents it trained on to <run dir>/doc_keys/rank_NNNNN.jsonl
     (one line per step): an audit of what was consumed, e.g. exactly once per epoch across a resume."""
+    length_buckets: list[int] = field(default_factory=lambda: [64, 256, 1024])
+    """Edges of the document-length buckets whose token loss is logged per step and per eval
+    (`token_loss_by_length`: <=64, <=256, <=1024, >1024 tokens by default; a chunk of a split document counts by
+    its own length). Empty: not logged."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         require_range("logging.log_every", self.log_every, 1)
+        edges = self.length_buckets
+        if not isinstance(edges, list) or not all(_fits(e, int) and e >= 1 for e in edges) or edges != sorted(set(edges)):
+            raise ValueError(f"logging.length_buckets must be increasing positive integers, e.g. [64, 256, 1024], "
+                             f"got {edges!r}")
 
 
 @dataclass

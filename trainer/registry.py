@@ -115,6 +115,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "logging.log_every": (IGNORED, "which steps are written"),
     "logging.progress": (IGNORED, "the progress bar"),
     "logging.record_doc_keys": (IGNORED, "an audit file"),
+    "logging.length_buckets": (IGNORED, "which per-length token losses are logged"),
     "logging.wandb.mode": (IGNORED, "W&B"),
     "logging.wandb.project": (IGNORED, "W&B"),
     "logging.wandb.entity": (IGNORED, "W&B"),
@@ -161,6 +162,10 @@ METRIC_KEYS: dict[str, str] = {
     "loss": "the optimized objective of the step, under loss.normalization",
     "token_loss": "sum of token losses / valid targets of the step: `loss` under global_tokens, comparable across "
                   "normalizations",
+    "token_loss_by_length": "per document-length bucket (logging.length_buckets; a chunk of a split document by "
+                            "its own length): sum of its token losses / its targets in the step, all ranks (null: "
+                            "no target in that bucket)",
+    "targets_by_length": "targets of the step per document-length bucket, all ranks",
     "lr": "the learning rate this step used",
     "grad_norm": "global gradient norm before clipping",
     "valid_tokens": "targets of the step (tokens the loss counts)",
@@ -184,6 +189,8 @@ METRIC_KEYS: dict[str, str] = {
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",
     "val_docs": "eval documents, chunks of split ones counted once each, all ranks (eval steps only)",
+    "val_token_loss_by_length": "token_loss_by_length of the eval set (eval steps only)",
+    "val_targets_by_length": "eval targets per document-length bucket (eval steps only)",
     "eval_time_s": "wall time of the evaluation (eval steps only)",
     "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an epoch at "
              "the same step)",
@@ -209,6 +216,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "final_loss": "loss of the last logged step",
     "final_val_loss": "val_loss of the last evaluation (null without eval)",
     "final_val_ppl": "val_ppl of the last evaluation (null without eval)",
+    "final_val_token_loss_by_length": "val_token_loss_by_length of the last evaluation (null without eval)",
     "val_tokens": "eval targets of the last evaluation (null without eval)",
     "val_docs": "eval documents of the last evaluation (null without eval)",
     "loss_normalization": "loss.normalization of the run",

@@ -136,7 +136,7 @@ def test_chunked_cross_entropy_is_the_shifted_cross_entropy(rows, length, chunk,
     labels = torch.randint(0, 13, (rows, length), generator=g)
     labels[torch.rand(rows, length, generator=g) < 0.3] = IGNORE_INDEX
     weights = torch.rand(rows, length, generator=g, dtype=torch.float64) if weighted else None
-    loss, count, wsum = chunked_cross_entropy(h, w, labels, weights, chunk)
+    loss, count, wsum, _ = chunked_cross_entropy(h, w, labels, weights, chunk)
     logits = h @ w.T
     if weighted:
         ref_loss, ref_count, ref_wsum = weighted_cross_entropy(logits, labels, weights)

@@ -81,6 +81,10 @@ class Batch:
     loss_weights: torch.Tensor | None = None
     """(B, L) float weight of each target, aligned with `labels` (set by the step for the loss normalizations
     that weigh targets, trainer.run.step.loss_weights); None: every target weighs 1."""
+    loss_groups: torch.Tensor | None = None
+    """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for the
+    per-group token losses, e.g. `length_groups`); None: no per-group sums."""
+    num_loss_groups: int = 0
 
     @property
     def num_allocated(self) -> int:
@@ -114,8 +118,27 @@ class Batch:
     def _map(self, fn) -> Batch:
         """A copy with `fn` applied to each tensor; the host-side fields are shared."""
         weights = None if self.loss_weights is None else fn(self.loss_weights)
+        groups = None if self.loss_groups is None else fn(self.loss_groups)
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels),
-                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens), loss_weights=weights)
+                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens), loss_weights=weights,
+                       loss_groups=groups)
+
+
+def length_bucket_names(edges: Sequence[int]) -> list[str]:
+    """Names of the document-length buckets of `edges`. Example: [64, 256] -> ["<=64", "<=256", ">256"]."""
+    return [f"<={e}" for e in edges] + ([f">{edges[-1]}"] if edges else [])
+
+
+def length_groups(batch: Batch, edges: Sequence[int]) -> torch.Tensor:
+    """(B, L) int64: for each position, the length bucket of its segment (its document, or a chunk of a split
+    one, as trained: the unit attention isolates), bucket k = the first edge >= the length, len(edges) above
+    them all. Padding segments hold no target, so their bucket never counts.
+
+    Example: one row [a0 a1 a2 | b0 b1 | pad], edges [2] -> [[1 1 1 0 0 0]] (the padding segment's 0 is unused).
+    """
+    seg_lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()  # (S,)
+    bucket_S = torch.bucketize(seg_lens, torch.tensor(list(edges), dtype=torch.long))  # first edge >= length
+    return torch.repeat_interleave(bucket_S, seg_lens).view(batch.shape)
 
 
 def collate_rows(

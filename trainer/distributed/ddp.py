@@ -52,11 +52,11 @@ class DDPEngine:
             self.wrapped = model
             self.grad_average_factor = 1
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.
 
-        Returns (objective sum, plain summed token loss): the objective is the weighted sum when the
-        inputs carry loss_weights (trainer.run.step.loss_weights), else the plain sum.
+        Returns (objective sum, plain summed token loss, per-group sums or None): the objective is the weighted
+        sum when the inputs carry loss_weights (trainer.run.step.loss_weights), else the plain sum.
         """
         no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
         with no_sync:
@@ -64,14 +64,15 @@ class DDPEngine:
                 out = self.wrapped(**inputs)
             objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
             (objective * loss_scale).backward()
-        return objective.detach(), out.loss_sum.detach()
+        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
 
     @torch.no_grad()
-    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed token loss and target count of one micro-batch, without gradients or DDP communication."""
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Summed token loss, target count and per-group sums of one micro-batch, without gradients or DDP
+        communication."""
         with self._autocast():
             out = self.module(**inputs, return_logits=False)
-        return out.loss_sum, out.num_targets
+        return out.loss_sum, out.num_targets, out.group_loss_sums
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""

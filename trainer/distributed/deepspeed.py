@@ -101,19 +101,20 @@ class DeepSpeedEngine:
         )
         self.grad_average_factor = self.ds.dp_world_size
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
         self.ds.set_gradient_accumulation_boundary(sync)
         out = self.ds(**inputs)
         objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
         self.ds.backward(objective * loss_scale, scale_wrt_gas=False)
-        return objective.detach(), out.loss_sum.detach()
+        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
 
     @torch.no_grad()
-    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed token loss and target count; collective under ZeRO-3 (weights are gathered per forward)."""
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Summed token loss, target count and per-group sums; collective under ZeRO-3 (weights are gathered per
+        forward)."""
         out = self.ds(**inputs, return_logits=False)
-        return out.loss_sum, out.num_targets
+        return out.loss_sum, out.num_targets, out.group_loss_sums
 
     def optimizer_step(self) -> float:
         """Clip, step, advance the schedule, zero the gradients (all inside DeepSpeed); the global grad norm."""

@@ -50,13 +50,15 @@ class Engine(Protocol):
     which loads on any number of ranks. True: each rank holds a part, which only the engine can write and read
     (`save_shards` / `load_shards`), and convert for another number of ranks (`convert_shards`)."""
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
-        over ranks only when `sync`. Returns (objective_sum, plain summed token loss), detached."""
+        over ranks only when `sync`. Returns (objective_sum, plain summed token loss, summed token loss per loss
+        group or None: the inputs carry no loss_groups), detached."""
         ...
 
-    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token loss, number of targets) of one micro-batch, without gradients."""
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(summed token loss, number of targets, per loss group summed token loss or None) of one micro-batch,
+        without gradients."""
         ...
 
     def optimizer_step(self) -> float:

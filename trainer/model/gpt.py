@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data.batch import Batch
+from trainer.data.batch import IGNORE_INDEX, Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
-from trainer.model.loss import chunked_cross_entropy, shifted_cross_entropy, weighted_cross_entropy
+from trainer.model.loss import chunked_cross_entropy, group_sums, shifted_cross_entropy, token_cross_entropy
 
 POS_EMBS = ("learned", "rope")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -94,6 +94,8 @@ class ModelOutput:
     """int64 scalar: how many targets were summed, for the caller's denominator."""
     weighted_loss_sum: torch.Tensor | None = None
     """fp32 scalar: sum of loss_weights[t] * cross entropy of target t (loss_weights given), else None."""
+    group_loss_sums: torch.Tensor | None = None
+    """(G,) fp32, detached: the summed cross entropy of each loss group's targets (loss_groups given), else None."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,6 +300,8 @@ class GPT(nn.Module):
         return_logits: bool | None = None,
         loss_weights: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        loss_groups: torch.Tensor | None = None,
+        num_loss_groups: int = 0,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
 
@@ -305,6 +309,8 @@ class GPT(nn.Module):
         segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
+        loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of the
+        num_loss_groups groups (a metric, e.g. per document-length bucket; trainer.data.batch.length_groups).
         return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given),
         where they never exist whole; True always returns them (the plain loss path); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
@@ -339,18 +345,24 @@ class GPT(nn.Module):
         h = self.ln_f(x)  # (B, L, C)
 
         if self.loss_chunk_tokens and labels is not None and not return_logits:  # the logits never exist whole
-            loss_sum, num_targets, weighted = chunked_cross_entropy(
-                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens
+            loss_sum, num_targets, weighted, grouped = chunked_cross_entropy(
+                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups
             )
-            return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted)
+            return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
+                               group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V)
-        loss_sum = num_targets = weighted = None
-        if labels is not None and loss_weights is not None:
-            loss_sum, num_targets, weighted = weighted_cross_entropy(logits, labels, loss_weights)
-        elif labels is not None:
+        loss_sum = num_targets = weighted = grouped = None
+        if labels is not None and loss_weights is None and loss_groups is None:
             loss_sum, num_targets = shifted_cross_entropy(logits, labels)
+        elif labels is not None:
+            ce_BT = token_cross_entropy(logits, labels)  # (B, L - 1), 0 where ignored
+            loss_sum, num_targets = ce_BT.sum(), (labels[:, 1:] != IGNORE_INDEX).sum()
+            if loss_weights is not None:
+                weighted = (ce_BT * loss_weights[:, 1:]).sum()
+            if loss_groups is not None:
+                grouped = group_sums(ce_BT, loss_groups[:, 1:], num_loss_groups)
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
-                           weighted_loss_sum=weighted)
+                           weighted_loss_sum=weighted, group_loss_sums=grouped)
 
 
 def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None,
@@ -409,4 +421,6 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
     )
     if batch.loss_weights is not None:
         inputs["loss_weights"] = batch.loss_weights
+    if batch.loss_groups is not None:
+        inputs["loss_groups"], inputs["num_loss_groups"] = batch.loss_groups, batch.num_loss_groups
     return inputs

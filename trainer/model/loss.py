@@ -9,6 +9,8 @@ divides by its own count of targets. Three forms, each returning the sum and the
     chunked_cross_entropy   from the final hidden states and the head's weight, a chunk of positions at a
                             time: the (B * L, V) logits never exist whole (loss.chunk_tokens); same values
                             and gradients as the other two
+Each can also sum the token losses per group (`groups` (B, L), aligned with the labels: a group id per target,
+e.g. its document's length bucket; `group_sums`): a metric, detached, which changes no value or gradient.
 """
 
 from __future__ import annotations
@@ -37,6 +39,24 @@ def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return loss_sum, (targets_BT != IGNORE_INDEX).sum()
 
 
+def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """(num_groups,) fp32: the sum of ce_N over the positions of each group, detached (a metric). Positions whose
+    group is outside [0, num_groups) (-1: no group) and ignored targets (ce 0) add nothing.
+
+    Example: ce [0.5, 0, 2, 1], groups [0, -1, 1, 0], 2 groups -> [1.5, 2.0].
+    """
+    ce_N, groups_N = ce_N.detach().float().reshape(-1), groups_N.reshape(-1)
+    inside = (groups_N >= 0) & (groups_N < num_groups)
+    out = torch.zeros(num_groups, dtype=torch.float32, device=ce_N.device)
+    return out.index_add_(0, torch.where(inside, groups_N, 0), torch.where(inside, ce_N, 0.0))
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L - 1) fp32 cross entropy of each target (logits at t predicting labels at t + 1), 0 where ignored."""
+    return F.cross_entropy(logits[:, :-1, :].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
+                           reduction="none")
+
+
 def weighted_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,11 +66,8 @@ def weighted_cross_entropy(
     (predicted from position t - 1). Example: weights = 1 / (targets of the token's document) makes the
     weighted sum the sum of per-document mean losses.
     """
-    targets_BT = labels[:, 1:]
-    ce_BT = F.cross_entropy(
-        logits[:, :-1, :].transpose(1, 2).float(), targets_BT, ignore_index=IGNORE_INDEX, reduction="none"
-    )  # (B, L - 1), 0 where ignored
-    return ce_BT.sum(), (targets_BT != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
+    ce_BT = token_cross_entropy(logits, labels)  # (B, L - 1), 0 where ignored
+    return ce_BT.sum(), (labels[:, 1:] != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -66,11 +83,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_NC, weight_VC, targets_N, weights_N, chunk_tokens: int, compute_dtype: torch.dtype,
-                want_grad: bool):
+                want_grad: bool, groups_N=None, num_groups: int = 0):
         need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
         weight_cd = weight_VC.to(compute_dtype)  # (V, C); a copy only under autocast
         loss_sum = torch.zeros((), dtype=torch.float32, device=h_NC.device)
         weighted_sum = torch.zeros_like(loss_sum)
+        grouped = torch.zeros(num_groups, dtype=torch.float32, device=h_NC.device)  # a metric: no gradient
         grad_h_NC = torch.empty_like(h_NC) if need_h else None
         grad_w_VC = torch.zeros(weight_VC.shape, dtype=torch.float32, device=weight_VC.device) if need_w else None
         grad_ww_VC = torch.zeros_like(grad_w_VC) if need_w and weights_N is not None else None
@@ -86,6 +104,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             loss_sum += ce_n.sum()
             if weights_N is not None:
                 weighted_sum += (ce_n * weights_N[start:end]).sum()
+            if groups_N is not None:
+                grouped += group_sums(ce_n, groups_N[start:end], num_groups)
             if not (need_h or need_w):
                 continue
             grad_nV = logits_nV.sub_(lse_n[:, None]).exp_()  # softmax, in place: the logits are done with
@@ -100,11 +120,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_h_NC, grad_w_VC, grad_ww_VC, weights_N)
         ctx.weight_dtype = weight_VC.dtype
         ctx.set_materialize_grads(False)
-        return loss_sum, weighted_sum
+        ctx.mark_non_differentiable(grouped)
+        return loss_sum, weighted_sum, grouped
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss, grad_weighted):
+    def backward(ctx, grad_loss, grad_weighted, _grad_grouped):
         grad_h_NC, grad_w_VC, grad_ww_VC, weights_N = ctx.saved_tensors
         dh = dw = None
         if grad_h_NC is not None:  # d/dh of (a * loss_sum + b * weighted_sum): row t scaled by a + b * w_t
@@ -117,30 +138,33 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if grad_weighted is not None and grad_ww_VC is not None:
                 dw = dw + grad_ww_VC * grad_weighted
             dw = dw.to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
-    chunk_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """shifted_cross_entropy / weighted_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
 
     hidden (B, L, C) is the final norm's output, weight (V, C) the output head; the logits are made and
     consumed `chunk_tokens` flat positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of
-    targets, weighted sum or None), the same values and gradients as the plain path. The shift is done on the
+    targets, weighted sum or None, per-group sums or None: `groups` given), the same values and gradients as the
+    plain path. The shift is done on the
     labels: position t of a row is scored against labels[t + 1], a row's last position against nothing (-100).
     Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
     """
     B, L, C = hidden.shape
     targets_BL = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     weights_N = None if weights is None else F.pad(weights[:, 1:].float(), (0, 1)).reshape(-1)
+    groups_N = None if groups is None else F.pad(groups[:, 1:], (0, 1), value=-1).reshape(-1)
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
-        loss_sum, weighted_sum = _ChunkedHeadLoss.apply(
+        loss_sum, weighted_sum, grouped = _ChunkedHeadLoss.apply(
             hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
-            want_grad,
+            want_grad, groups_N, num_groups,
         )
-    return loss_sum, (labels[:, 1:] != IGNORE_INDEX).sum(), None if weights is None else weighted_sum
+    return (loss_sum, (labels[:, 1:] != IGNORE_INDEX).sum(), None if weights is None else weighted_sum,
+            None if groups is None else grouped)

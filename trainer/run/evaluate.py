@@ -16,8 +16,11 @@ identically after a resume.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from trainer.data.batch import Batch, Document
 from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
@@ -28,7 +31,8 @@ from trainer.data.stream import DocumentStream
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
-from trainer.run.step import empty_batch
+from trainer.run.metrics import by_length
+from trainer.run.step import empty_batch, with_length_groups
 
 
 @dataclass
@@ -39,6 +43,9 @@ class EvalResult:
     """Eval targets, all ranks."""
     val_docs: int
     """Eval documents (chunks of split documents count once each), all ranks."""
+    val_token_loss_by_length: dict[str, float | None] = field(default_factory=dict)
+    """Per document-length bucket (logging.length_buckets): summed token loss / targets; {} when not measured."""
+    val_targets_by_length: dict[str, int] = field(default_factory=dict)
 
 
 def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
@@ -85,8 +92,9 @@ class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
     def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
-                 micro_batch_tokens: int, pad_id: int, every: int = 0) -> None:
+                 micro_batch_tokens: int, pad_id: int, every: int = 0, length_buckets: Sequence[int] = ()) -> None:
         self.info = info
+        self.length_buckets = list(length_buckets)
         self.every = every
         """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
@@ -94,6 +102,10 @@ class Evaluator:
         rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
         self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
                                                   pad_id)
+        grouped = [with_length_groups(b, self.length_buckets) for b in self.batches]
+        self.batches = [b for b, _ in grouped]
+        num_groups = len(self.length_buckets) + 1 if self.length_buckets else 0  # the same on every rank
+        self.group_targets = [sum(c[g] for _, c in grouped) for g in range(num_groups)]
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
 
     def due(self, step: int, last: bool) -> bool:
@@ -110,17 +122,23 @@ class Evaluator:
         module = engine.module
         was_training = module.training
         module.eval()
+        num_groups = len(self.length_buckets) + 1 if self.length_buckets else 0
         try:
-            loss_sum = 0.0
+            loss_sum, group_sums = 0.0, torch.zeros(num_groups)
             for mb in batches:
-                mb_loss, _ = engine.eval_forward(model_inputs(mb.to_device(info.device)))
+                mb_loss, _, mb_groups = engine.eval_forward(model_inputs(mb.to_device(info.device)))
                 loss_sum = loss_sum + mb_loss.float()  # a tensor: no host sync per micro-batch
+                if mb_groups is not None:
+                    group_sums = group_sums.to(mb_groups.device) + mb_groups
         finally:
             module.train(was_training)
-        total_loss, tokens, docs = dist_sum([float(loss_sum), self.tokens, self.docs], info.device)
+        total_loss, tokens, docs, *groups = dist_sum(
+            [float(loss_sum), self.tokens, self.docs, *group_sums.tolist(), *self.group_targets],
+            info.device)
+        by = by_length(self.length_buckets, groups[:num_groups], groups[num_groups:], prefix="val_")
         if tokens == 0:
             raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single token, "
                                    "or data.loss_on=assistant finds no assistant turn); set train.eval_every=0")
         val_loss = total_loss / tokens
         return EvalResult(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=int(tokens),
-                          val_docs=int(docs))
+                          val_docs=int(docs), **by)

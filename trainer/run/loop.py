@@ -42,7 +42,7 @@ from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.run.inputs import StepInputs, StepInterrupted, build_data
-from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, peak_mem_gb
+from trainer.run.metrics import DocKeysLog, MetricsLogger, by_length, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
 from trainer.run.run_dir import guard_fresh_start, set_aside_after
@@ -101,7 +101,7 @@ class Trainer:
         docs = load_eval_docs(cfg.data, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
                               cfg.train.eval_docs, cfg.data.on_error)
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
-                         self.data.pad_id, every=cfg.train.eval_every)
+                         self.data.pad_id, every=cfg.train.eval_every, length_buckets=cfg.logging.length_buckets)
 
     def _init_from(self, model) -> dict | None:
         """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
@@ -221,7 +221,8 @@ class Trainer:
         t0 = time.perf_counter()
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization)
+        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization,
+                           length_buckets=cfg.logging.length_buckets)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         step_time = time.perf_counter() - t0
@@ -271,6 +272,7 @@ class Trainer:
             "final_loss": self._last_loss,
             "final_val_loss": ev.val_loss if ev else None,
             "final_val_ppl": ev.val_ppl if ev else None,
+            "final_val_token_loss_by_length": ev.val_token_loss_by_length if ev else None,
             "val_tokens": ev.val_tokens if ev else None,
             "val_docs": ev.val_docs if ev else None,
             "loss_normalization": self.cfg.loss.normalization,
@@ -313,6 +315,7 @@ class Trainer:
             "step": self.step,
             "loss": stats.loss,
             "token_loss": stats.token_loss,
+            **by_length(self.cfg.logging.length_buckets, stats.group_loss_sums, stats.group_targets),
             "lr": lr,
             "grad_norm": stats.grad_norm,
             "valid_tokens": stats.valid_tokens,

@@ -12,11 +12,13 @@ import re
 import resource
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from trainer.config import WandbConfig
+from trainer.data.batch import length_bucket_names
 from trainer.distributed.groups import DistInfo
 from trainer.registry import check_metric_keys, check_summary_keys
 
@@ -57,6 +59,20 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def by_length(edges: Sequence[int], loss_sums: Sequence[float] | None, targets: Sequence[int] | None,
+              prefix: str = "") -> dict:
+    """The per-length metrics of a step or an eval: {prefix + "token_loss_by_length": {bucket: summed token loss
+    / targets, None for a bucket without targets}, prefix + "targets_by_length": {bucket: targets}}; {} when not
+    measured. Example: edges [64], sums [6.0, 0.0], targets [3, 0] -> {"token_loss_by_length": {"<=64": 2.0,
+    ">64": None}, "targets_by_length": {"<=64": 3, ">64": 0}}."""
+    if not edges or loss_sums is None:
+        return {}
+    names = length_bucket_names(edges)
+    return {f"{prefix}token_loss_by_length": {n: (s / t if t else None) for n, s, t in zip(names, loss_sums, targets,
+                                                                                         strict=True)},
+            f"{prefix}targets_by_length": dict(zip(names, (int(t) for t in targets), strict=True))}
 
 
 def peak_mem_gb(device: torch.device) -> float:

@@ -33,13 +33,14 @@ micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from trainer.config import NORMALIZATIONS
-from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
+from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows, length_groups
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.errors import UserError
@@ -64,6 +65,10 @@ class StepStats:
     """On this rank."""
     finite: bool = True
     """False: the loss or the gradient norm was NaN/inf and the update was not applied."""
+    group_loss_sums: list[float] | None = None
+    """Per length bucket (`length_buckets` given): the summed token loss of its targets, all ranks."""
+    group_targets: list[int] | None = None
+    """Per length bucket: its targets, all ranks (token loss of a bucket = its sum / its targets)."""
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -101,9 +106,24 @@ def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None,
     return weights, int((counts > 0).sum())
 
 
+def with_length_groups(batch: Batch, edges: Sequence[int]) -> tuple[Batch, list[int]]:
+    """`batch` carrying the length bucket of each target (trainer.data.batch.length_groups) and the targets per
+    bucket, for the per-length token losses; unchanged, [] without edges."""
+    if not edges:
+        return batch, []
+    groups_BL = length_groups(batch, edges)
+    counts = torch.bincount(groups_BL[batch.labels != IGNORE_INDEX], minlength=len(edges) + 1)
+    return replace(batch, loss_groups=groups_BL, num_loss_groups=len(edges) + 1), counts.tolist()
+
+
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens") -> StepStats:
-    """Forward/backward every micro-batch of this rank, then one optimizer step."""
+               normalization: str = "global_tokens", length_buckets: Sequence[int] = ()) -> StepStats:
+    """Forward/backward every micro-batch of this rank, then one optimizer step. `length_buckets`: edges of the
+    document-length buckets whose token losses the stats carry (a metric: the objective is unchanged)."""
+    grouped = [with_length_groups(mb, length_buckets) for mb in micro_batches]
+    micro_batches = [mb for mb, _ in grouped]
+    num_groups = len(length_buckets) + 1 if length_buckets else 0
+    group_targets = [sum(counts[g] for _, counts in grouped) for g in range(num_groups)]
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.world_size  # micro-batches per rank, e.g. [3, 0, 0, 0] on rank 0 of 4
     counts[info.rank] = len(micro_batches)
@@ -114,10 +134,13 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         sum(mb.num_tokens for mb in micro_batches),
         sum(mb.num_docs for mb in micro_batches),
         sum(mb.shape[0] for mb in micro_batches),
+        *group_targets,
         *counts,
     ]
     totals = dist_sum(local, info.device)
     valid, units, allocated, real, docs, rows = (int(x) for x in totals[:6])
+    group_targets = [int(x) for x in totals[6:6 + num_groups]]
+    totals = totals[:6] + totals[6 + num_groups:]
     if valid == 0:
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
     loss_scale = engine.grad_average_factor / units
@@ -126,12 +149,16 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     batches = list(micro_batches) + [empty_batch(pad_id)] * (max(1, most) - len(micro_batches))
     weights = [w for w, _ in weighted] + [None] * (len(batches) - len(micro_batches))
     objective_sum = loss_sum = 0.0
+    group_sums = torch.zeros(num_groups)
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
-        mb_objective, mb_loss_sum = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
+        mb_objective, mb_loss_sum, mb_groups = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()
-    global_objective, global_loss_sum = dist_sum([float(objective_sum), float(loss_sum)], info.device)
+        if mb_groups is not None:
+            group_sums = group_sums.to(mb_groups.device) + mb_groups
+    global_objective, global_loss_sum, *global_groups = dist_sum(
+        [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device)
     if engine.can_discard:
         grad_norm = engine.clip_gradients()
         finite = math.isfinite(global_objective) and math.isfinite(grad_norm)
@@ -156,4 +183,6 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         rows=rows,
         micro_batches=len(micro_batches),
         finite=finite,
+        group_loss_sums=global_groups if num_groups else None,
+        group_targets=group_targets if num_groups else None,
     )
