@@ -450,10 +450,15 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     paths = make_report([tmp_path / name for name in variants], out)
     manifest = json.loads((demo_data / "manifest.json").read_text())
     has_histogram = "histogram" in manifest["splits"]["train"]["lengths"]
-    md = check_files(out, paths, [p for p in PNGS if has_histogram or p != "doc_lengths.png"])
+    pngs = [p for p in PNGS if has_histogram or p != "doc_lengths.png"]
+    pngs.insert(pngs.index("token_utilization.png") + 1, "loss_by_length.png")  # real runs log the buckets
+    md = check_files(out, paths, pngs)
     verdicts = dict(line[4:].split("**: ", 1) for line in md.splitlines() if line.startswith("- **"))
     assert verdicts["seed1"] == "not comparable: different seed (0 vs 1)"
     assert verdicts["packed"].startswith("same objective: max |Δloss| ")  # same documents, same loss
+    assert verdicts["packed by document length"].startswith("every length bucket within 0.0001 of unpacked")
+    assert "seed1 by document length" not in verdicts  # not comparable: no per-bucket judgement
+    assert "## Token loss by document length" in md and "| packed | <=64 | " in md
     rows = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
             for row in report.table_rows(load_runs([tmp_path / n for n in variants]),
                                          load_runs([tmp_path / "unpacked"])[0])}
@@ -499,3 +504,55 @@ def test_each_packed_run_is_also_judged_against_its_unpacked_counterpart(tmp_pat
     assert pairs["2_row_mean_packed vs 3_row_mean_unpacked"].startswith(
         "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
         "packing.layout unpacked -> packed changes it by up to 0.05 over 6 steps")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loss by document length
+# ---------------------------------------------------------------------------------------------------
+
+
+def with_buckets(run_dir: Path, train: dict[str, list[float]], targets: dict[str, list[int]],
+                 val: dict[str, float]) -> Path:
+    """Add token_loss_by_length / targets_by_length to every step of a hand-built run, and the val buckets to
+    its last eval step."""
+    path = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, m in enumerate(lines):
+        m["token_loss_by_length"] = {b: train[b][i] for b in train}
+        m["targets_by_length"] = {b: targets[b][i] for b in targets}
+    evals = [m for m in lines if "val_loss" in m]
+    evals[-1]["val_token_loss_by_length"] = val
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    return run_dir
+
+
+def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
+    targets = {"<=64": [100] * 6, ">64": [900] * 6}
+    ref_train = {"<=64": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], ">64": [2.5] * 6}
+    ref = with_buckets(make_run(tmp_path, "unpacked", {"packing.layout": "unpacked"}), ref_train, targets,
+                       {"<=64": 2.2, ">64": 2.4})
+    same = with_buckets(make_run(tmp_path, "packed"), {b: [x + 1e-6 for x in v] for b, v in ref_train.items()},
+                        targets, {"<=64": 2.2, ">64": 2.4 + 2e-6})
+    # Without isolation short documents read their neighbours: their loss drops by 0.05, long ones' do not.
+    mixed = with_buckets(make_run(tmp_path, "mixed", {"attention.isolate_documents": False}),
+                         {"<=64": [x - 0.05 for x in ref_train["<=64"]], ">64": [2.5] * 6}, targets,
+                         {"<=64": 2.15, ">64": 2.4})
+    runs = load_runs([ref, same, mixed])
+    # Train token loss of a bucket over a run: its steps weighted by their targets (equal here: the mean).
+    assert report.train_by_length(runs[0]) == {"<=64": (2.5, 600), ">64": (2.5, 5400)}
+    rows = report.length_rows(runs, runs[0])
+    assert rows[0] == ["unpacked", "<=64", "2.5000", "—", "2.2000", "—", "600"]
+    assert rows[4] == ["mixed", "<=64", "2.4500", "-0.05", "2.1500", "-0.05", "600"]
+    assert rows[5] == ["mixed", ">64", "2.5000", "+0", "2.4000", "+0", "5,400"]
+    verdicts = dict(report.length_verdicts(runs, runs[0], 1e-4))
+    assert verdicts["packed by document length"] == "every length bucket within 0.0001 of unpacked (max |Δ| 2e-06)"
+    assert verdicts["mixed by document length"] == ("documents <=64 tokens: train token loss -0.05, final val token "
+                                                    "loss -0.05 against unpacked (beyond 0.0001)")
+    out = tmp_path / "out"
+    paths = make_report([ref, same, mixed], out)
+    assert out / "loss_by_length.png" in paths
+    md = (out / "report.md").read_text()
+    assert "| mixed | <=64 | 2.4500 | -0.05 | 2.1500 | -0.05 | 600 |" in md
+    assert "- **mixed by document length**: documents <=64 tokens" in md
+    page = (out / "report.html").read_text()
+    assert "<h2>Token loss by document length</h2>" in page and "<td>-0.05</td>" in page

@@ -498,6 +498,102 @@ def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERAN
 
 
 # ---------------------------------------------------------------------------------------------------
+# Loss by document length (token_loss_by_length, val_token_loss_by_length)
+# ---------------------------------------------------------------------------------------------------
+
+LENGTH_COLUMNS = ["run", "document length", "train token loss", "Δ train vs ref.", "final val token loss",
+                  "Δ val vs ref.", "train targets"]
+
+
+def bucket_names(runs: Sequence[Run]) -> list[str]:
+    """The length buckets any run logged, in the order logged. Example: ["<=64", "<=256", ">256"]."""
+    names: dict[str, None] = {}
+    for run in runs:
+        for m in run.metrics:
+            names.update(dict.fromkeys(m.get("token_loss_by_length") or {}))
+    return list(names)
+
+
+def train_by_length(run: Run, steps: set[int] | None = None) -> dict[str, tuple[float | None, int]]:
+    """Per bucket: (token loss over the logged steps in `steps` (all: None), targets): each step's bucket loss
+    weighted by its targets. Example: steps with ("<=64": 2.0 on 10 targets) and (3.0 on 30) -> (2.75, 40)."""
+    sums: dict[str, float] = {}
+    targets: dict[str, int] = {}
+    for m in run.metrics:
+        if steps is not None and m["step"] not in steps:
+            continue
+        for name, loss in (m.get("token_loss_by_length") or {}).items():
+            n = (m.get("targets_by_length") or {}).get(name, 0)
+            targets[name] = targets.get(name, 0) + n
+            sums[name] = sums.get(name, 0.0) + (loss * n if loss is not None else 0.0)
+    return {name: (sums[name] / targets[name] if targets[name] else None, targets[name]) for name in targets}
+
+
+def val_by_length(run: Run) -> dict[str, float | None]:
+    """The last eval's val_token_loss_by_length ({} without one)."""
+    evals = [m["val_token_loss_by_length"] for m in run.metrics if m.get("val_token_loss_by_length")]
+    return evals[-1] if evals else {}
+
+
+def _shared_steps(run: Run, ref: Run) -> set[int]:
+    return set(series(run, "step")) & set(series(ref, "step"))
+
+
+def length_deltas(run: Run, ref: Run) -> dict[str, tuple[float | None, float | None]]:
+    """Per bucket: (Δ train token loss over the steps both logged, Δ final val token loss) against `ref`."""
+    steps = _shared_steps(run, ref)
+    train, train_ref = train_by_length(run, steps), train_by_length(ref, steps)
+    val, val_ref = val_by_length(run), val_by_length(ref)
+    out = {}
+    for name in bucket_names([run, ref]):
+        a, b = train.get(name, (None, 0))[0], train_ref.get(name, (None, 0))[0]
+        c, d = val.get(name), val_ref.get(name)
+        out[name] = (a - b if a is not None and b is not None else None, c - d if c is not None and d is not None
+                     else None)
+    return out
+
+
+def length_rows(runs: Sequence[Run], ref: Run) -> list[list[str]]:
+    """Rows of LENGTH_COLUMNS: each run x length bucket (none when no run logged token_loss_by_length)."""
+    names = bucket_names(runs)
+    rows = []
+    for run in runs:
+        train, val = train_by_length(run), val_by_length(run)
+        deltas = {} if run is ref else length_deltas(run, ref)
+        for name in names:
+            loss, targets = train.get(name, (None, 0))
+            dt, dv = deltas.get(name, (None, None))
+            rows.append([run.name, name, _num(loss, ".4f"), "—" if run is ref else _num(dt, "+.2g"),
+                         _num(val.get(name), ".4f"), "—" if run is ref else _num(dv, "+.2g"), f"{targets:,}"])
+    return rows
+
+
+def length_verdicts(runs: Sequence[Run], ref: Run, tolerance: float) -> list[tuple[str, str]]:
+    """One line per run that is compared with the reference (not "not comparable"), when runs logged buckets:
+    the buckets whose train or val token loss differs from the reference's by more than `tolerance`, or that
+    every bucket agrees. Example: "documents <=64
+    tokens: train token loss +0.012, final val token loss +0.0098 against ref"."""
+    if not bucket_names(runs):
+        return []
+    out = []
+    for run in runs:
+        if run is ref or verdict(run, ref, tolerance).startswith("not comparable"):
+            continue
+        deltas = length_deltas(run, ref)
+        beyond = [(name, dt, dv) for name, (dt, dv) in deltas.items()
+                  if any(d is not None and abs(d) > tolerance for d in (dt, dv))]
+        if beyond:
+            text = "; ".join(f"documents {name} tokens: train token loss {_num(dt, '+.2g')}, final val token loss "
+                             f"{_num(dv, '+.2g')}" for name, dt, dv in beyond)
+            out.append((f"{run.name} by document length", f"{text} against {ref.name} (beyond {_num(tolerance)})"))
+        else:
+            worst = max((abs(d) for pair in deltas.values() for d in pair if d is not None), default=None)
+            out.append((f"{run.name} by document length",
+                        f"every length bucket within {_num(tolerance)} of {ref.name} (max |Δ| {_num(worst)})"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------------------------------
 
@@ -545,6 +641,23 @@ def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
     fig = _line_plot(runs, lambda r: {s: 100 * u for s, u in series(r, "token_utilization").items()}, None,
                      "step", "token utilization (%)", "Token utilization (non-padding / allocated positions)")
     fig.axes[0].set_ylim(0, 105)
+    return fig
+
+
+def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
+    """Grouped bars: per length bucket, each run's final val token loss (its train token loss without eval)."""
+    names = bucket_names(runs)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(runs))
+    for i, run in enumerate(runs):
+        val, train = val_by_length(run), train_by_length(run)
+        values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
+        ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
+               label=f"{run.name} ({'val' if val else 'train'})", color=f"C{i % 10}", hatch=None if val else "//")
+    ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], [f"{n} tokens" for n in names])
+    ax.set(ylabel="token loss", title="Token loss by document length (final eval; train where no eval)")
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
     return fig
 
 
@@ -633,6 +746,8 @@ class Report:
     tolerance: float
     rows: list[list[str]]
     verdicts: list[tuple[str, str]]
+    length_rows: list[list[str]]
+    """LENGTH_COLUMNS rows (empty: no run logged token_loss_by_length)."""
     images: list[tuple[str, str]]
     """(PNG file name, caption)."""
     notes: list[str]
@@ -648,6 +763,8 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
         *([("val_loss_vs_step.png", "Validation loss vs step", lambda: plot_val_loss(runs))] if has_val else []),
         ("valid_tokens_per_s.png", "Valid tokens/s per run (non-warm-up mean)", lambda: plot_throughput(runs)),
         ("token_utilization.png", "Token utilization over steps", lambda: plot_utilization(runs)),
+        *([("loss_by_length.png", "Token loss by document length", lambda: plot_loss_by_length(runs))]
+          if bucket_names(runs) else []),
         *([("doc_lengths.png", "Document lengths of the training corpus, train.seq_len marked",
             lambda: plot_doc_lengths(corpora))] if corpora else []),
     ]
@@ -689,7 +806,9 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         tolerance=tolerance,
         rows=table_rows(runs, ref, tolerance),
         verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
-                                                                                                     tolerance),
+                                                                                                     tolerance)
+        + length_verdicts(runs, ref, tolerance),
+        length_rows=length_rows(runs, ref),
         images=images,
         notes=notes,
     )
@@ -713,9 +832,12 @@ def render_markdown(report: Report) -> str:
         "",
         *(f"- **{name}**: {text}" for name, text in report.verdicts),
         "",
-        "## Plots",
-        "",
     ]
+    if report.length_rows:
+        lines += ["## Token loss by document length", "",
+                  "| " + " | ".join(LENGTH_COLUMNS) + " |", "|" + "---|" * len(LENGTH_COLUMNS),
+                  *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in report.length_rows), ""]
+    lines += ["## Plots", ""]
     for name, caption in report.images:
         lines += [f"![{caption}]({name})", ""]
     if report.notes:
@@ -744,6 +866,12 @@ def render_html(report: Report, out: Path) -> str:
         f'alt="{e(caption)}"><figcaption>{e(caption)}</figcaption></figure>'
         for name, caption in report.images)
     notes = "".join(f"<li>{e(n)}</li>" for n in report.notes)
+    by_length = ""
+    if report.length_rows:
+        head = "".join(f"<th>{e(c)}</th>" for c in LENGTH_COLUMNS)
+        cells = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in report.length_rows)
+        by_length = (f"<h2>Token loss by document length</h2>\n<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n"
+                     f"{cells}\n</tbody>\n</table>")
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -765,6 +893,7 @@ def render_html(report: Report, out: Path) -> str:
 <ul>
 {verdicts}
 </ul>
+{by_length}
 <h2>Plots</h2>
 {figures}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
