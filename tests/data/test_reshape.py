@@ -21,7 +21,7 @@ import pytest
 from tests.helpers import ROOT, epoch_chunks, first_keys_of_epoch, short_docs_corpus, stream_rows
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.data.pipeline import RowStream
-from trainer.data.reader import SlotState
+from trainer.data.reader import DataStreamError, SlotState
 from trainer.data.reshape import ReshapeError, reshape_state
 
 SEQ_LEN = 128
@@ -199,6 +199,9 @@ def test_refusals_say_why(corpus, tmp_path):
             s["position"], s["drawn"] = None, 3
     with pytest.raises(ReshapeError, match=r"written before reader positions were saved"):
         reshape_state(legacy, stream, 0, lockstep=True)
+    too_many = rows_on(corpus, 0, 3, 2).docs.stream  # 6 readers for 5 shards: refused now, not at the next epoch
+    with pytest.raises(DataStreamError, match=r"5 shards cannot feed 6 readers"):
+        reshape_state(states, too_many, 2, lockstep=True)
     drifted = [states[0], {**states[1], "docs": {**states[1]["docs"], "lockstep_epoch": 2}}]
     with pytest.raises(ReshapeError, match=r"ranks are in different epochs \(\[0, 2\]\): not a lockstep run"):
         reshape_state(drifted, stream, 0, lockstep=True)

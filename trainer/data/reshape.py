@@ -88,8 +88,10 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
             "a data stream resumes on another number of ranks or DataLoader workers only with "
             "data.epoch_lockstep=true (the default; without it the readers are in different epochs): resume on "
             "the shape the checkpoint was written on")
-    left = _gather(states, stream)
     world, workers = stream.world_size, max(1, num_workers)  # no workers: the rank reads as one slot
+    if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
+        stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
+    left = _gather(states, stream)
     slots = _deal(left, stream, world, workers)
     mine = range(stream.rank * workers, (stream.rank + 1) * workers)
     rank_of = _deal_tokenized(left, world)
