@@ -21,15 +21,14 @@ Reported per layout, in <out>/gpu_train.json and <out>/gpu_train.md (LAYOUT_KEYS
                             allocated at its start (activations, gradients, temporaries); null on CPU
     mfu                     model FLOPs of the real tokens / second / the device's peak dense bf16 FLOP/s
                             (trainer.run.metrics.PEAK_FLOPS); null where the peak is unknown (CPU). Model FLOPs per
-                            step: 6 x matmul parameters (all but the position table; the tied head once) per real
-                            token + 6 x n_layer x n_embd x sum(doc_len^2) for causal attention within documents,
-                            forward and backward. The same work in both layouts: padding is not counted.
+                            step: trainer.run.flops (6 x matmul parameters per real token + 6 x n_layer x n_embd x
+                            sum(doc_len^2) for causal attention within documents, forward and backward), the `mfu`
+                            of training runs. The same work in both layouts: padding is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import statistics
@@ -46,6 +45,7 @@ from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, build_model, resolve_backend
+from trainer.run.flops import flop_model
 from trainer.run.inputs import build_data, rows_for_rank
 from trainer.run.metrics import peak_flops
 
@@ -118,12 +118,6 @@ def take_rows(data, n_rows: int) -> list[list[Document]]:
             raise SystemExit(f"no documents in {data.tokenizer_dir.parent}: nothing to train on")
         rows += more
     return rows
-
-
-def model_flops(rows: list[list[Document]], matmul_params: int, n_layer: int, n_embd: int) -> float:
-    """Forward + backward FLOPs of the real tokens of one step (see the module docstring)."""
-    lengths = [len(d) for row in rows for d in row]
-    return 6 * matmul_params * sum(lengths) + 6 * n_layer * n_embd * sum(n * n for n in lengths)
 
 
 def run_steps(args: argparse.Namespace, cfg: RunConfig, info: DistInfo, data, engines: dict,
@@ -252,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg.model, cfg.attention, vocab_size=data.vocab_size)
     init_state = {k: v.clone() for k, v in model.state_dict().items()}
     n_params = model.num_params()
-    matmul_params = n_params - (model.wpe.weight.numel() if model.wpe is not None else 0)
+    flops = flop_model(model, cfg.attention, "none", device, args.dtype)
     del model
     engines = {layout: tp.build_engine(cfg, info, init_state) for layout in LAYOUTS}
     kernel = cfg.attention.backend
@@ -263,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and kernel not in VARLEN_KERNELS:
         print(f"# WARNING: no varlen kernel runs here; packed rows use {kernel}", file=sys.stderr)
 
-    flops_per_step = functools.partial(model_flops, matmul_params=matmul_params, n_layer=cfg.model.n_layer,
-                                       n_embd=cfg.model.n_embd)
+    def flops_per_step(rows: list[list[Document]]) -> float:
+        return flops.model_flops(len(doc) for row in rows for doc in row)
+
     tallies, flops_total, measured_s, steps = run_steps(args, cfg, info, data, engines, flops_per_step)
     if steps < 1:
         print("no measured step: raise --steps or --time-budget", file=sys.stderr)
@@ -273,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {lay: layout_summary(tallies[lay], device_peak, flops_total, steps) for lay in LAYOUTS}
     result = dict(
         machine=tp.machine(device), device=device.type, torch=torch.__version__, model=args.model,
-        n_params=n_params, matmul_params=matmul_params, dtype=args.dtype, seq_len=args.seq_len,
+        n_params=n_params, matmul_params=flops.matmul_params, dtype=args.dtype, seq_len=args.seq_len,
         tokens_per_step=args.tokens_per_step, micro_batch_tokens=args.micro_batch_tokens, attention=kernel,
         varlen_kernel=kernel if kernel in VARLEN_KERNELS else None, warmup_steps=args.warmup, measured_steps=steps,
         measured_seconds=measured_s, docs_per_step=tallies["packed"].docs / steps, peak_flops=device_peak,

@@ -183,8 +183,13 @@ METRIC_KEYS: dict[str, str] = {
     "peak_mem_gb": "peak memory so far on rank 0: CUDA allocator peak, or the process's peak RSS on CPU",
     "warmup": "true for the first train.warmup_marked_steps steps (left out of the summary's means)",
     "compile_recompiles": "dynamo recompilations so far (train.compile=true only)",
-    "mfu": "model FLOPs utilization: 6 x parameters x non-padding tokens / s over the devices' peak bf16 "
-            "FLOP/s (CUDA devices in PEAK_FLOPS only)",
+    "model_flops": "the step's useful FLOPs, all ranks: 6 x matmul parameters per real token + causal attention of "
+                   "each document over itself, forward and backward (trainer.run.flops)",
+    "hardware_flops": "the FLOPs the step's kernels computed, all ranks: padding, the attention pairs of this layout "
+                      "and kernel, activation recompute (trainer.run.flops); >= model_flops",
+    "mfu": "model FLOPs utilization: model_flops / step_time_s / the devices' peak bf16 FLOP/s (CUDA devices in "
+           "PEAK_FLOPS only)",
+    "hfu": "hardware FLOPs utilization: hardware_flops / step_time_s / the devices' peak bf16 FLOP/s (as mfu)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",
@@ -212,6 +217,11 @@ SUMMARY_KEYS: dict[str, str] = {
     "mean_token_utilization": "mean token_utilization of those steps",
     "mean_valid_tokens_per_s": "sum of valid_tokens / sum of step_time_s over those steps",
     "mean_allocated_tokens_per_s": "sum of allocated_tokens / sum of step_time_s over those steps",
+    "mean_model_flops_per_s": "sum of model_flops / sum of step_time_s over those steps",
+    "mean_hardware_flops_per_s": "sum of hardware_flops / sum of step_time_s over those steps",
+    "mean_mfu": "mfu over those steps, weighted by step time: the model FLOPs done / the peak's (null without a "
+                "known peak)",
+    "mean_hfu": "hfu over those steps, weighted by step time (null without a known peak)",
     "final_step": "the step the run ended at",
     "final_loss": "loss of the last logged step",
     "final_val_loss": "val_loss of the last evaluation (null without eval)",

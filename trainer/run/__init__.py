@@ -11,7 +11,10 @@
     run_dir       one run per run dir: a fresh start, or another run's checkpoint, in a used one refused (or,
                   train.overwrite, the old run set aside); a resume from an older step sets the newer branch aside
     conventions   what conventions.json says: how inputs and objective were built
-    metrics       metrics.jsonl, W&B, MFU; `MetricsLogger.due`; every key registered in trainer.registry
+    metrics       metrics.jsonl, W&B, the devices' peak FLOP/s; `MetricsLogger.due`; every key registered in
+                  trainer.registry
+    flops         a step's FLOPs two ways: model (the documents' useful work, for mfu) and hardware (what this
+                  layout and attention kernel computed, padding and recompute included, for hfu)
     optim         the optimizer and the learning-rate schedule
     preemption    SIGTERM/SIGUSR1 -> one agreed checkpoint on every rank
 

@@ -41,6 +41,7 @@ from trainer.model.compile import CompileCounter
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
+from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, StepInterrupted, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, by_length, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
@@ -72,7 +73,8 @@ class Trainer:
         self.init_record = self._init_from(model) if self.resume_path is None else None
         model = model.to(info.device)
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size)
-        self.n_params = sum(p.numel() for p in model.parameters())  # before wrapping: ZeRO-3 partitions them
+        self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
+                                self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
@@ -93,7 +95,6 @@ class Trainer:
         self.doc_keys = DocKeysLog(self.run_dir, info, self.step) if cfg.logging.record_doc_keys else None
         if info.is_main:  # what trainer.report compares runs by
             (self.run_dir / "config.json").write_text(json.dumps(cfg.resolved, indent=2, default=str))
-        self.flops_per_token = 6 * self.n_params  # + attention, ignored: an estimate for MFU
         self.peak_flops = peak_flops(info.device)
 
     def _build_evaluator(self) -> Evaluator:
@@ -244,7 +245,8 @@ class Trainer:
         last = self.step == cfg.train.max_steps
         evaluation = self._evaluate() if self.evaluator is not None and self.evaluator.due(self.step, last) else {}
         if self.metrics.due(self.step, last, forced=bool(evaluation or resumed or not stats.finite)):
-            self._log(stats, lr, step_time, t_data, {**evaluation, **resumed})
+            flops = self._step_flops(rows, mbs, step_time)
+            self._log(stats, lr, step_time, t_data, {**evaluation, **resumed, **flops})
         return stats, step_time
 
     _last_loss: float | None = None
@@ -257,6 +259,15 @@ class Trainer:
         samples, nbytes = dist_sum([float(n) for n in self.data.loader.resume_read()], self.info.device)
         self.resume_read = {"resume_samples_read": int(samples), "resume_bytes_read": int(nbytes)}
         return self.resume_read
+
+    def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
+        """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
+        Collective: one all-reduce of two numbers, on logged steps only."""
+        local = [self.flops.model_flops(len(doc) for row in rows for doc in row),
+                 sum(self.flops.hardware_flops(mb) for mb in mbs)]
+        model_flops, hardware_flops = dist_sum(local, self.info.device)
+        peak = self.peak_flops * self.info.world_size if self.peak_flops else None
+        return flop_metrics(model_flops, hardware_flops, step_time, peak)
 
     def _evaluate(self) -> dict:
         t0 = time.perf_counter()
@@ -338,8 +349,6 @@ class Trainer:
             m.update(epoch=len(waits) - 1, lockstep_wait_steps=sum(waits), epoch_lockstep_wait_steps=waits[-1])
         if self.compile_counter is not None:
             m["compile_recompiles"] = self.compile_counter.recompiles
-        if self.peak_flops:
-            m["mfu"] = self.flops_per_token * stats.real_tokens / step_time / (self.peak_flops * self.info.world_size)
         self.metrics.log({**m, **(evaluation or {})})
 
     def save(self) -> None:

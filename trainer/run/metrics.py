@@ -22,9 +22,9 @@ from trainer.data.batch import length_bucket_names
 from trainer.distributed.groups import DistInfo
 from trainer.registry import check_metric_keys, check_summary_keys
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU. Add yours; unknown devices get
-# no `mfu`. NVIDIA's datasheets quote the sparse rate in their "BF16 Tensor Core" row (marked "with
-# sparsity"); the dense rate is half of it:
+# Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU and HFU (the FLOP counts:
+# trainer.run.flops). Add yours; unknown devices get no `mfu` / `hfu`. NVIDIA's datasheets quote the
+# sparse rate in their "BF16 Tensor Core" row (marked "with sparsity"); the dense rate is half of it:
 #   NVIDIA H200 Tensor Core GPU datasheet: H200 SXM 1,979 -> 989 TFLOP/s, H200 NVL 1,671 -> 835
 #   NVIDIA H100 Tensor Core GPU datasheet: H100 SXM 1,979 -> 989, H100 NVL 1,671 -> 835, H100 PCIe 1,513 -> 756
 #   NVIDIA A100 Tensor Core GPU datasheet: 312 dense (624 sparse), SXM and PCIe, 40 and 80 GB alike
@@ -94,6 +94,8 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb_run = None
         self._totals = {"valid_tokens": 0, "allocated_tokens": 0, "time": 0.0, "utilization": 0.0, "steps": 0}
+        self._flop_totals = {"model_flops": 0.0, "hardware_flops": 0.0, "mfu": None, "hfu": None}
+        """Over the same steps: FLOPs, and mfu / hfu weighted by step time (None while no step had one)."""
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +125,7 @@ class MetricsLogger:
             t["time"] += metrics["step_time_s"]
             t["utilization"] += metrics["token_utilization"]
             t["steps"] += 1
+            self._add_flops(metrics)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=metrics["step"])
 
@@ -135,12 +138,32 @@ class MetricsLogger:
             "mean_token_utilization": t["utilization"] / t["steps"] if t["steps"] else None,
             "mean_valid_tokens_per_s": t["valid_tokens"] / t["time"] if t["time"] else None,
             "mean_allocated_tokens_per_s": t["allocated_tokens"] / t["time"] if t["time"] else None,
+            **self._flop_means(),
             **extra,
         }
         check_summary_keys(out)
         if self.wandb_run is not None:
             self.wandb_run.summary.update({k: v for k, v in out.items() if v is not None})
         return out
+
+    def _add_flops(self, metrics: dict) -> None:
+        f = self._flop_totals
+        for key in ("model_flops", "hardware_flops"):
+            f[key] += metrics.get(key, 0.0)
+        for key in ("mfu", "hfu"):
+            if key in metrics:
+                f[key] = (f[key] or 0.0) + metrics[key] * metrics["step_time_s"]
+
+    def _flop_means(self) -> dict:
+        """mean_model_flops_per_s, mean_hardware_flops_per_s, mean_mfu, mean_hfu over the non-warm-up logged steps:
+        summed FLOPs (or utilization x seconds) / summed seconds, so mean_mfu = the FLOPs done / the peak's."""
+        f, seconds = self._flop_totals, self._totals["time"]
+        return {
+            "mean_model_flops_per_s": f["model_flops"] / seconds if seconds else None,
+            "mean_hardware_flops_per_s": f["hardware_flops"] / seconds if seconds else None,
+            "mean_mfu": f["mfu"] / seconds if seconds and f["mfu"] is not None else None,
+            "mean_hfu": f["hfu"] / seconds if seconds and f["hfu"] is not None else None,
+        }
 
     def close(self) -> None:
         if self.wandb_run is not None:
