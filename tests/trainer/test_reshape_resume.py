@@ -4,8 +4,8 @@ Real torchrun runs with `logging.record_doc_keys` over 5 shards of short documen
 token counts, more documents per shard than a DataLoader chunk: the readers stop inside shards). The 2 x 2 run
 checkpoints every step through the end of epoch 0; the resumes start from a step in the middle of the epoch and
 from a step in which one rank had finished the epoch and waited for the other (data.epoch_lockstep). Each must:
-  - train every chunk of the interrupted epoch exactly once, counted over both runs against the epoch read in one
-    plain pass (nothing lost, nothing twice; the order differs from the uninterrupted run's);
+  - train every chunk of the interrupted epoch exactly once, counted over both runs against the shards read with
+    tarfile and the tokenizers library (nothing lost, nothing twice; the order differs from the uninterrupted run's);
   - then start the next epoch on every rank at one step, with the rows a run on the new shape would have had from
     the start (the new shape's own split, computed here in-process).
 The model and optimizer half of such a resume is tests/trainer/test_reshape_engine.py; the deal itself, case by
