@@ -92,9 +92,10 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
     if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
         stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
     left = _gather(states, stream)
-    slots = _deal(left, stream, world, workers)
+    tokenized = _tokenized_ranks(left, world)
+    slots = _deal(left, stream, world, workers, tokenized)
     mine = range(stream.rank * workers, (stream.rank + 1) * workers)
-    rank_of = _deal_tokenized(left, world)
+    rank_of = _deal_tokenized(left, [rank for _, rank in tokenized])
     stats = dict.fromkeys(left.stats[0], 0)
     for old_rank, old in enumerate(left.stats):
         if old_rank % world == stream.rank:  # totals kept: old rank r's counts go to new rank r mod W'
@@ -196,15 +197,15 @@ def _shard_index(index: dict[str, int], url: str) -> int:
 # -- how it is dealt -----------------------------------------------------------------------------
 
 
-def _deal(left: _Left, stream, world: int, workers: int) -> list[SlotState]:
-    """Every new slot's state: its shards (parts), its buffered samples, a fresh shuffle RNG, the old counters."""
+def _deal(left: _Left, stream, world: int, workers: int, tokenized: list[tuple[int, int]]) -> list[SlotState]:
+    """Every new slot's state: its shards (parts), its buffered samples, a fresh shuffle RNG, the old counters.
+    `tokenized`: (tokens, new rank) of each tokenized leftover (`_tokenized_ranks`), which weigh on their ranks."""
     num_slots = world * workers
     known = stream.tokens_known
     mean_doc = sum(stream.shard_tokens) / max(1, sum(stream.expected_docs.values())) if known else 0.0
-    # The tokenized leftovers weigh on their ranks (dealt by `_deal_tokenized`, computed again there).
     rank_load = [0.0] * world
     if known:
-        for tokens, rank in _tokenized_ranks(left, world):
+        for tokens, rank in tokenized:
             rank_load[rank] += tokens
     slot_load = [rank_load[s // workers] / workers for s in range(num_slots)]
     samples: list[list] = [[] for _ in range(num_slots)]
@@ -281,9 +282,9 @@ def _tokenized_ranks(left: _Left, world: int) -> list[tuple[int, int]]:
     return out
 
 
-def _deal_tokenized(left: _Left, world: int) -> dict[str, list[int]]:
-    """The new rank of each ready row, packer piece and pending document (`_tokenized_ranks`)."""
-    ranks = [rank for _, rank in _tokenized_ranks(left, world)]
+def _deal_tokenized(left: _Left, ranks: list[int]) -> dict[str, list[int]]:
+    """`ranks` (`_tokenized_ranks`, in its order) split into those of the ready rows, packer pieces and pending
+    documents."""
     n_rows, n_pieces = len(left.rows), len(left.pieces)
     return {"rows": ranks[:n_rows], "pieces": ranks[n_rows:n_rows + n_pieces], "pending": ranks[n_rows + n_pieces:]}
 
