@@ -74,6 +74,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "data.read_timeout_s": (SAME_OBJECTIVE, "a stalled read is retried like any transient failure: the same samples"),
     "data.loss_on": (OTHER, "different targets"),
     "data.prefetch": (SAME_OBJECTIVE, "the same rows and order, drawn in a background thread"),
+    "data.sources": (OTHER, "different data: other sources or other weights"),
+    "data.mix_exhausted": (OTHER, "changes which documents a mixture's epochs hold"),
     "data.epoch_lockstep": (OTHER, "changes which documents the steps after a reader's first epoch see"),
     # packing
     "packing.layout": (SAME_OBJECTIVE, "the same documents per step in every layout"),

@@ -584,7 +584,7 @@ def test_online_packer_resumes_twice_and_its_state_is_the_buffer(t_docs_buffer, 
         state = pickle.loads(pickle.dumps(packer.state_dict()))
         # The state is the buffered documents and the two sizes, nothing that grows with the stream.
         assert set(state) == {"seq_len", "buffer_size", "docs"}
-        assert [k for k, _, _ in state["docs"]] == [d.key for d in packer.buffered()]
+        assert [saved[0] for saved in state["docs"]] == [d.key for d in packer.buffered()]
         assert len(state["docs"]) == len(packer) <= buffer_size
         packer = OnlinePacker(seq_len, buffer_size)
         packer.load_state_dict(state)

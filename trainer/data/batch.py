@@ -49,9 +49,23 @@ class Document:
     """(n,) int64 token ids."""
     loss_mask: np.ndarray | None = None
     """(n,) bool, True = this token is a target; None = every token is."""
+    source: int = 0
+    """Index of the source it came from in data.sources (trainer.data.config.DataConfig.source_names); 0 without
+    a mixture."""
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def to_state(self) -> tuple:
+        """Plain data for a checkpoint: (key, tokens, loss_mask, source)."""
+        return self.key, self.tokens, self.loss_mask, self.source
+
+    @classmethod
+    def from_state(cls, state: Sequence) -> Document:
+        """A document from `to_state`'s tuple, or from the (key, tokens, loss_mask) of older checkpoints."""
+        key, tokens, mask, *source = state
+        return cls(key=key, tokens=np.asarray(tokens), loss_mask=None if mask is None else np.asarray(mask),
+                   source=int(source[0]) if source else 0)
 
 
 @dataclass
@@ -78,12 +92,15 @@ class Batch:
     """Positions whose label is not -100: the loss's share of the denominator."""
     doc_keys: tuple[str, ...] = field(default_factory=tuple)
     """Keys of the documents in the order they were laid out."""
+    segment_sources: tuple[int, ...] = field(default_factory=tuple)
+    """Per segment of `cu_seqlens`: its document's `source`, -1 for a padding segment (host-side, for the
+    per-source metrics: `loss_groups`, `source_counts`)."""
     loss_weights: torch.Tensor | None = None
     """(B, L) float weight of each target, aligned with `labels` (set by the step for the loss normalizations
     that weigh targets, trainer.run.step.loss_weights); None: every target weighs 1."""
     loss_groups: torch.Tensor | None = None
     """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for the
-    per-group token losses, e.g. `length_groups`); None: no per-group sums."""
+    per-group token losses: `LossGroups.ids`); None: no per-group sums."""
     num_loss_groups: int = 0
 
     @property
@@ -129,16 +146,70 @@ def length_bucket_names(edges: Sequence[int]) -> list[str]:
     return [f"<={e}" for e in edges] + ([f">{edges[-1]}"] if edges else [])
 
 
-def length_groups(batch: Batch, edges: Sequence[int]) -> torch.Tensor:
-    """(B, L) int64: for each position, the length bucket of its segment (its document, or a chunk of a split
-    one, as trained: the unit attention isolates), bucket k = the first edge >= the length, len(edges) above
-    them all. Padding segments hold no target, so their bucket never counts.
+@dataclass(frozen=True)
+class LossGroups:
+    """The groups whose token losses a run sums, a metric: a target's group is its segment's source x length
+    bucket, id = source * num_buckets + bucket. Without a mixture and without length buckets there are none (0
+    groups: no per-group sums at all).
 
-    Example: one row [a0 a1 a2 | b0 b1 | pad], edges [2] -> [[1 1 1 0 0 0]] (the padding segment's 0 is unused).
+    Example: sources ("code", "prose"), edges (64,) -> 4 groups: 0 code <=64, 1 code >64, 2 prose <=64,
+    3 prose >64. Sources () and edges (64,) -> 2 groups, one per bucket (every document is source 0).
     """
-    seg_lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()  # (S,)
-    bucket_S = torch.bucketize(seg_lens, torch.tensor(list(edges), dtype=torch.long))  # first edge >= length
-    return torch.repeat_interleave(bucket_S, seg_lens).view(batch.shape)
+
+    edges: tuple[int, ...] = ()
+    """logging.length_buckets; () = one bucket."""
+    sources: tuple[str, ...] = ()
+    """The names of data.sources; () without a mixture."""
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.edges) + 1
+
+    @property
+    def num_sources(self) -> int:
+        return max(1, len(self.sources))
+
+    @property
+    def size(self) -> int:
+        """G, the number of groups (0: nothing measured)."""
+        return self.num_sources * self.num_buckets if self.edges or self.sources else 0
+
+    def ids(self, batch: Batch) -> torch.Tensor:
+        """(B, L) int64: the group of each position's segment (its document, or a chunk of a split one, as trained:
+        the unit attention isolates), bucket k = the first edge >= the segment's length, len(edges) above them
+        all; -1 on padding segments (they hold no target).
+
+        Example: one row [a0 a1 a2 | b0 b1 | pad], sources of a, b = 1, 0, edges (2,), 2 sources ->
+        [[3 3 3 0 0 -1]] (a: source 1, bucket >2; b: source 0, bucket <=2).
+        """
+        seg_lens_S = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().cpu()
+        source_S = _segment_sources(batch, self.num_sources)
+        bucket_S = torch.bucketize(seg_lens_S, torch.tensor(self.edges, dtype=torch.long))  # first edge >= length
+        group_S = torch.where(source_S >= 0, source_S * self.num_buckets + bucket_S, -1)
+        return torch.repeat_interleave(group_S, seg_lens_S).view(batch.shape)
+
+
+def source_counts(batch: Batch, num_sources: int) -> tuple[list[int], list[int]]:
+    """Per source: the tokens (non-padding positions) and the documents (chunks count once each) of `batch`.
+
+    Example: one row [a0 a1 a2 | b0 b1 | pad], sources of a, b = 1, 0, 2 sources -> ([2, 3], [1, 1]).
+    """
+    seg_lens_S = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().cpu()
+    source_S = _segment_sources(batch, num_sources)
+    real_S = source_S >= 0
+    tokens = torch.zeros(num_sources, dtype=torch.long).index_add_(0, source_S[real_S], seg_lens_S[real_S])
+    return tokens.tolist(), torch.bincount(source_S[real_S], minlength=num_sources).tolist()
+
+
+def _segment_sources(batch: Batch, num_sources: int) -> torch.Tensor:
+    """(S,) int64 `batch.segment_sources`, checked against cu_seqlens and the number of sources."""
+    source_S = torch.tensor(batch.segment_sources, dtype=torch.long)
+    if len(source_S) != len(batch.cu_seqlens) - 1:
+        raise ValueError(f"the batch records the source of {len(source_S)} segment(s) but cu_seqlens has "
+                         f"{len(batch.cu_seqlens) - 1}: build batches with collate_rows")
+    if len(source_S) and int(source_S.max()) >= num_sources:
+        raise ValueError(f"a document of source {int(source_S.max())} in a run of {num_sources} source(s)")
+    return source_S
 
 
 def collate_rows(
@@ -167,6 +238,7 @@ def collate_rows(
     flat_ids = np.full(num_rows * row_len, pad_id, dtype=np.int64)
     seg_lens: list[int] = []
     seg_is_pad: list[bool] = []
+    seg_sources: list[int] = []
     loss_mask = None
     keys: list[str] = []
     for r, row in enumerate(rows):
@@ -174,6 +246,7 @@ def collate_rows(
         for doc in row:
             seg_lens.append(len(doc))
             seg_is_pad.append(False)
+            seg_sources.append(doc.source)
             used += len(doc)
             keys.append(doc.key)
         if used > row_len:
@@ -192,6 +265,7 @@ def collate_rows(
         if used < row_len:
             seg_lens.append(row_len - used)
             seg_is_pad.append(True)
+            seg_sources.append(-1)
 
     seg_lens_np = np.asarray(seg_lens, dtype=np.int64)
     cu = np.zeros(len(seg_lens) + 1, dtype=np.int64)
@@ -222,6 +296,7 @@ def collate_rows(
         num_tokens=num_tokens,
         num_valid_targets=int((labels != IGNORE_INDEX).sum()),
         doc_keys=tuple(keys),
+        segment_sources=tuple(seg_sources),
     )
 
 

@@ -5,7 +5,9 @@ config, and every data component receives only its own section.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, replace
 
 from trainer.errors import require_range
 
@@ -19,8 +21,31 @@ ON_ERROR = ("raise", "skip")
 
 LOSS_ON = ("all", "assistant")
 
+MIX_EXHAUSTED = ("stop", "restart")
+"""What a mixture does when one source runs out of documents: end the epoch, or read that source again."""
+
+SOURCE_KEYS = ("name", "path", "urls", "val_urls", "weight")
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""A source name: it becomes part of metric keys and file names (token_loss_by_source.<name>)."""
+
 TRAIN_SPLIT, VAL_SPLIT = "train", "val"
 """The manifest's splits (trainer.prepare writes both): training reads data.split (default train), the eval val."""
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One part of a data mixture (an entry of data.sources): its shards and its weight."""
+
+    name: str
+    """Names the source in metrics, the report and errors (letters, digits, _ . -)."""
+    path: str | None = None
+    """A directory written by trainer.prepare, as data.path."""
+    urls: str | list[str] | None = None
+    """Or shard URLs, as data.urls."""
+    val_urls: str | list[str] | None = None
+    """Held-out shards of this source, as data.val_urls (default: its manifest's val split)."""
+    weight: float = 1.0
+    """Its share of the mixture's document tokens: weight / sum of the weights."""
 
 
 @dataclass
@@ -58,6 +83,16 @@ class DataConfig:
     prefetch: bool = True
     """A background thread draws the next step's rows while the current step computes (trainer.data.pipeline.
     RowPrefetcher): the same rows, order and checkpoints as without it; False draws them at the start of each step."""
+    sources: list[dict] | None = None
+    """A mixture instead of one source: [{name, path or urls, val_urls (optional), weight}, ...]. Each step's
+    document tokens come from the sources in the proportions of their weights (trainer.data.mixture), in every
+    layout. data.path / data.urls / data.val_urls must then be null; data.tokenizer, data.split and the reading
+    settings apply to every source."""
+    mix_exhausted: str = "stop"
+    """A mixture's epoch, when one source has no documents left: 'stop' ends the epoch there (the weights hold to
+    its end; what the other sources had left of their pass is not read in it), 'restart' reads that source again
+    (a new pass) and ends the epoch when every source has been read through once. Each epoch every source starts
+    a new pass."""
     epoch_lockstep: bool = True
     """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
     readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
@@ -82,6 +117,67 @@ class DataConfig:
             if not (value is None or isinstance(value, str) or (isinstance(value, list) and value
                                                                  and all(isinstance(v, str) for v in value))):
                 raise ValueError(f"data.{key} must be a string or a non-empty list of strings, got {value!r}")
+        if self.mix_exhausted not in MIX_EXHAUSTED:
+            raise ValueError(f"data.mix_exhausted must be one of {MIX_EXHAUSTED}, got {self.mix_exhausted!r}")
+        if self.sources is not None:
+            self.mixture()  # checked here, at startup
+
+    def mixture(self) -> list[SourceConfig]:
+        """The sources of data.sources, checked; [] without a mixture.
+
+        Example: [{name: code, path: data/code, weight: 0.7}, {name: prose, path: data/prose, weight: 0.3}]
+        -> [SourceConfig("code", "data/code", weight=0.7), SourceConfig("prose", "data/prose", weight=0.3)]."""
+        if self.sources is None:
+            return []
+        if not isinstance(self.sources, list) or not self.sources:
+            raise ValueError(f"data.sources must be a non-empty list of {{name, path or urls, weight}}, "
+                             f"got {self.sources!r}")
+        if self.path is not None or self.urls is not None or self.val_urls is not None:
+            raise ValueError("data.sources replaces data.path, data.urls and data.val_urls: give each source its own "
+                             "path or urls (and val_urls), and set those three to null")
+        out: list[SourceConfig] = []
+        for i, entry in enumerate(self.sources):
+            where = f"data.sources[{i}]"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where} must hold keys {{name, path or urls, weight}}, got {entry!r}")
+            unknown = sorted(set(entry) - set(SOURCE_KEYS))
+            if unknown:
+                raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {list(SOURCE_KEYS)}")
+            name = entry.get("name")
+            if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
+                raise ValueError(f"{where}.name must be a name of letters, digits, '_', '.' or '-', got {name!r}")
+            if name in {s.name for s in out}:
+                raise ValueError(f"{where}.name {name!r} names two sources")
+            weight = entry.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                    math.isfinite(weight) and weight > 0):
+                raise ValueError(f"{where}.weight ({name}) must be a number > 0, got {weight!r}")
+            if entry.get("path") is None and entry.get("urls") is None:
+                raise ValueError(f"{where} ({name}) needs path (a directory written by trainer.prepare) or urls")
+            if entry.get("path") is not None and (isinstance(entry["path"], (list, dict)) or entry["path"] == ""):
+                raise ValueError(f"{where}.path ({name}) must be a directory, got {entry['path']!r}")
+            for key in ("urls", "val_urls"):
+                value = entry.get(key)
+                if not (value is None or (isinstance(value, str) and value) or (
+                        isinstance(value, list) and value and all(isinstance(v, str) for v in value))):
+                    raise ValueError(f"{where}.{key} ({name}) must be a string or a non-empty list of strings, "
+                                     f"got {value!r}")
+            path = entry.get("path")
+            out.append(SourceConfig(name=name, path=None if path is None else str(path), urls=entry.get("urls"),
+                                    val_urls=entry.get("val_urls"), weight=float(weight)))
+        return out
+
+    def source_names(self) -> list[str]:
+        """The names documents' `source` indices refer to: the mixture's, or ["data"] for the single source."""
+        return [s.name for s in self.mixture()] or [SINGLE_SOURCE]
+
+    def for_source(self, source: SourceConfig) -> DataConfig:
+        """This config with one source of the mixture as its only data (what trainer.data.sources resolves)."""
+        return replace(self, path=source.path, urls=source.urls, val_urls=source.val_urls, sources=None)
+
+
+SINGLE_SOURCE = "data"
+"""The name of the one source of a run without data.sources (Document.source 0)."""
 
 
 PAD_TO = ("longest", "seq_len")

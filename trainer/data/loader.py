@@ -137,7 +137,7 @@ class DocumentLoader:
             "epoch_chunks": self.epoch_chunks,
             "lockstep_epoch": self.lockstep_epoch,
             "num_workers": self.num_workers,
-            "pending": [(d.key, d.tokens, d.loss_mask) for d in self._pending],
+            "pending": [d.to_state() for d in self._pending],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -150,7 +150,7 @@ class DocumentLoader:
         self.chunks_consumed = state["chunks_consumed"]
         self.epoch_chunks = state.get("epoch_chunks", 0)
         self.lockstep_epoch = state.get("lockstep_epoch", 0)
-        self._pending = [Document(key=k, tokens=np.asarray(t), loss_mask=m) for k, t, m in state["pending"]]
+        self._pending = [Document.from_state(d) for d in state["pending"]]
         self._restoring = True
         replaying = sorted(slot for slot, s in self.slot_states.items() if s.position is None and s.drawn)
         if replaying:

@@ -80,6 +80,7 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
                 key=f"{doc.key}#{i}",
                 tokens=doc.tokens[i * max_len : (i + 1) * max_len],
                 loss_mask=None if doc.loss_mask is None else doc.loss_mask[i * max_len : (i + 1) * max_len],
+                source=doc.source,
             )
             for i in range(n_chunks)
         ]
@@ -87,7 +88,7 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
         stats.docs_truncated += 1
         stats.tokens_truncated += len(doc) - max_len
         mask = None if doc.loss_mask is None else doc.loss_mask[:max_len]
-        return [Document(key=doc.key, tokens=doc.tokens[:max_len], loss_mask=mask)]
+        return [Document(key=doc.key, tokens=doc.tokens[:max_len], loss_mask=mask, source=doc.source)]
     if policy == "drop":
         stats.docs_dropped += 1
         stats.tokens_dropped += len(doc)
@@ -241,15 +242,15 @@ class OnlinePacker:
         return {
             "seq_len": self.seq_len,
             "buffer_size": self.buffer_size,
-            "docs": [(d.key, d.tokens, d.loss_mask) for d in self.buffered()],
+            "docs": [d.to_state() for d in self.buffered()],
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len:
             raise ValueError(f"packer state is for seq_len={state['seq_len']}, this packer has {self.seq_len}")
         self.__init__(self.seq_len, self.buffer_size)
-        for key, tokens, mask in state["docs"]:
-            doc = Document(key=key, tokens=np.asarray(tokens), loss_mask=None if mask is None else np.asarray(mask))
+        for saved in state["docs"]:
+            doc = Document.from_state(saved)
             self._add(doc, len(doc))
 
 

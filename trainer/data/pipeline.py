@@ -85,7 +85,7 @@ class RowStream:
         return {
             "docs": docs_state,
             "packer": self.packer.state_dict(),
-            "ready": [[(d.key, d.tokens, d.loss_mask) for d in row] for row in self._ready],
+            "ready": [[d.to_state() for d in row] for row in self._ready],
             "stats": self.stats.state_dict(),
             "exhausted": self._ended,  # the name checkpoints have always given it
         }
@@ -94,7 +94,7 @@ class RowStream:
         if state["docs"] is not None:
             self.docs.load_state_dict(state["docs"])
         self.packer.load_state_dict(state["packer"])
-        self._ready = deque([[Document(k, t, m) for k, t, m in row] for row in state["ready"]])
+        self._ready = deque([[Document.from_state(d) for d in row] for row in state["ready"]])
         self.stats.load_state_dict(state["stats"])
         self._doc_iter = None
         self._ended = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
