@@ -7,8 +7,8 @@
     python -m trainer.prepare --source chat:chats.jsonl --out data/chat --tokenizer data/demo/tokenizer
     sbatch --array=0-7 launch/prepare.sbatch --source ... --out /shared/data/x     # --part I --parts 8, then a merge
 
-Sources: `demo` (the standard library, split into functions/classes), `demo-chat` (questions about it answered
-from its docstrings), `text:GLOB` (one file = one document), `jsonl:GLOB` (one line = one document; .jsonl,
+Sources: `demo` (the standard library, split into functions/classes), `demo-modules` (the same modules whole:
+long documents, for a mixture with `demo`), `demo-chat` (questions about it answered from its docstrings), `text:GLOB` (one file = one document), `jsonl:GLOB` (one line = one document; .jsonl,
 .json, .gz, .zst), `parquet:GLOB` (one row = one document), `hf:DIR_OR_NAME` (a Hugging Face dataset saved with
 save_to_disk or in the local cache; needs the `hf` extra) and `chat:GLOB` (one line = one conversation,
 {"messages": [{"role": ..., "content": ...}, ...]}, rendered by the tokenizer's chat template; trainer.data.chat).
@@ -63,8 +63,8 @@ from trainer.data.assemble import (
 )
 from trainer.data.chat import TEMPLATE_NAME, chat_template
 from trainer.data.config import ON_ERROR
-from trainer.data.corpus import ErrorPolicy, PrepareError
-from trainer.data.plan import Plan, Unit, input_files, inputs_key, is_chat, make_plan
+from trainer.data.corpus import ErrorPolicy, PrepareError, unique_keys, whole_modules
+from trainer.data.plan import Piece, Plan, Unit, input_files, inputs_key, is_chat, make_plan
 from trainer.data.shards import FORMAT_VERSION, SCHEMA, atomic_write_bytes, load_manifest
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
@@ -86,6 +86,8 @@ from trainer.errors import command
 
 MB = 1 << 20
 DEFAULT_SAMPLE_MB = 100
+DEMO_MODULES = "demo-modules"
+"""The standard library's modules whole, one document each (trainer.data.corpus.whole_modules)."""
 
 
 def prepare(
@@ -141,7 +143,7 @@ def prepare(
         "chat_template": template,
     }
     unit_bytes, single = (None if unit_mb is None else int(unit_mb * MB)), max_docs is not None
-    files = input_files(source)
+    files = source_files(source)
     plan = staged_plan(out, inputs_key(files, options, unit_bytes, single)) or \
         make_plan(source, options, unit_bytes, single, files=files)
     stage = stage_dir(out, plan.id)
@@ -170,6 +172,18 @@ def prepare(
               f"merges them, or run: python -m trainer.prepare --merge {out}", file=sys.stderr)
         return None
     return merge(out, stage)
+
+
+def source_files(source: str) -> list[Piece]:
+    """The input files of `source` (trainer.data.plan.input_files), and those of `demo-modules`: each module a
+    text piece, which the units read as one document (one file = one document, as `text:GLOB`), in the order
+    and with the keys of `whole_modules`."""
+    if source != DEMO_MODULES:
+        return input_files(source)
+    named = [(key, str(path)) for key, path in whole_modules()]
+    unique = (key for key, _ in unique_keys(named))  # two modules can sanitize to one key: the second is `k-2`
+    return [Piece("text", path, key, os.path.getsize(path), renamed=key != original, number=number)
+            for number, (key, (original, path)) in enumerate(zip(unique, named, strict=True), start=1)]
 
 
 def merge(out: str | Path, stage: Path | None = None) -> dict:
@@ -500,7 +514,7 @@ def format_report(manifest: dict, out: str | Path) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--source", help="demo | demo-chat | text:GLOB | jsonl:GLOB | parquet:GLOB | hf:DIR_OR_NAME | "
+    p.add_argument("--source", help="demo | demo-modules | demo-chat | text:GLOB | jsonl:GLOB | parquet:GLOB | hf:DIR_OR_NAME | "
                    "chat:GLOB")
     p.add_argument("--out", help="output directory (shards, tokenizer/, manifest.json)")
     p.add_argument("--merge", metavar="DIR", default=None,

@@ -12,7 +12,15 @@ import webdataset as wds
 
 from tests.harness import require_module
 from trainer.data.assemble import length_stats
-from trainer.data.corpus import ErrorPolicy, PrepareError, sanitize_key, split_module, unique_keys
+from trainer.data.corpus import (
+    ErrorPolicy,
+    PrepareError,
+    sanitize_key,
+    split_module,
+    stdlib_files,
+    unique_keys,
+    whole_modules,
+)
 from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths, write_shards
 from trainer.data.tokenizer import (
     EOS_TOKEN,
@@ -134,6 +142,39 @@ def test_demo_dataset(demo_data: Path):
         ast.parse(text)
     lengths = manifest["splits"]["train"]["lengths"]
     assert lengths["max"] > 10 * lengths["median"]  # heavy-tailed, as real code is
+
+
+def test_demo_modules_are_whole_modules_tokenized_with_the_demo_tokenizer(demo_data: Path, tmp_path, capsys):
+    """`--source demo-modules --tokenizer <demo>/tokenizer` (the first 40 modules here): each document is one
+    standard-library file, byte for byte, keyed by its module; far longer documents than the demo's."""
+    out = tmp_path / "modules"
+    assert main(["--source", "demo-modules", "--out", str(out), "--tokenizer", str(demo_data / "tokenizer"),
+                 "--max-docs", "40", "--docs-per-shard", "10", "--val-fraction", "0.1", "--workers", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"prepared demo-modules -> {out}")
+    manifest, demo = load_manifest(out), load_manifest(demo_data)
+    assert manifest["tokenizer"]["sha256"] == demo["tokenizer"]["sha256"] and not manifest["tokenizer"]["trained"]
+    first = dict(whole_modules()[:40])
+    samples = read_back(out, "train") + read_back(out, "val")
+    assert sorted(key for key, _ in samples) == sorted(first)
+    for key, text in samples:
+        assert text == first[key].read_bytes().decode("utf-8"), key
+    assert len(manifest["splits"]["train"]["shards"]) >= 3
+    # Whole modules against functions and classes: a median 5x longer at least (in tokens, EOS included).
+    assert manifest["splits"]["train"]["lengths"]["median"] > 5 * demo["splits"]["train"]["lengths"]["median"]
+
+
+def test_whole_modules_leave_out_only_blank_or_undecodable_files():
+    root, files = stdlib_files()
+    kept = {path for _, path in whole_modules()}
+
+    def usable(path: Path) -> bool:
+        try:
+            return bool(path.read_text(encoding="utf-8").strip())
+        except UnicodeDecodeError:
+            return False
+
+    assert kept == {path for path in files if usable(path)}
+    assert dict(whole_modules())["json__decoder"] == root / "json" / "decoder.py"
 
 
 # ---------------------------------------------------------------------------------------------

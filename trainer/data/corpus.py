@@ -6,7 +6,8 @@ must hold no dot; `sanitize_key` maps module and path separators to `__` and the
 (JSONL, parquet, ...) are read by trainer.data.formats.
 
 Example: the class `JSONDecoder` in `json/decoder.py` becomes the document `json__decoder--JSONDecoder`,
-and the module's header (docstring and imports) becomes `json__decoder`.
+and the module's header (docstring and imports) becomes `json__decoder`; the `demo-modules` corpus
+(`whole_modules`) keeps each module whole, as the document `json__decoder`.
 
 Bad input never surfaces as a library traceback: each reader hands the problem to an `ErrorPolicy`, which
 either raises a `PrepareError` naming the file (and line) or warns and counts the item as skipped.
@@ -167,6 +168,27 @@ def stdlib_files(include_tests: bool = False) -> tuple[Path, list[Path]]:
         dirnames[:] = [d for d in dirnames if d not in skip]
         files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def whole_modules(include_tests: bool = False) -> list[tuple[str, Path]]:
+    """The `demo-modules` corpus: (key, path) of each standard-library module that makes a document as a whole
+    file, in `stdlib_files` order. A module qualifies when it is UTF-8 and not blank (the stdlib holds many empty
+    `__init__.py` files); keys are the module's sanitized dotted name, as the demo names a module's header.
+
+    Example: json/decoder.py -> ("json__decoder", <stdlib>/json/decoder.py); json/__init__.py -> ("json", ...).
+    The same text as the demo, cut differently: whole modules (thousands of tokens) instead of its functions and
+    classes (a hundred or so), so the two make a mixture with clearly different length profiles.
+    """
+    root, files = stdlib_files(include_tests)
+    out = []
+    for path in files:
+        try:
+            usable = bool(path.read_bytes().decode("utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            usable = False
+        if usable:
+            out.append((sanitize_key(module_name(path.relative_to(root))), path))
+    return out
 
 
 def decode_python(data: bytes) -> str:
