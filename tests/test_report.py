@@ -511,48 +511,208 @@ def test_each_packed_run_is_also_judged_against_its_unpacked_counterpart(tmp_pat
 # ---------------------------------------------------------------------------------------------------
 
 
-def with_buckets(run_dir: Path, train: dict[str, list[float]], targets: dict[str, list[int]],
-                 val: dict[str, float]) -> Path:
-    """Add token_loss_by_length / targets_by_length to every step of a hand-built run, and the val buckets to
-    its last eval step."""
-    path = run_dir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+def metric_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_metric_lines(run_dir: Path, lines: list[dict]) -> None:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def add_to_summary(run_dir: Path, extra: dict) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, **extra}))
+
+
+def with_groups(run_dir: Path, by: report.Breakdown, train: dict[str, list[float | None]],
+                targets: dict[str, list[int]], val: dict[str, float], **per_step: dict[str, list]) -> Path:
+    """Add `by`'s per-group token losses and targets to every step of a hand-built run, its val losses to the
+    last eval step, and each `per_step` key's {group: value of the step} (tokens_by_source=...) to every step."""
+    lines = metric_lines(run_dir)
     for i, m in enumerate(lines):
-        m["token_loss_by_length"] = {b: train[b][i] for b in train}
-        m["targets_by_length"] = {b: targets[b][i] for b in targets}
+        m[by.loss] = {g: train[g][i] for g in train}
+        m[by.targets] = {g: targets[g][i] for g in targets}
+        for key, values in per_step.items():
+            m[key] = {g: values[g][i] for g in values}
     evals = [m for m in lines if "val_loss" in m]
-    evals[-1]["val_token_loss_by_length"] = val
-    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    evals[-1][by.val_loss] = val
+    write_metric_lines(run_dir, lines)
     return run_dir
 
 
 def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
+    by = report.BY_LENGTH
     targets = {"<=64": [100] * 6, ">64": [900] * 6}
     ref_train = {"<=64": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], ">64": [2.5] * 6}
-    ref = with_buckets(make_run(tmp_path, "unpacked", {"packing.layout": "unpacked"}), ref_train, targets,
-                       {"<=64": 2.2, ">64": 2.4})
-    same = with_buckets(make_run(tmp_path, "packed"), {b: [x + 1e-6 for x in v] for b, v in ref_train.items()},
-                        targets, {"<=64": 2.2, ">64": 2.4 + 2e-6})
+    ref = with_groups(make_run(tmp_path, "unpacked", {"packing.layout": "unpacked"}), by, ref_train, targets,
+                      {"<=64": 2.2, ">64": 2.4})
+    same = with_groups(make_run(tmp_path, "packed"), by, {b: [x + 1e-6 for x in v] for b, v in ref_train.items()},
+                       targets, {"<=64": 2.2, ">64": 2.4 + 2e-6})
     # Without isolation short documents read their neighbours: their loss drops by 0.05, long ones' do not.
-    mixed = with_buckets(make_run(tmp_path, "mixed", {"attention.isolate_documents": False}),
-                         {"<=64": [x - 0.05 for x in ref_train["<=64"]], ">64": [2.5] * 6}, targets,
-                         {"<=64": 2.15, ">64": 2.4})
+    mixed = with_groups(make_run(tmp_path, "mixed", {"attention.isolate_documents": False}), by,
+                        {"<=64": [x - 0.05 for x in ref_train["<=64"]], ">64": [2.5] * 6}, targets,
+                        {"<=64": 2.15, ">64": 2.4})
     runs = load_runs([ref, same, mixed])
     # Train token loss of a bucket over a run: its steps weighted by their targets (equal here: the mean).
-    assert report.train_by_length(runs[0]) == {"<=64": (2.5, 600), ">64": (2.5, 5400)}
-    rows = report.length_rows(runs, runs[0])
+    assert report.train_by_group(runs[0], by) == {"<=64": (2.5, 600), ">64": (2.5, 5400)}
+    rows = report.group_rows(runs, runs[0], by)
     assert rows[0] == ["unpacked", "<=64", "2.5000", "—", "2.2000", "—", "600"]
     assert rows[4] == ["mixed", "<=64", "2.4500", "-0.05", "2.1500", "-0.05", "600"]
     assert rows[5] == ["mixed", ">64", "2.5000", "+0", "2.4000", "+0", "5,400"]
-    verdicts = dict(report.length_verdicts(runs, runs[0], 1e-4))
+    verdicts = dict(report.group_verdicts(runs, runs[0], 1e-4, by))
     assert verdicts["packed by document length"] == "every length bucket within 0.0001 of unpacked (max |Δ| 2e-06)"
     assert verdicts["mixed by document length"] == ("documents <=64 tokens: train token loss -0.05, final val token "
                                                     "loss -0.05 against unpacked (beyond 0.0001)")
     out = tmp_path / "out"
     paths = make_report([ref, same, mixed], out)
-    assert out / "loss_by_length.png" in paths
+    assert out / "loss_by_length.png" in paths and out / "loss_by_source.png" not in paths
     md = (out / "report.md").read_text()
     assert "| mixed | <=64 | 2.4500 | -0.05 | 2.1500 | -0.05 | 600 |" in md
     assert "- **mixed by document length**: documents <=64 tokens" in md
+    assert "## Token loss by source" not in md and "mixture**" not in md  # no run logged sources
     page = (out / "report.html").read_text()
     assert "<h2>Token loss by document length</h2>" in page and "<td>-0.05</td>" in page
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data mixtures: loss by source, token shares
+# ---------------------------------------------------------------------------------------------------
+
+
+def sources(functions: float, modules: float) -> list[dict]:
+    return [{"name": "functions", "path": "reportdata/demo", "weight": functions},
+            {"name": "modules", "path": "reportdata/modules", "weight": modules}]
+
+
+def mixture_run(root: Path, name: str, weights: tuple[float, float], layout: str = "packed",
+                train: dict[str, list[float | None]] | None = None, val: dict[str, float] | None = None,
+                tokens: dict[str, list[int]] | None = None, targets: dict[str, list[int]] | None = None,
+                share_summary: dict | None = None) -> Path:
+    """A hand-built run of a two-source mixture: 6 steps; by default functions' targets 100, 100, 100, 300, 300,
+    300 and modules' 700; the losses, shares and summary keys given."""
+    target_share = {"functions": weights[0] / sum(weights), "modules": weights[1] / sum(weights)}
+    run = make_run(root, name, {"data.sources": sources(*weights), "data.path": None, "packing.layout": layout})
+    train = train or {"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], "modules": [2.0] * 6}
+    tokens = tokens or {"functions": [300] * 6, "modules": [700] * 6}
+    targets = targets or {"functions": [100] * 3 + [300] * 3, "modules": [700] * 6}
+    with_groups(run, report.BY_SOURCE, train, targets,
+                val or {"functions": 2.3, "modules": 1.9}, tokens_by_source=tokens,
+                token_share_by_source={g: [n / 1000 for n in v] for g, v in tokens.items()},
+                target_share_by_source={g: [share] * 6 for g, share in target_share.items()})
+    add_to_summary(run, share_summary or {})
+    return run
+
+
+def test_loss_by_source_table_and_verdicts_by_hand(tmp_path):
+    by = report.BY_SOURCE
+    ref = mixture_run(tmp_path, "unpacked", (0.3, 0.7), "unpacked")
+    same = mixture_run(tmp_path, "packed", (0.3, 0.7), train={"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0 + 4e-5],
+                                                               "modules": [2.0] * 6})
+    # Another weighting: not comparable step by step (data.sources differs), so no verdict line by source; its
+    # last step holds no module target (a null loss).
+    other = mixture_run(tmp_path, "w70", (0.7, 0.3), train={"functions": [2.8] * 6, "modules": [2.2] * 5 + [None]},
+                        targets={"functions": [100] * 3 + [300] * 3, "modules": [700] * 5 + [0]},
+                        val={"functions": 2.1, "modules": 2.0})
+    runs = load_runs([ref, same, other])
+    # Functions over the run: (3 x 100 x 3.0 + 3 x 300 x 2.0) / 1200 = 2.25; modules 2.0 on 4200 targets.
+    assert report.train_by_group(runs[0], by) == {"functions": (2.25, 1200), "modules": (2.0, 4200)}
+    assert report.train_by_group(runs[2], by)["modules"] == (pytest.approx(2.2), 3500)
+    rows = report.group_rows(runs, runs[0], by)
+    assert report.SOURCE_COLUMNS[1] == "source" and report.SOURCE_COLUMNS[-2:] == ["token share", "target share"]
+    assert rows[0] == ["unpacked", "functions", "2.2500", "—", "2.3000", "—", "1,200", "30.0%", "30.0%"]
+    # +4e-5 on step 6's 300 of the 1200 targets: +1e-5.
+    assert rows[2] == ["packed", "functions", "2.2500", "+1e-05", "2.3000", "+0", "1,200", "30.0%", "30.0%"]
+    # 2.8 against 2.25 over the shared steps; target share of functions 0.7 / 1.0.
+    assert rows[4] == ["w70", "functions", "2.8000", "+0.55", "2.1000", "-0.2", "1,200", "30.0%", "70.0%"]
+    verdicts = dict(report.group_verdicts(runs, runs[0], 1e-4, by))
+    assert verdicts == {"packed by source": "every source within 0.0001 of unpacked (max |Δ| 1e-05)"}
+    assert dict(report.group_verdicts(runs, runs[0], 5e-6, by)) == {
+        "packed by source": "source functions: train token loss +1e-05, final val token loss +0 against "
+                            "unpacked (beyond 5e-06)"}
+
+
+def test_token_shares_held_or_not_by_hand(tmp_path):
+    # Steps of 300 and 700 document tokens: 30% functions, the 0.3 / (0.3 + 0.7) target.
+    held = mixture_run(tmp_path, "held", (0.3, 0.7))
+    # 330 / 670 on the first three steps, 280 / 720 on the rest: 30.5% over the run, 3 points off at worst.
+    wobbly = mixture_run(tmp_path, "wobbly", (0.3, 0.7),
+                         tokens={"functions": [330] * 3 + [280] * 3, "modules": [670] * 3 + [720] * 3})
+    # The summary's whole-run shares win over the logged steps (log_every > 1 logs only some steps).
+    drifted = mixture_run(tmp_path, "drifted", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6},
+                          share_summary={"token_share_by_source": {"functions": 0.65, "modules": 0.35},
+                                         "target_share_by_source": {"functions": 0.7, "modules": 0.3}})
+    plain = make_run(tmp_path, "plain")  # one source, no mixture: no line
+    runs = load_runs([held, wobbly, drifted, plain])
+    assert report.token_shares(runs[1]) == pytest.approx({"functions": 0.305, "modules": 0.695})
+    assert report.step_share_gap(runs[1]) == pytest.approx(0.03)
+    assert dict(report.share_verdicts(runs)) == {
+        "held mixture": "token shares held within 2 points of the targets: functions 30.0% (target 30.0%), "
+                        "modules 70.0% (target 70.0%); single steps up to 0.0 points off",
+        "wobbly mixture": "token shares held within 2 points of the targets: functions 30.5% (target 30.0%), "
+                          "modules 69.5% (target 70.0%); single steps up to 3.0 points off",
+        "drifted mixture": "token shares off target (functions, modules beyond 2 points): functions 65.0% "
+                           "(target 70.0%), modules 35.0% (target 30.0%); single steps up to 0.0 points off",
+    }
+
+
+def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary: dict | None = None) -> Path:
+    """Add model_flops / hardware_flops to every step of a hand-built run (a CPU run: no mfu), and `summary`."""
+    lines = metric_lines(run_dir)
+    for m, a, b in zip(lines, model, hardware, strict=True):
+        m.update(model_flops=a, hardware_flops=b)
+    write_metric_lines(run_dir, lines)
+    add_to_summary(run_dir, summary or {})
+    return run_dir
+
+
+def test_flops_both_ways_by_hand(tmp_path):
+    # Steady steps 3..6 (1 and 2 are warm-up): (2 + 4 + 6 + 6) GFLOP in 1 + 1 + 2 + 2 s = 3 GFLOP/s.
+    model = [9e9, 9e9, 2e9, 4e9, 6e9, 6e9]
+    cpu = with_flops(make_run(tmp_path, "cpu", step_times=[1, 1, 1, 1, 2, 2]), model, [1.5 * x for x in model])
+    assert report.flop_rates(load_runs([cpu])[0]) == pytest.approx(
+        {"mean_model_flops_per_s": 3e9, "mean_hardware_flops_per_s": 4.5e9, "mean_mfu": None, "mean_hfu": None})
+    assert report.flops_table(load_runs([cpu])) == (
+        ["run", "model FLOPs/s", "hardware FLOPs/s", "hardware / model"],
+        [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50"]])  # no peak known: FLOPs/s only
+    gpu = with_flops(make_run(tmp_path, "gpu"), model, model, {
+        "mean_model_flops_per_s": 2.5e14, "mean_hardware_flops_per_s": 3e14, "mean_mfu": 0.253, "mean_hfu": 0.3036})
+    old = make_run(tmp_path, "old")  # before FLOPs were logged
+    columns, rows = report.flops_table(load_runs([cpu, gpu, old]))
+    assert columns == report.FLOPS_COLUMNS
+    assert rows == [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50", "n/a", "n/a"],
+                    ["gpu", "250 TFLOP/s", "300 TFLOP/s", "1.20", "25.3%", "30.4%"],
+                    ["old", "n/a", "n/a", "n/a", "n/a", "n/a"]]
+    assert report.flops_table(load_runs([old])) == (report.FLOPS_COLUMNS, [])  # no section at all
+
+
+def test_mixture_report_sections_and_html(tmp_path):
+    """The mixture sweep's report: per-source table, share and per-source verdicts, FLOPs table, the plot, the
+    histograms of both sources; report.html still well-formed and self-contained."""
+    write_data(tmp_path)
+    modules = tmp_path / "reportdata" / "modules"
+    modules.mkdir()
+    (modules / "manifest.json").write_text(json.dumps({"splits": {"train": {"lengths": {"histogram": {
+        "edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
+    sweep = tmp_path / "multirun"
+    runs = [mixture_run(sweep, "0_w30_packed", (0.3, 0.7)), mixture_run(sweep, "1_w30_unpacked", (0.3, 0.7), "unpacked"),
+            mixture_run(sweep, "2_w70_packed", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6})]
+    for run in runs:
+        with_flops(run, [3e9] * 6, [4e9] * 6)
+    out = tmp_path / "out"
+    paths = make_report([sweep], out)
+    pngs = [p for p in PNGS if p != "doc_lengths.png"] + ["loss_by_source.png", "doc_lengths.png"]
+    md = check_files(out, paths, pngs)
+    assert "Reference run: **1_w30_unpacked**" in md
+    assert "| 0_w30_packed | functions | 2.2500 | +0 | 2.3000 | +0 | 1,200 | 30.0% | 30.0% |" in md
+    assert "| 2_w70_packed | functions | 2.2500 | +0 | 2.3000 | +0 | 1,200 | 70.0% | 70.0% |" in md
+    assert "- **0_w30_packed by source**: every source within 0.0001 of 1_w30_unpacked (max |Δ| 0)" in md
+    assert "2_w70_packed by source" not in md  # not comparable: other weights
+    assert "- **2_w70_packed mixture**: token shares held within 2 points of the targets: functions 70.0%" in md
+    assert ("- **2_w70_packed**: not comparable: different data.sources ([{name: functions, path: reportdata/demo, "
+            "weight: 0.3}, {name: modules, path: reportdata/modules, weight: 0.7}] vs [{name: functions, ") in md
+    assert "## FLOPs both ways" in md and "| 0_w30_packed | 3 GFLOP/s | 4 GFLOP/s | 1.33 |" in md
+    assert "| run | model FLOPs/s | hardware FLOPs/s | hardware / model |\n" in md  # CPU runs: no MFU columns
+    assert "Document-length histogram" not in md  # both sources' histograms found
+    page = (out / "report.html").read_text()
+    assert "<h2>Token loss by source</h2>" in page and "<h2>FLOPs both ways</h2>" in page
+    assert "<td>70.0%</td>" in page

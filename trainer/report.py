@@ -15,6 +15,11 @@ Each run gets a verdict from the numbers, by the kind of keys its config changes
     ablation          a setting that changes the objective on purpose (document isolation, positions, ...),
                       compared at equal documents per step
     not comparable    anything else (seed, data, model size, optimizer, ...), or numbers that contradict the above
+
+Where runs logged them, tables of the token loss by document length and by source of a data mixture (with each
+source's token share against its target; a verdict line per compared run naming the groups beyond --tolerance,
+and one per mixture run on whether its shares held within SHARE_TOLERANCE), and of model vs hardware FLOPs/s
+(MFU, HFU where the device's peak is known). Runs without those keys get the report they always got.
 """
 
 from __future__ import annotations
@@ -284,7 +289,7 @@ def time_to_reach(run: Run, target: float, tolerance: float = 0.0) -> tuple[floa
 
 
 def fmt_value(value: Any) -> str:
-    """A config value the way a Hydra override writes it: true, null, 0.003, [0.9, 0.95]."""
+    """A config value the way a Hydra override writes it: true, null, 0.003, [0.9, 0.95], {name: a, weight: 1}."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -293,6 +298,8 @@ def fmt_value(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, tuple):
         return "[" + ", ".join(fmt_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an entry of data.sources
+        return "{" + ", ".join(f"{k}: {fmt_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -498,40 +505,64 @@ def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERAN
 
 
 # ---------------------------------------------------------------------------------------------------
-# Loss by document length (token_loss_by_length, val_token_loss_by_length)
+# Loss by group: by document length (token_loss_by_length) and by source of a mixture (token_loss_by_source)
 # ---------------------------------------------------------------------------------------------------
 
-LENGTH_COLUMNS = ["run", "document length", "train token loss", "Δ train vs ref.", "final val token loss",
-                  "Δ val vs ref.", "train targets"]
+
+@dataclass(frozen=True)
+class Breakdown:
+    """A run's token loss split into groups of targets, as metrics.jsonl logs it: each logged step holds
+    {group: token loss, or null without targets} under `loss` and {group: targets} under `targets`; eval steps
+    hold the val set's {group: token loss} under `val_loss`."""
+
+    loss: str
+    targets: str
+    val_loss: str
+    column: str
+    """The table's name for a group."""
+    group: str
+    """A group in a verdict line, {} its name: "documents {} tokens"."""
+    every: str
+    """All groups in a verdict line: "every length bucket"."""
 
 
-def bucket_names(runs: Sequence[Run]) -> list[str]:
-    """The length buckets any run logged, in the order logged. Example: ["<=64", "<=256", ">256"]."""
+BY_LENGTH = Breakdown("token_loss_by_length", "targets_by_length", "val_token_loss_by_length", "document length",
+                      "documents {} tokens", "every length bucket")
+BY_SOURCE = Breakdown("token_loss_by_source", "targets_by_source", "val_token_loss_by_source", "source",
+                      "source {}", "every source")
+GROUP_COLUMNS = ["run", "{}", "train token loss", "Δ train vs ref.", "final val token loss", "Δ val vs ref.",
+                 "train targets"]
+LENGTH_COLUMNS = [c.format(BY_LENGTH.column) for c in GROUP_COLUMNS]
+SOURCE_COLUMNS = [c.format(BY_SOURCE.column) for c in GROUP_COLUMNS] + ["token share", "target share"]
+
+
+def group_names(runs: Sequence[Run], by: Breakdown) -> list[str]:
+    """The groups any run logged, in the order logged. Example (BY_LENGTH): ["<=64", "<=256", ">256"]."""
     names: dict[str, None] = {}
     for run in runs:
         for m in run.metrics:
-            names.update(dict.fromkeys(m.get("token_loss_by_length") or {}))
+            names.update(dict.fromkeys(m.get(by.loss) or {}))
     return list(names)
 
 
-def train_by_length(run: Run, steps: set[int] | None = None) -> dict[str, tuple[float | None, int]]:
-    """Per bucket: (token loss over the logged steps in `steps` (all: None), targets): each step's bucket loss
+def train_by_group(run: Run, by: Breakdown, steps: set[int] | None = None) -> dict[str, tuple[float | None, int]]:
+    """Per group: (token loss over the logged steps in `steps` (all: None), targets): each step's group loss
     weighted by its targets. Example: steps with ("<=64": 2.0 on 10 targets) and (3.0 on 30) -> (2.75, 40)."""
     sums: dict[str, float] = {}
     targets: dict[str, int] = {}
     for m in run.metrics:
         if steps is not None and m["step"] not in steps:
             continue
-        for name, loss in (m.get("token_loss_by_length") or {}).items():
-            n = (m.get("targets_by_length") or {}).get(name, 0)
+        for name, loss in (m.get(by.loss) or {}).items():
+            n = (m.get(by.targets) or {}).get(name, 0)
             targets[name] = targets.get(name, 0) + n
             sums[name] = sums.get(name, 0.0) + (loss * n if loss is not None else 0.0)
     return {name: (sums[name] / targets[name] if targets[name] else None, targets[name]) for name in targets}
 
 
-def val_by_length(run: Run) -> dict[str, float | None]:
-    """The last eval's val_token_loss_by_length ({} without one)."""
-    evals = [m["val_token_loss_by_length"] for m in run.metrics if m.get("val_token_loss_by_length")]
+def val_by_group(run: Run, by: Breakdown) -> dict[str, float | None]:
+    """The last eval's per-group val token loss ({} without one)."""
+    evals = [m[by.val_loss] for m in run.metrics if m.get(by.val_loss)]
     return evals[-1] if evals else {}
 
 
@@ -539,13 +570,13 @@ def _shared_steps(run: Run, ref: Run) -> set[int]:
     return set(series(run, "step")) & set(series(ref, "step"))
 
 
-def length_deltas(run: Run, ref: Run) -> dict[str, tuple[float | None, float | None]]:
-    """Per bucket: (Δ train token loss over the steps both logged, Δ final val token loss) against `ref`."""
+def group_deltas(run: Run, ref: Run, by: Breakdown) -> dict[str, tuple[float | None, float | None]]:
+    """Per group: (Δ train token loss over the steps both logged, Δ final val token loss) against `ref`."""
     steps = _shared_steps(run, ref)
-    train, train_ref = train_by_length(run, steps), train_by_length(ref, steps)
-    val, val_ref = val_by_length(run), val_by_length(ref)
+    train, train_ref = train_by_group(run, by, steps), train_by_group(ref, by, steps)
+    val, val_ref = val_by_group(run, by), val_by_group(ref, by)
     out = {}
-    for name in bucket_names([run, ref]):
+    for name in group_names([run, ref], by):
         a, b = train.get(name, (None, 0))[0], train_ref.get(name, (None, 0))[0]
         c, d = val.get(name), val_ref.get(name)
         out[name] = (a - b if a is not None and b is not None else None, c - d if c is not None and d is not None
@@ -553,44 +584,166 @@ def length_deltas(run: Run, ref: Run) -> dict[str, tuple[float | None, float | N
     return out
 
 
-def length_rows(runs: Sequence[Run], ref: Run) -> list[list[str]]:
-    """Rows of LENGTH_COLUMNS: each run x length bucket (none when no run logged token_loss_by_length)."""
-    names = bucket_names(runs)
+def group_rows(runs: Sequence[Run], ref: Run, by: Breakdown) -> list[list[str]]:
+    """Rows of GROUP_COLUMNS: each run x group (none when no run logged `by.loss`); BY_SOURCE rows also hold the
+    run's token share and target share of each source (SOURCE_COLUMNS)."""
+    names = group_names(runs, by)
     rows = []
     for run in runs:
-        train, val = train_by_length(run), val_by_length(run)
-        deltas = {} if run is ref else length_deltas(run, ref)
+        train, val = train_by_group(run, by), val_by_group(run, by)
+        deltas = {} if run is ref else group_deltas(run, ref, by)
+        shares, targets_share = token_shares(run), target_shares(run)
         for name in names:
             loss, targets = train.get(name, (None, 0))
             dt, dv = deltas.get(name, (None, None))
-            rows.append([run.name, name, _num(loss, ".4f"), "—" if run is ref else _num(dt, "+.2g"),
-                         _num(val.get(name), ".4f"), "—" if run is ref else _num(dv, "+.2g"), f"{targets:,}"])
+            row = [run.name, name, _num(loss, ".4f"), "—" if run is ref else _num(dt, "+.2g"),
+                   _num(val.get(name), ".4f"), "—" if run is ref else _num(dv, "+.2g"), f"{targets:,}"]
+            if by is BY_SOURCE:
+                row += [_num(shares.get(name), ".1%"), _num(targets_share.get(name), ".1%")]
+            rows.append(row)
     return rows
 
 
-def length_verdicts(runs: Sequence[Run], ref: Run, tolerance: float) -> list[tuple[str, str]]:
-    """One line per run that is compared with the reference (not "not comparable"), when runs logged buckets:
-    the buckets whose train or val token loss differs from the reference's by more than `tolerance`, or that
-    every bucket agrees. Example: "documents <=64
-    tokens: train token loss +0.012, final val token loss +0.0098 against ref"."""
-    if not bucket_names(runs):
+def group_verdicts(runs: Sequence[Run], ref: Run, tolerance: float, by: Breakdown) -> list[tuple[str, str]]:
+    """One line per run that is compared with the reference (not "not comparable"), when runs logged groups:
+    the groups whose train or val token loss differs from the reference's by more than `tolerance`, or that
+    every group agrees. Example (BY_LENGTH): ("mixed by document length", "documents <=64 tokens: train token
+    loss +0.012, final val token loss +0.0098 against ref (beyond 0.0001)")."""
+    if not group_names(runs, by):
         return []
+    label = f"by {by.column}"
     out = []
     for run in runs:
         if run is ref or verdict(run, ref, tolerance).startswith("not comparable"):
             continue
-        deltas = length_deltas(run, ref)
+        deltas = group_deltas(run, ref, by)
         beyond = [(name, dt, dv) for name, (dt, dv) in deltas.items()
                   if any(d is not None and abs(d) > tolerance for d in (dt, dv))]
         if beyond:
-            text = "; ".join(f"documents {name} tokens: train token loss {_num(dt, '+.2g')}, final val token loss "
+            text = "; ".join(f"{by.group.format(name)}: train token loss {_num(dt, '+.2g')}, final val token loss "
                              f"{_num(dv, '+.2g')}" for name, dt, dv in beyond)
-            out.append((f"{run.name} by document length", f"{text} against {ref.name} (beyond {_num(tolerance)})"))
+            out.append((f"{run.name} {label}", f"{text} against {ref.name} (beyond {_num(tolerance)})"))
         else:
             worst = max((abs(d) for pair in deltas.values() for d in pair if d is not None), default=None)
-            out.append((f"{run.name} by document length",
-                        f"every length bucket within {_num(tolerance)} of {ref.name} (max |Δ| {_num(worst)})"))
+            out.append((f"{run.name} {label}",
+                        f"{by.every} within {_num(tolerance)} of {ref.name} (max |Δ| {_num(worst)})"))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixtures: token shares by source (token_share_by_source, target_share_by_source)
+# ---------------------------------------------------------------------------------------------------
+
+SHARE_TOLERANCE = 0.02
+"""A mixture run holds its weights when each source's share of the run's document tokens is within 0.02 (two
+percentage points) of weight / sum of the weights."""
+
+
+def token_shares(run: Run) -> dict[str, float]:
+    """Each source's share of the run's document tokens: summary.json's token_share_by_source (the whole run),
+    else the logged steps' tokens_by_source summed. Example: steps {a: 70, b: 30}, {a: 50, b: 50} -> a 0.6, b 0.4."""
+    if run.summary and run.summary.get("token_share_by_source"):
+        return run.summary["token_share_by_source"]
+    tokens: dict[str, int] = {}
+    for m in run.metrics:
+        for name, n in (m.get("tokens_by_source") or {}).items():
+            tokens[name] = tokens.get(name, 0) + n
+    total = sum(tokens.values())
+    return {name: n / total for name, n in tokens.items()} if total else {}
+
+
+def target_shares(run: Run) -> dict[str, float]:
+    """weight / sum of the weights per source: summary.json's target_share_by_source, else the last logged step's."""
+    if run.summary and run.summary.get("target_share_by_source"):
+        return run.summary["target_share_by_source"]
+    logged = [m["target_share_by_source"] for m in run.metrics if m.get("target_share_by_source")]
+    return logged[-1] if logged else {}
+
+
+def step_share_gap(run: Run) -> float | None:
+    """The largest |token share - target share| of any source in any logged step (None: no step logged shares)."""
+    targets = target_shares(run)
+    gaps = [abs(share - targets[name]) for m in run.metrics for name, share in (m.get("token_share_by_source") or {})
+            .items() if share is not None and name in targets]
+    return max(gaps, default=None)
+
+
+def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
+    """One line per mixture run (target shares for two sources or more): whether its token shares over the run
+    held within SHARE_TOLERANCE of the targets. Example: ("mix", "token shares held within 2 points of the
+    targets: functions 70.4% (target 70.0%), modules 29.6% (target 30.0%); single steps up to 6.1 points off")."""
+    out = []
+    for run in runs:
+        targets = target_shares(run)
+        if len(targets) < 2:
+            continue
+        shares = token_shares(run)
+        if not shares:
+            out.append((f"{run.name} mixture", "token shares n/a: the run logged no tokens_by_source"))
+            continue
+        listing = ", ".join(f"{name} {_num(shares.get(name), '.1%')} (target {target:.1%})"
+                            for name, target in targets.items())
+        off = [name for name, target in targets.items() if abs(shares.get(name, 0.0) - target) > SHARE_TOLERANCE]
+        points = f"{SHARE_TOLERANCE * 100:g} points"
+        text = (f"token shares off target ({', '.join(off)} beyond {points}): " if off
+                else f"token shares held within {points} of the targets: ") + listing
+        gap = step_share_gap(run)
+        if gap is not None:
+            text += f"; single steps up to {gap * 100:.1f} points off"
+        out.append((f"{run.name} mixture", text))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# FLOPs both ways: model FLOPs (what the documents need) and hardware FLOPs (what the kernels computed)
+# ---------------------------------------------------------------------------------------------------
+
+FLOPS_COLUMNS = ["run", "model FLOPs/s", "hardware FLOPs/s", "hardware / model", "MFU", "HFU"]
+
+
+def flop_rates(run: Run) -> dict[str, float | None]:
+    """mean_model_flops_per_s, mean_hardware_flops_per_s, mean_mfu, mean_hfu: from summary.json, else over the
+    steady logged steps as the trainer computes them (summed FLOPs, or utilization x seconds, / summed seconds).
+    Example: steady steps of 4e9 model FLOPs in 1 s and 2e9 in 1 s -> mean_model_flops_per_s 3e9."""
+    keys = ("mean_model_flops_per_s", "mean_hardware_flops_per_s", "mean_mfu", "mean_hfu")
+    if run.summary and any(run.summary.get(k) is not None for k in keys):
+        return {k: run.summary.get(k) for k in keys}
+    out: dict[str, float | None] = {}
+    steps = steady(run)
+    for key, metric in zip(keys, ("model_flops", "hardware_flops", "mfu", "hfu"), strict=True):
+        timed = [(m[metric], m.get("step_time_s", 0.0)) for m in steps if m.get(metric) is not None]
+        seconds = sum(t for _, t in timed)
+        total = sum(v if metric.endswith("flops") else v * t for v, t in timed)  # FLOPs, or utilization x s
+        out[key] = total / seconds if seconds else None
+    return out
+
+
+def _si(x: float | None, unit: str) -> str:
+    """12_300_000_000 -> "12.3 G" + unit."""
+    if x is None:
+        return "n/a"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def flops_table(runs: Sequence[Run]) -> tuple[list[str], list[list[str]]]:
+    """(columns, rows) of FLOPS_COLUMNS, without MFU and HFU when no run has them (CPU: no known peak); no rows
+    when no run logged FLOPs."""
+    rates = [flop_rates(r) for r in runs]
+    if all(r["mean_model_flops_per_s"] is None and r["mean_hardware_flops_per_s"] is None for r in rates):
+        return FLOPS_COLUMNS, []
+    with_peak = any(r["mean_mfu"] is not None or r["mean_hfu"] is not None for r in rates)
+    columns = FLOPS_COLUMNS if with_peak else FLOPS_COLUMNS[:4]
+    rows = []
+    for run, r in zip(runs, rates, strict=True):
+        row = [run.name, _si(r["mean_model_flops_per_s"], "FLOP/s"), _si(r["mean_hardware_flops_per_s"], "FLOP/s"),
+               _num(_ratio(r["mean_hardware_flops_per_s"], r["mean_model_flops_per_s"]), ".2f")]
+        if with_peak:
+            row += [_num(r["mean_mfu"], ".1%"), _num(r["mean_hfu"], ".1%")]
+        rows.append(row)
+    return columns, rows
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -646,11 +799,11 @@ def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
 
 def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
     """Grouped bars: per length bucket, each run's final val token loss (its train token loss without eval)."""
-    names = bucket_names(runs)
+    names = group_names(runs, BY_LENGTH)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
-        val, train = val_by_length(run), train_by_length(run)
+        val, train = val_by_group(run, BY_LENGTH), train_by_group(run, BY_LENGTH)
         values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
         ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
                label=f"{run.name} ({'val' if val else 'train'})", color=f"C{i % 10}", hatch=None if val else "//")
@@ -658,6 +811,23 @@ def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
     ax.set(ylabel="token loss", title="Token loss by document length (final eval; train where no eval)")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def plot_loss_by_source(runs: Sequence[Run]) -> plt.Figure:
+    """Each run's train token loss of each source vs step: colour and marker by run, dash by source."""
+    names = group_names(runs, BY_SOURCE)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, run in enumerate(runs):
+        for j, name in enumerate(names):
+            losses = {m["step"]: m[BY_SOURCE.loss][name] for m in run.metrics
+                      if (m.get(BY_SOURCE.loss) or {}).get(name) is not None}
+            steps = sorted(losses)
+            style = {**_style(i, len(steps)), "linestyle": LINESTYLES[j % len(LINESTYLES)]}
+            ax.plot(steps, [losses[s] for s in steps], label=f"{run.name} / {name}", **style)
+    ax.set(xlabel="step", ylabel="train token loss", title="Train token loss by source (each step's targets of it)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=2)
     return fig
 
 
@@ -692,12 +862,20 @@ def find_data_dir(data_path: str, run_dir: Path) -> Path | None:
     return None
 
 
+def data_paths(run: Run) -> list[str | None]:
+    """The prepared data dirs a run read: data.path, or the path of each source of data.sources (None: urls)."""
+    sources = run.config.get("data.sources")
+    if sources:
+        return [s.get("path") if isinstance(s, dict) else None for s in sources]
+    return [run.config.get("data.path")]
+
+
 def load_corpora(runs: Sequence[Run]) -> tuple[list[Corpus], list[str]]:
     """The histogram of each distinct training corpus, and a note for each one that has none."""
     corpora: dict[Path, Corpus] = {}
     notes: list[str] = []
-    for run in runs:
-        data_path, split = run.config.get("data.path"), run.config.get("data.split", "train")
+    for run, data_path in ((r, path) for r in runs for path in data_paths(r)):
+        split = run.config.get("data.split", "train")
         data_dir = find_data_dir(str(data_path), run.path) if data_path else None
         if data_dir is None:
             notes.append(f"run {run.name}: data dir {data_path!r} not found (no manifest.json there)")
@@ -748,9 +926,28 @@ class Report:
     verdicts: list[tuple[str, str]]
     length_rows: list[list[str]]
     """LENGTH_COLUMNS rows (empty: no run logged token_loss_by_length)."""
+    source_rows: list[list[str]]
+    """SOURCE_COLUMNS rows (empty: no run logged token_loss_by_source)."""
+    flops_columns: list[str]
+    flops_rows: list[list[str]]
+    """flops_table's (empty: no run logged FLOPs)."""
     images: list[tuple[str, str]]
     """(PNG file name, caption)."""
     notes: list[str]
+
+    def tables(self) -> list[tuple[str, str, list[str], list[list[str]]]]:
+        """(title, intro line, columns, rows) of each table after the verdicts that has rows."""
+        tables = [
+            ("Token loss by document length", "", LENGTH_COLUMNS, self.length_rows),
+            ("Token loss by source", "Train token loss over all logged steps, each weighted by its targets; the "
+             "last eval's; both as Δ against the reference over the steps both logged; each source's share of "
+             "the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
+             self.source_rows),
+            ("FLOPs both ways", "Mean over the non-warm-up steps. Model FLOPs: what the documents need, as if each "
+             "ran alone (MFU); hardware FLOPs: what the kernels computed, padding and masked attention included "
+             "(HFU). MFU and HFU only where the device's peak is known.", self.flops_columns, self.flops_rows),
+        ]
+        return [t for t in tables if t[3]]
 
 
 def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], list[str]]:
@@ -764,7 +961,9 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
         ("valid_tokens_per_s.png", "Valid tokens/s per run (non-warm-up mean)", lambda: plot_throughput(runs)),
         ("token_utilization.png", "Token utilization over steps", lambda: plot_utilization(runs)),
         *([("loss_by_length.png", "Token loss by document length", lambda: plot_loss_by_length(runs))]
-          if bucket_names(runs) else []),
+          if group_names(runs, BY_LENGTH) else []),
+        *([("loss_by_source.png", "Train token loss by source vs step", lambda: plot_loss_by_source(runs))]
+          if group_names(runs, BY_SOURCE) else []),
         *([("doc_lengths.png", "Document lengths of the training corpus, train.seq_len marked",
             lambda: plot_doc_lengths(corpora))] if corpora else []),
     ]
@@ -801,14 +1000,19 @@ def layout_verdicts(runs: Sequence[Run], ref: Run, tolerance: float) -> list[tup
 def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> Report:
     images, notes = write_plots(runs, out)
     notes += [f"{r.name}: {n}" for r in runs for n in r.notes]
+    flops_columns, flops_rows = flops_table(runs)
     return Report(
         reference=ref.name,
         tolerance=tolerance,
         rows=table_rows(runs, ref, tolerance),
         verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
                                                                                                      tolerance)
-        + length_verdicts(runs, ref, tolerance),
-        length_rows=length_rows(runs, ref),
+        + group_verdicts(runs, ref, tolerance, BY_LENGTH) + group_verdicts(runs, ref, tolerance, BY_SOURCE)
+        + share_verdicts(runs),
+        length_rows=group_rows(runs, ref, BY_LENGTH),
+        source_rows=group_rows(runs, ref, BY_SOURCE),
+        flops_columns=flops_columns,
+        flops_rows=flops_rows,
         images=images,
         notes=notes,
     )
@@ -833,10 +1037,10 @@ def render_markdown(report: Report) -> str:
         *(f"- **{name}**: {text}" for name, text in report.verdicts),
         "",
     ]
-    if report.length_rows:
-        lines += ["## Token loss by document length", "",
-                  "| " + " | ".join(LENGTH_COLUMNS) + " |", "|" + "---|" * len(LENGTH_COLUMNS),
-                  *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in report.length_rows), ""]
+    for title, intro, columns, rows in report.tables():
+        lines += [f"## {title}", "", *([intro, ""] if intro else []),
+                  "| " + " | ".join(_md_cell(c) for c in columns) + " |", "|" + "---|" * len(columns),
+                  *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows), ""]
     lines += ["## Plots", ""]
     for name, caption in report.images:
         lines += [f"![{caption}]({name})", ""]
@@ -866,12 +1070,13 @@ def render_html(report: Report, out: Path) -> str:
         f'alt="{e(caption)}"><figcaption>{e(caption)}</figcaption></figure>'
         for name, caption in report.images)
     notes = "".join(f"<li>{e(n)}</li>" for n in report.notes)
-    by_length = ""
-    if report.length_rows:
-        head = "".join(f"<th>{e(c)}</th>" for c in LENGTH_COLUMNS)
-        cells = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in report.length_rows)
-        by_length = (f"<h2>Token loss by document length</h2>\n<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n"
-                     f"{cells}\n</tbody>\n</table>")
+    tables = []
+    for title, intro, columns, rows in report.tables():
+        head = "".join(f"<th>{e(c)}</th>" for c in columns)
+        cells = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+        tables.append(f"<h2>{e(title)}</h2>\n" + (f"<p>{e(intro)}</p>\n" if intro else "")
+                      + f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{cells}\n</tbody>\n</table>")
+    by_group = "\n".join(tables)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -893,7 +1098,7 @@ def render_html(report: Report, out: Path) -> str:
 <ul>
 {verdicts}
 </ul>
-{by_length}
+{by_group}
 <h2>Plots</h2>
 {figures}
 {f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
