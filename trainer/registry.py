@@ -168,6 +168,16 @@ METRIC_KEYS: dict[str, str] = {
                             "its own length): sum of its token losses / its targets in the step, all ranks (null: "
                             "no target in that bucket)",
     "targets_by_length": "targets of the step per document-length bucket, all ranks",
+    "token_loss_by_source": "per source of the mixture (data.sources only): sum of its token losses / its targets in "
+                            "the step, all ranks (null: no target from that source)",
+    "targets_by_source": "targets of the step per source of the mixture, all ranks (data.sources only)",
+    "tokens_by_source": "document tokens (non-padding positions) of the step per source, all ranks (data.sources "
+                        "only)",
+    "docs_by_source": "documents (chunks of split ones counted once each) of the step per source, all ranks "
+                      "(data.sources only)",
+    "token_share_by_source": "tokens_by_source / all document tokens of the step (data.sources only)",
+    "target_share_by_source": "each source's weight / the sum of the weights: the share the mixer aims at, constant "
+                              "(data.sources only)",
     "lr": "the learning rate this step used",
     "grad_norm": "global gradient norm before clipping",
     "valid_tokens": "targets of the step (tokens the loss counts)",
@@ -198,6 +208,9 @@ METRIC_KEYS: dict[str, str] = {
     "val_docs": "eval documents, chunks of split ones counted once each, all ranks (eval steps only)",
     "val_token_loss_by_length": "token_loss_by_length of the eval set (eval steps only)",
     "val_targets_by_length": "eval targets per document-length bucket (eval steps only)",
+    "val_token_loss_by_source": "token_loss_by_source of the eval set, each source's held-out documents (eval steps "
+                                "of a mixture only; null for a source without held-out shards)",
+    "val_targets_by_source": "eval targets per source (eval steps of a mixture only)",
     "eval_time_s": "wall time of the evaluation (eval steps only)",
     "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an epoch at "
              "the same step)",
@@ -229,6 +242,13 @@ SUMMARY_KEYS: dict[str, str] = {
     "final_val_loss": "val_loss of the last evaluation (null without eval)",
     "final_val_ppl": "val_ppl of the last evaluation (null without eval)",
     "final_val_token_loss_by_length": "val_token_loss_by_length of the last evaluation (null without eval)",
+    "final_val_token_loss_by_source": "val_token_loss_by_source of the last evaluation (data.sources only; null "
+                                      "without eval)",
+    "token_share_by_source": "each source's document tokens over all steps / all document tokens of the run "
+                             "(data.sources only)",
+    "target_share_by_source": "each source's weight / the sum of the weights (data.sources only)",
+    "mixture": "per source: weight, passes, docs and tokens read by this run's readers (trainer.data.mixture; "
+               "data.sources only)",
     "val_tokens": "eval targets of the last evaluation (null without eval)",
     "val_docs": "eval documents of the last evaluation (null without eval)",
     "loss_normalization": "loss.normalization of the run",

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import MODEL, PAD, SEQ_LEN, make_steps, make_trainer, metrics
-from trainer.data.batch import Document, length_bucket_names
+from trainer.data.batch import Document, LossGroups, length_bucket_names
 from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import micro_batches
@@ -22,7 +22,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, build_model
-from trainer.run.metrics import by_length
+from trainer.run.metrics import by_group
 from trainer.run.step import train_step
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -42,8 +42,8 @@ def step_by_length(docs: list[Document], layout: str, isolate: bool = True, chun
     engine = parallelize(model, opt, sched, CPU, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
     rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs))
     mbs = micro_batches(rows, PackingConfig(layout=layout), SEQ_LEN, 2 * SEQ_LEN, PAD)
-    stats = train_step(engine, mbs, CPU, PAD, length_buckets=EDGES)
-    return {"stats": stats, **by_length(EDGES, stats.group_loss_sums, stats.group_targets)}
+    stats = train_step(engine, mbs, CPU, PAD, groups=LossGroups(tuple(EDGES)))
+    return {"stats": stats, **by_group(LossGroups(tuple(EDGES)), stats.group_loss_sums, stats.group_targets)}
 
 
 def reference_by_length(docs: list[Document]) -> tuple[dict, dict]:

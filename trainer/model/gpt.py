@@ -310,7 +310,7 @@ class GPT(nn.Module):
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
         loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of the
-        num_loss_groups groups (a metric, e.g. per document-length bucket; trainer.data.batch.length_groups).
+        num_loss_groups groups (a metric: per source x document-length bucket, trainer.data.batch.LossGroups).
         return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given),
         where they never exist whole; True always returns them (the plain loss path); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None

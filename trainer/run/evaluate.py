@@ -2,7 +2,9 @@
 
 The eval set is the prepared `val` split read in a fixed order (shards as listed in the manifest permuted
 with seed 0, no sample shuffle), cut to `train.eval_docs` documents, long documents split into chunks of
-seq_len. Rank r of W evaluates documents r, r + W, r + 2W, ...; packing (or not) only lays them out.
+seq_len. Rank r of W evaluates documents r, r + W, r + 2W, ...; packing (or not) only lays them out. A mixture
+(data.sources) evaluates each source's held-out shards read the same way, source after source, its documents
+tagged with the source's index (`Document.source`), `train.eval_docs` documents of each.
 
     val_loss = sum of token losses over every eval target (all ranks) / number of those targets
     val_ppl  = exp(val_loss)
@@ -15,24 +17,26 @@ identically after a resume.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from trainer.data.batch import Batch, Document
+from trainer.data.batch import Batch, Document, LossGroups
 from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
-from trainer.data.sources import ShardSourceError, resolve_source
+from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
-from trainer.run.metrics import by_length
-from trainer.run.step import empty_batch, with_length_groups
+from trainer.run.metrics import by_group
+from trainer.run.step import empty_batch, with_loss_groups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +50,13 @@ class EvalResult:
     val_token_loss_by_length: dict[str, float | None] = field(default_factory=dict)
     """Per document-length bucket (logging.length_buckets): summed token loss / targets; {} when not measured."""
     val_targets_by_length: dict[str, int] = field(default_factory=dict)
+    val_token_loss_by_source: dict[str, float | None] | None = None
+    """With a mixture: per source, summed token loss / targets (None for a source left out of the eval)."""
+    val_targets_by_source: dict[str, int] | None = None
+
+    def metrics(self) -> dict:
+        """The metrics line's eval keys: every field, but no *_by_source key without a mixture."""
+        return {key: value for key, value in vars(self).items() if value is not None}
 
 
 def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
@@ -56,18 +67,43 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
     which tokens are targets, as in training) or a prepared directory (every token a target).
     Example: max_docs=3 over val shards whose fixed order is [v7, v2, v9, ...] with
     len(v2) = 2.5 x seq_len -> [v7, v2#0, v2#1, v2#2, v9].
+
+    With data.sources: the first `max_docs` documents of each source (its val_urls, else its manifest's val split),
+    source after source, tagged with its index. A source without held-out shards is left out (one warning names
+    them); an error if no source has any.
     """
     if data is None:
         raise ShardSourceError("load_eval_docs needs the data config (cfg.data) when data.urls is used")
     if not isinstance(data, DataConfig):
         data = DataConfig(path=str(data))
-    source = resolve_source(data)
-    if not source.val_urls:
-        if source.manifest is not None and data.val_urls is None:
-            raise ShardSourceError(f"{source.manifest}: the '{VAL_SPLIT}' split has no documents; set "
-                                   "data.val_urls=SHARDS, prepare with --val-fraction > 0, or set train.eval_every=0")
-        raise ShardSourceError("no held-out shards for the eval: data.urls is set but data.val_urls is not; set "
-                               "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
+    mixture = data.mixture()
+    if not mixture:
+        source = resolve_source(data)
+        if not source.val_urls:
+            if source.manifest is not None and data.val_urls is None:
+                raise ShardSourceError(f"{source.manifest}: the '{VAL_SPLIT}' split has no documents; set "
+                                       "data.val_urls=SHARDS, prepare with --val-fraction > 0, or set "
+                                       "train.eval_every=0")
+            raise ShardSourceError("no held-out shards for the eval: data.urls is set but data.val_urls is not; set "
+                                   "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
+        return _read_eval_docs(data, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error)
+    resolved = [(i, src.name, data.for_source(src)) for i, src in enumerate(mixture)]
+    resolved = [(i, name, cfg, resolve_source(cfg)) for i, name, cfg in resolved]
+    left_out = [name for _, name, _, source in resolved if not source.val_urls]
+    if len(left_out) == len(resolved):
+        raise ShardSourceError(f"no held-out shards for the eval in any of data.sources ({', '.join(left_out)}): "
+                               "give a source val_urls=SHARDS, prepare its directory with --val-fraction > 0, or "
+                               "set train.eval_every=0")
+    if left_out:
+        log.warning("data.sources %s: no held-out shards (no val_urls, no '%s' split in the manifest): left out of "
+                    "the eval (val_token_loss_by_source null for them)", ", ".join(left_out), VAL_SPLIT)
+    return [replace(doc, source=i) for i, _, cfg, source in resolved if source.val_urls
+            for doc in _read_eval_docs(cfg, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error)]
+
+
+def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, eos_id: int, seq_len: int,
+                    max_docs: int | None, on_error: str) -> list[Document]:
+    """`load_eval_docs` of one source whose held-out shards are `source.val_urls`."""
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
@@ -92,9 +128,10 @@ class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
     def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
-                 micro_batch_tokens: int, pad_id: int, every: int = 0, length_buckets: Sequence[int] = ()) -> None:
+                 micro_batch_tokens: int, pad_id: int, every: int = 0, groups: LossGroups = LossGroups()) -> None:
         self.info = info
-        self.length_buckets = list(length_buckets)
+        self.groups = groups
+        """The loss groups (source x length bucket) whose token losses the result carries."""
         self.every = every
         """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
@@ -102,10 +139,9 @@ class Evaluator:
         rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
         self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
                                                   pad_id)
-        grouped = [with_length_groups(b, self.length_buckets) for b in self.batches]
+        grouped = [with_loss_groups(b, groups) for b in self.batches]
         self.batches = [b for b, _ in grouped]
-        num_groups = len(self.length_buckets) + 1 if self.length_buckets else 0  # the same on every rank
-        self.group_targets = [sum(c[g] for _, c in grouped) for g in range(num_groups)]
+        self.group_targets = [sum(c[g] for _, c in grouped) for g in range(groups.size)]  # G on every rank
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
 
     def due(self, step: int, last: bool) -> bool:
@@ -122,7 +158,7 @@ class Evaluator:
         module = engine.module
         was_training = module.training
         module.eval()
-        num_groups = len(self.length_buckets) + 1 if self.length_buckets else 0
+        num_groups = self.groups.size
         try:
             loss_sum, group_sums = 0.0, torch.zeros(num_groups)
             for mb in batches:
@@ -135,7 +171,7 @@ class Evaluator:
         total_loss, tokens, docs, *groups = dist_sum(
             [float(loss_sum), self.tokens, self.docs, *group_sums.tolist(), *self.group_targets],
             info.device)
-        by = by_length(self.length_buckets, groups[:num_groups], groups[num_groups:], prefix="val_")
+        by = by_group(self.groups, groups[:num_groups], groups[num_groups:], prefix="val_")
         if tokens == 0:
             raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single token, "
                                    "or data.loss_on=assistant finds no assistant turn); set train.eval_every=0")

@@ -31,6 +31,7 @@ from trainer.checkpoint.weights import (
     tokenizer_mismatch,
 )
 from trainer.config import RunConfig, resolve_dtype
+from trainer.data.batch import LossGroups
 from trainer.data.reshape import reshape_state
 from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.engine import parallelize
@@ -43,7 +44,7 @@ from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
 from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, StepInterrupted, build_data
-from trainer.run.metrics import DocKeysLog, MetricsLogger, by_length, peak_flops, peak_mem_gb
+from trainer.run.metrics import DocKeysLog, MetricsLogger, by_group, by_source, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
 from trainer.run.run_dir import guard_fresh_start, set_aside_after
@@ -67,6 +68,10 @@ class Trainer:
         if self.resume_path is not None:  # before the data and the model are built from this config
             check_resumable(self.resume_path, cfg.resolved)
         self.data = build_data(cfg, info)
+        mixture = cfg.data.mixture()
+        self.groups = LossGroups(tuple(cfg.logging.length_buckets), tuple(s.name for s in mixture))
+        """The loss groups of the step's and the eval's metrics: data.sources x logging.length_buckets."""
+        self.source_weights = [s.weight for s in mixture]
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
                             loss_chunk_tokens=cfg.loss.chunk_tokens)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -84,6 +89,8 @@ class Trainer:
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0,
                          "lockstep_wait_steps": self.inputs.lockstep_wait_steps}  # counted into by take_rows
+        if mixture:
+            self.counters["tokens_by_source"] = [0] * len(mixture)
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
         self.last_eval: EvalResult | None = None
         self._resume()
@@ -102,7 +109,7 @@ class Trainer:
         docs = load_eval_docs(cfg.data, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
                               cfg.train.eval_docs, cfg.data.on_error)
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
-                         self.data.pad_id, every=cfg.train.eval_every, length_buckets=cfg.logging.length_buckets)
+                         self.data.pad_id, every=cfg.train.eval_every, groups=self.groups)
 
     def _init_from(self, model) -> dict | None:
         """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
@@ -222,8 +229,7 @@ class Trainer:
         t0 = time.perf_counter()
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization,
-                           length_buckets=cfg.logging.length_buckets)
+        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         step_time = time.perf_counter() - t0
@@ -239,6 +245,9 @@ class Trainer:
         self.counters["allocated_tokens"] += stats.allocated_tokens
         self.counters["docs"] += stats.docs
         self.counters["elapsed_s"] += step_time
+        if stats.source_tokens is not None:
+            self.counters["tokens_by_source"] = [a + b for a, b in zip(self.counters["tokens_by_source"],
+                                                                       stats.source_tokens, strict=True)]
         if self.doc_keys is not None:
             self.doc_keys.log(self.step, [doc.key for row in rows for doc in row])
         resumed = self.resume_read if self.resumed_at is not None and self.step == self.resumed_at + 1 else {}
@@ -272,7 +281,7 @@ class Trainer:
     def _evaluate(self) -> dict:
         t0 = time.perf_counter()
         self.last_eval = self.evaluator.run(self.engine)
-        return {**vars(self.last_eval), "eval_time_s": time.perf_counter() - t0}
+        return {**self.last_eval.metrics(), "eval_time_s": time.perf_counter() - t0}
 
     def _summary(self, preempted: str | None) -> dict:
         """summary.json: the run's totals and how it ran (every key is registered in trainer.registry)."""
@@ -305,6 +314,22 @@ class Trainer:
             "preempted": preempted,
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.checkpointer.last) if self.checkpointer.last else None,
+            **self._mixture_summary(),
+        }
+
+    def _mixture_summary(self) -> dict:
+        """With data.sources: the last eval's token loss per source, the run's token share of each source beside
+        its target share, and what the mixer read of each ({} without a mixture)."""
+        if not self.groups.sources:
+            return {}
+        ev = self.last_eval
+        shares = by_source(self.groups.sources, self.source_weights, self.counters["tokens_by_source"])
+        mixture = getattr(self.data, "mixture", None)  # TODO(issue 22): self.data.mixture once inputs.py has it
+        return {
+            "final_val_token_loss_by_source": ev.val_token_loss_by_source if ev else None,
+            "token_share_by_source": shares["token_share_by_source"],
+            "target_share_by_source": shares["target_share_by_source"],
+            "mixture": mixture.summary() if mixture is not None else None,
         }
 
     def _lockstep_summary(self) -> dict:
@@ -326,7 +351,8 @@ class Trainer:
             "step": self.step,
             "loss": stats.loss,
             "token_loss": stats.token_loss,
-            **by_length(self.cfg.logging.length_buckets, stats.group_loss_sums, stats.group_targets),
+            **by_group(self.groups, stats.group_loss_sums, stats.group_targets),
+            **by_source(self.groups.sources, self.source_weights, stats.source_tokens, stats.source_docs),
             "lr": lr,
             "grad_norm": stats.grad_norm,
             "valid_tokens": stats.valid_tokens,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import WandbConfig
-from trainer.data.batch import length_bucket_names
+from trainer.data.batch import LossGroups, length_bucket_names
 from trainer.distributed.groups import DistInfo
 from trainer.registry import check_metric_keys, check_summary_keys
 
@@ -61,18 +61,59 @@ def peak_flops(device: torch.device) -> float | None:
     return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
-def by_length(edges: Sequence[int], loss_sums: Sequence[float] | None, targets: Sequence[int] | None,
-              prefix: str = "") -> dict:
-    """The per-length metrics of a step or an eval: {prefix + "token_loss_by_length": {bucket: summed token loss
-    / targets, None for a bucket without targets}, prefix + "targets_by_length": {bucket: targets}}; {} when not
-    measured. Example: edges [64], sums [6.0, 0.0], targets [3, 0] -> {"token_loss_by_length": {"<=64": 2.0,
-    ">64": None}, "targets_by_length": {"<=64": 3, ">64": 0}}."""
-    if not edges or loss_sums is None:
+def by_group(groups: LossGroups, loss_sums: Sequence[float] | None, targets: Sequence[int] | None,
+             prefix: str = "") -> dict:
+    """The per-group metrics of a step or an eval, from the sums and targets of each loss group (source x length
+    bucket, trainer.data.batch.LossGroups), as two marginal tables: with length buckets prefix +
+    "token_loss_by_length" {bucket: summed token loss / targets over every source, None for a bucket without
+    targets} and prefix + "targets_by_length" {bucket: targets}; with a mixture the same by source
+    ("token_loss_by_source", "targets_by_source"); {} when not measured.
+
+    Example: sources (a, b), edges (64,), sums [6.0, 0.0, 1.0, 4.0], targets [3, 0, 1, 2] ->
+    {"token_loss_by_length": {"<=64": 7 / 4, ">64": 4 / 2}, "targets_by_length": {"<=64": 4, ">64": 2},
+     "token_loss_by_source": {"a": 6 / 3, "b": 5 / 3}, "targets_by_source": {"a": 3, "b": 3}}.
+    """
+    if not groups.size or loss_sums is None:
         return {}
-    names = length_bucket_names(edges)
-    return {f"{prefix}token_loss_by_length": {n: (s / t if t else None) for n, s, t in zip(names, loss_sums, targets,
-                                                                                         strict=True)},
-            f"{prefix}targets_by_length": dict(zip(names, (int(t) for t in targets), strict=True))}
+    S, K = groups.num_sources, groups.num_buckets
+    out = {}
+    if groups.edges:
+        out |= _loss_table(f"{prefix}{{}}_by_length", length_bucket_names(groups.edges),
+                           [sum(loss_sums[s * K + k] for s in range(S)) for k in range(K)],
+                           [sum(targets[s * K + k] for s in range(S)) for k in range(K)])
+    if groups.sources:
+        out |= _loss_table(f"{prefix}{{}}_by_source", groups.sources,
+                           [sum(loss_sums[s * K:(s + 1) * K]) for s in range(S)],
+                           [sum(targets[s * K:(s + 1) * K]) for s in range(S)])
+    return out
+
+
+def _loss_table(key: str, names: Sequence[str], loss_sums: Sequence[float], targets: Sequence[int]) -> dict:
+    """{key.format("token_loss"): {name: sum / targets or None}, key.format("targets"): {name: targets}}."""
+    return {key.format("token_loss"): {n: (s / t if t else None) for n, s, t in zip(names, loss_sums, targets,
+                                                                                 strict=True)},
+            key.format("targets"): dict(zip(names, (int(t) for t in targets), strict=True))}
+
+
+def by_source(names: Sequence[str], weights: Sequence[float], tokens: Sequence[int] | None,
+              docs: Sequence[int] | None = None) -> dict:
+    """The mixture's per-source counts of a step (or a run, `docs` None): tokens_by_source and docs_by_source,
+    token_share_by_source (its tokens / all tokens; None when there are none) and target_share_by_source (its
+    weight / the sum of the weights, what the mixer aims at); {} without a mixture.
+
+    Example: names (a, b), weights (3, 1), tokens [60, 40], docs [2, 5] -> {"tokens_by_source": {"a": 60, "b": 40},
+    "docs_by_source": {"a": 2, "b": 5}, "token_share_by_source": {"a": 0.6, "b": 0.4}, "target_share_by_source":
+    {"a": 0.75, "b": 0.25}}.
+    """
+    if not names or tokens is None:
+        return {}
+    total = sum(tokens)
+    out = {"tokens_by_source": dict(zip(names, tokens, strict=True))}
+    if docs is not None:
+        out["docs_by_source"] = dict(zip(names, docs, strict=True))
+    out["token_share_by_source"] = {n: (t / total if total else None) for n, t in zip(names, tokens, strict=True)}
+    out["target_share_by_source"] = {n: w / sum(weights) for n, w in zip(names, weights, strict=True)}
+    return out
 
 
 def peak_mem_gb(device: torch.device) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from trainer.config import NORMALIZATIONS
-from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows, length_groups
+from trainer.data.batch import IGNORE_INDEX, Batch, Document, LossGroups, collate_rows, source_counts
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.errors import UserError
@@ -66,9 +66,14 @@ class StepStats:
     finite: bool = True
     """False: the loss or the gradient norm was NaN/inf and the update was not applied."""
     group_loss_sums: list[float] | None = None
-    """Per length bucket (`length_buckets` given): the summed token loss of its targets, all ranks."""
+    """Per loss group (source x length bucket, trainer.data.batch.LossGroups; None without groups): the summed
+    token loss of its targets, all ranks."""
     group_targets: list[int] | None = None
-    """Per length bucket: its targets, all ranks (token loss of a bucket = its sum / its targets)."""
+    """Per loss group: its targets, all ranks (token loss of a group = its sum / its targets)."""
+    source_tokens: list[int] | None = None
+    """Per source of the mixture (None without data.sources): its documents' tokens in the step, all ranks."""
+    source_docs: list[int] | None = None
+    """Per source of the mixture: its documents (chunks count once each) in the step, all ranks."""
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -106,24 +111,42 @@ def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None,
     return weights, int((counts > 0).sum())
 
 
-def with_length_groups(batch: Batch, edges: Sequence[int]) -> tuple[Batch, list[int]]:
-    """`batch` carrying the length bucket of each target (trainer.data.batch.length_groups) and the targets per
-    bucket, for the per-length token losses; unchanged, [] without edges."""
-    if not edges:
+def with_loss_groups(batch: Batch, groups: LossGroups) -> tuple[Batch, list[int]]:
+    """`batch` carrying the loss group of each target (source x length bucket, `LossGroups.ids`) and the targets
+    per group, for the per-group token losses; unchanged, [] without groups."""
+    if not groups.size:
         return batch, []
-    groups_BL = length_groups(batch, edges)
-    counts = torch.bincount(groups_BL[batch.labels != IGNORE_INDEX], minlength=len(edges) + 1)
-    return replace(batch, loss_groups=groups_BL, num_loss_groups=len(edges) + 1), counts.tolist()
+    groups_BL = groups.ids(batch)
+    counts = torch.bincount(groups_BL[batch.labels != IGNORE_INDEX], minlength=groups.size)
+    return replace(batch, loss_groups=groups_BL, num_loss_groups=groups.size), counts.tolist()
+
+
+def group_counts(batches: Sequence[Batch], groups: LossGroups) -> tuple[list[Batch], list[int]]:
+    """The batches with their loss groups (`with_loss_groups`), and this rank's counts to all-reduce with the
+    step's: targets per group, then with a mixture tokens and documents per source ([] without groups)."""
+    grouped = [with_loss_groups(b, groups) for b in batches]
+    counts = [sum(c[g] for _, c in grouped) for g in range(groups.size)]
+    if groups.sources:
+        per_source = [source_counts(b, groups.num_sources) for b in batches]
+        counts += [sum(t[s] for t, _ in per_source) for s in range(groups.num_sources)]
+        counts += [sum(d[s] for _, d in per_source) for s in range(groups.num_sources)]
+    return [b for b, _ in grouped], counts
+
+
+def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[list[int] | None, ...]:
+    """`group_counts`' list (all-reduced) as (targets per group, tokens per source, documents per source), each
+    None where not measured. Example: 2 sources, no edges, [5, 7, 40, 60, 2, 3] -> ([5, 7], [40, 60], [2, 3])."""
+    counts = [int(c) for c in counts]
+    g, s = groups.size, len(groups.sources)
+    return counts[:g] if g else None, counts[g:g + s] if s else None, counts[g + s:] if s else None
 
 
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens", length_buckets: Sequence[int] = ()) -> StepStats:
-    """Forward/backward every micro-batch of this rank, then one optimizer step. `length_buckets`: edges of the
-    document-length buckets whose token losses the stats carry (a metric: the objective is unchanged)."""
-    grouped = [with_length_groups(mb, length_buckets) for mb in micro_batches]
-    micro_batches = [mb for mb, _ in grouped]
-    num_groups = len(length_buckets) + 1 if length_buckets else 0
-    group_targets = [sum(counts[g] for _, counts in grouped) for g in range(num_groups)]
+               normalization: str = "global_tokens", groups: LossGroups = LossGroups()) -> StepStats:
+    """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
+    x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
+    stats carry (metrics: the objective is unchanged)."""
+    micro_batches, local_groups = group_counts(micro_batches, groups)
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.world_size  # micro-batches per rank, e.g. [3, 0, 0, 0] on rank 0 of 4
     counts[info.rank] = len(micro_batches)
@@ -134,21 +157,22 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         sum(mb.num_tokens for mb in micro_batches),
         sum(mb.num_docs for mb in micro_batches),
         sum(mb.shape[0] for mb in micro_batches),
-        *group_targets,
         *counts,
+        *local_groups,
     ]
     totals = dist_sum(local, info.device)
     valid, units, allocated, real, docs, rows = (int(x) for x in totals[:6])
-    group_targets = [int(x) for x in totals[6:6 + num_groups]]
-    totals = totals[:6] + totals[6 + num_groups:]
+    busiest = int(max(totals[6:6 + info.world_size]))  # micro-batches of the busiest rank
+    group_targets, source_tokens, source_docs = split_group_counts(totals[6 + info.world_size:], groups)
     if valid == 0:
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
     loss_scale = engine.grad_average_factor / units
 
-    most = int(max(totals[6:])) if engine.equal_micro_batches else len(micro_batches)
+    most = busiest if engine.equal_micro_batches else len(micro_batches)
     batches = list(micro_batches) + [empty_batch(pad_id)] * (max(1, most) - len(micro_batches))
     weights = [w for w, _ in weighted] + [None] * (len(batches) - len(micro_batches))
     objective_sum = loss_sum = 0.0
+    num_groups = groups.size
     group_sums = torch.zeros(num_groups)
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
@@ -157,7 +181,7 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         loss_sum = loss_sum + mb_loss_sum.float()
         if mb_groups is not None:
             group_sums = group_sums.to(mb_groups.device) + mb_groups
-    global_objective, global_loss_sum, *global_groups = dist_sum(
+    global_objective, global_loss_sum, *global_sums = dist_sum(
         [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device)
     if engine.can_discard:
         grad_norm = engine.clip_gradients()
@@ -183,6 +207,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         rows=rows,
         micro_batches=len(micro_batches),
         finite=finite,
-        group_loss_sums=global_groups if num_groups else None,
-        group_targets=group_targets if num_groups else None,
+        group_loss_sums=global_sums if num_groups else None,
+        group_targets=group_targets,
+        source_tokens=source_tokens,
+        source_docs=source_docs,
     )
