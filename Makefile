@@ -7,9 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_DATA  ?= data/demo
 DEMO_SWEEP := runs/demo/$(shell date +%Y-%m-%d_%H-%M-%S)
 CHAT_DATA  ?= data/demo-chat
+MIX_SWEEP  := runs/mixture/$(shell date +%Y-%m-%d_%H-%M-%S)
 SFT_RUN    := runs/sft/$(shell date +%Y-%m-%d_%H-%M-%S)
 
-.PHONY: install demo sft test lint clean
+.PHONY: install demo mixture sft test lint clean
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -30,6 +31,18 @@ demo: install
 	$(PY) -m trainer.train -m experiment=demo data.path=$(DEMO_DATA) hydra.sweep.dir=$(DEMO_SWEEP)
 	$(PY) -m trainer.report $(DEMO_SWEEP)
 	@echo "report: $(DEMO_SWEEP)/report.html (and report.md)"
+
+# A data mixture of two sources cut from the same corpus: the demo's functions and classes (data/demo) and whole
+# modules (data/demo-modules, prepared here with the demo's tokenizer), weighted 0.7/0.3 and 0.3/0.7, each packed
+# and unpacked; the report compares the loss per source and the token shares with the weights. The preset
+# (configs/experiment/mixture_ablation.yaml) names both directories.
+mixture: install
+	@test -f data/demo/manifest.json || $(PY) -m trainer.prepare --source demo --out data/demo --docs-per-shard 500
+	@test -f data/demo-modules/manifest.json || $(PY) -m trainer.prepare --source demo-modules --out data/demo-modules \
+		--tokenizer data/demo/tokenizer --docs-per-shard 100
+	$(PY) -m trainer.train -m experiment=mixture_ablation hydra.sweep.dir=$(MIX_SWEEP)
+	$(PY) -m trainer.report $(MIX_SWEEP)
+	@echo "report: $(MIX_SWEEP)/report.html (and report.md)"
 
 # After `make demo`: fine-tune its packed checkpoint on chat data built from the same corpus (questions about
 # stdlib functions answered from their docstrings), loss on the assistant's turns only; export the result to the
