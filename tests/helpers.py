@@ -71,9 +71,11 @@ with open(out_path, "w") as f:
 """
 
 
-def run_train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None,
+def run_train(run_dir: Path, data: Path | None, *overrides: str, launcher: list[str] | None = None,
               extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
+    """`python -m trainer.train` on `data` (data.path; None: the overrides name the data, e.g. data.sources)."""
+    data_arg = [] if data is None else [f"data.path={data}"]
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", *data_arg, f"hydra.run.dir={run_dir}",
                                                   *SMALL, *overrides, *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -208,6 +210,44 @@ def short_docs_corpus(out: Path, docs_per_shard: int = 100) -> Path:
     source.write_text("".join(lines))
     prepare(f"jsonl:{source}", out, vocab_size=300, docs_per_shard=docs_per_shard, val_fraction=0.0, seed=0)
     return out
+
+
+def sources_override(*sources: tuple[str, Path, float]) -> str:
+    """The data.sources override of (name, prepared dir, weight) triples.
+    Example: ("short", /d/s, 0.7) -> "data.sources=[{name:short,path:'/d/s',weight:0.7}]"."""
+    entries = ",".join(f"{{name:{name},path:'{path}',weight:{weight}}}" for name, path, weight in sources)
+    return f"data.sources=[{entries}]"
+
+
+def mixture_corpora(root: Path, docs_per_shard: int = 40, shards: int = 4) -> tuple[Path, Path]:
+    """Two prepared sources with different length profiles and one tokenizer: `short` (3 to 40 words) and `long`
+    (60 to 300 words), `shards` shards each, words from standard-library sources. Keys are "short--<n>" and
+    "long--<n>" (trainer.prepare names samples by the source file): the key names the source, a reference that
+    does not use Document.source."""
+    import random
+    import re
+    import sysconfig
+
+    from trainer.prepare import prepare
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    words = [w for name in ("textwrap.py", "json/__init__.py", "argparse.py")
+             for w in re.findall(r"[A-Za-z]+", (std / name).read_text())]
+    rng = random.Random(1)
+    out = []
+    for name, (lo, hi) in (("short", (3, 40)), ("long", (60, 300))):
+        lines = []
+        for _ in range(shards * docs_per_shard):
+            n = rng.randint(lo, hi)
+            start = rng.randrange(len(words) - n)
+            lines.append(json.dumps({"text": " ".join(words[start:start + n])}) + "\n")
+        source = root / f"{name}.jsonl"
+        source.write_text("".join(lines))
+        tokenizer = None if not out else out[0] / "tokenizer"
+        prepare(f"jsonl:{source}", root / name, vocab_size=300, tokenizer=tokenizer, docs_per_shard=docs_per_shard,
+                val_fraction=0.0, seed=0)
+        out.append(root / name)
+    return out[0], out[1]
 
 
 def epoch_chunks(data: Path, seq_len: int) -> Counter:

@@ -13,7 +13,6 @@ import logging
 import os
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -117,6 +116,25 @@ class DocumentLoader:
             buffer = previous.position.buffer if previous is not None and previous.position is not None else []
             state.position = state.position.with_changes_applied(buffer)
         self.slot_states[slot] = state
+
+    def skip_rest_of_epoch(self) -> list[Document]:
+        """Leave the current lockstep epoch unread (a mixture's epoch ended, trainer.data.mixture): the next
+        iteration starts the next epoch. Call it with no iteration running (close the iterator first). Returns the
+        documents of the current chunk that were not handed out (the rest of the epoch is not read at all)."""
+        if self._started is not None:  # started (after a resume) but never iterated
+            shutdown_workers(self._started)
+            self._started = None
+        workers = max(1, self.num_workers)
+        slots = range(self.stream.rank * workers, (self.stream.rank + 1) * workers)
+        epoch = self.lockstep_epoch + 1
+        kept = {slot: self.slot_states.get(slot, SlotState()) for slot in slots}
+        self.slot_states = {slot: SlotState(epoch=epoch, skipped=dict(s.skipped), docs=s.docs)
+                            for slot, s in kept.items()}
+        left, self._pending = self._pending, []
+        self.epoch_chunks = 0
+        self.lockstep_epoch = epoch
+        self._restoring = False
+        return left
 
     def resume_read(self) -> tuple[int, int]:
         """(samples, bytes) this rank's slots read from shards to restore their positions after a resume."""

@@ -83,6 +83,12 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
+    if "mixture" in states[0]["docs"] or stream is None:
+        names = states[0]["docs"].get("mixture", {}).get("names", "data.sources")
+        raise ReshapeError(
+            f"a data mixture ({names}) resumes only on the number of ranks and DataLoader workers it was written "
+            "on (dealing each source's rest of the epoch over another shape is not supported yet): resume on that "
+            "shape, or start a new run with train.init_from=<checkpoint> (weights only)")
     if not lockstep:
         raise ReshapeError(
             "a data stream resumes on another number of ranks or DataLoader workers only with "

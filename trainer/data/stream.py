@@ -54,6 +54,7 @@ class DocumentStream(IterableDataset):
         read_timeout_s: float = READ_TIMEOUT_S,
         loss_on: str = "all",
         shard_tokens: Sequence[int] | None = None,
+        name: str | None = None,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -93,6 +94,8 @@ class DocumentStream(IterableDataset):
         """Seconds a shard command (curl, pipe:) may send nothing before the read counts as a transient failure."""
         self.loss_on = loss_on
         """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
+        self.name = name
+        """The source's name in a mixture (data.sources), for errors; None for the one source."""
         self.resume_states: dict[int, SlotState] = {}
         self.stop_epoch: int | None = None
         """Set by a lockstep DocumentLoader: every slot stops when it reaches this epoch."""
@@ -116,8 +119,9 @@ class DocumentStream(IterableDataset):
         "every_nth" is the rule of checkpoints written before the split was balanced (SlotState.split): every
         num_slots-th shard of the epoch's permutation, so such a checkpoint still resumes mid-epoch exactly."""
         if len(self.shards) < num_slots:
+            source = f"source {self.name!r}: " if self.name else ""
             raise DataStreamError(
-                f"{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
+                f"{source}{len(self.shards)} shards cannot feed {num_slots} readers (ranks x DataLoader workers): "
                 f"write more, smaller shards (trainer.prepare --docs-per-shard) or use fewer workers"
             )
         workers = num_slots // self.world_size

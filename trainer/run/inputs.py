@@ -13,11 +13,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trainer.config import RunConfig
 from trainer.data.batch import Batch, check_token_ids
+from trainer.data.config import SINGLE_SOURCE
 from trainer.data.loader import DocumentLoader
+from trainer.data.mixture import MixtureLoader
 from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
 from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
@@ -39,29 +42,72 @@ class StepInterrupted(ReadInterrupted):
 class DataSource:
     rows: RowStream | RowPrefetcher
     """RowPrefetcher with data.prefetch (the default): the same interface and rows."""
-    loader: DocumentLoader
+    loader: DocumentLoader | MixtureLoader
     tokenizer_dir: Path
     tokenizer_hash: str
     vocab_size: int
     pad_id: int
     eos_id: int
+    mixture: MixtureLoader | None = None
+    """The mixture of data.sources (the same object as `loader`); None for one source."""
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
-    """This rank's row stream over the training shards (its own slots of the rank x worker split).
+    """This rank's row stream over the training shards (its own slots of the rank x worker split), of one source
+    or of the mixture of data.sources (trainer.data.mixture: one stream per source, mixed by weight).
 
-    The shards and tokenizer come from `resolve_source` (data.path, or data.urls / data.tokenizer), checked
-    here at startup: a pattern that matches nothing fails before any training.
+    The shards and tokenizer come from `resolve_source` (data.path, or data.urls / data.tokenizer; per source of a
+    mixture), checked here at startup: a pattern that matches nothing fails before any training.
     """
-    source = resolve_source(cfg.data)
-    check_loss_on(cfg.data.loss_on, source)
-    tok = load_tokenizer(source.tokenizer_dir)
-    ids = special_ids(tok, source.tokenizer_dir)
-    stream = DocumentStream(
+    mixture = cfg.data.mixture()
+    parts = [(src.name, resolve_source(cfg.data.for_source(src)), src.weight) for src in mixture] or [
+        (SINGLE_SOURCE, resolve_source(cfg.data), 1.0)]
+    for _, source, _ in parts:
+        check_loss_on(cfg.data.loss_on, source)
+    tokenizer_dir = parts[0][1].tokenizer_dir
+    token_hash = tokenizer_hash(tokenizer_dir)
+    for name, source, _ in parts[1:]:
+        if tokenizer_hash(source.tokenizer_dir) != token_hash:
+            raise ConfigError(f"data.sources: source {name!r} was prepared with another tokenizer "
+                              f"({source.tokenizer_dir}) than {parts[0][0]!r} ({tokenizer_dir}); prepare every source "
+                              "with the same one (python -m trainer.prepare --tokenizer DIR)")
+    tok = load_tokenizer(tokenizer_dir)
+    ids = special_ids(tok, tokenizer_dir)
+    loaders = [DocumentLoader(_stream(cfg, info, source, tokenizer_dir, ids.eos, seed, name if mixture else None),
+                              num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep or bool(mixture))
+               for seed, (name, source, _) in zip(_source_seeds(cfg.seed, len(mixture)), parts, strict=True)]
+    loader = loaders[0]
+    if mixture:  # each source iterates one pass at a time; the mixture decides where epochs end
+        loader = MixtureLoader(loaders, [p[0] for p in parts], [p[2] for p in parts], cfg.data.mix_exhausted,
+                               lockstep=cfg.data.epoch_lockstep)
+    rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
+    return DataSource(
+        rows=RowPrefetcher(rows) if cfg.data.prefetch else rows,
+        loader=loader,
+        tokenizer_dir=tokenizer_dir,
+        tokenizer_hash=token_hash,
+        vocab_size=tok.get_vocab_size(),
+        pad_id=ids.pad,
+        eos_id=ids.eos,
+        mixture=loader if mixture else None,
+    )
+
+
+def _source_seeds(seed: int, num_sources: int) -> list[int]:
+    """The seed of each source's stream: the run's for one source; for a mixture, one per source drawn from it
+    (two sources over the same shards then read them in different orders)."""
+    if not num_sources:
+        return [seed]
+    return [int(s) for s in np.random.SeedSequence([seed, 1]).generate_state(num_sources)]
+
+
+def _stream(cfg: RunConfig, info: DistInfo, source: ShardSource, tokenizer_dir: Path, eos_id: int, seed: int,
+            name: str | None) -> DocumentStream:
+    return DocumentStream(
         source.train_urls,
-        source.tokenizer_dir,
-        ids.eos,
-        seed=cfg.seed,
+        tokenizer_dir,
+        eos_id,
+        seed=seed,
         rank=info.rank,
         world_size=info.world_size,
         shuffle_buffer=cfg.data.shuffle_buffer,
@@ -71,17 +117,7 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
         read_timeout_s=cfg.data.read_timeout_s,
         loss_on=cfg.data.loss_on,
         shard_tokens=manifest_tokens(source.train_urls, source.manifest),  # the readers are balanced by them
-    )
-    loader = DocumentLoader(stream, num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep)
-    rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
-    return DataSource(
-        rows=RowPrefetcher(rows) if cfg.data.prefetch else rows,
-        loader=loader,
-        tokenizer_dir=source.tokenizer_dir,
-        tokenizer_hash=tokenizer_hash(source.tokenizer_dir),
-        vocab_size=tok.get_vocab_size(),
-        pad_id=ids.pad,
-        eos_id=ids.eos,
+        name=name,
     )
 
 

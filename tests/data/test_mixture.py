@@ -1,0 +1,266 @@
+"""Data mixtures (trainer.data.mixture): token shares by weight, epochs that end as data.mix_exhausted says,
+exact resume, and the refusals.
+
+The references never use Document.source or the trainer's reader: a document's source is named by its key
+(tests.helpers.mixture_corpora: "short--<n>", "long--<n>"), and a source's documents are the `.txt` members of
+its shards, listed with tarfile.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, SMALL, metrics, mixture_corpora, run_train, sources_override, torchrun
+from trainer.data.config import DataConfig, PackingConfig
+from trainer.data.loader import DocumentLoader
+from trainer.data.mixture import MixtureLoader, MixtureStateError
+from trainer.data.pipeline import RowStream
+from trainer.data.reader import DataStreamError
+from trainer.data.reshape import ReshapeError, reshape_state
+from trainer.data.sources import resolve_source
+from trainer.data.stream import DocumentStream, manifest_tokens
+from trainer.data.tokenizer import load_tokenizer, special_ids
+
+SEQ_LEN = 128
+ROWS_PER_STEP = 2
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[Path, Path]:
+    """short: 160 documents of ~14k tokens in all; long: 160 of ~112k (4 shards each)."""
+    return mixture_corpora(tmp_path_factory.mktemp("mixture"))
+
+
+def source_of(key: str) -> str:
+    return key.split("--")[0]
+
+
+def corpus_keys(data: Path) -> Counter:
+    """Every document of `data`'s train split once, from its shards' members (tarfile)."""
+    keys: Counter = Counter()
+    for shard in json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"]:
+        with tarfile.open(data / shard["name"]) as tar:
+            keys.update(m.name.split(".", 1)[0] for m in tar.getmembers() if m.name.endswith(".txt"))
+    return keys
+
+
+def mixture(corpora, weights, exhausted="stop", workers=0, rank=0, world_size=1) -> MixtureLoader:
+    """The mixture of (short, long) as trainer.run.inputs.build_data makes it, in this process."""
+    loaders = []
+    for seed, data in enumerate(corpora):
+        source = resolve_source(DataConfig(path=str(data)))
+        eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
+        stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=seed + 7, rank=rank,
+                                world_size=world_size, shuffle_buffer=8, expected_docs=source.expected_docs,
+                                shard_tokens=manifest_tokens(source.train_urls, source.manifest), name=data.name)
+        loaders.append(DocumentLoader(stream, num_workers=workers, lockstep=True))
+    return MixtureLoader(loaders, [d.name for d in corpora], weights, exhausted, lockstep=True)
+
+
+def rows_of(mix: MixtureLoader) -> RowStream:
+    return RowStream(mix, SEQ_LEN, PackingConfig(buffer_size=16))
+
+
+def take_steps(rows: RowStream, steps: int) -> list[list[list]]:
+    """`steps` steps of ROWS_PER_STEP rows each, one rank, lockstep (an epoch's end: the next epoch starts)."""
+    out = []
+    for _ in range(steps):
+        if rows.exhausted:
+            rows.next_epoch()
+        step = rows.take(ROWS_PER_STEP)
+        if not step:  # the epoch ended exactly here
+            rows.next_epoch()
+            step = rows.take(ROWS_PER_STEP)
+        out.append(step)
+    return out
+
+
+def one_epoch(mix: MixtureLoader) -> list:
+    """The documents of one lockstep iteration (one mixture epoch)."""
+    docs = list(mix)
+    assert docs
+    return docs
+
+
+@pytest.mark.parametrize("exhausted", ["stop", "restart"])
+def test_a_mixture_of_0_7_and_0_3_holds_its_token_shares_over_200_steps(corpora, exhausted):
+    """Shares of the trained tokens (the packer's rows, what every layout lays out), by key: within 2 % of the
+    weights over 200 steps; under stop they cross 2.5 epochs (short, at 0.7, runs out at ~20k tokens)."""
+    rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted))
+    try:
+        steps = take_steps(rows, 200)
+    finally:
+        rows.close()
+    tokens = Counter()
+    for step in steps:
+        for row in step:
+            for doc in row:
+                tokens[source_of(doc.key)] += len(doc)
+                assert ["short", "long"][doc.source] == source_of(doc.key)  # the tag the metrics use
+    share = tokens["short"] / (tokens["short"] + tokens["long"])
+    assert abs(share - 0.7) < 0.02, (share, tokens)
+    assert sum(tokens.values()) > 0.95 * 200 * ROWS_PER_STEP * SEQ_LEN  # rows nearly full: the shares are of real work
+
+
+def test_every_prefix_of_the_stream_is_within_one_document_of_the_weights(corpora):
+    mix = mixture(corpora, [0.25, 0.75], "restart")
+    tokens, longest, total = Counter(), 0, 0
+    for i, doc in enumerate(mix):
+        tokens[source_of(doc.key)] += len(doc)
+        total += len(doc)
+        longest = max(longest, len(doc))
+        for name, weight in (("short", 0.25), ("long", 0.75)):
+            assert abs(tokens[name] - weight * total) <= longest, (i, tokens)
+        if i == 400:
+            break
+
+
+def test_stop_ends_the_epoch_when_the_first_source_runs_out_and_every_source_starts_a_new_pass(corpora):
+    """short (0.7 of ~14k tokens) runs out first: epoch 0 holds each short document once and a part of long, none
+    twice; epoch 1 again every short document once, and long from the start of a new pass (a new order)."""
+    mix = mixture(corpora, [0.7, 0.3], "stop")
+    epochs = [Counter(d.key for d in one_epoch(mix)) for _ in range(2)]
+    short, long = corpus_keys(corpora[0]), corpus_keys(corpora[1])
+    firsts = []
+    for keys in epochs:
+        assert Counter({k: n for k, n in keys.items() if source_of(k) == "short"}) == short
+        long_read = {k: n for k, n in keys.items() if source_of(k) == "long"}
+        assert set(long_read) <= set(long) and max(long_read.values()) == 1
+        assert 0 < len(long_read) < len(long)
+        firsts.append(long_read)
+    # Epoch 1's long documents are the start of long's pass 1, as long alone reads it (not a continuation).
+    alone = mixture(corpora, [0.7, 0.3]).loaders[1]
+    alone.skip_rest_of_epoch()
+    assert [k for k in epochs[1] if source_of(k) == "long"] == [d.key for d in list(alone)[:len(firsts[1])]]
+    summary = mix.summary()
+    assert summary["short"]["passes"] == 2 and summary["short"]["passes_cut"] == 0
+    assert summary["long"]["passes"] == 0 and summary["long"]["passes_cut"] == 2
+    assert summary["short"]["docs"] == 2 * len(short)
+
+
+def test_restart_reads_a_source_again_until_every_source_was_read_through(corpora):
+    """short at 0.3 (~14k tokens) runs out long before long at 0.7 (~112k): it is read again and again; the epoch
+    ends when long is read through, with each long document exactly once."""
+    mix = mixture(corpora, [0.3, 0.7], "restart")
+    keys = Counter(d.key for d in one_epoch(mix))
+    short, long = corpus_keys(corpora[0]), corpus_keys(corpora[1])
+    assert Counter({k: n for k, n in keys.items() if source_of(k) == "long"}) == long
+    passes = mix.summary()["short"]["passes"]
+    assert passes >= 2
+    short_read = Counter({k: n for k, n in keys.items() if source_of(k) == "short"})
+    assert set(short_read) == set(short)
+    assert set(short_read.values()) <= {passes, passes + 1}  # whole passes, then a part of one more (cut)
+    assert mix.summary()["short"]["passes_cut"] == (max(short_read.values()) > passes)
+
+
+@pytest.mark.parametrize("exhausted, cuts", [("stop", [30, 100]), ("restart", [100])])
+def test_a_resumed_mixture_continues_exactly(corpora, exhausted, cuts):
+    """Real DataLoader workers (2 per source). The state is pickled at each cut (mid-epoch 0 and in epoch 1 under
+    stop; in short's second pass under restart), a new mixture loads it and continues: the rows of every step
+    are the uninterrupted run's."""
+    total = 130
+
+    def keys(steps):
+        return [[[d.key for d in row] for row in step] for step in steps]
+
+    rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted, workers=2))
+    try:
+        expected = keys(take_steps(rows, total))
+    finally:
+        rows.close()
+    got, done, state = [], 0, None
+    for cut in [*cuts, total]:
+        rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted, workers=2))
+        try:
+            if state is not None:
+                rows.load_state_dict(pickle.loads(state))
+            got += keys(take_steps(rows, cut - done))
+            state = pickle.dumps(rows.state_dict())
+        finally:
+            rows.close()
+        done = cut
+    assert got == expected
+
+
+def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
+    rows = rows_of(mixture(corpora, [0.5, 0.5]))
+    try:
+        take_steps(rows, 3)
+        state = rows.state_dict()
+    finally:
+        rows.close()
+    with pytest.raises(ReshapeError, match=r"a data mixture \(\['short', 'long'\]\) resumes only on the number"):
+        reshape_state([state, state], None, 1, lockstep=True)
+    swapped = mixture(corpora[::-1], [0.5, 0.5])
+    with pytest.raises(MixtureStateError, match=r"the checkpoint mixes the sources \['short', 'long'\]; this run's "
+                                                r"data.sources names \['long', 'short'\]"):
+        swapped.load_state_dict(state["docs"])
+    single = RowStream(mixture(corpora, [0.5, 0.5]).loaders[0], SEQ_LEN, PackingConfig(buffer_size=16))
+    try:
+        single.take(1)
+        with pytest.raises(MixtureStateError, match=r"the checkpoint's data stream is one source"):
+            mixture(corpora, [0.5, 0.5]).load_state_dict(single.state_dict()["docs"])
+    finally:
+        single.close()
+
+
+def test_a_source_that_gives_no_document_is_an_error_naming_it(corpora, tmp_path):
+    """Every sample of the long source is bad and skipped (on_error=skip): its first pass is empty."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for shard in sorted(corpora[1].glob("train-*.tar")):
+        with tarfile.open(shard) as src, tarfile.open(bad / shard.name, "w") as dst:
+            for member in src.getmembers():
+                data = src.extractfile(member).read()
+                member.name = member.name.replace(".txt", ".bin")  # no text field: a bad sample
+                dst.addfile(member, io.BytesIO(data))
+    source = resolve_source(DataConfig(urls=str(bad / "train-{000000..000003}.tar"),
+                                       tokenizer=str(corpora[0] / "tokenizer")))
+    eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, on_error="skip", name="long")
+    mix = mixture(corpora, [0.5, 0.5], "restart")
+    mix.loaders[1] = DocumentLoader(stream, num_workers=0, lockstep=True)
+    with pytest.raises(DataStreamError, match=r"source 'long': a whole pass over this rank's share of its shards "
+                                              r"gave no document"):
+        list(mix)
+
+
+# -- real runs ------------------------------------------------------------------------------------------
+
+
+def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(corpora, tmp_path):
+    """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (an epoch ends every ~10 steps, so the
+    lockstep waits run too): 24 steps straight vs the same run resumed from its step-12 checkpoint -> the same
+    losses; resumed on 1 rank -> one error line."""
+    mix = sources_override(("short", corpora[0], 0.7), ("long", corpora[1], 0.3))
+    common = [mix, "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(straight, None, *common, launcher=torchrun(2))
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000024")
+    run_train(resumed, None, *common, "train.resume=true", launcher=torchrun(2))
+    a, b = metrics(straight), metrics(resumed)
+    assert [m["step"] for m in b] == list(range(1, 25))
+    assert max(m["epoch"] for m in a) >= 1  # an epoch boundary inside the run
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) < 1e-6, (x["step"], x["loss"], y["loss"])
+    summary = json.loads((straight / "summary.json").read_text())
+    assert set(summary["mixture"]) == {"short", "long"}
+    shutil.rmtree(resumed / "checkpoints" / "step_000024")
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"hydra.run.dir={resumed}", *SMALL, *common,
+                           "train.resume=true"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "a data mixture (['short', 'long']) resumes only on the number of ranks" in proc.stderr
+    assert "Traceback" not in proc.stderr
