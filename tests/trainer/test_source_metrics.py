@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from tests.harness import run_distributed
-from tests.helpers import MODEL, PAD, SEQ_LEN
+from tests.helpers import MODEL, PAD, SEQ_LEN, doc_keys, make_trainer, metrics, mixture_corpora
 from trainer.data.batch import Document, LossGroups, collate_rows, length_bucket_names, source_counts
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker
@@ -232,3 +235,61 @@ def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, 
     none = mixture_config({"name": "a", "urls": str(bare / shard.name)}, tokenizer=str(tok))
     with pytest.raises(ShardSourceError, match=r"no held-out shards for the eval in any of data.sources \(a\)"):
         load_eval_docs(none, tok, ids.eos, SEQ_LEN, max_docs=3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real run on a mixture of two prepared directories
+# ---------------------------------------------------------------------------------------------------
+
+
+def chunk_tokens(data: Path, seq_len: int) -> dict[str, int]:
+    """{chunk key: tokens} of `data`'s train split, made without the trainer's reader: each `<key>.txt` of each
+    shard encoded by the `tokenizers` library, + 1 for the EOS, cut into chunks of seq_len named `key#k` beyond it."""
+    tokenizer = Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json"))
+    out = {}
+    for shard in sorted(data.glob("train-*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in (m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")):
+                text = tar.extractfile(member).read().decode("utf-8")
+                n = len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
+                key = member.name.rsplit("/", 1)[-1].split(".", 1)[0]
+                pieces = [n] if n <= seq_len else [min(seq_len, n - k * seq_len) for k in range(-(-n // seq_len))]
+                out.update({key: n} if n <= seq_len else {f"{key}#{k}": p for k, p in enumerate(pieces)})
+    return out
+
+
+def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
+    short, long = mixture_corpora(tmp_path)
+    sources = (f"data.sources=[{{name:short,path:'{short}',val_urls:'{short}/train-000000.tar',weight:0.7}},"
+               f"{{name:long,path:'{long}',weight:0.3}}]")
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="trainer.run.evaluate"):
+        trainer = make_trainer(short, run_dir, "data.path=null", sources, "train.max_steps=3", "train.eval_every=3",
+                               "train.eval_docs=20", "logging.record_doc_keys=true", "logging.length_buckets=[16,64]")
+    summary = trainer.fit()
+    assert any("data.sources long: no held-out shards" in r.getMessage() for r in caplog.records)
+    lengths = {**chunk_tokens(short, 128), **chunk_tokens(long, 128)}  # SMALL: train.seq_len=128
+    keys = doc_keys(run_dir)[0]
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    totals = {"short": 0, "long": 0}
+    for m in lines:
+        trained = {name: [k for k in keys[m["step"]] if k.startswith(f"{name}--")] for name in totals}
+        assert sum(map(len, trained.values())) == m["docs"]  # every key names its source
+        assert m["tokens_by_source"] == {name: sum(lengths[k] for k in ks) for name, ks in trained.items()}
+        assert m["docs_by_source"] == {name: len(ks) for name, ks in trained.items()}
+        assert sum(m["token_share_by_source"].values()) == pytest.approx(1.0)
+        assert m["target_share_by_source"] == {"short": 0.7, "long": 0.3}
+        for by in ("source", "length"):
+            targets, losses = m[f"targets_by_{by}"], m[f"token_loss_by_{by}"]
+            assert sum(targets.values()) == m["valid_tokens"], by
+            known = sum(losses[n] * targets[n] for n in losses if losses[n] is not None)
+            assert known / m["valid_tokens"] == pytest.approx(m["token_loss"], rel=1e-5), by
+        totals = {name: totals[name] + m["tokens_by_source"][name] for name in totals}
+    last = lines[-1]
+    assert last["val_token_loss_by_source"]["long"] is None and last["val_targets_by_source"]["long"] == 0
+    assert last["val_targets_by_source"]["short"] == last["val_tokens"] > 0
+    assert summary["final_val_token_loss_by_source"] == last["val_token_loss_by_source"]
+    assert summary["token_share_by_source"] == {n: t / sum(totals.values()) for n, t in totals.items()}
+    assert summary["target_share_by_source"] == {"short": 0.7, "long": 0.3}
+    assert set(summary["mixture"]) == {"short", "long"}

@@ -324,7 +324,7 @@ class Trainer:
             return {}
         ev = self.last_eval
         shares = by_source(self.groups.sources, self.source_weights, self.counters["tokens_by_source"])
-        mixture = getattr(self.data, "mixture", None)  # TODO(issue 22): self.data.mixture once inputs.py has it
+        mixture = self.data.mixture
         return {
             "final_val_token_loss_by_source": ev.val_token_loss_by_source if ev else None,
             "token_share_by_source": shares["token_share_by_source"],
