@@ -21,7 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, metrics, mixture_corpora, run_train, sources_override, torchrun
+from tests.helpers import (
+    ROOT,
+    SMALL,
+    doc_keys,
+    epoch_chunks,
+    metrics,
+    mixture_corpora,
+    run_train,
+    sources_override,
+    torchrun,
+)
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.loader import DocumentLoader
 from trainer.data.mixture import MixtureLoader, MixtureStateError
@@ -240,11 +250,13 @@ def test_a_source_that_gives_no_document_is_an_error_naming_it(corpora, tmp_path
 
 
 def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(corpora, tmp_path):
-    """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (an epoch ends every ~10 steps, so the
-    lockstep waits run too): 24 steps straight vs the same run resumed from its step-12 checkpoint -> the same
-    losses; resumed on 1 rank -> one error line."""
+    """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (short runs out after ~20 steps on each
+    rank, so an epoch ends and the lockstep wait runs): the epoch's accounting by source (over both ranks, by the
+    metrics' epoch: every chunk of short once, none of long twice); 24 steps straight vs the same run resumed from
+    its step-12 checkpoint -> the same losses; resumed on 1 rank -> one error line."""
     mix = sources_override(("short", corpora[0], 0.7), ("long", corpora[1], 0.3))
-    common = [mix, "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24"]
+    common = [mix, "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24",
+              "logging.record_doc_keys=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, None, *common, launcher=torchrun(2))
     shutil.copytree(straight, resumed)
@@ -255,6 +267,18 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(c
     assert max(m["epoch"] for m in a) >= 1  # an epoch boundary inside the run
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-6, (x["step"], x["loss"], y["loss"])
+    epoch_of = {m["step"]: m["epoch"] for m in a}
+    trained: dict[int, Counter] = {}
+    for steps in doc_keys(straight).values():
+        for step, keys in steps.items():
+            trained.setdefault(epoch_of[step], Counter()).update(keys)
+    short_chunks = epoch_chunks(corpora[0], 128)
+    long_chunks = epoch_chunks(corpora[1], 128)
+    for epoch in range(max(trained)):  # the last one is cut by train.max_steps
+        got = trained[epoch]
+        assert Counter({k: n for k, n in got.items() if source_of(k) == "short"}) == short_chunks, epoch
+        long_got = {k: n for k, n in got.items() if source_of(k) == "long"}
+        assert set(long_got) < set(long_chunks) and max(long_got.values()) == 1, epoch
     summary = json.loads((straight / "summary.json").read_text())
     assert set(summary["mixture"]) == {"short", "long"}
     shutil.rmtree(resumed / "checkpoints" / "step_000024")
