@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from tests.harness import run_distributed
-from tests.helpers import MODEL, PAD, SEQ_LEN, doc_keys, make_trainer, metrics, mixture_corpora
+from tests.helpers import (
+    MODEL,
+    PAD,
+    SEQ_LEN,
+    doc_keys,
+    make_trainer,
+    metrics,
+    mixture_corpora,
+    sources_override,
+)
 from trainer.data.batch import Document, LossGroups, collate_rows, length_bucket_names, source_counts
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker
@@ -293,3 +302,15 @@ def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
     assert summary["token_share_by_source"] == {n: t / sum(totals.values()) for n, t in totals.items()}
     assert summary["target_share_by_source"] == {"short": 0.7, "long": 0.3}
     assert set(summary["mixture"]) == {"short", "long"}
+
+
+def test_the_whole_run_token_share_survives_a_resume(tmp_path):
+    short, long = mixture_corpora(tmp_path)
+    common = ["data.path=null", sources_override(("short", short, 0.7), ("long", long, 0.3)), "train.max_steps=4"]
+    whole = make_trainer(short, tmp_path / "whole", *common).fit()
+    make_trainer(short, tmp_path / "cut", *common, "train.max_steps=2", "train.checkpoint_every=2").fit()
+    resumed = make_trainer(short, tmp_path / "cut", *common, "train.resume=true").fit()
+    assert resumed["token_share_by_source"] == whole["token_share_by_source"]
+    steps = metrics(tmp_path / "whole")
+    totals = {n: sum(m["tokens_by_source"][n] for m in steps) for n in ("short", "long")}
+    assert whole["token_share_by_source"] == {n: t / sum(totals.values()) for n, t in totals.items()}

@@ -189,6 +189,10 @@ class LossGroups:
         return torch.repeat_interleave(group_S, seg_lens_S).view(batch.shape)
 
 
+NO_GROUPS = LossGroups()
+"""No loss groups: the plain loss path, no per-group sums (no mixture, no length buckets)."""
+
+
 def source_counts(batch: Batch, num_sources: int) -> tuple[list[int], list[int]]:
     """Per source: the tokens (non-padding positions) and the documents (chunks count once each) of `batch`.
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.data.batch import Batch, Document, LossGroups
+from trainer.data.batch import NO_GROUPS, Batch, Document, LossGroups
 from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
@@ -128,7 +128,7 @@ class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
     def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
-                 micro_batch_tokens: int, pad_id: int, every: int = 0, groups: LossGroups = LossGroups()) -> None:
+                 micro_batch_tokens: int, pad_id: int, every: int = 0, groups: LossGroups = NO_GROUPS) -> None:
         self.info = info
         self.groups = groups
         """The loss groups (source x length bucket) whose token losses the result carries."""

@@ -40,7 +40,15 @@ import numpy as np
 import torch
 
 from trainer.config import NORMALIZATIONS
-from trainer.data.batch import IGNORE_INDEX, Batch, Document, LossGroups, collate_rows, source_counts
+from trainer.data.batch import (
+    IGNORE_INDEX,
+    NO_GROUPS,
+    Batch,
+    Document,
+    LossGroups,
+    collate_rows,
+    source_counts,
+)
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.errors import UserError
@@ -142,7 +150,7 @@ def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[lis
 
 
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens", groups: LossGroups = LossGroups()) -> StepStats:
+               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS) -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
     x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
     stats carry (metrics: the objective is unchanged)."""
