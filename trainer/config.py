@@ -65,7 +65,7 @@ class TrainConfig:
     eval_every: int = 50
     """Evaluate the held-out split every N steps and at the end; 0 disables evaluation."""
     eval_docs: int | None = None
-    """Evaluate only the first N held-out documents (None = all of them)."""
+    """Evaluate only the first N held-out documents (None = all of them); with data.sources, N of each source."""
     eval_layout: str = "packed"
     """Layout of the eval batches: 'packed' (isolated documents, fast) or 'unpacked'; the same val_loss either way."""
     on_nonfinite: str = "stop"
