@@ -1,0 +1,140 @@
+"""What a data mixture costs the stream (not a test): rows/s of one source vs a two-source mixture of the same
+documents, side by side in one run, and the token shares the mixture holds.
+
+    python bench/mixture.py --data data/demo                      # python -m trainer.prepare --source demo first
+    python bench/mixture.py --data data/demo --rows 4000 --repeats 3
+
+The mixture is data.sources = [{a: data/demo, 0.7}, {b: data/demo, 0.3}]: the same shards twice (each source with
+its own seed, so another order), so the documents' lengths and the tokenization work per document are those of
+the single source and only the mixing differs. Each configuration builds the stream as the trainer does
+(trainer.run.inputs.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time from
+the first row to the last is measured (every source's workers started before). Configurations run in turn, --repeats times
+(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per document, on in-memory sources. Shares: the mixture's trained
+tokens by source (Document.source: the two sources share their keys; tests/data/test_mixture.py checks the tag
+against the keys of distinct sources) over the first 25 %, 50 % and all of the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from trainer.config import from_container
+from trainer.distributed.groups import DistInfo
+from trainer.run.inputs import build_data
+
+
+def run_config(data: Path, workers: int, mixture: bool, seq_len: int) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    data_overrides = ([f"data.sources=[{{name:a,path:'{data}',weight:0.7}},{{name:b,path:'{data}',weight:0.3}}]"]
+                      if mixture else [f"data.path={data}"])
+    config_dir = str(Path(__file__).resolve().parents[1] / "configs")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="config", overrides=[*data_overrides, f"data.num_workers={workers}",
+                                                       f"train.seq_len={seq_len}", f"train.tokens_per_step={seq_len}",
+                                                       f"train.micro_batch_tokens={seq_len}", "data.prefetch=false",
+                                                       "logging.wandb.mode=disabled"])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def draw(container: dict, rows_wanted: int) -> tuple[float, list[list]]:
+    """Seconds from the first row to the last of `rows_wanted` rows, and the rows."""
+    cfg = from_container(container, "/tmp/bench_mixture_run")
+    data = build_data(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    rows = data.rows
+    try:
+        data.loader.start()  # every source's workers
+        out = rows.take(1)
+        t0 = time.perf_counter()
+        while len(out) < rows_wanted:
+            got = rows.take(min(64, rows_wanted - len(out)))
+            if not got:
+                rows.next_epoch()
+                continue
+            out += got
+        return time.perf_counter() - t0, out
+    finally:
+        rows.close()
+
+
+def mixer_overhead(n: int = 200_000) -> float:
+    """Microseconds the mixer adds per document: `n` in-memory documents drawn through MixtureLoader (two
+    sources) minus the same drawn from one plain iterator (no reading, no tokenizing: the choice and counting)."""
+    import numpy as np
+
+    from trainer.data.batch import Document
+    from trainer.data.mixture import MixtureLoader
+
+    class InMemory:
+        lockstep, num_workers = True, 0
+
+        def __init__(self) -> None:
+            self.docs = [Document(f"k{i}", np.zeros(100, np.int32)) for i in range(n)]
+
+        def __iter__(self):
+            yield from self.docs
+
+    def seconds(docs) -> float:
+        t0 = time.perf_counter()
+        for i, _ in enumerate(docs):
+            if i == n - 1:
+                break
+        return time.perf_counter() - t0
+
+    plain = seconds(iter(InMemory()))
+    mixed = seconds(MixtureLoader([InMemory(), InMemory()], ["a", "b"], [0.7, 0.3], "restart"))
+    return (mixed - plain) / n * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--rows", type=int, default=3000)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    configs = {"one source, 1 worker": (1, False), "one source, 2 workers": (2, False),
+               "mixture of 2, 1 worker each": (1, True)}
+    containers = {name: run_config(args.data.resolve(), w, m, args.seq_len) for name, (w, m) in configs.items()}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    shares = None
+    for _ in range(args.repeats):
+        for name, container in containers.items():
+            seconds, rows = draw(container, args.rows)
+            times[name].append(seconds)
+            if configs[name][1] and shares is None:
+                shares = {}
+                for fraction in (0.25, 0.5, 1.0):
+                    tokens = Counter()
+                    for row in rows[: int(fraction * len(rows))]:
+                        for doc in row:
+                            tokens[doc.source] += len(doc)
+                    shares[fraction] = tokens[0] / (tokens[0] + tokens[1])
+    base = statistics.median(times["one source, 1 worker"])
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"{args.rows} rows of {args.seq_len} tokens, median of {args.repeats}")
+    print(f"{'configuration':32} {'rows/s':>8} {'vs one source, 1 worker':>24}")
+    for name in configs:
+        med = statistics.median(times[name])
+        print(f"{name:32} {args.rows / med:8.0f} {base / med:23.2f}x")
+    print("mixture's share of source a (target 0.70) over the first 25 % / 50 % / all rows: "
+          + " / ".join(f"{shares[f]:.4f}" for f in (0.25, 0.5, 1.0)))
+    overhead = mixer_overhead()
+    print(f"the mixer's own cost per document (in-memory sources, 200,000 documents): {overhead:.2f} us")
+    if args.json:
+        args.json.write_text(json.dumps({"times": times, "shares": shares, "overhead_us": overhead}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
