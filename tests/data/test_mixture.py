@@ -24,6 +24,7 @@ import pytest
 from tests.helpers import (
     ROOT,
     SMALL,
+    assert_one_error_line,
     doc_keys,
     epoch_chunks,
     metrics,
@@ -288,3 +289,39 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(c
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "a data mixture (['short', 'long']) resumes only on the number of ranks" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_without_lockstep_the_mixture_runs_its_epochs_on_in_one_iteration(corpora):
+    """data.epoch_lockstep=false: no iteration ends; under stop the next epoch (new passes) follows at once."""
+    mix = mixture(corpora, [0.7, 0.3], "stop")
+    mix.lockstep = False
+    short = corpus_keys(corpora[0])
+    seen = Counter()
+    for doc in mix:
+        if mix.epoch == 2:  # the first document of epoch 2
+            break
+        if source_of(doc.key) == "short":
+            seen[doc.key] += 1
+    mix._close()
+    assert Counter({k: 2 for k in short}) == seen  # two whole passes of short, in one iteration
+    assert mix.summary()["long"]["passes_cut"] == 2
+
+
+def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, tmp_path):
+    other = tmp_path / "other"
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": f"other words {i} " * 9}) + "\n" for i in range(80)))
+    from trainer.prepare import prepare
+
+    prepare(f"jsonl:{tmp_path / 'o.jsonl'}", other, vocab_size=300, docs_per_shard=20, val_fraction=0.0, seed=0)
+    mix = sources_override(("short", corpora[0], 0.5), ("other", other, 0.5))
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, mix,
+                           "train.max_steps=1"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert_one_error_line(proc.returncode, proc.stderr, "source 'other' was prepared with another tokenizer",
+                          str(other / "tokenizer"))
+
+
+def test_a_source_with_fewer_shards_than_readers_is_named(corpora):
+    mix = mixture(corpora, [0.5, 0.5], workers=0, rank=0, world_size=8)
+    with pytest.raises(DataStreamError, match=r"source 'short': 4 shards cannot feed 8 readers"):
+        list(mix)
