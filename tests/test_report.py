@@ -640,7 +640,9 @@ def test_token_shares_held_or_not_by_hand(tmp_path):
     # The summary's whole-run shares win over the logged steps (log_every > 1 logs only some steps).
     drifted = mixture_run(tmp_path, "drifted", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6},
                           share_summary={"token_share_by_source": {"functions": 0.65, "modules": 0.35},
-                                         "target_share_by_source": {"functions": 0.7, "modules": 0.3}})
+                                         "target_share_by_source": {"functions": 0.7, "modules": 0.3},
+                                         "mixture": {"functions": {"weight": 0.7, "docs": 90, "tokens": 6900},
+                                                     "modules": {"weight": 0.3, "docs": 2, "tokens": 3100}}})
     plain = make_run(tmp_path, "plain")  # one source, no mixture: no line
     runs = load_runs([held, wobbly, drifted, plain])
     assert report.token_shares(runs[1]) == pytest.approx({"functions": 0.305, "modules": 0.695})
@@ -651,8 +653,20 @@ def test_token_shares_held_or_not_by_hand(tmp_path):
         "wobbly mixture": "token shares held within 2 points of the targets: functions 30.5% (target 30.0%), "
                           "modules 69.5% (target 70.0%); single steps up to 3.0 points off",
         "drifted mixture": "token shares off target (functions, modules beyond 2 points): functions 65.0% "
-                           "(target 70.0%), modules 35.0% (target 30.0%); single steps up to 0.0 points off",
+                           "(target 70.0%), modules 35.0% (target 30.0%); single steps up to 0.0 points off; "
+                           "read by the mixer: functions 69.0%, modules 31.0%",
     }
+
+
+def test_loss_by_source_plot_averages_over_logged_steps_by_targets(tmp_path):
+    run = load_runs([mixture_run(tmp_path, "mix", (0.3, 0.7),
+                                 train={"functions": [2.0, 3.0, 1.0, None, 4.0, 4.0], "modules": [2.0] * 6},
+                                 targets={"functions": [10, 30, 10, 0, 10, 10], "modules": [700] * 6})])[0]
+    # Window 2 over the steps with targets (step 4 has none): (2.0), (2 x 10 + 3 x 30) / 40, (3 x 30 + 1 x 10) / 40,
+    # then (1.0 + 4.0) / 2 at step 5 and 4.0 at step 6.
+    assert report.trailing_loss(run, report.BY_SOURCE, "functions", 2) == pytest.approx(
+        {1: 2.0, 2: 2.75, 3: 2.5, 5: 2.5, 6: 4.0})
+    assert report.trailing_loss(run, report.BY_SOURCE, "functions", 1) == {1: 2.0, 2: 3.0, 3: 1.0, 5: 4.0, 6: 4.0}
 
 
 def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary: dict | None = None) -> Path:

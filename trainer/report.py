@@ -660,6 +660,15 @@ def target_shares(run: Run) -> dict[str, float]:
     return logged[-1] if logged else {}
 
 
+def read_shares(run: Run) -> dict[str, float]:
+    """Each source's share of the tokens the mixer read (summary.json's `mixture`, {name: {tokens, ...}}); {}
+    without one. Documents read but still in the packer's buffer at the end count here, not in token_shares."""
+    mixture = (run.summary or {}).get("mixture") or {}
+    tokens = {name: entry.get("tokens", 0) for name, entry in mixture.items() if isinstance(entry, dict)}
+    total = sum(tokens.values())
+    return {name: n / total for name, n in tokens.items()} if total else {}
+
+
 def step_share_gap(run: Run) -> float | None:
     """The largest |token share - target share| of any source in any logged step (None: no step logged shares)."""
     targets = target_shares(run)
@@ -670,8 +679,9 @@ def step_share_gap(run: Run) -> float | None:
 
 def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
     """One line per mixture run (target shares for two sources or more): whether its token shares over the run
-    held within SHARE_TOLERANCE of the targets. Example: ("mix", "token shares held within 2 points of the
-    targets: functions 70.4% (target 70.0%), modules 29.6% (target 30.0%); single steps up to 6.1 points off")."""
+    held within SHARE_TOLERANCE of the targets, the worst single step, and the shares of what the mixer read.
+    Example: ("mix", "token shares held within 2 points of the targets: functions 70.4% (target 70.0%), modules
+    29.6% (target 30.0%); single steps up to 6.1 points off; read by the mixer: functions 70.1%, modules 29.9%")."""
     out = []
     for run in runs:
         targets = target_shares(run)
@@ -690,6 +700,9 @@ def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
         gap = step_share_gap(run)
         if gap is not None:
             text += f"; single steps up to {gap * 100:.1f} points off"
+        read = read_shares(run)
+        if read:
+            text += "; read by the mixer: " + ", ".join(f"{name} {share:.1%}" for name, share in read.items())
         out.append((f"{run.name} mixture", text))
     return out
 
@@ -814,20 +827,40 @@ def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
     return fig
 
 
+SMOOTH_STEPS = 10
+"""loss_by_source.png averages each source's loss over this many logged steps: a step holds a few documents of
+a source (sometimes none), so its per-step loss swings by far more than the curves differ."""
+
+
+def trailing_loss(run: Run, by: Breakdown, name: str, window: int) -> Series:
+    """Per logged step with targets of group `name`: its token loss over the last `window` such steps, each
+    weighted by its targets. Example, window 2: (2.0 on 10 targets), (3.0 on 30), (1.0 on 10) -> 2.0, 2.75, 2.5."""
+    logged = [(m["step"], m[by.loss][name], (m.get(by.targets) or {}).get(name, 0)) for m in run.metrics
+              if (m.get(by.loss) or {}).get(name) is not None]
+    out = {}
+    for k, (step, _, _) in enumerate(logged):
+        recent = logged[max(0, k - window + 1): k + 1]
+        targets = sum(n for _, _, n in recent)
+        if targets:
+            out[step] = sum(loss * n for _, loss, n in recent) / targets
+    return out
+
+
 def plot_loss_by_source(runs: Sequence[Run]) -> plt.Figure:
-    """Each run's train token loss of each source vs step: colour and marker by run, dash by source."""
+    """Each run's train token loss of each source vs step (trailing mean over SMOOTH_STEPS logged steps):
+    colour by source, dash and marker by run; the legend below the axes."""
     names = group_names(runs, BY_SOURCE)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, run in enumerate(runs):
         for j, name in enumerate(names):
-            losses = {m["step"]: m[BY_SOURCE.loss][name] for m in run.metrics
-                      if (m.get(BY_SOURCE.loss) or {}).get(name) is not None}
+            losses = trailing_loss(run, BY_SOURCE, name, SMOOTH_STEPS)
             steps = sorted(losses)
-            style = {**_style(i, len(steps)), "linestyle": LINESTYLES[j % len(LINESTYLES)]}
-            ax.plot(steps, [losses[s] for s in steps], label=f"{run.name} / {name}", **style)
-    ax.set(xlabel="step", ylabel="train token loss", title="Train token loss by source (each step's targets of it)")
+            ax.plot(steps, [losses[s] for s in steps], label=f"{name}: {run.name}",
+                    **{**_style(i, len(steps)), "color": f"C{j % 10}"})
+    ax.set(xlabel="step", ylabel="train token loss",
+           title=f"Train token loss by source (mean over the last {SMOOTH_STEPS} logged steps, by targets)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", ncol=2)
+    ax.legend(fontsize="small", ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     return fig
 
 
