@@ -8,8 +8,10 @@ The mixture is data.sources = [{a: data/demo, 0.7}, {b: data/demo, 0.3}]: the sa
 its own seed, so another order), so the documents' lengths and the tokenization work per document are those of
 the single source and only the mixing differs. Each configuration builds the stream as the trainer does
 (trainer.run.inputs.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time from
-the first row to the last is measured (every source's workers started before). Configurations run in turn, --repeats times
-(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per document, on in-memory sources. Shares: the mixture's trained
+--warmup-rows rows (every source's workers started before, and every packer's
+buffer full: a packer emits rows once it holds packing.buffer_size documents, and a mixture has one per source)
+to the last row is measured. Configurations run in turn, --repeats times
+(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per row, on in-memory sources. Shares: the mixture's trained
 tokens by source (Document.source: the two sources share their keys; tests/data/test_mixture.py checks the tag
 against the keys of distinct sources) over the first 25 %, 50 % and all of the rows.
 """
@@ -47,17 +49,19 @@ def run_config(data: Path, workers: int, mixture: bool, seq_len: int) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def draw(container: dict, rows_wanted: int) -> tuple[float, list[list]]:
-    """Seconds from the first row to the last of `rows_wanted` rows, and the rows."""
+def draw(container: dict, rows_wanted: int, warmup: int) -> tuple[float, list[list]]:
+    """Seconds for `rows_wanted` rows after `warmup` rows (every packer full by then), and all the rows."""
     cfg = from_container(container, "/tmp/bench_mixture_run")
     data = build_data(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     rows = data.rows
     try:
         data.loader.start()  # every source's workers
-        out = rows.take(1)
-        t0 = time.perf_counter()
-        while len(out) < rows_wanted:
-            got = rows.take(min(64, rows_wanted - len(out)))
+        out, t0 = [], None
+        while len(out) < warmup + rows_wanted:
+            if t0 is None and len(out) >= warmup:
+                t0 = time.perf_counter()
+            limit = warmup if t0 is None else warmup + rows_wanted
+            got = rows.take(min(64, limit - len(out)))
             if not got:
                 rows.next_epoch()
                 continue
@@ -67,32 +71,37 @@ def draw(container: dict, rows_wanted: int) -> tuple[float, list[list]]:
         rows.close()
 
 
-def mixer_overhead(n: int = 200_000) -> float:
-    """Microseconds the mixer adds per document: `n` in-memory documents drawn through MixtureLoader (two
-    sources) minus the same drawn from one plain iterator (no reading, no tokenizing: the choice and counting)."""
+def mixer_overhead(n: int = 100_000) -> float:
+    """Microseconds the mixer adds per row: `n` in-memory rows of 4 documents handed out through Mixture (two
+    sources) minus the same taken from one plain list (no reading, packing or tokenizing: the choice and counting)."""
+    from types import SimpleNamespace
+
     import numpy as np
 
     from trainer.data.batch import Document
-    from trainer.data.mixture import MixtureLoader
+    from trainer.data.mixture import Mixture
+    from trainer.data.packing import PackingStats
 
     class InMemory:
-        lockstep, num_workers = True, 0
+        docs, stats = SimpleNamespace(lockstep=True, num_workers=0), PackingStats()
 
         def __init__(self) -> None:
-            self.docs = [Document(f"k{i}", np.zeros(100, np.int32)) for i in range(n)]
+            self.rows = [[Document(f"k{i}_{j}", np.zeros(100, np.int32)) for j in range(4)] for i in range(n)]
+            self.next = 0
 
-        def __iter__(self):
-            yield from self.docs
+        def take(self, num_rows: int) -> list:
+            out = self.rows[self.next:self.next + num_rows]
+            self.next += num_rows
+            return out
 
-    def seconds(docs) -> float:
+    def seconds(take) -> float:
         t0 = time.perf_counter()
-        for i, _ in enumerate(docs):
-            if i == n - 1:
-                break
+        for _ in range(n):
+            take(1)
         return time.perf_counter() - t0
 
-    plain = seconds(iter(InMemory()))
-    mixed = seconds(MixtureLoader([InMemory(), InMemory()], ["a", "b"], [0.7, 0.3], "restart"))
+    plain = seconds(InMemory().take)
+    mixed = seconds(Mixture([InMemory(), InMemory()], ["a", "b"], [0.7, 0.3], "restart").take)
     return (mixed - plain) / n * 1e6
 
 
@@ -100,6 +109,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--rows", type=int, default=3000)
+    p.add_argument("--warmup-rows", type=int, default=1000,
+                   help="rows drawn before the clock starts: a packer emits once its buffer is full, and a mixture "
+                        "has one per source")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
@@ -111,7 +123,7 @@ def main() -> None:
     shares = None
     for _ in range(args.repeats):
         for name, container in containers.items():
-            seconds, rows = draw(container, args.rows)
+            seconds, rows = draw(container, args.rows, args.warmup_rows)
             times[name].append(seconds)
             if configs[name][1] and shares is None:
                 shares = {}
@@ -131,7 +143,7 @@ def main() -> None:
     print("mixture's share of source a (target 0.70) over the first 25 % / 50 % / all rows: "
           + " / ".join(f"{shares[f]:.4f}" for f in (0.25, 0.5, 1.0)))
     overhead = mixer_overhead()
-    print(f"the mixer's own cost per document (in-memory sources, 200,000 documents): {overhead:.2f} us")
+    print(f"the mixer's own cost per row (in-memory sources, 100,000 rows): {overhead:.2f} us")
     if args.json:
         args.json.write_text(json.dumps({"times": times, "shares": shares, "overhead_us": overhead}, indent=1))
 

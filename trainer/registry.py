@@ -247,8 +247,9 @@ SUMMARY_KEYS: dict[str, str] = {
     "token_share_by_source": "each source's document tokens over all steps / all document tokens of the run "
                              "(data.sources only)",
     "target_share_by_source": "each source's weight / the sum of the weights (data.sources only)",
-    "mixture": "per source, what rank 0's readers handed out: weight, docs, tokens, passes read through, passes cut "
-               "(trainer.data.mixture; data.sources only)",
+    "mixture": "per source, what rank 0's mixture handed out (rows' documents and tokens) and its weight, passes read "
+               "through, passes cut short and the documents those left untrained (trainer.data.mixture; data.sources "
+               "only)",
     "val_tokens": "eval targets of the last evaluation (null without eval)",
     "val_docs": "eval documents of the last evaluation (null without eval)",
     "loss_normalization": "loss.normalization of the run",

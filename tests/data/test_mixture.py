@@ -35,8 +35,8 @@ from tests.helpers import (
 )
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.loader import DocumentLoader
-from trainer.data.mixture import MixtureLoader, MixtureStateError
-from trainer.data.pipeline import RowStream
+from trainer.data.mixture import Mixture, MixtureStateError
+from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.reader import DataStreamError
 from trainer.data.reshape import ReshapeError, reshape_state
 from trainer.data.sources import resolve_source
@@ -57,33 +57,33 @@ def source_of(key: str) -> str:
     return key.split("--")[0]
 
 
-def corpus_keys(data: Path) -> Counter:
-    """Every document of `data`'s train split once, from its shards' members (tarfile)."""
-    keys: Counter = Counter()
-    for shard in json.loads((data / "manifest.json").read_text())["splits"]["train"]["shards"]:
-        with tarfile.open(data / shard["name"]) as tar:
-            keys.update(m.name.split(".", 1)[0] for m in tar.getmembers() if m.name.endswith(".txt"))
-    return keys
+def chunks_of(data: Path) -> Counter:
+    """Every chunk of `data`'s train split once, at SEQ_LEN (tests.helpers.epoch_chunks: tarfile + tokenizers)."""
+    return epoch_chunks(data, SEQ_LEN)
 
 
-def mixture(corpora, weights, exhausted="stop", workers=0, rank=0, world_size=1) -> MixtureLoader:
-    """The mixture of (short, long) as trainer.run.inputs.build_data makes it, in this process."""
-    loaders = []
-    for seed, data in enumerate(corpora):
-        source = resolve_source(DataConfig(path=str(data)))
-        eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-        stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=seed + 7, rank=rank,
-                                world_size=world_size, shuffle_buffer=8, expected_docs=source.expected_docs,
-                                shard_tokens=manifest_tokens(source.train_urls, source.manifest), name=data.name)
-        loaders.append(DocumentLoader(stream, num_workers=workers, lockstep=True))
-    return MixtureLoader(loaders, [d.name for d in corpora], weights, exhausted, lockstep=True)
+def by_source(keys: Counter, name: str) -> Counter:
+    return Counter({k: n for k, n in keys.items() if source_of(k) == name})
 
 
-def rows_of(mix: MixtureLoader) -> RowStream:
-    return RowStream(mix, SEQ_LEN, PackingConfig(buffer_size=16))
+def source_rows(data: Path, index: int, workers: int = 0, rank: int = 0, world_size: int = 1) -> RowStream:
+    """One source's row stream as trainer.run.inputs.build_data makes it, in this process."""
+    source = resolve_source(DataConfig(path=str(data)))
+    eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=index + 7, rank=rank,
+                            world_size=world_size, shuffle_buffer=8, expected_docs=source.expected_docs,
+                            shard_tokens=manifest_tokens(source.train_urls, source.manifest), name=data.name,
+                            source=index)
+    return RowStream(DocumentLoader(stream, num_workers=workers, lockstep=True), SEQ_LEN, PackingConfig(buffer_size=16))
 
 
-def take_steps(rows: RowStream, steps: int) -> list[list[list]]:
+def mixture(corpora, weights, exhausted="stop", workers=0, rank=0, world_size=1) -> Mixture:
+    """The mixture of (short, long) as build_data makes it, in this process."""
+    sources = [source_rows(data, i, workers, rank, world_size) for i, data in enumerate(corpora)]
+    return Mixture(sources, [d.name for d in corpora], weights, exhausted, lockstep=True)
+
+
+def take_steps(rows: Mixture, steps: int) -> list[list[list]]:
     """`steps` steps of ROWS_PER_STEP rows each, one rank, lockstep (an epoch's end: the next epoch starts)."""
     out = []
     for _ in range(steps):
@@ -97,18 +97,22 @@ def take_steps(rows: RowStream, steps: int) -> list[list[list]]:
     return out
 
 
-def one_epoch(mix: MixtureLoader) -> list:
-    """The documents of one lockstep iteration (one mixture epoch)."""
-    docs = list(mix)
-    assert docs
-    return docs
+def one_epoch(mix: Mixture) -> Counter:
+    """The chunk keys of the rows of one lockstep epoch."""
+    keys = Counter()
+    while not mix.exhausted:
+        for row in mix.take(8):
+            keys.update(doc.key for doc in row)
+    mix.next_epoch()
+    assert keys
+    return keys
 
 
 @pytest.mark.parametrize("exhausted", ["stop", "restart"])
 def test_a_mixture_of_0_7_and_0_3_holds_its_token_shares_over_200_steps(corpora, exhausted):
-    """Shares of the trained tokens (the packer's rows, what every layout lays out), by key: within 2 % of the
-    weights over 200 steps; under stop they cross 2.5 epochs (short, at 0.7, runs out at ~20k tokens)."""
-    rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted))
+    """Shares of the trained tokens (the rows, what every layout lays out), by key: within 2 % of the weights over
+    200 steps, and within one row at every step; under stop they cross 2.5 epochs (short runs out at ~20k tokens)."""
+    rows = mixture(corpora, [0.7, 0.3], exhausted)
     try:
         steps = take_steps(rows, 200)
     finally:
@@ -119,60 +123,64 @@ def test_a_mixture_of_0_7_and_0_3_holds_its_token_shares_over_200_steps(corpora,
             for doc in row:
                 tokens[source_of(doc.key)] += len(doc)
                 assert ["short", "long"][doc.source] == source_of(doc.key)  # the tag the metrics use
+        total = tokens["short"] + tokens["long"]
+        assert abs(tokens["short"] - 0.7 * total) <= SEQ_LEN, tokens
     share = tokens["short"] / (tokens["short"] + tokens["long"])
     assert abs(share - 0.7) < 0.02, (share, tokens)
     assert sum(tokens.values()) > 0.95 * 200 * ROWS_PER_STEP * SEQ_LEN  # rows nearly full: the shares are of real work
 
 
-def test_every_prefix_of_the_stream_is_within_one_document_of_the_weights(corpora):
-    mix = mixture(corpora, [0.25, 0.75], "restart")
-    tokens, longest, total = Counter(), 0, 0
-    for i, doc in enumerate(mix):
-        tokens[source_of(doc.key)] += len(doc)
-        total += len(doc)
-        longest = max(longest, len(doc))
-        for name, weight in (("short", 0.25), ("long", 0.75)):
-            assert abs(tokens[name] - weight * total) <= longest, (i, tokens)
-        if i == 400:
-            break
+def test_rows_hold_one_source_each_and_the_layouts_lay_out_the_same_documents(corpora):
+    rows = mixture(corpora, [0.5, 0.5])
+    try:
+        step = rows.take(8)
+    finally:
+        rows.close()
+    assert all(len({source_of(doc.key) for doc in row}) == 1 for row in step)
+    laid_out = {layout: sorted(key for mb in micro_batches(step, PackingConfig(layout=layout), SEQ_LEN, 512, 0)
+                               for key in mb.doc_keys) for layout in ("packed", "unpacked", "bucketed")}
+    assert laid_out["packed"] == laid_out["unpacked"] == laid_out["bucketed"]
 
 
 def test_stop_ends_the_epoch_when_the_first_source_runs_out_and_every_source_starts_a_new_pass(corpora):
-    """short (0.7 of ~14k tokens) runs out first: epoch 0 holds each short document once and a part of long, none
-    twice; epoch 1 again every short document once, and long from the start of a new pass (a new order)."""
+    """short (0.7 of ~14k tokens) runs out first: epoch 0 holds each short chunk once and a part of long, none
+    twice; epoch 1 again every short chunk once, and long from the start of a new pass (as long alone reads its
+    pass 1), not where epoch 0 left it."""
     mix = mixture(corpora, [0.7, 0.3], "stop")
-    epochs = [Counter(d.key for d in one_epoch(mix)) for _ in range(2)]
-    short, long = corpus_keys(corpora[0]), corpus_keys(corpora[1])
-    firsts = []
+    epochs = [one_epoch(mix) for _ in range(2)]
+    short, long = chunks_of(corpora[0]), chunks_of(corpora[1])
     for keys in epochs:
-        assert Counter({k: n for k, n in keys.items() if source_of(k) == "short"}) == short
-        long_read = {k: n for k, n in keys.items() if source_of(k) == "long"}
-        assert set(long_read) <= set(long) and max(long_read.values()) == 1
-        assert 0 < len(long_read) < len(long)
-        firsts.append(long_read)
-    # Epoch 1's long documents are the start of long's pass 1, as long alone reads it (not a continuation).
-    alone = mixture(corpora, [0.7, 0.3]).loaders[1]
-    alone.skip_rest_of_epoch()
-    assert [k for k in epochs[1] if source_of(k) == "long"] == [d.key for d in list(alone)[:len(firsts[1])]]
+        assert by_source(keys, "short") == short
+        long_read = by_source(keys, "long")
+        assert set(long_read) < set(long) and max(long_read.values()) == 1
+    alone = source_rows(corpora[1], 1)
+    dropped = alone.abandon_epoch()
+    assert dropped == 0  # nothing read yet
+    first_rows = [doc.key for row in alone.take(len(epochs[1])) for doc in row]
+    alone.close()
+    assert set(by_source(epochs[1], "long")) == set(first_rows[: len(by_source(epochs[1], "long"))])
     summary = mix.summary()
+    mix.close()
     assert summary["short"]["passes"] == 2 and summary["short"]["passes_cut"] == 0
-    assert summary["long"]["passes"] == 0 and summary["long"]["passes_cut"] == 2
-    assert summary["short"]["docs"] == 2 * len(short)
+    assert summary["long"]["passes"] == 0 and summary["long"]["passes_cut"] == 2 and summary["long"]["docs_cut"] > 0
+    assert summary["short"]["docs"] == 2 * sum(short.values())
 
 
 def test_restart_reads_a_source_again_until_every_source_was_read_through(corpora):
     """short at 0.3 (~14k tokens) runs out long before long at 0.7 (~112k): it is read again and again; the epoch
-    ends when long is read through, with each long document exactly once."""
+    ends when long is read through, with each long chunk exactly once."""
     mix = mixture(corpora, [0.3, 0.7], "restart")
-    keys = Counter(d.key for d in one_epoch(mix))
-    short, long = corpus_keys(corpora[0]), corpus_keys(corpora[1])
-    assert Counter({k: n for k, n in keys.items() if source_of(k) == "long"}) == long
-    passes = mix.summary()["short"]["passes"]
+    keys = one_epoch(mix)
+    summary = mix.summary()
+    mix.close()
+    short, long = chunks_of(corpora[0]), chunks_of(corpora[1])
+    assert by_source(keys, "long") == long
+    passes = summary["short"]["passes"]
     assert passes >= 2
-    short_read = Counter({k: n for k, n in keys.items() if source_of(k) == "short"})
+    short_read = by_source(keys, "short")
     assert set(short_read) == set(short)
     assert set(short_read.values()) <= {passes, passes + 1}  # whole passes, then a part of one more (cut)
-    assert mix.summary()["short"]["passes_cut"] == (max(short_read.values()) > passes)
+    assert summary["short"]["passes_cut"] == 1
 
 
 @pytest.mark.parametrize("exhausted, cuts", [("stop", [30, 100]), ("restart", [100])])
@@ -185,14 +193,14 @@ def test_a_resumed_mixture_continues_exactly(corpora, exhausted, cuts):
     def keys(steps):
         return [[[d.key for d in row] for row in step] for step in steps]
 
-    rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted, workers=2))
+    rows = mixture(corpora, [0.7, 0.3], exhausted, workers=2)
     try:
         expected = keys(take_steps(rows, total))
     finally:
         rows.close()
     got, done, state = [], 0, None
     for cut in [*cuts, total]:
-        rows = rows_of(mixture(corpora, [0.7, 0.3], exhausted, workers=2))
+        rows = mixture(corpora, [0.7, 0.3], exhausted, workers=2)
         try:
             if state is not None:
                 rows.load_state_dict(pickle.loads(state))
@@ -204,8 +212,22 @@ def test_a_resumed_mixture_continues_exactly(corpora, exhausted, cuts):
     assert got == expected
 
 
+def test_rows_put_back_come_out_again_first(corpora):
+    rows = mixture(corpora, [0.5, 0.5])
+    try:
+        first = rows.take(3)
+        rows.unread(first)
+        assert not rows.exhausted
+        state = rows.state_dict()
+        again = rows.take(3)
+    finally:
+        rows.close()
+    assert [[d.key for d in r] for r in again] == [[d.key for d in r] for r in first]
+    assert len(state["ready"]) == 3  # a checkpoint taken before the step ran holds them
+
+
 def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
-    rows = rows_of(mixture(corpora, [0.5, 0.5]))
+    rows = mixture(corpora, [0.5, 0.5])
     try:
         take_steps(rows, 3)
         state = rows.state_dict()
@@ -216,12 +238,12 @@ def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
     swapped = mixture(corpora[::-1], [0.5, 0.5])
     with pytest.raises(MixtureStateError, match=r"the checkpoint mixes the sources \['short', 'long'\]; this run's "
                                                 r"data.sources names \['long', 'short'\]"):
-        swapped.load_state_dict(state["docs"])
-    single = RowStream(mixture(corpora, [0.5, 0.5]).loaders[0], SEQ_LEN, PackingConfig(buffer_size=16))
+        swapped.load_state_dict(state)
+    single = source_rows(corpora[0], 0)
     try:
         single.take(1)
         with pytest.raises(MixtureStateError, match=r"the checkpoint's data stream is one source"):
-            mixture(corpora, [0.5, 0.5]).load_state_dict(single.state_dict()["docs"])
+            mixture(corpora, [0.5, 0.5]).load_state_dict(single.state_dict())
     finally:
         single.close()
 
@@ -239,12 +261,35 @@ def test_a_source_that_gives_no_document_is_an_error_naming_it(corpora, tmp_path
     source = resolve_source(DataConfig(urls=str(bad / "train-{000000..000003}.tar"),
                                        tokenizer=str(corpora[0] / "tokenizer")))
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, on_error="skip", name="long")
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, on_error="skip", name="long", source=1)
     mix = mixture(corpora, [0.5, 0.5], "restart")
-    mix.loaders[1] = DocumentLoader(stream, num_workers=0, lockstep=True)
+    mix.sources[1] = RowStream(DocumentLoader(stream, num_workers=0, lockstep=True), SEQ_LEN, PackingConfig())
     with pytest.raises(DataStreamError, match=r"source 'long': a whole pass over this rank's share of its shards "
                                               r"gave no document"):
-        list(mix)
+        mix.take(4)
+    mix.close()
+
+
+def test_without_lockstep_the_mixture_runs_its_epochs_on(corpora):
+    """data.epoch_lockstep=false: never exhausted; under stop the next epoch (new passes) follows at once."""
+    mix = mixture(corpora, [0.7, 0.3], "stop")
+    mix.lockstep = False
+    seen = Counter()
+    while mix.epoch < 2:
+        assert not mix.exhausted
+        for row in mix.take(1):
+            if mix.epoch < 2:
+                seen.update(doc.key for doc in row if source_of(doc.key) == "short")
+    mix.close()
+    assert Counter({k: 2 * n for k, n in chunks_of(corpora[0]).items()}) == seen  # two whole passes of short
+    assert mix.summary()["long"]["passes_cut"] == 2
+
+
+def test_a_source_with_fewer_shards_than_readers_is_named(corpora):
+    mix = mixture(corpora, [0.5, 0.5], workers=0, rank=0, world_size=8)
+    with pytest.raises(DataStreamError, match=r"source 'short': 4 shards cannot feed 8 readers"):
+        mix.take(1)
+    mix.close()
 
 
 # -- real runs ------------------------------------------------------------------------------------------
@@ -291,21 +336,6 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(c
     assert "Traceback" not in proc.stderr
 
 
-def test_without_lockstep_the_mixture_runs_its_epochs_on_in_one_iteration(corpora):
-    """data.epoch_lockstep=false: no iteration ends; under stop the next epoch (new passes) follows at once."""
-    mix = mixture(corpora, [0.7, 0.3], "stop")
-    mix.lockstep = False
-    short = corpus_keys(corpora[0])
-    seen = Counter()
-    for doc in mix:
-        if mix.epoch == 2:  # the first document of epoch 2
-            break
-        if source_of(doc.key) == "short":
-            seen[doc.key] += 1
-    mix._close()
-    assert Counter({k: 2 for k in short}) == seen  # two whole passes of short, in one iteration
-    assert mix.summary()["long"]["passes_cut"] == 2
-
 
 def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, tmp_path):
     other = tmp_path / "other"
@@ -320,8 +350,3 @@ def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, t
     assert_one_error_line(proc.returncode, proc.stderr, "source 'other' was prepared with another tokenizer",
                           str(other / "tokenizer"))
 
-
-def test_a_source_with_fewer_shards_than_readers_is_named(corpora):
-    mix = mixture(corpora, [0.5, 0.5], workers=0, rank=0, world_size=8)
-    with pytest.raises(DataStreamError, match=r"source 'short': 4 shards cannot feed 8 readers"):
-        list(mix)

@@ -1,29 +1,33 @@
-"""A data mixture: this rank's documents drawn from several sources by weight, the same in every layout, resumable.
+"""A data mixture: each step's rows drawn from several sources by weight, the same in every layout, resumable.
 
-Each source (an entry of data.sources) is a whole stream of its own: its shards split over the ranks and
-DataLoader workers, its shuffle buffer, its resumable reader positions (trainer.data.loader.DocumentLoader, one
-pass over the source per iteration). The mixture takes this rank's documents from them one at a time, always
-from the source furthest behind its share of the document tokens so far:
+Each source (an entry of data.sources) is a whole row stream of its own: its shards split over the ranks and
+DataLoader workers, its shuffle buffer and resumable reader positions (trainer.data.loader.DocumentLoader, one
+pass over the source per iteration), its own packer (trainer.data.pipeline.RowStream). The mixture hands out
+this rank's rows one at a time, always from the source furthest behind its share of the document tokens so far:
 
-    next source = argmin over sources s of tokens_s / weight_s        (ties: the one listed first)
+    next row from = argmin over sources s of tokens_s / weight_s        (ties: the one listed first)
 
-Deterministic (each source's order comes from the seed) and smooth: after any prefix of the stream, each
-source's tokens are within one document of its weight x all tokens. The packer then makes rows of these
-documents, and every layout lays out those rows, so packed, unpacked and bucketed runs see the same documents
-per step, with the same shares. The weights are shares of document tokens (EOS included) as read, before long
-documents are split; `Document.source` tells each document's source to the per-source metrics.
+where tokens_s counts the document tokens (not padding) of the rows handed out from s. So the weights are shares
+of the document tokens of each step as trained: after any row, each source is within one row (seq_len tokens)
+of its share, whatever the packer does. Mixing after packing, not before: mixed before, the packer's buffer
+(packing.buffer_size documents) would hold back the documents it packs last, those of one source more than the
+other's, and what a step trains would lag behind the weights by up to a buffer of them (measured: 75/25 trained
+for 70/30 read over the 100 steps of experiment=mixture_ablation). The price: a row holds documents of one
+source only. Every layout lays out the rows handed out, so packed, unpacked and bucketed runs see the same
+documents per step, with the same shares; deterministic (each source's order comes from the seed).
 
-Example, weights 0.7 / 0.3, every code document 100 tokens, every prose one 300: code (0 = 0: the first
-listed), prose (100/0.7 > 0), then code six times (until 700/0.7 = 300/0.3), code again (a tie), prose ...:
-after 1,100 tokens 800 are code (73 %), after 2,000 exactly 70 %.
+Example, weights 0.7 / 0.3, rows of 128 tokens, every code row full, every prose row 100 tokens: code (0 = 0: the
+first listed), prose (128/0.7 > 0), code, code (384/0.7 = 549 > 100/0.3 = 333: prose), prose, ... after 10 rows
+7 are code: 896 of 1,196 tokens (75 %); the gap stays within a row and its share of the tokens shrinks.
 
 An epoch of the mixture: every source starts a new pass (its next epoch: a new permutation of its shards). The
 epoch ends when the first source runs out (data.mix_exhausted=stop: the weights hold to the end; what the other
-sources had left of their pass is not read in this epoch, and is counted: `passes_cut`) or when the last one
-does (restart: a source that runs out earlier starts another pass at once, so its documents repeat in the
-epoch). With data.epoch_lockstep the ranks then wait for each other at the epoch's end, as with one source.
+sources had left of their pass is not trained in this epoch, and is counted: `passes_cut`, `docs_cut`) or when
+the last one does (restart: a source that runs out earlier starts another pass at once, so its documents repeat
+in the epoch). With data.epoch_lockstep the ranks then wait for each other at the epoch's end, as with one
+source (`exhausted`, `next_epoch`).
 
-Checkpoints hold every source's own stream state and the counters here. Resumed with other weights (same source
+Checkpoints hold every source's row stream state and the counters here. Resumed with other weights (same source
 names), the shares follow the new weights from the resume on. A mixture resumes on the shape it was written on
 (trainer.data.reshape refuses it).
 """
@@ -31,132 +35,164 @@ names), the shares follow the new weights from the resume on. A mixture resumes 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Sequence
 
 from trainer.data.batch import Document
 from trainer.data.config import MIX_EXHAUSTED
 from trainer.data.loader import DocumentLoader
+from trainer.data.packing import PackingStats
+from trainer.data.pipeline import RowStream
 from trainer.data.reader import DataStreamError
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
+
+COUNTERS = ("tokens", "docs", "passes", "passes_cut", "docs_cut", "pass_rows", "read_through")
+"""Per-source counters a checkpoint keeps (besides `mixed`, the counts the next choice balances)."""
 
 
 class MixtureStateError(UserError, ValueError):
     """A stream state that does not fit this run's mixture (other sources, or none)."""
 
 
-class MixtureLoader:
-    """Documents of several `DocumentLoader`s (one per source, each iterating one pass), mixed by weight.
+class Mixture:
+    """Rows of several per-source `RowStream`s (each over a `DocumentLoader` iterating one pass at a time), mixed
+    by weight: the RowStream interface the trainer draws its steps from (take, unread, exhausted, next_epoch,
+    stats, state_dict, close) and the DocumentLoader one it reports from (start, skipped, resume_read)."""
 
-    The interface the trainer uses of a DocumentLoader (iterate, start, state_dict, load_state_dict, skipped,
-    resume_read); with `lockstep` one iteration covers one epoch of the mixture.
-    """
-
-    def __init__(self, loaders: Sequence[DocumentLoader], names: Sequence[str], weights: Sequence[float],
+    def __init__(self, sources: Sequence[RowStream], names: Sequence[str], weights: Sequence[float],
                  exhausted: str = "stop", lockstep: bool = True) -> None:
         if exhausted not in MIX_EXHAUSTED:
             raise ValueError(f"exhausted must be one of {MIX_EXHAUSTED}, got {exhausted!r}")
-        if not (len(loaders) == len(names) == len(weights)) or not loaders:
-            raise ValueError(f"{len(loaders)} loaders, {len(names)} names and {len(weights)} weights")
-        if any(not loader.lockstep for loader in loaders):
-            raise ValueError("each source's DocumentLoader must iterate one pass at a time (lockstep=True)")
-        self.loaders = list(loaders)
+        if not (len(sources) == len(names) == len(weights)) or not sources:
+            raise ValueError(f"{len(sources)} sources, {len(names)} names and {len(weights)} weights")
+        if any(not getattr(rows.docs, "lockstep", False) for rows in sources):
+            raise ValueError("each source's RowStream must read a DocumentLoader one pass at a time (lockstep=True)")
+        self.sources = list(sources)
         self.names = list(names)
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
         """Each source's target share of the document tokens (the weights normalized)."""
-        self.exhausted = exhausted
+        self.exhausted_policy = exhausted
         self.lockstep = lockstep
-        """One mixture epoch per iteration (data.epoch_lockstep); else the epochs follow each other."""
+        """One mixture epoch, then `exhausted` until `next_epoch` (data.epoch_lockstep); else the epochs run on."""
         self.num_workers = self.loaders[0].num_workers
         self.stream = None
         """No single DocumentStream: trainer.data.reshape, which deals one, refuses a mixture."""
-        n = len(self.loaders)
+        n = len(self.sources)
         self.epoch = 0
         self.mixed = [0] * n
-        """Document tokens handed out per source since the weights were set: what the next choice balances."""
+        """Document tokens of the rows handed out per source since the weights were set: what the choice balances."""
         self.tokens = [0] * n
-        """Document tokens handed out per source since the start of training."""
+        """Document tokens of the rows handed out per source since the start of training."""
         self.docs = [0] * n
+        """Documents (chunks of split ones count once each) of those rows."""
         self.passes = [0] * n
         """Passes read to their end, per source."""
         self.passes_cut = [0] * n
-        """Passes left unread at an epoch's end (mix_exhausted=stop; restart: the extra pass running then)."""
-        self.pass_docs = [0] * n
-        """Documents handed out from each source's current pass (0: at the start of one)."""
+        """Passes left at an epoch's end (mix_exhausted=stop; restart: the extra pass running then)."""
+        self.docs_cut = [0] * n
+        """Documents read or packed but not handed out when their pass was cut (the rest was not read at all)."""
+        self.pass_rows = [0] * n
+        """Rows handed out from each source's current pass (0: at the start of one)."""
         self.read_through = [False] * n
         """Whether each source ran out in the current epoch."""
-        self._iters: list[Iterator[Document] | None] = [None] * n
+        self._ready: deque[list[Document]] = deque()
+        """Rows put back (`unread`), handed out again first."""
+        self._ended = False
+        """The epoch ended (lockstep): no row until `next_epoch`."""
+
+    @property
+    def loaders(self) -> list[DocumentLoader]:
+        return [rows.docs for rows in self.sources]
 
     @property
     def lockstep_epoch(self) -> int:
         return self.epoch
 
+    # -- rows ----------------------------------------------------------------------------------------
+
+    def take(self, num_rows: int) -> list[list[Document]]:
+        """The next `num_rows` rows (fewer at a lockstep epoch's end)."""
+        out = [self._ready.popleft() for _ in range(min(num_rows, len(self._ready)))]
+        while len(out) < num_rows and not self._ended:
+            s = min(range(len(self.sources)), key=lambda i: (self.mixed[i] / self.weights[i], i))
+            row = self.sources[s].take(1)
+            if row:
+                self._count(s, row[0])
+                out.append(row[0])
+                continue
+            self._pass_ended(s)
+        return out
+
+    def _count(self, s: int, row: list[Document]) -> None:
+        tokens = sum(len(doc) for doc in row)
+        self.mixed[s] += tokens
+        self.tokens[s] += tokens
+        self.docs[s] += len(row)
+        self.pass_rows[s] += 1
+
+    def _pass_ended(self, s: int) -> None:
+        """Source s ran out: it starts its next pass when asked again; the epoch may end here."""
+        if self.pass_rows[s] == 0:
+            raise DataStreamError(f"source {self.names[s]!r}: a whole pass over this rank's share of its shards "
+                                  "gave no document (empty shards, or every sample skipped)")
+        self.sources[s].next_epoch()
+        self.passes[s] += 1
+        self.pass_rows[s] = 0
+        self.read_through[s] = True
+        if self.exhausted_policy == "stop" or all(self.read_through):
+            self._end_epoch(s)
+
+    def _end_epoch(self, ran_out: int) -> None:
+        """Every source in the middle of a pass leaves its rest; the next epoch starts new passes."""
+        cut = []
+        for s, rows in enumerate(self.sources):
+            if self.pass_rows[s]:
+                self.docs_cut[s] += rows.abandon_epoch()
+                self.passes_cut[s] += 1
+                self.pass_rows[s] = 0
+                cut.append(f"{self.names[s]!r} after {self.tokens[s]:,} tokens in all")
+        self.read_through = [False] * len(self.sources)
+        why = (f"source {self.names[ran_out]!r} ran out (data.mix_exhausted=stop)" if self.exhausted_policy == "stop"
+               else "every source was read through (data.mix_exhausted=restart)")
+        log.info("mixture epoch %d ended: %s%s", self.epoch, why, "; passes cut: " + ", ".join(cut) if cut else "")
+        self.epoch += 1
+        self._ended = self.lockstep
+
+    def unread(self, rows: list[list[Document]]) -> None:
+        """Put rows handed out by the last `take` back in front (a step abandoned before it ran): the next `take`
+        and a checkpoint have them again; they stay counted, as handed out once."""
+        self._ready.extendleft(reversed(rows))
+
+    @property
+    def exhausted(self) -> bool:
+        """The lockstep epoch ended and every row of it was handed out."""
+        return self._ended and not self._ready
+
+    def next_epoch(self) -> None:
+        self._ended = False
+
+    @property
+    def stats(self) -> PackingStats:
+        """The sources' packing counts, summed."""
+        total = PackingStats()
+        for rows in self.sources:
+            for key, value in rows.stats.state_dict().items():
+                setattr(total, key, getattr(total, key) + value)
+        return total
+
+    def close(self) -> None:
+        for rows in self.sources:
+            rows.close()
+
+    # -- what the trainer reports -------------------------------------------------------------------
+
     def start(self) -> None:
         """Start every source's workers now (after `load_state_dict`: their positions are restored on return)."""
         for loader in self.loaders:
             loader.start()
-
-    def __iter__(self) -> Iterator[Document]:
-        try:
-            while True:
-                s = min(range(len(self.loaders)), key=lambda i: (self.mixed[i] / self.weights[i], i))
-                doc = self._pull(s)
-                if doc is not None:
-                    doc.source = s
-                    n = len(doc)
-                    self.mixed[s] += n
-                    self.tokens[s] += n
-                    self.docs[s] += 1
-                    self.pass_docs[s] += 1
-                    yield doc
-                    continue
-                if self.pass_docs[s] == 0:
-                    raise DataStreamError(f"source {self.names[s]!r}: a whole pass over this rank's share of its "
-                                          "shards gave no document (empty shards, or every sample skipped)")
-                self.passes[s] += 1
-                self.pass_docs[s] = 0
-                self.read_through[s] = True
-                if self.exhausted == "stop" or all(self.read_through):
-                    self._end_epoch(s)
-                    if self.lockstep:
-                        return
-        finally:  # also when the consumer stops early: every source's workers end with the iteration
-            self._close()
-
-    def _pull(self, s: int) -> Document | None:
-        """The next document of source s's pass, or None at the pass's end (the next pull starts its next one)."""
-        if self._iters[s] is None:
-            self._iters[s] = iter(self.loaders[s])
-        doc = next(self._iters[s], None)
-        if doc is None:
-            self._iters[s] = None
-        return doc
-
-    def _end_epoch(self, ran_out: int) -> None:
-        """Every source in the middle of a pass leaves its rest unread; the next epoch starts new passes."""
-        cut = []
-        for s, loader in enumerate(self.loaders):
-            if self.pass_docs[s]:
-                self._close(s)
-                loader.skip_rest_of_epoch()
-                self.passes_cut[s] += 1
-                cut.append(f"{self.names[s]!r} after {self.pass_docs[s]} documents of its pass")
-                self.pass_docs[s] = 0
-        self.read_through = [False] * len(self.loaders)
-        why = (f"source {self.names[ran_out]!r} ran out (data.mix_exhausted=stop)" if self.exhausted == "stop"
-               else "every source was read through (data.mix_exhausted=restart)")
-        log.info("mixture epoch %d ended: %s%s", self.epoch, why, "; left unread in it: " + ", ".join(cut) if cut else "")
-        self.epoch += 1
-
-    def _close(self, only: int | None = None) -> None:
-        for s, it in enumerate(self._iters):
-            if it is not None and only in (None, s):
-                it.close()  # DocumentLoader's finally: its workers end
-                self._iters[s] = None
-
-    # -- what the trainer reports -------------------------------------------------------------------
 
     def skipped(self) -> dict[str, int]:
         """Samples skipped under on_error=skip, summed over the sources (this rank's readers)."""
@@ -172,43 +208,47 @@ class MixtureLoader:
         return sum(r[0] for r in reads), sum(r[1] for r in reads)
 
     def summary(self) -> dict[str, dict]:
-        """Per source, what this rank's readers handed out since the start of training.
+        """Per source, what this rank handed out since the start of training, and what its cut passes left.
 
-        Example: {"code": {"weight": 0.7, "docs": 812, "tokens": 70144, "passes": 1, "passes_cut": 0}, ...}."""
+        Example: {"code": {"weight": 0.7, "docs": 812, "tokens": 70144, "passes": 1, "passes_cut": 0,
+        "docs_cut": 0}, ...}."""
         return {name: {"weight": self.weights[s], "docs": self.docs[s], "tokens": self.tokens[s],
-                       "passes": self.passes[s], "passes_cut": self.passes_cut[s]}
+                       "passes": self.passes[s], "passes_cut": self.passes_cut[s], "docs_cut": self.docs_cut[s]}
                 for s, name in enumerate(self.names)}
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        counters = {key: list(getattr(self, key)) for key in COUNTERS}
         return {
-            "mixture": {"names": list(self.names), "weights": list(self.weights), "exhausted": self.exhausted,
-                        "epoch": self.epoch, "mixed": list(self.mixed), "tokens": list(self.tokens),
-                        "docs": list(self.docs), "passes": list(self.passes), "passes_cut": list(self.passes_cut),
-                        "pass_docs": list(self.pass_docs), "read_through": list(self.read_through)},
-            "sources": [loader.state_dict() for loader in self.loaders],
-            "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
-            "lockstep_epoch": self.epoch,
+            "docs": {"mixture": {"names": list(self.names), "weights": list(self.weights), "epoch": self.epoch,
+                                 "mixed": list(self.mixed), **counters},
+                     "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
+                     "lockstep_epoch": self.epoch},
+            "sources": [rows.state_dict() for rows in self.sources],
+            "ready": [[doc.to_state() for doc in row] for row in self._ready],
+            "stats": self.stats.state_dict(),
+            "exhausted": self._ended,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state.get("mixture")
+        saved = state["docs"].get("mixture")
         if saved is None:
             raise MixtureStateError(f"the checkpoint's data stream is one source; this run mixes {self.names} "
                                     "(data.sources): resume with the checkpoint's data config, or start a new run")
         if saved["names"] != self.names:
             raise MixtureStateError(f"the checkpoint mixes the sources {saved['names']}; this run's data.sources "
                                     f"names {self.names}: a mixture resumes with the same sources, in the same order")
-        self._close()
-        for loader, loader_state in zip(self.loaders, state["sources"], strict=True):
-            loader.load_state_dict(loader_state)
+        for rows, rows_state in zip(self.sources, state["sources"], strict=True):
+            rows.load_state_dict(rows_state)
         self.epoch = saved["epoch"]
-        for key in ("tokens", "docs", "passes", "passes_cut", "pass_docs", "read_through"):
+        for key in COUNTERS:
             setattr(self, key, list(saved[key]))
+        self._ready = deque([[Document.from_state(d) for d in row] for row in state["ready"]])
+        self._ended = state["exhausted"]
         if [round(w, 12) for w in saved["weights"]] == [round(w, 12) for w in self.weights]:
             self.mixed = list(saved["mixed"])
         else:  # new weights: the shares follow them from here (the old counts would make a burst of one source)
             log.info("mixture weights changed from %s to %s at the resume: the shares follow the new weights from "
                      "here", saved["weights"], self.weights)
-            self.mixed = [0] * len(self.loaders)
+            self.mixed = [0] * len(self.sources)

@@ -74,6 +74,17 @@ class RowStream:
         self._doc_iter = None
         self._ended = False
 
+    def abandon_epoch(self) -> int:
+        """Leave the rest of the current (lockstep) epoch untrained: its rows not handed out, the packer's pieces and
+        the documents not yet read (a data mixture's epoch ended, trainer.data.mixture). The next `take` starts the
+        next epoch. Returns the documents dropped (rows' and packer's, and the reader's current chunk's)."""
+        self.close()
+        dropped = sum(map(len, self._ready)) + len(self.packer)
+        self._ready.clear()
+        self.packer = OnlinePacker(self.seq_len, self.cfg.buffer_size)
+        self._ended = False
+        return dropped + len(self.docs.skip_rest_of_epoch())
+
     def close(self) -> None:
         """Stop reading: closes the document iterator (and with it any DataLoader workers)."""
         if self._doc_iter is not None and hasattr(self._doc_iter, "close"):

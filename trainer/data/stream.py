@@ -55,6 +55,7 @@ class DocumentStream(IterableDataset):
         loss_on: str = "all",
         shard_tokens: Sequence[int] | None = None,
         name: str | None = None,
+        source: int = 0,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -96,6 +97,8 @@ class DocumentStream(IterableDataset):
         """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
         self.name = name
         """The source's name in a mixture (data.sources), for errors; None for the one source."""
+        self.source = source
+        """Its index in data.sources: every document's `source`."""
         self.resume_states: dict[int, SlotState] = {}
         self.stop_epoch: int | None = None
         """Set by a lockstep DocumentLoader: every slot stops when it reaches this epoch."""
@@ -183,7 +186,7 @@ class DocumentStream(IterableDataset):
             if self.loss_on == "assistant":
                 loss_mask = np.zeros(len(tokens), dtype=bool)  # the appended EOS stays an input only
                 loss_mask[:-1] = assistant_token_mask(text, enc.offsets)
-            docs.append(Document(key=key, tokens=tokens, loss_mask=loss_mask))
+            docs.append(Document(key=key, tokens=tokens, loss_mask=loss_mask, source=self.source))
         return docs
 
     def __iter__(self) -> Iterator[tuple[int, SlotState, list[Document]]]:

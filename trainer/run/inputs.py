@@ -20,7 +20,7 @@ from trainer.config import RunConfig
 from trainer.data.batch import Batch, check_token_ids
 from trainer.data.config import SINGLE_SOURCE
 from trainer.data.loader import DocumentLoader
-from trainer.data.mixture import MixtureLoader
+from trainer.data.mixture import Mixture
 from trainer.data.pipeline import RowPrefetcher, RowStream, micro_batches
 from trainer.data.shards import load_manifest
 from trainer.data.sources import ShardSource, resolve_source
@@ -42,19 +42,20 @@ class StepInterrupted(ReadInterrupted):
 class DataSource:
     rows: RowStream | RowPrefetcher
     """RowPrefetcher with data.prefetch (the default): the same interface and rows."""
-    loader: DocumentLoader | MixtureLoader
+    loader: DocumentLoader | Mixture
     tokenizer_dir: Path
     tokenizer_hash: str
     vocab_size: int
     pad_id: int
     eos_id: int
-    mixture: MixtureLoader | None = None
-    """The mixture of data.sources (the same object as `loader`); None for one source."""
+    mixture: Mixture | None = None
+    """The mixture of data.sources (the same object as `loader`, and the row stream `rows` draws from); None for one
+    source."""
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
     """This rank's row stream over the training shards (its own slots of the rank x worker split), of one source
-    or of the mixture of data.sources (trainer.data.mixture: one stream per source, mixed by weight).
+    or of the mixture of data.sources (trainer.data.mixture: one row stream per source, rows mixed by weight).
 
     The shards and tokenizer come from `resolve_source` (data.path, or data.urls / data.tokenizer; per source of a
     mixture), checked here at startup: a pattern that matches nothing fails before any training.
@@ -73,14 +74,18 @@ def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
                               "with the same one (python -m trainer.prepare --tokenizer DIR)")
     tok = load_tokenizer(tokenizer_dir)
     ids = special_ids(tok, tokenizer_dir)
-    loaders = [DocumentLoader(_stream(cfg, info, source, tokenizer_dir, ids.eos, seed, name if mixture else None),
-                              num_workers=cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep or bool(mixture))
-               for seed, (name, source, _) in zip(_source_seeds(cfg.seed, len(mixture)), parts, strict=True)]
-    loader = loaders[0]
-    if mixture:  # each source iterates one pass at a time; the mixture decides where epochs end
-        loader = MixtureLoader(loaders, [p[0] for p in parts], [p[2] for p in parts], cfg.data.mix_exhausted,
-                               lockstep=cfg.data.epoch_lockstep)
-    rows = RowStream(loader, cfg.train.seq_len, cfg.packing)
+    seeds = _source_seeds(cfg.seed, len(mixture))
+    streams = []
+    for index, (name, source, _) in enumerate(parts):
+        stream = _stream(cfg, info, source, tokenizer_dir, ids.eos, seeds[index], index, name if mixture else None)
+        # A mixture's sources are read one pass at a time whatever data.epoch_lockstep: the mixture ends its epochs.
+        loader = DocumentLoader(stream, num_workers=cfg.data.num_workers,
+                                lockstep=cfg.data.epoch_lockstep or bool(mixture))
+        streams.append(RowStream(loader, cfg.train.seq_len, cfg.packing))
+    rows, loader = streams[0], streams[0].docs
+    if mixture:  # each source packed alone, its rows mixed by weight
+        rows = loader = Mixture(streams, [p[0] for p in parts], [p[2] for p in parts], cfg.data.mix_exhausted,
+                                lockstep=cfg.data.epoch_lockstep)
     return DataSource(
         rows=RowPrefetcher(rows) if cfg.data.prefetch else rows,
         loader=loader,
@@ -102,7 +107,7 @@ def _source_seeds(seed: int, num_sources: int) -> list[int]:
 
 
 def _stream(cfg: RunConfig, info: DistInfo, source: ShardSource, tokenizer_dir: Path, eos_id: int, seed: int,
-            name: str | None) -> DocumentStream:
+            index: int, name: str | None) -> DocumentStream:
     return DocumentStream(
         source.train_urls,
         tokenizer_dir,
@@ -118,6 +123,7 @@ def _stream(cfg: RunConfig, info: DistInfo, source: ShardSource, tokenizer_dir: 
         loss_on=cfg.data.loss_on,
         shard_tokens=manifest_tokens(source.train_urls, source.manifest),  # the readers are balanced by them
         name=name,
+        source=index,
     )
 
 
