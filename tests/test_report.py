@@ -654,7 +654,7 @@ def test_token_shares_held_or_not_by_hand(tmp_path):
                           "modules 69.5% (target 70.0%); single steps up to 3.0 points off",
         "drifted mixture": "token shares off target (functions, modules beyond 2 points): functions 65.0% "
                            "(target 70.0%), modules 35.0% (target 30.0%); single steps up to 0.0 points off; "
-                           "read by the mixer: functions 69.0%, modules 31.0%",
+                           "the mixer's count: functions 69.0%, modules 31.0%",
     }
 
 

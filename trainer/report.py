@@ -660,9 +660,10 @@ def target_shares(run: Run) -> dict[str, float]:
     return logged[-1] if logged else {}
 
 
-def read_shares(run: Run) -> dict[str, float]:
-    """Each source's share of the tokens the mixer read (summary.json's `mixture`, {name: {tokens, ...}}); {}
-    without one. Documents read but still in the packer's buffer at the end count here, not in token_shares."""
+def mixer_shares(run: Run) -> dict[str, float]:
+    """Each source's share of the tokens by the mixer's own count (summary.json's `mixture`, {name: {tokens,
+    ...}}: the document tokens it handed out); {} without one. Tokens handed out but not trained by the end (a
+    prefetched step, a buffer of an earlier mixer design) count here, not in token_shares."""
     mixture = (run.summary or {}).get("mixture") or {}
     tokens = {name: entry.get("tokens", 0) for name, entry in mixture.items() if isinstance(entry, dict)}
     total = sum(tokens.values())
@@ -679,9 +680,9 @@ def step_share_gap(run: Run) -> float | None:
 
 def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
     """One line per mixture run (target shares for two sources or more): whether its token shares over the run
-    held within SHARE_TOLERANCE of the targets, the worst single step, and the shares of what the mixer read.
+    held within SHARE_TOLERANCE of the targets, the worst single step, and the shares by the mixer's count.
     Example: ("mix", "token shares held within 2 points of the targets: functions 70.4% (target 70.0%), modules
-    29.6% (target 30.0%); single steps up to 6.1 points off; read by the mixer: functions 70.1%, modules 29.9%")."""
+    29.6% (target 30.0%); single steps up to 6.1 points off; the mixer's count: functions 70.1%, modules 29.9%")."""
     out = []
     for run in runs:
         targets = target_shares(run)
@@ -700,9 +701,9 @@ def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
         gap = step_share_gap(run)
         if gap is not None:
             text += f"; single steps up to {gap * 100:.1f} points off"
-        read = read_shares(run)
-        if read:
-            text += "; read by the mixer: " + ", ".join(f"{name} {share:.1%}" for name, share in read.items())
+        counted = mixer_shares(run)
+        if counted:
+            text += "; the mixer's count: " + ", ".join(f"{name} {share:.1%}" for name, share in counted.items())
         out.append((f"{run.name} mixture", text))
     return out
 
