@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,14 @@ def test_test_modules_share_code_through_helpers_only(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_a.py").write_text("from tests.test_b import run\n")
     assert cross_test_imports(tmp_path / "tests") == ["tests.test_a -> tests.test_b"]  # the check can fail
+
+
+def test_the_commands_that_never_compile_do_not_load_dynamo():
+    """torch._dynamo costs ~1 s of a process's start; only train.compile needs it (trainer/model/compile.py wraps
+    the attention call in torch.compiler.disable then, not at import). Training builds an optimizer, whose
+    add_param_group imports it anyway; export, generate and inspect_mask never do."""
+    code = ("import sys, trainer.export, trainer.generate, trainer.inspect_mask, trainer.model; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -373,7 +373,6 @@ def _flex(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, block_m
     return out_1HND.squeeze(0).transpose(0, 1)
 
 
-@torch.compiler.disable(reason="per-batch boundaries: cu_seqlens length, max_seqlen, the sdpa_docs loop")
 def segment_attention(
     q_NHD: torch.Tensor,
     k_NHD: torch.Tensor,
@@ -384,8 +383,10 @@ def segment_attention(
 ) -> torch.Tensor:
     """Document-causal attention of flat (N, H, D) tokens; returns (N, H, D). The model calls this per layer.
 
-    Runs outside torch.compile's graphs (train.compile, trainer/model/compile.py): the boundaries change with every
-    batch, and outside the graph they are never guarded on, so no backend recompiles per batch.
+    Runs outside torch.compile's graphs (train.compile: trainer/model/compile.py wraps each layer's call in
+    torch.compiler.disable): the boundaries change with every batch, and outside the graph they are never guarded
+    on, so no backend recompiles per batch. Not decorated here: torch.compiler.disable imports dynamo, ~1 s of
+    every process's start, also of the runs that never compile.
     """
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NHD, v_NHD))
     kernel = resolve_backend(backend, q_NHD.device, q_NHD.dtype, requires_grad)

@@ -4,8 +4,9 @@
 has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards hold for each block).
 
 What is compiled: a block's body (`Block._forward`: layer norms, qkv projection, RoPE, output projection,
-residuals, MLP). What is not: the attention kernel call, `segment_attention`, which is `torch.compiler.disable`d
-in trainer/model/attention.py. Its inputs change with every batch: cu_seqlens has one entry per document,
+residuals, MLP). What is not: the attention kernel call, `segment_attention`, which `compile_blocks` wraps in
+`torch.compiler.disable` for each block (`CausalSelfAttention.attend`; not at import, where it would load dynamo
+into every process). Its inputs change with every batch: cu_seqlens has one entry per document,
 max_seqlen is a Python int, and sdpa_docs is a Python loop over the documents (one graph per document count).
 Outside the graph they cost nothing: no guard on them, so no recompilation per batch, whatever the backend:
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_EAGER_ATTENTION = "per-batch boundaries: cu_seqlens length, max_seqlen, the sdpa_docs loop"
+
 
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile each block's body in place (parameter names, and so checkpoints, unchanged); returns the model.
@@ -42,6 +45,11 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
         body = getattr(block, "_forward", None)
         if body is None:
             raise TypeError(f"{type(block).__name__} has no `_forward` (the block body that train.compile compiles)")
+        attend = getattr(getattr(block, "attn", None), "attend", None)
+        if attend is None:
+            raise TypeError(f"{type(block).__name__} has no `attn.attend` (the attention call train.compile keeps out "
+                            "of the graphs)")
+        block.attn.attend = torch.compiler.disable(attend, reason=_EAGER_ATTENTION)  # eager, between the graphs
         block._forward = torch.compile(body, **compile_kwargs)  # an instance attribute: not a parameter, not in the state dict
     return model
 

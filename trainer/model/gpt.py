@@ -179,6 +179,10 @@ def cached_attention(q_BLHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.T
 
 
 class CausalSelfAttention(nn.Module):
+    attend = staticmethod(segment_attention)
+    """The document-causal attention call; train.compile sets an instance's to a torch.compiler.disable'd one
+    (trainer/model/compile.py)."""
+
     def __init__(self, cfg: GPTConfig, attention: AttentionConfig) -> None:
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
@@ -203,7 +207,7 @@ class CausalSelfAttention(nn.Module):
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
         else:
             flat = (B * L, self.n_head, self.head_dim)
-            y = segment_attention(
+            y = self.attend(
                 q.reshape(flat), k.reshape(flat), v.reshape(flat), segments,
                 self.attention.backend, self.attention.flex_compile,
             )  # (B * L, H, D)
