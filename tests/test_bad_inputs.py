@@ -246,12 +246,32 @@ def test_the_fast_compose_is_hydra_s_compose(hydra_configs, capsys, tmp_path, ov
 
 
 def test_the_shipped_configs_still_build(hydra_configs, tmp_path):
-    for overrides in [(), ("experiment=demo",), ("experiment=sft", "train.init_from=x"), ("model=small",),
+    for overrides in [(), ("experiment=demo",), ("experiment=sft", "train.init_from=x"), ("experiment=mixture_ablation",),
+                      ("model=small",),
                       ("model=gpt2-124m",),
                       ("distributed=deepspeed_zero1",), ("distributed=deepspeed_zero3", "distributed.offload=true")]:
         if overrides and overrides[0].startswith("distributed=deepspeed") and importlib.util.find_spec("deepspeed") is None:
             continue  # refused where deepspeed is not installed (the next test)
         build_config(compose(config_name="config", overrides=[*SMALL, *overrides]), str(tmp_path))
+
+
+def test_the_mixture_preset_sweeps_four_runs_that_build(hydra_configs, tmp_path):
+    """experiment=mixture_ablation's sweep (two whole data.sources lists x packing), parsed as Hydra's basic
+    sweeper parses it: 2 x 2 runs, each a valid config with a two-source mixture."""
+    composed = compose(config_name="config", overrides=["experiment=mixture_ablation"], return_hydra_config=True)
+    parser = OverridesParser.create()
+    axes = [list(parser.parse_override(f"{key}={value}").sweep_iterator())
+            for key, value in composed.hydra.sweeper.params.items()]
+    assert [len(axis) for axis in axes] == [2, 2]
+    weights = []
+    assert list(composed.hydra.sweeper.params) == ["data.sources", "packing"]
+    for sources, layout in [(a, b) for a in axes[0] for b in axes[1]]:
+        cfg = compose(config_name="config", overrides=[*SMALL, "experiment=mixture_ablation", f"packing={layout}"])
+        cfg.data.sources = sources
+        run = build_config(cfg, str(tmp_path / "run"))
+        assert [s.name for s in run.data.mixture()] == ["functions", "modules"]
+        weights.append(tuple(s.weight for s in run.data.mixture()))
+    assert sorted(set(weights)) == [(0.3, 0.7), (0.7, 0.3)]
 
 
 def test_an_engine_whose_package_is_not_installed_is_one_error_line(hydra_configs, capsys, monkeypatch, tmp_path):

@@ -48,7 +48,8 @@ MIN_UNIT_BYTES = 1 * MIB
 MAX_UNIT_BYTES = 64 * MIB
 UNITS_PER_CORPUS = 64  # automatic unit size: the corpus / 64, within [1 MiB, 64 MiB]
 RECORD_KINDS = ("jsonl", "parquet", "hf")  # source prefixes whose documents are records of files
-SOURCES = "'demo', 'demo-chat', 'text:GLOB', 'jsonl:GLOB', 'parquet:GLOB', 'hf:DIR_OR_NAME' or 'chat:GLOB'"
+SOURCES = ("'demo', 'demo-chat', 'demo-modules', 'text:GLOB', 'jsonl:GLOB', 'parquet:GLOB', 'hf:DIR_OR_NAME' or "
+           "'chat:GLOB'")
 
 
 @dataclass(frozen=True)
