@@ -83,17 +83,17 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
-    if "mixture" in states[0]["docs"] or stream is None:
-        names = states[0]["docs"].get("mixture", {}).get("names", "data.sources")
-        raise ReshapeError(
-            f"a data mixture ({names}) resumes only on the number of ranks and DataLoader workers it was written "
-            "on (dealing each source's rest of the epoch over another shape is not supported yet): resume on that "
-            "shape, or start a new run with train.init_from=<checkpoint> (weights only)")
     if not lockstep:
         raise ReshapeError(
             "a data stream resumes on another number of ranks or DataLoader workers only with "
             "data.epoch_lockstep=true (the default; without it the readers are in different epochs): resume on "
             "the shape the checkpoint was written on")
+    if stream is None or "mixture" in states[0]["docs"]:
+        names = states[0]["docs"].get("mixture", {}).get("names", "data.sources")
+        raise ReshapeError(
+            f"a data mixture ({names}) resumes only on the number of ranks and DataLoader workers it was written "
+            "on (dealing each source's rest of the epoch over another shape is not supported yet): resume on that "
+            "shape, or start a new run with train.init_from=<checkpoint> (weights only)")
     world, workers = stream.world_size, max(1, num_workers)  # no workers: the rank reads as one slot
     if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
         stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
