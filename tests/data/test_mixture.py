@@ -54,7 +54,16 @@ def corpora(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def source_of(key: str) -> str:
-    return key.split("--")[0]
+    """The source a chunk key names: trainer.prepare names samples by their source file ("short--17"); the
+    mixture puts its source's name in front ("short/short--17#1"), checked here against that."""
+    prefix, sample = key.split("/", 1)
+    assert prefix == sample.split("--")[0], key
+    return prefix
+
+
+def sample_key(key: str) -> str:
+    """The chunk key without the mixture's source prefix, as tests.helpers.epoch_chunks names it."""
+    return key.split("/", 1)[1]
 
 
 def chunks_of(data: Path) -> Counter:
@@ -63,7 +72,8 @@ def chunks_of(data: Path) -> Counter:
 
 
 def by_source(keys: Counter, name: str) -> Counter:
-    return Counter({k: n for k, n in keys.items() if source_of(k) == name})
+    """The chunks of source `name` among a mixture's `keys`, by their sample keys."""
+    return Counter({sample_key(k): n for k, n in keys.items() if source_of(k) == name})
 
 
 def source_rows(data: Path, index: int, workers: int = 0, rank: int = 0, world_size: int = 1) -> RowStream:
@@ -158,7 +168,7 @@ def test_stop_ends_the_epoch_when_the_first_source_runs_out_and_every_source_sta
     assert dropped == 0  # nothing read yet
     first_rows = [doc.key for row in alone.take(len(epochs[1])) for doc in row]
     alone.close()
-    assert set(by_source(epochs[1], "long")) == set(first_rows[: len(by_source(epochs[1], "long"))])
+    assert set(by_source(epochs[1], "long")) == {sample_key(k) for k in first_rows[: len(by_source(epochs[1], "long"))]}
     summary = mix.summary()
     mix.close()
     assert summary["short"]["passes"] == 2 and summary["short"]["passes_cut"] == 0
@@ -279,7 +289,7 @@ def test_without_lockstep_the_mixture_runs_its_epochs_on(corpora):
         assert not mix.exhausted
         for row in mix.take(1):
             if mix.epoch < 2:
-                seen.update(doc.key for doc in row if source_of(doc.key) == "short")
+                seen.update(sample_key(doc.key) for doc in row if source_of(doc.key) == "short")
     mix.close()
     assert Counter({k: 2 * n for k, n in chunks_of(corpora[0]).items()}) == seen  # two whole passes of short
     assert mix.summary()["long"]["passes_cut"] == 2
@@ -322,8 +332,8 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(c
     long_chunks = epoch_chunks(corpora[1], 128)
     for epoch in range(max(trained)):  # the last one is cut by train.max_steps
         got = trained[epoch]
-        assert Counter({k: n for k, n in got.items() if source_of(k) == "short"}) == short_chunks, epoch
-        long_got = {k: n for k, n in got.items() if source_of(k) == "long"}
+        assert by_source(got, "short") == short_chunks, epoch
+        long_got = by_source(got, "long")
         assert set(long_got) < set(long_chunks) and max(long_got.values()) == 1, epoch
     summary = json.loads((straight / "summary.json").read_text())
     assert set(summary["mixture"]) == {"short", "long"}

@@ -224,7 +224,7 @@ def test_eval_docs_of_a_mixture_are_tagged_and_capped_per_source(demo_data):
     alone = load_eval_docs(demo_data, demo_data / "tokenizer", ids.eos, SEQ_LEN, max_docs=5)
     cfg = mixture_config({"name": "a", "path": str(demo_data)}, {"name": "b", "path": str(demo_data), "weight": 2})
     docs = load_eval_docs(cfg, demo_data / "tokenizer", ids.eos, SEQ_LEN, max_docs=5)
-    assert [(d.key, d.source) for d in docs] == [(d.key, 0) for d in alone] + [(d.key, 1) for d in alone]
+    assert [(d.key, d.source) for d in docs] == [(f"a/{d.key}", 0) for d in alone] + [(f"b/{d.key}", 1) for d in alone]
 
 
 def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, tmp_path, caplog):
@@ -283,7 +283,9 @@ def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
     assert [m["step"] for m in lines] == [1, 2, 3]
     totals = {"short": 0, "long": 0}
     for m in lines:
-        trained = {name: [k for k in keys[m["step"]] if k.startswith(f"{name}--")] for name in totals}
+        # Keys are "<source>/<sample key>"; trainer.prepare names a sample by its source file ("short--17").
+        trained = {name: [k.split("/", 1)[1] for k in keys[m["step"]] if k.startswith(f"{name}/{name}--")]
+                   for name in totals}
         assert sum(map(len, trained.values())) == m["docs"]  # every key names its source
         assert m["tokens_by_source"] == {name: sum(lengths[k] for k in ks) for name, ks in trained.items()}
         assert m["docs_by_source"] == {name: len(ks) for name, ks in trained.items()}

@@ -96,7 +96,8 @@ class DocumentStream(IterableDataset):
         self.loss_on = loss_on
         """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
         self.name = name
-        """The source's name in a mixture (data.sources), for errors; None for the one source."""
+        """The source's name in a mixture (data.sources), for errors and the documents' keys (`source_key`); None
+        for the one source."""
         self.source = source
         """Its index in data.sources: every document's `source`."""
         self.resume_states: dict[int, SlotState] = {}
@@ -179,6 +180,8 @@ class DocumentStream(IterableDataset):
         docs = []
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         for key, text, enc in zip(keys, texts, encodings, strict=True):
+            if self.name:  # a mixture's source: its documents' keys say which (two sources may share sample keys)
+                key = source_key(self.name, key)
             tokens = np.empty(len(enc.ids) + 1, dtype=np.int32)
             tokens[:-1] = enc.ids
             tokens[-1] = self.eos_id
@@ -241,6 +244,12 @@ class DocumentStream(IterableDataset):
     def _snapshot(self, state: SlotState, reader: SlotReader | None, restore_read=None) -> SlotState:
         return dataclasses.replace(state, skipped=dict(state.skipped), restore_read=restore_read,
                                    position=reader.position() if reader is not None else None)
+
+
+def source_key(source: str, key: str) -> str:
+    """A mixture's document key: the source's name, "/", the sample's key (names hold no "/": the first one splits).
+    Example: ("code", "train--17") -> "code/train--17" (a chunk of it: "code/train--17#2")."""
+    return f"{source}/{key}"
 
 
 # -- which shards each slot reads: balanced by tokens -------------------------------------------

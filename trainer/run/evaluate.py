@@ -29,7 +29,7 @@ from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
-from trainer.data.stream import DocumentStream
+from trainer.data.stream import DocumentStream, source_key
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
@@ -97,7 +97,7 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
     if left_out:
         log.warning("data.sources %s: no held-out shards (no val_urls, no '%s' split in the manifest): left out of "
                     "the eval (val_token_loss_by_source null for them)", ", ".join(left_out), VAL_SPLIT)
-    return [replace(doc, source=i) for i, _, cfg, source in resolved if source.val_urls
+    return [replace(doc, source=i, key=source_key(name, doc.key)) for i, name, cfg, source in resolved if source.val_urls
             for doc in _read_eval_docs(cfg, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error)]
 
 
