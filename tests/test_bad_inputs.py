@@ -51,6 +51,7 @@ from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.evaluate import load_eval_docs
+from trainer.run.inputs import build_data
 from trainer.train import HYDRA_ERRORS, build_config, user_message
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -337,6 +338,28 @@ def reshaped_without_lockstep(tmp: Path, _) -> None:
     reshape_state([], None, 1, lockstep=False)
 
 
+def reshaped_mixture(tmp: Path, _) -> None:
+    """A data mixture's stream state dealt over another shape (trainer.data.reshape refuses it)."""
+    reshape_state([{"docs": {"mixture": {"names": ["code", "prose"]}, "num_workers": 1}}], None, 1, lockstep=True)
+
+
+def one_source_state_into_a_mixture(tmp: Path, fixture) -> None:
+    """A one-source run's data state loaded by a run with data.sources (the same directory twice)."""
+    demo = fixture("demo_data")
+    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"), str(tmp / "a")), CPU)
+    state = single.rows.state_dict()
+    mix = f"data.sources=[{{name:a,path:'{demo}'}},{{name:b,path:'{demo}'}}]"
+    mixed = build_data(from_container(composed(mix, "data.num_workers=0"), str(tmp / "b")), CPU)
+    try:
+        mixed.rows.load_state_dict(state)
+    finally:
+        single.rows.close()
+        mixed.rows.close()
+
+
+one_source_state_into_a_mixture.fixtures = ("demo_data",)
+
+
 def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str | None = None) -> Call:
     """A command's own main (decorated with trainer.errors.command: it prints its line and returns the status);
     `config_json`: first write {tmp}/runs/a with that config.json and one metrics line (for report)."""
@@ -379,6 +402,10 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
                                       r"ranks\)"),
     ("data.epoch_lockstep", reshaped_without_lockstep, r"resumes on another number of ranks or DataLoader workers "
                                                        r"only with data.epoch_lockstep=true"),
+    ("data.sources", reshaped_mixture, r"a data mixture \(\['code', 'prose'\]\) resumes only on the number of ranks "
+                                       r"and DataLoader workers it was written on"),
+    ("data.sources", one_source_state_into_a_mixture, r"the checkpoint's data stream is one source; this run mixes "
+                                                      r"\['a', 'b'\] \(data.sources\)"),
     ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),
     ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
