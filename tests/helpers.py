@@ -186,19 +186,24 @@ SHORT_SHARD_SCALES = (2.0, 1.5, 1.0, 0.7, 0.5)
 """Document lengths of each shard of `short_docs_corpus`, relative: shards of very different token counts."""
 
 
+def stdlib_words(*files: str) -> list[str]:
+    """The words (runs of letters) of standard-library source files, in order: text that is on every machine."""
+    import re
+    import sysconfig
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    return [w for name in files for w in re.findall(r"[A-Za-z]+", (std / name).read_text())]
+
+
 def short_docs_corpus(out: Path, docs_per_shard: int = 100) -> Path:
     """5 shards of `docs_per_shard` short documents (log-normal, ~10 to ~300 words; shard 0's twice shard 2's,
     shard 4's half), words taken from standard-library sources, prepared with a 300-token BPE: more documents
     per shard than a DataLoader chunk (64), so readers stop inside shards, and packer rows of several."""
     import random
-    import re
-    import sysconfig
 
     from trainer.prepare import prepare
 
-    std = Path(sysconfig.get_paths()["stdlib"])
-    words = [w for name in ("textwrap.py", "json/__init__.py", "argparse.py", "difflib.py")
-             for w in re.findall(r"[A-Za-z]+", (std / name).read_text())]
+    words = stdlib_words("textwrap.py", "json/__init__.py", "argparse.py", "difflib.py")
     rng = random.Random(0)
     lines = []
     for s, scale in enumerate(SHORT_SHARD_SCALES):
@@ -225,14 +230,10 @@ def mixture_corpora(root: Path, docs_per_shard: int = 40, shards: int = 4) -> tu
     "long--<n>" (trainer.prepare names samples by the source file): the key names the source, a reference that
     does not use Document.source."""
     import random
-    import re
-    import sysconfig
 
     from trainer.prepare import prepare
 
-    std = Path(sysconfig.get_paths()["stdlib"])
-    words = [w for name in ("textwrap.py", "json/__init__.py", "argparse.py")
-             for w in re.findall(r"[A-Za-z]+", (std / name).read_text())]
+    words = stdlib_words("textwrap.py", "json/__init__.py", "argparse.py")
     rng = random.Random(1)
     out = []
     for name, (lo, hi) in (("short", (3, 40)), ("long", (60, 300))):
