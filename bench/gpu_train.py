@@ -8,10 +8,10 @@
 Each step draws one logical batch (tokens_per_step / seq_len packer rows) from one `RowStream` and lays it out
 twice: `packed` (attention from --attention, default `auto`: flash-attn, else torch's varlen_attn under bf16 on
 CUDA) and `unpacked` (one document per row, padded to the longest of its micro-batch, SDPA causal). Each layout
-trains its own copy of one init with the real `trainer.run.step.train_step` (bf16 autocast, fp32 AdamW); both run
-every step, back to back, the order alternating. The first --warmup steps are not counted; measuring stops after
---steps steps or once the measured steps have used --time-budget seconds, whichever comes first. Documents that
-run out start another epoch.
+trains its own copy of one init with the real `trainer.run.step.train_step` (bf16 autocast, fp32 AdamW, the default
+per-length loss metrics on, as in a run); both run every step, back to back, the order alternating. The first
+--warmup steps are not counted; measuring stops after --steps steps or once the measured steps have used
+--time-budget seconds, whichever comes first. Documents that run out start another epoch.
 
 Reported per layout, in <out>/gpu_train.json and <out>/gpu_train.md (LAYOUT_KEYS):
     valid_tokens_per_s      valid targets / summed train_step seconds (the same numerator in both layouts)
@@ -125,6 +125,7 @@ def run_steps(args: argparse.Namespace, cfg: RunConfig, info: DistInfo, data, en
     """Train both layouts on the same rows, step by step: (tallies, model FLOPs, seconds, measured steps)."""
     n_rows = rows_for_rank(cfg.train.rows_per_step, info)
     tallies = {layout: Tally() for layout in LAYOUTS}
+    groups = tp.loss_groups(cfg, sources=1)  # the trainer's default metrics: the length buckets of one source
     flops_total, measured_s, step = 0.0, 0.0, 0
     while step < args.warmup + args.steps and not (args.time_budget and measured_s >= args.time_budget):
         rows = take_rows(data, n_rows)
@@ -132,7 +133,7 @@ def run_steps(args: argparse.Namespace, cfg: RunConfig, info: DistInfo, data, en
         valid_counts = set()
         for layout in LAYOUTS if step % 2 == 0 else LAYOUTS[::-1]:  # alternate: neither always goes first
             mbs = tp.lay_out(rows, layout, cfg, data.pad_id)
-            stats, seconds, peak = tp.timed_step(engines[layout], mbs, info, data.pad_id)
+            stats, seconds, peak = tp.timed_step(engines[layout], mbs, info, data.pad_id, groups)
             valid_counts.add(stats.valid_tokens)
             tallies[layout].losses.append(stats.loss)
             if measured:

@@ -4,6 +4,8 @@
     python bench/throughput.py --data data/demo
     python bench/throughput.py --data data/demo --attention dense --steps 20 --json out.json
     python bench/throughput.py --data data/demo --compile --layouts packed    # compiled vs eager, side by side
+    python bench/throughput.py --data data/demo --metrics-off --chunk-tokens 4096 --layouts packed,unpacked
+                                                      # what the per-step metrics cost, plain and chunked loss
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
 (`trainer.run.inputs.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
@@ -22,6 +24,15 @@ noise hits all layouts alike; the first --warmup steps are run but not counted.
                   CPU   measured in a fresh subprocess per layout: peak resident set (VmHWM, reset via
                         /proc/self/clear_refs) minus the resident set before the step, over --mem-steps steps
                         after one unmeasured step, glibc returning large blocks at once (MALLOC_MMAP_THRESHOLD_).
+
+Every variant runs the step as the trainer does by default, with its loss groups (`logging.length_buckets`,
+[64, 256, 1024]; with --sources N as a mixture of N sources: each bucket per source, and tokens and documents per
+source). --metrics-off adds each variant again without them (`logging.length_buckets=[]`, one source: the
+step's plain path), --chunk-tokens N each layout again with loss.chunk_tokens=N; a table then gives what the
+metrics cost per layout and loss: "paired" is the median over the measured steps of (seconds on / seconds off of
+the same step) - 1. It also times the FLOP model the loop evaluates on every logged step (model and hardware
+FLOPs of the step's documents and batches, trainer.run.flops), against the step. Target: the metrics cost at
+most 3% of the step (TARGET_METRICS_COST).
 
 On a CPU shared with other jobs, pass --threads 1: under contention two OpenMP threads slow the many small
 kernels of packed rows (sdpa_docs runs one SDPA per document) far more than unpacked's few large ones.
@@ -50,14 +61,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from trainer.config import LoggingConfig, LossConfig, OptimConfig, RunConfig, TrainConfig, resolve_dtype
-from trainer.data.batch import Batch, Document
+from trainer.data.batch import Batch, Document, LossGroups
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
@@ -65,6 +76,7 @@ from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo
 from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
 from trainer.model.compile import CompileCounter
+from trainer.run.flops import flop_model
 from trainer.run.inputs import build_data, rows_for_rank
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.step import train_step
@@ -72,6 +84,7 @@ from trainer.run.step import train_step
 LAYOUTS = ("packed", "unpacked", "bucketed")
 BASELINE = "unpacked"
 TARGET_EFFICIENCY = 0.90
+TARGET_METRICS_COST = 0.03
 REPO = Path(__file__).resolve().parent.parent
 Steps = list[list[list[Document]]]  # [step][row][document]
 
@@ -81,6 +94,10 @@ class LayoutResult:
     layout: str
     compiled: bool = False
     """train.compile's variant of the layout (--compile)."""
+    metrics: bool = True
+    """The step sums its loss groups (the trainer's default); False: none (--metrics-off)."""
+    chunk_tokens: int = 0
+    """loss.chunk_tokens of the variant (0: the plain loss over whole logits)."""
     valid_per_step: list[int] = field(default_factory=list)
     allocated_per_step: list[int] = field(default_factory=list)
     real_tokens: int = 0
@@ -95,10 +112,18 @@ class LayoutResult:
     peak_mem_bytes: int | None = None
     first_step_s: float | None = None
     """Wall time of the first (warm-up) step: compilation included for a compiled variant."""
+    flop_seconds: list[float] = field(default_factory=list)
+    """Per measured step: the FLOP model's time on the step's documents and batches (the loop's logged metric)."""
 
     @property
     def name(self) -> str:
-        return self.layout + ("+compile" if self.compiled else "")
+        return (self.layout + ("+chunked" if self.chunk_tokens else "") + ("+compile" if self.compiled else "")
+                + ("" if self.metrics else "-metrics"))
+
+    @property
+    def twin(self) -> str:
+        """The name of the same variant with the metrics the other way."""
+        return replace(self, metrics=not self.metrics).name
 
     @property
     def valid_tokens(self) -> int:
@@ -173,9 +198,18 @@ def lay_out(rows: list[list[Document]], layout: str, cfg: RunConfig, pad_id: int
     return micro_batches(rows, packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, pad_id)
 
 
-def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False):
+def loss_groups(cfg: RunConfig, sources: int, metrics: bool = True) -> LossGroups:
+    """The loss groups the trainer's step would sum: logging.length_buckets x `sources` mixture sources (0 or 1:
+    no mixture); none with metrics=False. Every document counts as the first source (the cost is the same)."""
+    if not metrics:
+        return LossGroups()
+    names = tuple(f"source{i}" for i in range(sources)) if sources > 1 else ()
+    return LossGroups(tuple(cfg.logging.length_buckets), names)
+
+
+def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False, chunk_tokens: int = 0):
     """The variant's own model (a copy of the shared init), fresh AdamW and schedule, wrapped like the trainer's."""
-    model = build_model(cfg.model, cfg.attention).to(info.device)
+    model = build_model(cfg.model, cfg.attention, loss_chunk_tokens=chunk_tokens).to(info.device)
     model.load_state_dict(init_state)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
@@ -184,7 +218,7 @@ def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool
                        compile=compile)
 
 
-def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int):
+def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int, groups: LossGroups):
     """(StepStats, seconds, peak bytes above the step's start on CUDA else None)."""
     cuda = info.device.type == "cuda"
     if cuda:
@@ -192,7 +226,7 @@ def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int):
         torch.cuda.reset_peak_memory_stats(info.device)
         base = torch.cuda.memory_allocated(info.device)
     start = time.perf_counter()
-    stats = train_step(engine, mbs, info, pad_id)
+    stats = train_step(engine, mbs, info, pad_id, groups=groups)
     if cuda:
         torch.cuda.synchronize(info.device)
     seconds = time.perf_counter() - start
@@ -206,12 +240,14 @@ def timed_step(engine, mbs: list[Batch], info: DistInfo, pad_id: int):
 
 
 def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, init_state: dict,
-                    warmup: int, variants: list[LayoutResult], counter: CompileCounter | None = None
-                    ) -> tuple[dict[str, LayoutResult], int]:
+                    warmup: int, variants: list[LayoutResult], counter: CompileCounter | None = None,
+                    sources: int = 0) -> tuple[dict[str, LayoutResult], int]:
     """Every variant trains every step, in rotating order. Returns (results by name, recompilations counted
     during the measured steps)."""
     results = {r.name: r for r in variants}
-    engines = {r.name: build_engine(cfg, info, init_state, r.compiled) for r in variants}
+    engines = {r.name: build_engine(cfg, info, init_state, r.compiled, r.chunk_tokens) for r in variants}
+    groups = {r.name: loss_groups(cfg, sources, r.metrics) for r in variants}
+    flops = flop_model(build_model(cfg.model, cfg.attention), cfg.attention, "none", info.device, cfg.train.dtype)
     names = list(results)
     recompiles_at_warmup_end = 0
     for i, rows in enumerate(steps):
@@ -225,7 +261,10 @@ def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, i
             t0 = time.perf_counter()
             mbs = lay_out(rows, r.layout, cfg, pad_id)
             layout_s = time.perf_counter() - t0
-            stats, seconds, peak = timed_step(engines[name], mbs, info, pad_id)
+            stats, seconds, peak = timed_step(engines[name], mbs, info, pad_id, groups[name])
+            t0 = time.perf_counter()
+            flops.step_flops(rows, mbs)
+            flop_s = time.perf_counter() - t0
             valid_counts.add(stats.valid_tokens)
             r.losses.append(stats.loss)
             if i == 0:
@@ -240,6 +279,7 @@ def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, i
             r.largest_micro_batch = max(r.largest_micro_batch, *(mb.num_allocated for mb in mbs))
             r.seconds.append(seconds)
             r.layout_seconds.append(layout_s)
+            r.flop_seconds.append(flop_s)
             if peak is not None:
                 r.peak_mem_bytes = max(r.peak_mem_bytes or 0, peak)
         if len(valid_counts) != 1:
@@ -268,25 +308,26 @@ def memory_worker(spec_path: str) -> int:
     spec = torch.load(spec_path, weights_only=False)
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    cfg, layout, pad_id = spec["cfg"], spec["layout"], spec["pad_id"]
+    cfg, layout, pad_id, groups = spec["cfg"], spec["layout"], spec["pad_id"], spec["groups"]
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     engine = build_engine(cfg, info, spec["init_state"])
     batches = [lay_out(rows, layout, cfg, pad_id) for rows in spec["steps"]]
     del spec
-    train_step(engine, batches[0], info, pad_id)  # allocates the AdamW moments: held between steps, not counted
+    train_step(engine, batches[0], info, pad_id, groups=groups)  # allocates the AdamW moments: held between steps, not counted
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark VmHWM to the current resident set
     base = _status_kib("VmRSS")
     for mbs in batches[1:]:
-        train_step(engine, mbs, info, pad_id)
+        train_step(engine, mbs, info, pad_id, groups=groups)
     return (_status_kib("VmHWM") - base) * 1024
 
 
-def cpu_peak_memory(cfg: RunConfig, steps: Steps, pad_id: int, init_state: dict, layout: str) -> int | None:
+def cpu_peak_memory(cfg: RunConfig, steps: Steps, pad_id: int, init_state: dict, layout: str,
+                    groups: LossGroups) -> int | None:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.pt")
-        spec = dict(cfg=cfg, layout=layout, pad_id=pad_id, init_state=init_state, steps=steps,
+        spec = dict(cfg=cfg, layout=layout, pad_id=pad_id, init_state=init_state, steps=steps, groups=groups,
                     threads=torch.get_num_threads())
         torch.save(spec, spec_path)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -352,6 +393,33 @@ def markdown(results: dict[str, LayoutResult], steps: int) -> str:
     return "\n".join(lines)
 
 
+def metrics_markdown(results: dict[str, LayoutResult]) -> tuple[str, dict]:
+    """What the step's metrics cost, per variant run both ways (--metrics-off): step time on vs off of the same
+    steps, and the FLOP model the loop evaluates per logged step. Returns (the table, figures for the JSON)."""
+    lines = [
+        "| variant | step ms on (median) | step ms off (median) | cost, totals | cost, paired (median) | verdict "
+        "| FLOP model ms/step | FLOP model / step |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    figures = {}
+    for r in results.values():
+        off = results.get(r.twin)
+        if not r.metrics or off is None:
+            continue
+        total = sum(r.seconds) / sum(off.seconds) - 1
+        paired = statistics.median(t_on / t_off - 1 for t_on, t_off in zip(r.seconds, off.seconds, strict=True))
+        verdict = "PASS" if paired <= TARGET_METRICS_COST else "MISS"
+        flop_ms = 1e3 * statistics.median(r.flop_seconds)
+        lines.append(
+            f"| {r.name} | {1e3 * statistics.median(r.seconds):,.0f} | {1e3 * statistics.median(off.seconds):,.0f} "
+            f"| {total:+.1%} | {paired:+.1%} | {verdict} | {flop_ms:.2f} "
+            f"| {flop_ms / (1e3 * statistics.median(r.seconds)):.2%} |"
+        )
+        figures[r.name] = dict(cost_totals=total, cost_paired=paired, verdict=verdict, flop_model_ms=flop_ms)
+    lines.append(f"\ncost = step time with the metrics / without - 1 (target <= {TARGET_METRICS_COST:.0%}, paired)")
+    return "\n".join(lines), figures
+
+
 def compile_markdown(results: dict[str, LayoutResult], recompiles: int) -> str:
     """Compiled vs eager, per layout: the same documents, the same init (--compile). "paired" is the median over
     the measured steps of eager seconds / compiled seconds of the same step (robust to bursts of load)."""
@@ -364,11 +432,11 @@ def compile_markdown(results: dict[str, LayoutResult], recompiles: int) -> str:
     for r in results.values():
         if not r.compiled:
             continue
-        e = results[r.layout]
+        e = results[replace(r, compiled=False).name]
         diff = max(abs(a - b) for a, b in zip(r.losses, e.losses, strict=True))
         paired = statistics.median(t_e / t_c for t_e, t_c in zip(e.seconds, r.seconds, strict=True))
         lines.append(
-            f"| {r.layout} | {e.valid_tps:,.0f} | {r.valid_tps:,.0f} | {r.valid_tps / e.valid_tps:.2f}x | {paired:.2f}x "
+            f"| {e.name} | {e.valid_tps:,.0f} | {r.valid_tps:,.0f} | {r.valid_tps / e.valid_tps:.2f}x | {paired:.2f}x "
             f"| {1e3 * statistics.median(e.seconds):,.0f} | {1e3 * statistics.median(r.seconds):,.0f} "
             f"| {r.first_step_s:.1f} | {e.first_step_s:.1f} | {diff:.1e} |"
         )
@@ -411,6 +479,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts to run (default: all three)")
     p.add_argument("--compile", action="store_true", help="also run each layout with train.compile, side by side")
+    p.add_argument("--metrics-off", action="store_true",
+                   help="also run each variant without the step's loss-group metrics, side by side (their cost)")
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="also run each layout with loss.chunk_tokens=N (the chunked loss), side by side")
+    p.add_argument("--sources", type=int, default=2,
+                   help="loss groups as in a mixture of N sources (per-source metrics too; 0 or 1: one source)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"], help="train.dtype (default fp32)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
@@ -452,17 +526,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.train.dtype} AdamW, packed attention: {cfg.attention.backend}, unpacked padded to {args.pad_to}")
     print(f"# {args.steps} measured steps after {args.warmup} warm-up, {docs / args.steps:.1f} documents per step, "
           f"data {args.data}")
+    groups = loss_groups(cfg, args.sources)
+    print(f"# metrics: {groups.size} loss groups (length buckets {list(groups.edges)} x {groups.num_sources} "
+          f"source(s)){'; each variant also without (-metrics)' if args.metrics_off else ''}"
+          f"{f'; chunked loss: loss.chunk_tokens={args.chunk_tokens}' if args.chunk_tokens else ''}")
     print(f"# {machine(device)}")
 
-    variants = [LayoutResult(lay, compiled) for lay in layouts for compiled in ((False, True) if args.compile
-                                                                               else (False,))]
+    variants = [LayoutResult(lay, compiled, metrics, chunk)
+                for lay in layouts
+                for chunk in ((0, args.chunk_tokens) if args.chunk_tokens else (0,))
+                for compiled in ((False, True) if args.compile else (False,))
+                for metrics in ((True, False) if args.metrics_off else (True,))]
     load_start = f"{os.getloadavg()[0]:.2f}"
     counter = CompileCounter() if args.compile else None
-    results, recompiles = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup, variants, counter)
+    results, recompiles = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup, variants, counter,
+                                          args.sources)
     if device.type == "cpu" and args.mem_steps > 0:
         mem_steps = steps[:1] + steps[args.warmup : args.warmup + args.mem_steps]
         for layout in layouts:
-            results[layout].peak_mem_bytes = cpu_peak_memory(cfg, mem_steps, pad_id, init_state, layout)
+            results[layout].peak_mem_bytes = cpu_peak_memory(cfg, mem_steps, pad_id, init_state, layout,
+                                                             loss_groups(cfg, args.sources))
 
     print()
     print(markdown(results, args.steps))
@@ -472,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(compile_markdown(results, recompiles))
         print()
+    metrics_table, metrics_figures = metrics_markdown(results)
+    print(metrics_table)
+    print()
     first = {name: f"{r.losses[0]:.5f}" for name, r in results.items()}
     last = {name: f"{r.losses[-1]:.5f}" for name, r in results.items()}
     print(f"loss at step 1 {first}, at step {len(steps)} {last} (same init, same documents)")
@@ -480,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak step mem: {mem_note}")
     print(f"load average at start / end: {load_start} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
     out = dict(machine=machine(device), args=vars(args), attention=cfg.attention.backend,
-               recompiles_measured=recompiles if args.compile else None,
+               recompiles_measured=recompiles if args.compile else None, metrics_cost=metrics_figures,
                layouts={name: {**asdict(r), "valid_tokens_per_s": r.valid_tps,
                                "allocated_positions_per_s": r.allocated_ps, "utilization": r.utilization}
                         for name, r in results.items()}, **figures)

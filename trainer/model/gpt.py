@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data.batch import IGNORE_INDEX, Batch
+from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
-from trainer.model.loss import chunked_cross_entropy, group_sums, shifted_cross_entropy, token_cross_entropy
+from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
 
 POS_EMBS = ("learned", "rope")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -356,15 +356,9 @@ class GPT(nn.Module):
                                group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V)
         loss_sum = num_targets = weighted = grouped = None
-        if labels is not None and loss_weights is None and loss_groups is None:
-            loss_sum, num_targets = shifted_cross_entropy(logits, labels)
-        elif labels is not None:
-            ce_BT = token_cross_entropy(logits, labels)  # (B, L - 1), 0 where ignored
-            loss_sum, num_targets = ce_BT.sum(), (labels[:, 1:] != IGNORE_INDEX).sum()
-            if loss_weights is not None:
-                weighted = (ce_BT * loss_weights[:, 1:]).sum()
-            if loss_groups is not None:
-                grouped = group_sums(ce_BT, loss_groups[:, 1:], num_loss_groups)
+        if labels is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
+            loss_sum, num_targets, weighted, grouped = plain_cross_entropy(
+                logits, labels, loss_weights, loss_groups, num_loss_groups)
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
 

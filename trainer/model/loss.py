@@ -2,15 +2,22 @@
 
 Labels arrive unshifted (-100 at each segment start and on padding; trainer.data.batch) and are shifted here,
 so the loss is the same sum over the same targets in the padded and the packed layout; the caller (the step)
-divides by its own count of targets. Three forms, each returning the sum and the number of targets:
-    shifted_cross_entropy   from whole logits (B, L, V)
-    weighted_cross_entropy  the same, plus a per-target weighted sum (loss.normalization modes other than
-                            global_tokens weigh each target by its document, row or micro-batch)
+divides by its own count of targets. The shift is done on the labels, never on the logits: position t of a
+row is scored against labels[t + 1] and a row's last position against nothing (`shift_left`), so the (B * L, V)
+logits are read in place, as one contiguous matrix (slicing off each row's last position would copy them all,
+and so would a transposed (B, V, L) view).
+
+Every sum comes from one tensor of token losses, computed once: the objective, the weighted sum of the other
+loss normalizations and the per-group sums of the metrics are reductions of the same (B, L) values, so a metric
+can neither change the objective nor drift from it. Two forms, each returning (loss sum, number of targets,
+weighted sum or None, per-group sums or None):
+    plain_cross_entropy     from whole logits (B, L, V): `token_losses`, then the sums
     chunked_cross_entropy   from the final hidden states and the head's weight, a chunk of positions at a
                             time: the (B * L, V) logits never exist whole (loss.chunk_tokens); same values
-                            and gradients as the other two
-Each can also sum the token losses per group (`groups` (B, L), aligned with the labels: a group id per target,
-e.g. its document's length bucket; `group_sums`): a metric, detached, which changes no value or gradient.
+                            and gradients as the plain form
+`weights` (B, L) (loss.normalization modes other than global_tokens weigh each target by its document, row or
+micro-batch) and `groups` (B, L) (a group id per target, e.g. its document's source x length bucket) are aligned
+with the unshifted labels, like them. The group sums are a metric: detached, they change no value or gradient.
 """
 
 from __future__ import annotations
@@ -22,21 +29,22 @@ from torch.autograd.function import once_differentiable
 from trainer.data.batch import IGNORE_INDEX
 
 
-def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed fp32 cross entropy, number of targets) with logits at t predicting labels at t + 1.
+def shift_left(x_BL: torch.Tensor, fill: float) -> torch.Tensor:
+    """(B, L): x[:, 1:] with `fill` appended to each row, so that position t holds what labels[t + 1] scores.
 
-    Labels are unshifted with -100 at each segment start, so the shift never asks the last token of
-    one document to predict the first token of the next. Example, one row [a0 a1 | b0 b1]:
-        labels  = [-100 a1 -100 b1]  -> targets of positions 0..2 = [a1 -100 b1]
-    a1 is predicted from a0, b1 from b0, and a1 (A's EOS) predicts nothing from B.
+    Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1], fill -100 -> targets [a1 -100 b1 -100]:
+    a1 is predicted from a0, b1 from b0; a1 (A's EOS) predicts nothing from B, b1 nothing at all.
     """
-    logits_BTV = logits[:, :-1, :]  # (B, L - 1, V)
-    targets_BT = labels[:, 1:]
-    loss_sum = F.cross_entropy(
-        logits_BTV.reshape(-1, logits_BTV.size(-1)).float(), targets_BT.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
-    return loss_sum, (targets_BT != IGNORE_INDEX).sum()
+    return F.pad(x_BL[:, 1:], (0, 1), value=fill)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) fp32 cross entropy of each position's next-token target (logits at t predicting labels at t + 1),
+    0 where ignored and at each row's last position. One kernel over the contiguous (B * L, V) logits."""
+    B, L, V = logits.shape
+    targets_N = shift_left(labels, IGNORE_INDEX).reshape(-1)
+    ce_N = F.cross_entropy(logits.reshape(B * L, V).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
+    return ce_N.view(B, L)
 
 
 def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -51,23 +59,49 @@ def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> t
     return out.index_add_(0, torch.where(inside, groups_N, 0), torch.where(inside, ce_N, 0.0))
 
 
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B, L - 1) fp32 cross entropy of each target (logits at t predicting labels at t + 1), 0 where ignored."""
-    return F.cross_entropy(logits[:, :-1, :].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
-                           reduction="none")
+def num_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Targets of unshifted labels: every label but -100 and each row's first (which nothing predicts)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def plain_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None, num_groups: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
+    of whole logits (B, L, V). Every sum reduces the same `token_losses`: with or without weights and groups, the
+    loss sum is the same value, bit for bit.
+
+    weights[b, t] weighs the target labels[b, t] (predicted from position t - 1), e.g. 1 / (targets of the
+    token's document) makes the weighted sum the sum of per-document mean losses; groups[b, t] is the group of
+    that target (-1: none), as in `group_sums`.
+    """
+    ce_BL = token_losses(logits, labels)
+    weighted = None if weights is None else (ce_BL * shift_left(weights, 0.0)).sum()
+    grouped = None if groups is None else group_sums(ce_BL, shift_left(groups, -1), num_groups)
+    return ce_BL.sum(), num_targets(labels), weighted, grouped
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed fp32 cross entropy, number of targets) with logits at t predicting labels at t + 1: the objective's
+    sum, as `plain_cross_entropy` gives it.
+
+    Labels are unshifted with -100 at each segment start, so the shift never asks the last token of
+    one document to predict the first token of the next. Example, one row [a0 a1 | b0 b1]:
+        labels  = [-100 a1 -100 b1]  -> targets of positions 0..3 = [a1 -100 b1 -100]
+    a1 is predicted from a0, b1 from b0, and a1 (A's EOS) predicts nothing from B.
+    """
+    loss_sum, count, _, _ = plain_cross_entropy(logits, labels)
+    return loss_sum, count
 
 
 def weighted_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed cross entropy, number of targets, sum of weights[t] * cross entropy of target t).
-
-    `weights` (B, L) is aligned with the unshifted labels: weights[b, t] weighs the target labels[b, t]
-    (predicted from position t - 1). Example: weights = 1 / (targets of the token's document) makes the
-    weighted sum the sum of per-document mean losses.
-    """
-    ce_BT = token_cross_entropy(logits, labels)  # (B, L - 1), 0 where ignored
-    return ce_BT.sum(), (labels[:, 1:] != IGNORE_INDEX).sum(), (ce_BT * weights[:, 1:]).sum()
+    """(summed cross entropy, number of targets, sum of weights[t] * cross entropy of target t), as
+    `plain_cross_entropy` gives them. `weights` (B, L) is aligned with the unshifted labels."""
+    loss_sum, count, weighted, _ = plain_cross_entropy(logits, labels, weights)
+    return loss_sum, count, weighted
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -145,7 +179,7 @@ def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
     chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """shifted_cross_entropy / weighted_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
+    """plain_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
 
     hidden (B, L, C) is the final norm's output, weight (V, C) the output head; the logits are made and
     consumed `chunk_tokens` flat positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of
@@ -155,9 +189,9 @@ def chunked_cross_entropy(
     Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
     """
     B, L, C = hidden.shape
-    targets_BL = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    weights_N = None if weights is None else F.pad(weights[:, 1:].float(), (0, 1)).reshape(-1)
-    groups_N = None if groups is None else F.pad(groups[:, 1:], (0, 1), value=-1).reshape(-1)
+    targets_BL = shift_left(labels, IGNORE_INDEX)
+    weights_N = None if weights is None else shift_left(weights.float(), 0.0).reshape(-1)
+    groups_N = None if groups is None else shift_left(groups, -1).reshape(-1)
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -166,5 +200,5 @@ def chunked_cross_entropy(
             hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
             want_grad, groups_N, num_groups,
         )
-    return (loss_sum, (labels[:, 1:] != IGNORE_INDEX).sum(), None if weights is None else weighted_sum,
+    return (loss_sum, num_targets(labels), None if weights is None else weighted_sum,
             None if groups is None else grouped)

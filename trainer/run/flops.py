@@ -95,6 +95,11 @@ class FlopModel:
         dense = (6 * self.matmul_params + 2 * self.recompute_params) * positions
         return dense + self._attention(pairs, recompute=self.recompute_attention)
 
+    def step_flops(self, rows: Iterable[Iterable], batches: Iterable[Batch]) -> tuple[float, float]:
+        """(model FLOPs, hardware FLOPs) of one rank's step: its rows of documents, laid out as `batches`."""
+        model = self.model_flops(len(doc) for row in rows for doc in row)
+        return model, sum(self.hardware_flops(mb) for mb in batches)
+
     def _attention(self, pairs: float, recompute: bool) -> float:
         """fwd + bwd FLOPs of `pairs` (query, key) pairs in every layer; a recomputed forward adds a third."""
         per_pair = PAIR_FLOPS_PER_DIM * (4 / 3 if recompute else 1) * self.n_layer * self.n_embd

@@ -272,9 +272,7 @@ class Trainer:
     def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
         """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
         Collective: one all-reduce of two numbers, on logged steps only."""
-        local = [self.flops.model_flops(len(doc) for row in rows for doc in row),
-                 sum(self.flops.hardware_flops(mb) for mb in mbs)]
-        model_flops, hardware_flops = dist_sum(local, self.info.device)
+        model_flops, hardware_flops = dist_sum(list(self.flops.step_flops(rows, mbs)), self.info.device)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         return flop_metrics(model_flops, hardware_flops, step_time, peak)
 
