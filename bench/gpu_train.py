@@ -44,7 +44,7 @@ from trainer.data.batch import Document
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import DistInfo
-from trainer.model import AttentionConfig, BackendUnavailable, build_model, resolve_backend
+from trainer.model import AttentionConfig, BackendUnavailable, build_model, compute_dtype, resolve_backend
 from trainer.run.flops import flop_model
 from trainer.run.inputs import build_data, rows_for_rank
 from trainer.run.metrics import peak_flops
@@ -90,7 +90,7 @@ class Tally:
 
 def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
     """The typed config of a `python -m trainer.train` run with these settings (one process)."""
-    attention_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32  # what attention sees
+    attention_dtype = compute_dtype(args.dtype)  # what attention sees
     return RunConfig(
         seed=args.seed,
         train=TrainConfig(seq_len=args.seq_len, tokens_per_step=args.tokens_per_step,

@@ -74,7 +74,14 @@ from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo
-from trainer.model import AttentionConfig, BackendUnavailable, GPTConfig, build_model, resolve_backend
+from trainer.model import (
+    AttentionConfig,
+    BackendUnavailable,
+    GPTConfig,
+    build_model,
+    compute_dtype,
+    resolve_backend,
+)
 from trainer.model.compile import CompileCounter
 from trainer.run.flops import flop_model
 from trainer.run.inputs import build_data, rows_for_rank
@@ -174,7 +181,7 @@ def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
         packing=PackingConfig(layout="packed", pad_to=args.pad_to),
         model=model_config(args.model, args.seq_len),
         attention=AttentionConfig(backend=resolve_backend(
-            args.attention, device, torch.bfloat16 if dtype == "bf16" else torch.float32)),
+            args.attention, device, compute_dtype(dtype))),
         loss=LossConfig(),
         optim=OptimConfig(),
         distributed=DistributedConfig(device=device.type),

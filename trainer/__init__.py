@@ -1,6 +1,7 @@
 """packtrain: distributed GPT training with sequence packing that does not change the objective.
 
-The commands (`python -m trainer.X`) sit at the root, each a thin shell over the rooms below:
+The commands (`python -m trainer.X`) sit at the root, over the rooms below (train, export and generate are thin
+shells; prepare, report and inspect_mask still hold much of their own logic):
     train         the Hydra entry point: config -> process group -> trainer.run.loop.Trainer
     prepare       text -> tokenizer + WebDataset shards + manifest.json
     report        compare run directories (verdicts, tables, plots)

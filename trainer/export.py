@@ -28,11 +28,9 @@ from safetensors.torch import save_file
 from trainer.checkpoint import hf
 from trainer.checkpoint.store import CONVENTIONS_FILE, META_FILE
 from trainer.checkpoint.weights import load_model, model_config, tokenizer_dir
-from trainer.data.tokenizer import load_tokenizer, special_ids
+from trainer.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILES, load_tokenizer, special_ids
 from trainer.errors import command
 from trainer.model import GPT
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
@@ -90,8 +88,8 @@ def write_gpt2(model: GPT, tok_dir: str | Path, out: str | Path) -> None:
     for name in TOKENIZER_FILES:
         shutil.copyfile(tok_dir / name, out / name)
     # transformers warns on inputs longer than model_max_length: make it the model's context, not the tokenizer's.
-    tok_config = json.loads((out / "tokenizer_config.json").read_text())
-    _write_json(out / "tokenizer_config.json", {**tok_config, "model_max_length": model.cfg.max_seq_len})
+    tok_config = json.loads((out / TOKENIZER_CONFIG_FILE).read_text())
+    _write_json(out / TOKENIZER_CONFIG_FILE, {**tok_config, "model_max_length": model.cfg.max_seq_len})
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -227,12 +227,6 @@ def _draw_axes(ax, data: dict, title: str) -> None:
         ax.axvline(b - 0.5, color="#d0342c", linewidth=1.5)
 
 
-def write_png(data: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_bytes(render_png(data))
-    return path
-
-
 def write_html(data: dict, path: str | Path, png: bytes | None = None) -> Path:
     """The self-contained page: data as JSON in <script id="inspector-data">, PNG as a data URI, no URLs."""
     png = render_png(data) if png is None else png

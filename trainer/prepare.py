@@ -68,7 +68,10 @@ from trainer.data.plan import Piece, Plan, Unit, input_files, inputs_key, is_cha
 from trainer.data.shards import FORMAT_VERSION, SCHEMA, atomic_write_bytes, load_manifest
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
+    SPECIAL_TOKENS_MAP_FILE,
+    TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
+    TOKENIZER_FILES,
     check_no_added_tokens,
     extend_tokenizer,
     load_tokenizer,
@@ -280,7 +283,7 @@ def _stage_tokenizer(stage: Path, plan: Plan, tokenizer: str | Path | None, reus
     """The tokenizer the units count with, in <stage>/tokenizer: copied, extended, or trained on the sample.
     Kept across a restart (and, trained, the same in every part: the sample is a function of the plan)."""
     tok_dir = stage / TOKENIZER_DIR
-    if all((tok_dir / name).is_file() for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")):
+    if all((tok_dir / name).is_file() for name in TOKENIZER_FILES):
         return
     if reused is not None and add_tokens:
         save_tokenizer(extend_tokenizer(reused, add_tokens), tok_dir)
@@ -481,7 +484,7 @@ def _copy_tokenizer(src_dir: str | Path, tok_dir: Path) -> None:
     if src.resolve() == (tok_dir / TOKENIZER_FILE).resolve():
         return  # --tokenizer points at this dataset's own tokenizer
     atomic_write_bytes(tok_dir / TOKENIZER_FILE, src.read_bytes())
-    configs = [src.parent / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    configs = [src.parent / name for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)]
     if all(path.is_file() for path in configs):
         for path in configs:
             atomic_write_bytes(tok_dir / path.name, path.read_bytes())

@@ -1,6 +1,6 @@
 """The registry: what each config key means for a comparison, and what each metric and summary key holds.
 
-One owner for these decisions (STYLE.md, principle 14): `trainer.report` reads the class of every config key
+One owner for these decisions: `trainer.report` reads the class of every config key
 from CONFIG_KEYS, and `trainer.run.metrics` refuses to log a metric or summary key that is not in METRIC_KEYS
 or SUMMARY_KEYS. tests/test_registry.py fails when the composed config gains a key that is not here, when a
 key here no longer exists, and when a real run writes a key that is not here. Stdlib only: this module is the
@@ -23,6 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+# The files of a run dir that hold these keys (written by trainer.run, read by trainer.report).
+CONFIG_FILE = "config.json"
+"""The resolved config: the keys of CONFIG_KEYS."""
+METRICS_FILE = "metrics.jsonl"
+"""One line per logged step: keys of METRIC_KEYS."""
+SUMMARY_FILE = "summary.json"
+"""The run's totals: keys of SUMMARY_KEYS."""
+DOC_KEYS_DIR = "doc_keys"
+"""logging.record_doc_keys: rank_NNNNN.jsonl per rank, the keys of the documents each step trained on."""
 
 IGNORED = "ignored"
 SAME_OBJECTIVE = "same objective"
@@ -287,12 +297,12 @@ def check_metric_keys(keys: Iterable[str]) -> None:
     Example: check_metric_keys(["step", "los"]) -> ValueError "metrics.jsonl key 'los' is not registered:
     register it in trainer/registry.py (METRIC_KEYS) with a one-line meaning".
     """
-    _require(keys, METRIC_KEYS, "METRIC_KEYS", "metrics.jsonl")
+    _require(keys, METRIC_KEYS, "METRIC_KEYS", METRICS_FILE)
 
 
 def check_summary_keys(keys: Iterable[str]) -> None:
     """Raise ValueError naming each key that SUMMARY_KEYS does not hold (as check_metric_keys, for summary.json)."""
-    _require(keys, SUMMARY_KEYS, "SUMMARY_KEYS", "summary.json")
+    _require(keys, SUMMARY_KEYS, "SUMMARY_KEYS", SUMMARY_FILE)
 
 
 def _require(keys: Iterable[str], table: Mapping[str, str], name: str, where: str) -> None:

@@ -45,11 +45,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from trainer.errors import UserError, command  # noqa: E402
 from trainer.registry import (  # noqa: E402
     ABLATION,
+    CONFIG_FILE,
     IGNORED,
     LAYOUT_INVARIANT_NORMALIZATIONS,
+    METRICS_FILE,
     OLDER_RUN_VALUES,
     OTHER,
     SAME_OBJECTIVE,
+    SUMMARY_FILE,
     config_key_class,
 )
 
@@ -122,7 +125,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "metrics.jsonl").is_file() or (path / "config.json").is_file()
+    return (path / METRICS_FILE).is_file() or (path / CONFIG_FILE).is_file()
 
 
 def _natural_key(path: Path) -> list:
@@ -176,16 +179,16 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def load_run(path: Path, name: str) -> Run:
     notes: list[str] = []
-    raw_config = _read_json(path / "config.json")
+    raw_config = _read_json(path / CONFIG_FILE)
     if raw_config is None:
         notes.append("no config.json")
     config = {**OLDER_RUN_VALUES, **flatten(raw_config or {})}
-    summary = _read_json(path / "summary.json")
+    summary = _read_json(path / SUMMARY_FILE)
     if summary is None:
         notes.append("no summary.json (crashed or still running)")
     elif summary.get("world_size") is not None:
         config["world_size"] = summary["world_size"]
-    return Run(name, path, config, read_metrics(path / "metrics.jsonl", notes), summary, notes)
+    return Run(name, path, config, read_metrics(path / METRICS_FILE, notes), summary, notes)
 
 
 def run_names(paths: Sequence[Path]) -> list[str]:

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, OverrideParseException
 from hydra.types import RunMode
@@ -26,7 +25,7 @@ from trainer.config import RunConfig, from_container, resolve_dtype
 from trainer.distributed.config import missing_engine_package
 from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
 from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
-from trainer.model import resolve_backend
+from trainer.model import compute_dtype, resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -141,7 +140,7 @@ def check_attention_backend(cfg: RunConfig, info: DistInfo) -> None:
 
     Raises BackendUnavailable naming why and what to use; the model would raise the same at its first forward.
     """
-    dtype = torch.bfloat16 if resolve_dtype(cfg.train.dtype, info.device) == "bf16" else torch.float32  # under autocast
+    dtype = compute_dtype(resolve_dtype(cfg.train.dtype, info.device))
     resolve_backend(cfg.attention.backend, info.device, dtype, requires_grad=True)
 
 

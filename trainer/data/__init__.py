@@ -11,6 +11,8 @@
     stream, loader    the rank x worker split of the shards, tokenization, DataLoader workers (workers.py)
     packing           the online packer (and offline BFD), long-document policies
     pipeline          documents -> rows -> micro-batches for each layout, the prefetch thread
+    mixture           data.sources: rows drawn from several row streams by weight, per-source epochs
+    reshape           a single source's stream state written on W x K readers, dealt to W' x K' at a resume
     batch             `Document`, `Batch`: ids, positions, labels (-100 at boundaries), cu_seqlens
     config            the `data` and `packing` config sections
 

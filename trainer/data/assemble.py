@@ -34,11 +34,11 @@ from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
 from trainer.data.corpus import PrepareError
 from trainer.data.plan import Plan
 from trainer.data.shards import MANIFEST_FILE, atomic_write_bytes, shard_name, write_manifest
+from trainer.data.tokenizer import TOKENIZER_FILES
 from trainer.data.units import SPLITS, load_result
 
 STATE_DIR = ".prepare"
 TOKENIZER_DIR = "tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LONG_THRESHOLDS = (512, 2048, 8192)
 SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _OWN_TEMP_RE = re.compile(r"^\.(manifest\.json|(train|val)-\d{6}\.tar)\..*\.tmp$")

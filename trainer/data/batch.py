@@ -50,8 +50,8 @@ class Document:
     loss_mask: np.ndarray | None = None
     """(n,) bool, True = this token is a target; None = every token is."""
     source: int = 0
-    """Index of the source it came from in data.sources (trainer.data.config.DataConfig.source_names); 0 without
-    a mixture."""
+    """Index of the source it came from in data.sources (in the order listed; trainer.data.config.DataConfig.mixture);
+    0 without a mixture."""
 
     def __len__(self) -> int:
         return len(self.tokens)

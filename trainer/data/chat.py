@@ -39,7 +39,14 @@ from trainer.data.corpus import (
     PrepareError,
     json_kind,
 )
-from trainer.data.tokenizer import CHAT_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS, tokenizer_file
+from trainer.data.tokenizer import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    SPECIAL_TOKENS,
+    TOKENIZER_CONFIG_FILE,
+    tokenizer_file,
+)
 
 ROLES = ("system", "user", "assistant")
 TEMPLATE_NAME = "chatml"
@@ -148,7 +155,7 @@ def render_conversation(messages: list[dict], template: str) -> str:
 def chat_template(tokenizer_dir: str | Path) -> str:
     """The `chat_template` of the tokenizer_config.json beside tokenizer.json; CHAT_TEMPLATE if there is none
     (without the file, prepare writes one holding it)."""
-    config = tokenizer_file(tokenizer_dir).parent / "tokenizer_config.json"
+    config = tokenizer_file(tokenizer_dir).parent / TOKENIZER_CONFIG_FILE
     if not config.is_file():
         return CHAT_TEMPLATE
     try:

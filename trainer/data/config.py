@@ -167,10 +167,6 @@ class DataConfig:
                                     val_urls=entry.get("val_urls"), weight=float(weight)))
         return out
 
-    def source_names(self) -> list[str]:
-        """The names documents' `source` indices refer to: the mixture's, or ["data"] for the single source."""
-        return [s.name for s in self.mixture()] or [SINGLE_SOURCE]
-
     def for_source(self, source: SourceConfig) -> DataConfig:
         """This config with one source of the mixture as its only data (what trainer.data.sources resolves)."""
         return replace(self, path=source.path, urls=source.urls, val_urls=source.val_urls, sources=None)

@@ -35,6 +35,7 @@ import numpy as np
 
 from trainer.data.reader import SlotState
 from trainer.data.sources import url_file_name
+from trainer.data.stream import lpt
 from trainer.errors import UserError
 
 RESHAPED = "reshaped"
@@ -224,11 +225,11 @@ def _deal(left: _Left, stream, world: int, workers: int, tokenized: list[tuple[i
     parts = [left.parts[i] for i in order]
     weight = [_weight(p, stream) for p in parts]
     by_size = sorted(range(len(parts)), key=lambda k: -weight[k])
-    rank_of = _lpt(by_size, weight, [sum(slot_load[r * workers:(r + 1) * workers]) for r in range(world)])
+    rank_of = lpt(by_size, weight, [sum(slot_load[r * workers:(r + 1) * workers]) for r in range(world)])
     slot_parts: list[list[int]] = [[] for _ in range(num_slots)]
     for rank in range(world):
         ks = [k for k in by_size if rank_of[k] == rank]
-        for k, worker in zip(ks, _lpt(ks, weight, slot_load[rank * workers:(rank + 1) * workers]), strict=True):
+        for k, worker in zip(ks, lpt(ks, weight, slot_load[rank * workers:(rank + 1) * workers]), strict=True):
             slot_parts[rank * workers + worker].append(k)
     states = []
     for s in range(num_slots):
@@ -295,14 +296,3 @@ def _deal_tokenized(left: _Left, ranks: list[int]) -> dict[str, list[int]]:
     return {"rows": ranks[:n_rows], "pieces": ranks[n_rows:n_rows + n_pieces], "pending": ranks[n_rows + n_pieces:]}
 
 
-def _lpt(items: list[int], weight: Sequence[float], loads: Sequence[float]) -> list[int]:
-    """The bin of each of `items` (largest first): the bin with the least load so far (ties: fewer items, then
-    the lower bin), starting from `loads`. Example: weights 5, 3, 2 into loads [0, 4] -> bins 0, 1, 0."""
-    heap = [(float(load), 0, b) for b, load in enumerate(loads)]
-    heapq.heapify(heap)
-    out = []
-    for k in items:
-        load, count, b = heapq.heappop(heap)
-        out.append(b)
-        heapq.heappush(heap, (load + weight[k], count + 1, b))
-    return out

@@ -265,7 +265,7 @@ def assign_shards(tokens: Sequence[int], world_size: int, workers: int, seed: in
 def balance_shards(order: Sequence[int], tokens: Sequence[int], world_size: int, workers: int) -> list[list[int]]:
     """Split the shards over world_size x workers slots so that each rank, then each of its workers, holds about
     the same tokens: largest shard first (equal sizes in `order`), each to the rank with the fewest tokens so far,
-    then within each rank to the worker with the fewest (greedy longest-processing-time, `_greedy`). Ranks come
+    then within each rank to the worker with the fewest (greedy longest-processing-time, `lpt`). Ranks come
     first because the lockstep wait is between ranks. Each slot reads its shards in `order`; every slot gets one
     at least. With equal sizes (none known) this deals `order` out like cards: every S-th shard to each slot.
 
@@ -277,29 +277,42 @@ def balance_shards(order: Sequence[int], tokens: Sequence[int], world_size: int,
     position = {shard: p for p, shard in enumerate(order)}
     by_size = sorted(order, key=lambda shard: -tokens[shard])  # stable: equal sizes keep the permutation's order
     slots = []
-    for rank_shards in _greedy(by_size, tokens, world_size, at_least=workers):
-        for worker_shards in _greedy(rank_shards, tokens, workers, at_least=1):
+    for rank_shards in _binned(by_size, lpt(by_size, tokens, [0] * world_size, at_least=workers), world_size):
+        worker_of = lpt(rank_shards, tokens, [0] * workers, at_least=1)
+        for worker_shards in _binned(rank_shards, worker_of, workers):
             slots.append(sorted(worker_shards, key=position.__getitem__))
     return slots
 
 
-def _greedy(items: list[int], tokens: Sequence[int], bins: int, at_least: int) -> list[list[int]]:
-    """`items` (largest first) into `bins`, each to the bin with the fewest tokens (ties: fewer items, then the
-    lower bin), except that once the items left are just enough to give every bin `at_least`, they go only to
-    bins that have fewer. Each bin's items keep their order in `items`.
+def lpt(items: Sequence[int], weight: Sequence[float], loads: Sequence[float], at_least: int = 0) -> list[int]:
+    """The bin of each of `items` (largest first; greedy longest-processing-time): the bin with the least load so
+    far (ties: fewer items, then the lower bin), starting from `loads`; except that once the items left are just
+    enough to give every bin `at_least`, they go only to bins that have fewer. Shared by the epoch's shard split
+    (`balance_shards`) and the deal of a reshaped resume (trainer.data.reshape).
 
-    Example: tokens 9, 1, 1 into 2 bins, at_least 1 -> [[9], [1, 1]]; tokens 100, 1, 1, 1, at_least 2 ->
-    [[100, 1], [1, 1]] (greedy alone would give [[100], [1, 1, 1]])."""
-    heap = [(0, 0, b) for b in range(bins)]  # (tokens, items, bin)
-    out: list[list[int]] = [[] for _ in range(bins)]
-    owed = bins * at_least  # items still needed by the bins below at_least
+    Example: weights 5, 3, 2 into loads [0, 4] -> bins [0, 1, 0]; weights 9, 1, 1 into 2 empty bins, at_least 1
+    -> [0, 1, 1]; weights 100, 1, 1, 1, at_least 2 -> [0, 1, 1, 0] (greedy alone would give [0, 1, 1, 1]).
+    """
+    heap = [(load, 0, b) for b, load in enumerate(loads)]  # (load, items, bin)
+    heapq.heapify(heap)
+    out = []
+    owed = len(loads) * at_least  # items still needed by the bins below at_least
     for k, item in enumerate(items):
         load, count, b = heapq.heappop(heap)
         while len(items) - k == owed and count >= at_least:  # only just enough left: such a bin is done
             load, count, b = heapq.heappop(heap)
-        out[b].append(item)
+        out.append(b)
         owed -= count < at_least
-        heapq.heappush(heap, (load + tokens[item], count + 1, b))
+        heapq.heappush(heap, (load + weight[item], count + 1, b))
+    return out
+
+
+def _binned(items: Sequence[int], bins_of: Sequence[int], num_bins: int) -> list[list[int]]:
+    """`items` grouped by their bins, each bin's in the order of `items`. Example: [7, 8, 9], [1, 0, 1] ->
+    [[8], [7, 9]]."""
+    out: list[list[int]] = [[] for _ in range(num_bins)]
+    for item, b in zip(items, bins_of, strict=True):
+        out[b].append(item)
     return out
 
 

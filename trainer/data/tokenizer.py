@@ -36,6 +36,9 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE = "tokenizer_config.json", "special_tokens_map.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)
+"""A tokenizer directory as `save_tokenizer` writes it (the Hugging Face layout), beside shards and weights."""
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 
 # ChatML: each message is "<|im_start|>{role}\n{content}<|im_end|>\n"; a generation prompt opens the
@@ -142,14 +145,14 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
 def write_hf_configs(out_dir: str | Path, model_max_length: int = 8192) -> None:
     """The two small JSON files that sit next to tokenizer.json."""
     out_dir = Path(out_dir)
-    atomic_write_bytes(out_dir / "tokenizer_config.json", _json_bytes(tokenizer_config(model_max_length)))
-    atomic_write_bytes(out_dir / "special_tokens_map.json", _json_bytes(special_tokens_map()))
+    atomic_write_bytes(out_dir / TOKENIZER_CONFIG_FILE, _json_bytes(tokenizer_config(model_max_length)))
+    atomic_write_bytes(out_dir / SPECIAL_TOKENS_MAP_FILE, _json_bytes(special_tokens_map()))
 
 
 def upgrade_chat_template(out_dir: str | Path) -> None:
     """Give a tokenizer_config.json that still holds UNMARKED_CHAT_TEMPLATE the current CHAT_TEMPLATE (the same
     text, assistant turns marked); leave any other config as it is. tokenizer.json, and so its hash, is untouched."""
-    file = Path(out_dir) / "tokenizer_config.json"
+    file = Path(out_dir) / TOKENIZER_CONFIG_FILE
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):

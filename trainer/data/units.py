@@ -35,7 +35,6 @@ from trainer.data.chat import assistant_spans, message_problem, module_conversat
 from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
 from trainer.data.corpus import (
     ErrorPolicy,
-    PrepareError,
     json_kind,
     module_name,
     read_module,
@@ -294,8 +293,3 @@ def _conversation(value: object, where: str, policy: ErrorPolicy, template: str)
     except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
         policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
         return None
-
-
-def check_text_key(text_key: str) -> None:
-    if not text_key:
-        raise PrepareError("--text-key must name a field")

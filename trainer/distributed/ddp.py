@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainer.distributed.groups import DistInfo
+from trainer.model import compute_dtype
 
 _REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); sharded is False"
 
@@ -41,7 +42,7 @@ class DDPEngine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.grad_clip = grad_clip
-        self.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+        self.autocast_dtype = None if dtype == "fp32" else compute_dtype(dtype)
         self.device = info.device
         self.is_main = info.is_main
         if info.world_size > 1:

@@ -32,6 +32,7 @@ from trainer.model.gpt import (
     ModelOutput,
     apply_activation_checkpointing,
     build_model,
+    compute_dtype,
     model_inputs,
 )
 from trainer.model.loss import chunked_cross_entropy, shifted_cross_entropy
@@ -49,6 +50,7 @@ __all__ = [
     "block_diagonal_mask",
     "build_model",
     "chunked_cross_entropy",
+    "compute_dtype",
     "document_block_mask",
     "document_ids",
     "flash_varlen_args",

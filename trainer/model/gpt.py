@@ -35,6 +35,9 @@ from trainer.model.attention import AttentionConfig, Segments, segment_attention
 from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
 
 POS_EMBS = ("learned", "rope")
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""train.dtype as run ('auto' resolved) -> the dtype matmuls and attention compute in: bf16 is autocast over
+fp32 weights and optimizer state. The one place that mapping is written."""
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
@@ -361,6 +364,14 @@ class GPT(nn.Module):
                 logits, labels, loss_weights, loss_groups, num_loss_groups)
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
+
+
+def compute_dtype(train_dtype: str) -> torch.dtype:
+    """What the model computes in under train.dtype `train_dtype` ('fp32' or 'bf16', 'auto' resolved first by
+    trainer.config.resolve_dtype). Example: compute_dtype("bf16") -> torch.bfloat16."""
+    if train_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"train.dtype as run must be one of {tuple(COMPUTE_DTYPES)}, got {train_dtype!r}")
+    return COMPUTE_DTYPES[train_dtype]
 
 
 def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None,

@@ -1,7 +1,8 @@
 """The run: what `python -m trainer.train` does once the config is typed and the process group exists.
 
     loop          `Trainer`: builds the parts from a RunConfig, then calls them in order each step (its
-                  docstring is the loop in six lines); it decides no part's rule itself
+                  docstring is the loop in six lines); each part owns its cadence (`due`), the loop still
+                  assembles the logged metric dicts and the summary
     inputs        this rank's data stream (`build_data`) and each step's micro-batches (`StepInputs`: rows
                   drawn in lockstep at an epoch's end, laid out, checked, pinned, prefetched)
     step          one optimizer step: the loss weights of the normalization, the global counts reduced once

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,12 +29,12 @@ from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import micro_batches
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
-from trainer.data.stream import DocumentStream, source_key
+from trainer.data.stream import DocumentStream
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
 from trainer.run.metrics import by_group
-from trainer.run.step import empty_batch, with_loss_groups
+from trainer.run.step import empty_batch, with_group_targets
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +97,18 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
     if left_out:
         log.warning("data.sources %s: no held-out shards (no val_urls, no '%s' split in the manifest): left out of "
                     "the eval (val_token_loss_by_source null for them)", ", ".join(left_out), VAL_SPLIT)
-    return [replace(doc, source=i, key=source_key(name, doc.key)) for i, name, cfg, source in resolved if source.val_urls
-            for doc in _read_eval_docs(cfg, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error)]
+    return [doc for i, name, cfg, source in resolved if source.val_urls
+            for doc in _read_eval_docs(cfg, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error, name, i)]
 
 
 def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, eos_id: int, seq_len: int,
-                    max_docs: int | None, on_error: str) -> list[Document]:
-    """`load_eval_docs` of one source whose held-out shards are `source.val_urls`."""
+                    max_docs: int | None, on_error: str, name: str | None = None, index: int = 0) -> list[Document]:
+    """`load_eval_docs` of one source whose held-out shards are `source.val_urls`; a mixture's source `index`
+    named `name`, whose documents the stream tags and keys as in training."""
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
-        read_timeout_s=data.read_timeout_s,
+        read_timeout_s=data.read_timeout_s, name=name, source=index,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split
@@ -139,9 +140,7 @@ class Evaluator:
         rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
         self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
                                                   pad_id)
-        grouped = [with_loss_groups(b, groups) for b in self.batches]
-        self.batches = [b for b, _ in grouped]
-        self.group_targets = [sum(c[g] for _, c in grouped) for g in range(groups.size)]  # G on every rank
+        self.batches, self.group_targets = with_group_targets(self.batches, groups)  # G targets on every rank
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
 
     def due(self, step: int, last: bool) -> bool:

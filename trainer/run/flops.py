@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.data.batch import Batch
-from trainer.model import GPT
+from trainer.model import GPT, compute_dtype
 from trainer.model.attention import (
     FLEX_BLOCK_SIZE,
     AttentionConfig,
@@ -163,7 +163,7 @@ def flop_model(model: GPT, attention: AttentionConfig, activation_checkpointing:
     training on (device, dtype), dtype being train.dtype as run ('bf16' or 'fp32')."""
     kernel = attention.backend
     if kernel == "auto":
-        kernel = auto_choice(device, torch.bfloat16 if dtype == "bf16" else torch.float32)[0]
+        kernel = auto_choice(device, compute_dtype(dtype))[0]
     return FlopModel(
         matmul_params=matmul_params(model), n_layer=model.cfg.n_layer, n_embd=model.cfg.n_embd, kernel=kernel,
         isolate_documents=attention.isolate_documents,

@@ -39,6 +39,7 @@ from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
 from trainer.model import apply_activation_checkpointing, build_model
 from trainer.model.compile import CompileCounter
+from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
@@ -101,7 +102,7 @@ class Trainer:
         )
         self.doc_keys = DocKeysLog(self.run_dir, info, self.step) if cfg.logging.record_doc_keys else None
         if info.is_main:  # what trainer.report compares runs by
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.resolved, indent=2, default=str))
+            (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.resolved, indent=2, default=str))
         self.peak_flops = peak_flops(info.device)
 
     def _build_evaluator(self) -> Evaluator:
@@ -399,4 +400,4 @@ def shared_run_dir(run_dir: str, info: DistInfo) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))

@@ -20,7 +20,8 @@ import torch
 from trainer.config import WandbConfig
 from trainer.data.batch import LossGroups, length_bucket_names
 from trainer.distributed.groups import DistInfo
-from trainer.registry import check_metric_keys, check_summary_keys
+from trainer.registry import DOC_KEYS_DIR, METRICS_FILE, check_metric_keys, check_summary_keys
+from trainer.run.run_dir import truncate_jsonl_after
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peak FLOP/s per device, for MFU and HFU (the FLOP counts:
 # trainer.run.flops). Add yours; unknown devices get no `mfu` / `hfu`. NVIDIA's datasheets quote the
@@ -132,7 +133,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.log_every = log_every
         """logging.log_every: write every N optimizer steps (see `due`)."""
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self.wandb_run = None
         self._totals = {"valid_tokens": 0, "allocated_tokens": 0, "time": 0.0, "utilization": 0.0, "steps": 0}
         self._flop_totals = {"model_flops": 0.0, "hardware_flops": 0.0, "mfu": None, "hfu": None}
@@ -212,27 +213,12 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def truncate_jsonl_after(path: Path, step: int) -> None:
-    """Keep the lines of `path` with "step" <= step: a resumed run rewrites the steps after its checkpoint, so
-    the file holds each step once (a line cut short by a crash is dropped too)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 class DocKeysLog:
     """<run dir>/doc_keys/rank_NNNNN.jsonl: {"step": s, "keys": [...]} per step, the documents (and chunks,
     `key#k`) this rank trained on, in order. Every rank writes its own file."""
 
     def __init__(self, run_dir: str | Path, info: DistInfo, resume_step: int) -> None:
-        self.path = Path(run_dir) / "doc_keys" / f"rank_{info.rank:05d}.jsonl"
+        self.path = Path(run_dir) / DOC_KEYS_DIR / f"rank_{info.rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_jsonl_after(self.path, resume_step)
         if info.is_main:  # resumed on fewer ranks: the files of the ranks gone lose their steps after the resume too

@@ -28,11 +28,25 @@ from pathlib import Path
 from trainer.checkpoint import store
 from trainer.distributed.groups import DistInfo, broadcast_object
 from trainer.errors import ConfigError
-from trainer.run.metrics import truncate_jsonl_after
+from trainer.registry import CONFIG_FILE, DOC_KEYS_DIR, METRICS_FILE, SUMMARY_FILE
 
-METRICS, CONFIG, SUMMARY, DOC_KEYS = "metrics.jsonl", "config.json", "summary.json", "doc_keys"
-RUN_FILES = (METRICS, CONFIG, SUMMARY, store.ROOT_DIR, DOC_KEYS, "wandb", "wandb_run_id")
+RUN_FILES = (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE, store.ROOT_DIR, DOC_KEYS_DIR, "wandb", "wandb_run_id")
 """What a run writes into its run dir (trainer.run.loop, .metrics, the checkpoint store, W&B)."""
+
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Keep the lines of `path` with "step" <= step: a resumed run rewrites the steps after its checkpoint, so
+    the file holds each step once (a line cut short by a crash is dropped too)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def resuming(resume: bool | str) -> bool:
@@ -107,16 +121,16 @@ def set_aside_after(run_dir: Path, step: int) -> Path | None:
     for path in newer:
         os.replace(path, dest / store.ROOT_DIR / path.name)
     moved = [f"{len(newer)} checkpoint{'s' * (len(newer) > 1)}"]
-    if steps := _move_lines_after(run_dir / METRICS, dest / METRICS, step):
+    if steps := _move_lines_after(run_dir / METRICS_FILE, dest / METRICS_FILE, step):
         moved.append(f"metrics.jsonl's lines of steps {min(steps)}..{max(steps)}")
-    for keys in sorted((run_dir / DOC_KEYS).glob("rank_*.jsonl")):  # every rank's (each truncates its own next)
-        (dest / DOC_KEYS).mkdir(exist_ok=True)
-        _move_lines_after(keys, dest / DOC_KEYS / keys.name, step)
-    if (run_dir / SUMMARY).exists():
-        os.replace(run_dir / SUMMARY, dest / SUMMARY)
-        moved.append(SUMMARY)
-    if (run_dir / CONFIG).exists():
-        shutil.copy2(run_dir / CONFIG, dest / CONFIG)  # the resumed run writes its own next
+    for keys in sorted((run_dir / DOC_KEYS_DIR).glob("rank_*.jsonl")):  # every rank's (each truncates its own next)
+        (dest / DOC_KEYS_DIR).mkdir(exist_ok=True)
+        _move_lines_after(keys, dest / DOC_KEYS_DIR / keys.name, step)
+    if (run_dir / SUMMARY_FILE).exists():
+        os.replace(run_dir / SUMMARY_FILE, dest / SUMMARY_FILE)
+        moved.append(SUMMARY_FILE)
+    if (run_dir / CONFIG_FILE).exists():
+        shutil.copy2(run_dir / CONFIG_FILE, dest / CONFIG_FILE)  # the resumed run writes its own next
     print(f"resume: step {step} is older than this run dir's {', '.join(p.name for p in newer)}: that branch "
           f"({', '.join(moved)}) moved into {dest} (nothing deleted)", flush=True)
     return dest

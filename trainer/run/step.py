@@ -129,16 +129,22 @@ def with_loss_groups(batch: Batch, groups: LossGroups) -> tuple[Batch, list[int]
     return replace(batch, loss_groups=groups_BL, num_loss_groups=groups.size), counts.tolist()
 
 
-def group_counts(batches: Sequence[Batch], groups: LossGroups) -> tuple[list[Batch], list[int]]:
-    """The batches with their loss groups (`with_loss_groups`), and this rank's counts to all-reduce with the
-    step's: targets per group, then with a mixture tokens and documents per source ([] without groups)."""
+def with_group_targets(batches: Sequence[Batch], groups: LossGroups) -> tuple[list[Batch], list[int]]:
+    """The batches with their loss groups (`with_loss_groups`), and their targets per group summed ([] without
+    groups): what the step and the eval count."""
     grouped = [with_loss_groups(b, groups) for b in batches]
-    counts = [sum(c[g] for _, c in grouped) for g in range(groups.size)]
+    return [b for b, _ in grouped], [sum(c[g] for _, c in grouped) for g in range(groups.size)]
+
+
+def group_counts(batches: Sequence[Batch], groups: LossGroups) -> tuple[list[Batch], list[int]]:
+    """The batches with their loss groups, and this rank's counts to all-reduce with the step's: targets per
+    group (`with_group_targets`), then with a mixture tokens and documents per source ([] without groups)."""
+    batches, counts = with_group_targets(batches, groups)
     if groups.sources:
         per_source = [source_counts(b, groups.num_sources) for b in batches]
         counts += [sum(t[s] for t, _ in per_source) for s in range(groups.num_sources)]
         counts += [sum(d[s] for _, d in per_source) for s in range(groups.num_sources)]
-    return [b for b, _ in grouped], counts
+    return batches, counts
 
 
 def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[list[int] | None, ...]:
