@@ -1,6 +1,6 @@
 """loss.chunk_tokens: the head and the loss chunk by chunk give the plain path's loss and gradients (CPU, fp32).
 
-Two yardsticks: the model's own plain path (whole logits, shifted_/weighted_cross_entropy), and an independent
+Two yardsticks: the model's own plain path (whole logits, plain_cross_entropy), and an independent
 reference written here: F.cross_entropy over the full logits of the model's final hidden states (ln_f's
 output, captured by a hook) times the tied head. Then: the logits never exist whole, bf16 autocast, eval, and
 the config keys.
@@ -21,7 +21,7 @@ from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig, build_model, chunked_cross_entropy, model_inputs
 from trainer.model.gpt import GPT
-from trainer.model.loss import shifted_cross_entropy, weighted_cross_entropy
+from trainer.model.loss import plain_cross_entropy
 
 VOCAB, ROW_LEN = 61, 24
 REL_TOL = 1e-6  # measured: chunked vs plain or reference <= 8.1e-7 (worst tensor); plain vs reference 4.9e-7
@@ -138,10 +138,7 @@ def test_chunked_cross_entropy_is_the_shifted_cross_entropy(rows, length, chunk,
     weights = torch.rand(rows, length, generator=g, dtype=torch.float64) if weighted else None
     loss, count, wsum, _ = chunked_cross_entropy(h, w, labels, weights, chunk)
     logits = h @ w.T
-    if weighted:
-        ref_loss, ref_count, ref_wsum = weighted_cross_entropy(logits, labels, weights)
-    else:
-        (ref_loss, ref_count), ref_wsum = shifted_cross_entropy(logits, labels), None
+    ref_loss, ref_count, ref_wsum, _ = plain_cross_entropy(logits, labels, weights)
     assert int(count) == int(ref_count) and torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
     if weighted:
         assert torch.allclose(wsum.double(), ref_wsum, rtol=1e-6, atol=1e-6)

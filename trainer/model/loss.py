@@ -95,15 +95,6 @@ def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return loss_sum, count
 
 
-def weighted_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(summed cross entropy, number of targets, sum of weights[t] * cross entropy of target t), as
-    `plain_cross_entropy` gives them. `weights` (B, L) is aligned with the unshifted labels."""
-    loss_sum, count, weighted, _ = plain_cross_entropy(logits, labels, weights)
-    return loss_sum, count, weighted
-
-
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Summed (and weighted) cross entropy of logits h_NC @ weight_VC.T, one chunk of positions at a time.
 
