@@ -174,6 +174,11 @@ def test_kill_9_of_the_reader_leaves_no_process_of_the_gs_command(demo_data, bin
                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert proc.stdout.readline() == b"reading\n"
+        # the reader has its first sample once `head` wrote it, which may be before the shell's child and the
+        # shell itself have exec'd their `sleep`: wait (bounded) for both to show
+        deadline = time.monotonic() + 5
+        while len(processes_running(f"sleep {mark}")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(processes_running(f"sleep {mark}")) == 2
     finally:
         proc.kill()
