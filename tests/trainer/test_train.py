@@ -100,8 +100,10 @@ def test_resume_continues_exactly(layout_runs, tmp_path, demo_data):
     assert [m["step"] for m in b] == list(range(1, 21))  # steps after the checkpoint were rewritten, not duplicated
     for x, y in zip(a[10:], b[10:], strict=True):
         assert x["valid_tokens"] == y["valid_tokens"] and x["docs"] == y["docs"]
-        assert abs(x["loss"] - y["loss"]) <= 1e-6, (x["step"], x["loss"], y["loss"])
-    assert b[-1]["val_tokens"] == a[-1]["val_tokens"] and abs(b[-1]["val_loss"] - a[-1]["val_loss"]) <= 1e-6
+        # a few fp32 ulps (at a loss of ~6 one ulp is 4.8e-7): once, on 2 loaded cores, step 17 differed by 1.0e-6;
+        # a resume that restored anything wrong (weights, optimizer, data position) differs by 1e-3 and more
+        assert abs(x["loss"] - y["loss"]) <= 4e-6, (x["step"], x["loss"], y["loss"])
+    assert b[-1]["val_tokens"] == a[-1]["val_tokens"] and abs(b[-1]["val_loss"] - a[-1]["val_loss"]) <= 4e-6
 
 
 def test_torchrun_two_processes_and_deepspeed_style_local_rank(demo_data, tmp_path):
