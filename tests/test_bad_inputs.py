@@ -339,7 +339,7 @@ def reshaped_without_lockstep(tmp: Path, _) -> None:
 
 
 def reshaped_mixture(tmp: Path, _) -> None:
-    """A data mixture's stream state dealt over another shape (trainer.data.reshape refuses it)."""
+    """A data mixture's stream state dealt over another shape by a run that reads one source."""
     reshape_state([{"docs": {"mixture": {"names": ["code", "prose"]}, "num_workers": 1}}], None, 1, lockstep=True)
 
 
@@ -402,8 +402,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
                                       r"ranks\)"),
     ("data.epoch_lockstep", reshaped_without_lockstep, r"resumes on another number of ranks or DataLoader workers "
                                                        r"only with data.epoch_lockstep=true"),
-    ("data.sources", reshaped_mixture, r"a data mixture \(\['code', 'prose'\]\) resumes only on the number of ranks "
-                                       r"and DataLoader workers it was written on"),
+    ("data.sources", reshaped_mixture, r"the checkpoint's data stream mixes the sources \['code', 'prose'\]; this run "
+                                       r"reads one source: resume with the checkpoint's data config"),
     ("data.sources", one_source_state_into_a_mixture, r"the checkpoint's data stream is one source; this run mixes "
                                                       r"\['a', 'b'\] \(data.sources\)"),
     ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),

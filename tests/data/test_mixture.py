@@ -38,7 +38,7 @@ from trainer.data.loader import DocumentLoader
 from trainer.data.mixture import Mixture, MixtureStateError
 from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.reader import DataStreamError
-from trainer.data.reshape import ReshapeError, reshape_state
+from trainer.data.reshape import ReshapeError
 from trainer.data.sources import resolve_source
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids
@@ -243,8 +243,14 @@ def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
         state = rows.state_dict()
     finally:
         rows.close()
-    with pytest.raises(ReshapeError, match=r"a data mixture \(\['short', 'long'\]\) resumes only on the number"):
-        reshape_state([state, state], None, 1, lockstep=True)
+    single = source_rows(corpora[0], 0)
+    with pytest.raises(ReshapeError, match=r"the checkpoint's data stream mixes the sources \['short', 'long'\]; "
+                                           r"this run reads one source"):
+        single.reshaped_state([state, state], 1, lockstep=True)
+    with pytest.raises(MixtureStateError, match=r"the checkpoint's data stream is one source"):
+        mixture(corpora, [0.5, 0.5]).reshaped_state([single.state_dict()], 1, lockstep=True)
+    with pytest.raises(ReshapeError, match=r"only with data.epoch_lockstep=true"):
+        mixture(corpora, [0.5, 0.5]).reshaped_state([state, state], 1, lockstep=False)
     swapped = mixture(corpora[::-1], [0.5, 0.5])
     with pytest.raises(MixtureStateError, match=r"the checkpoint mixes the sources \['short', 'long'\]; this run's "
                                                 r"data.sources names \['long', 'short'\]"):
@@ -305,46 +311,64 @@ def test_a_source_with_fewer_shards_than_readers_is_named(corpora):
 # -- real runs ------------------------------------------------------------------------------------------
 
 
-def test_a_real_two_rank_mixture_run_resumes_exactly_and_refuses_another_shape(corpora, tmp_path):
+def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpora, tmp_path):
     """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (short runs out after ~20 steps on each
     rank, so an epoch ends and the lockstep wait runs): the epoch's accounting by source (over both ranks, by the
     metrics' epoch: every chunk of short once, none of long twice); 24 steps straight vs the same run resumed from
-    its step-12 checkpoint -> the same losses; resumed on 1 rank -> one error line."""
+    its step-12 checkpoint -> the same losses; resumed from it on 1 rank and on 3 ranks (1 worker each) -> the
+    same accounting of epoch 0 over both runs, the shares following the weights from the resume on, epoch 1
+    reached."""
     mix = sources_override(("short", corpora[0], 0.7), ("long", corpora[1], 0.3))
-    common = [mix, "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24",
+    common = [mix, "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24",
               "logging.record_doc_keys=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_train(straight, None, *common, launcher=torchrun(2))
+    run_train(straight, None, *common, "data.num_workers=2", launcher=torchrun(2))
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000024")
-    run_train(resumed, None, *common, "train.resume=true", launcher=torchrun(2))
+    run_train(resumed, None, *common, "data.num_workers=2", "train.resume=true", launcher=torchrun(2))
     a, b = metrics(straight), metrics(resumed)
     assert [m["step"] for m in b] == list(range(1, 25))
     assert max(m["epoch"] for m in a) >= 1  # an epoch boundary inside the run
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-6, (x["step"], x["loss"], y["loss"])
-    epoch_of = {m["step"]: m["epoch"] for m in a}
-    trained: dict[int, Counter] = {}
-    for steps in doc_keys(straight).values():
-        for step, keys in steps.items():
-            trained.setdefault(epoch_of[step], Counter()).update(keys)
     short_chunks = epoch_chunks(corpora[0], 128)
     long_chunks = epoch_chunks(corpora[1], 128)
-    for epoch in range(max(trained)):  # the last one is cut by train.max_steps
-        got = trained[epoch]
-        assert by_source(got, "short") == short_chunks, epoch
-        long_got = by_source(got, "long")
-        assert set(long_got) < set(long_chunks) and max(long_got.values()) == 1, epoch
+
+    def check_epochs(runs: list[tuple[Path, int, int]]) -> None:
+        """Every epoch but the last one of these runs' steps from..to: short's chunks once, long's at most once."""
+        trained: dict[int, Counter] = {}
+        for run, first, last in runs:
+            epoch_of = {m["step"]: m["epoch"] for m in metrics(run)}
+            for steps in doc_keys(run).values():
+                for step, keys in steps.items():
+                    if first <= step <= last:
+                        trained.setdefault(epoch_of[step], Counter()).update(keys)
+        assert len(trained) >= 2
+        for epoch in range(max(trained)):  # the last one is cut by train.max_steps
+            got = trained[epoch]
+            assert by_source(got, "short") == short_chunks, epoch
+            long_got = by_source(got, "long")
+            assert set(long_got) < set(long_chunks) and max(long_got.values()) == 1, epoch
+
+    check_epochs([(straight, 1, 24)])
     summary = json.loads((straight / "summary.json").read_text())
     assert set(summary["mixture"]) == {"short", "long"}
-    shutil.rmtree(resumed / "checkpoints" / "step_000024")
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"hydra.run.dir={resumed}", *SMALL, *common,
-                           "train.resume=true"], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "a data mixture (['short', 'long']) resumes only on the number of ranks" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
+    for ranks in (1, 3):
+        run = tmp_path / f"on_{ranks}"
+        shutil.copytree(straight, run)
+        shutil.rmtree(run / "checkpoints" / "step_000024")
+        # 4 shards of short over 3 readers: one new reader holds two rests, and the others wait for it
+        proc = run_train(run, None, *common, "data.num_workers=1", "train.resume=true", "train.max_steps=40",
+                         launcher=torchrun(ranks))
+        assert ("resume on another shape: written by 2 rank(s) x 2 DataLoader worker(s), resumed on "
+                f"{ranks} x 1: what was left of epoch 0 is dealt") in proc.stdout
+        after = metrics(run)
+        assert [m["step"] for m in after] == list(range(1, 41)) and after[-1]["epoch"] >= 1
+        check_epochs([(straight, 1, 12), (run, 13, 40)])
+        tokens = Counter()
+        for m in after[12:16]:  # the first steps after the resume: no rank has run out of short yet
+            tokens.update(m["tokens_by_source"])
+        assert abs(tokens["short"] / (tokens["short"] + tokens["long"]) - 0.7) < 0.08, (ranks, tokens)
 
 
 def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, tmp_path):
@@ -360,3 +384,121 @@ def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, t
     assert_one_error_line(proc.returncode, proc.stderr, "source 'other' was prepared with another tokenizer",
                           str(other / "tokenizer"))
 
+
+
+# -- a resume on another shape (Mixture.reshaped_state) ----------------------------------------------------
+
+
+def take_tracked(mix: Mixture, limit: int | None = None) -> tuple[list[str], list[str]]:
+    """Rows taken one at a time, up to `limit` (None: to the lockstep epoch's end): (the keys of rows of a
+    source's pass of the epoch, the keys of rows of an extra pass begun after it was read through: restart)."""
+    first, extra = [], []
+    while (limit is None or limit > 0) and not mix.exhausted:
+        rows = mix.take(1)
+        if not rows:
+            continue  # the epoch ended in this take
+        s = mix.names.index(source_of(rows[0][0].key))
+        (extra if mix.read_through[s] else first).extend(doc.key for doc in rows[0])
+        limit = None if limit is None else limit - 1
+    return first, extra
+
+
+def old_states(corpora, weights, exhausted, takes, tmp_path) -> tuple[list[dict], Counter, Counter]:
+    """2 ranks x 2 DataLoader workers, rank r taking takes[r] rows (None: to its epoch's end, then it waits);
+    their states through safe_io (as a checkpoint holds them), the keys of the passes' rows and of extra ones."""
+    from trainer.checkpoint.safe_io import load_state, save_state
+
+    states, first, extra = [], Counter(), Counter()
+    for rank, n in enumerate(takes):
+        mix = mixture(corpora, weights, exhausted, workers=2, rank=rank, world_size=2)
+        try:
+            got = take_tracked(mix, n)
+            states.append(mix.state_dict())
+        finally:
+            mix.close()
+        first.update(got[0])
+        extra.update(got[1])
+    save_state(states, tmp_path / "states.pt")
+    return load_state(tmp_path / "states.pt"), first, extra
+
+
+RESHAPES = [  # (policy, weights, rows taken per old rank (None: to the epoch's end), new ranks x workers)
+    ("stop", [0.7, 0.3], [40, 15], (3, 0)),
+    ("stop", [0.7, 0.3], [None, 30], (3, 1)),  # rank 0 waits at the epoch's end: its long pass was cut
+    ("stop", [0.7, 0.3], [None, 30], (1, 0)),
+    ("restart", [0.3, 0.7], [260, 40], (3, 0)),  # rank 0 read short through and is in an extra pass of it
+    ("restart", [0.3, 0.7], [260, 40], (1, 2)),
+]
+
+
+@pytest.mark.parametrize("exhausted, weights, takes, new", RESHAPES,
+                         ids=[f"{e}-{t}-{n[0]}x{n[1]}" for e, _, t, n in RESHAPES])
+def test_a_mixture_resumed_on_another_shape_trains_each_sources_rest_of_the_epoch_once(corpora, tmp_path, exhausted,
+                                                                                      weights, takes, new):
+    """Each source's rows of the interrupted epoch, before the resume (2 x 2) and after it (the new shape, each
+    rank to its epoch's end): every chunk of a source read through in the epoch exactly once (restart: both; stop:
+    short), none of any source twice, apart from the rows of extra passes (restart); from the resume on, the shares
+    follow the weights (within a row at every row, on every new rank: `mixed` starts at 0)."""
+    states, first, extra = old_states(corpora, weights, exhausted, takes, tmp_path)
+    if exhausted == "restart":
+        assert extra, "an old rank should be in an extra pass of short"
+    world, workers = new
+    for rank in range(world):
+        mix = mixture(corpora, weights, exhausted, workers=workers, rank=rank, world_size=world)
+        try:
+            mix.load_state_dict(mix.reshaped_state(states, workers, lockstep=True))
+            tokens = Counter()
+            while not mix.exhausted:
+                rows = mix.take(1)
+                for row in rows:
+                    s = mix.names.index(source_of(row[0].key))
+                    (extra if mix.read_through[s] else first).update(doc.key for doc in row)
+                    tokens[s] += sum(len(doc) for doc in row)
+                    assert abs(tokens[0] - mix.weights[0] * sum(tokens.values())) <= SEQ_LEN, tokens
+            assert mix.epoch == 1
+        finally:
+            mix.close()
+    short, long = chunks_of(corpora[0]), chunks_of(corpora[1])
+    assert by_source(first, "short") == short
+    if exhausted == "restart":
+        assert by_source(first, "long") == long
+        assert set(by_source(extra, "short")) <= set(short) and not by_source(extra, "long")
+    else:
+        long_read = by_source(first, "long")
+        assert set(long_read) < set(long) and max(long_read.values()) == 1
+        assert not extra
+
+
+def test_after_a_reshaped_epoch_each_source_starts_the_next_pass_of_the_new_shape(corpora, tmp_path):
+    """stop: after the dealt rest of epoch 0, each source's first rows of epoch 1 on every new rank are those a
+    mixture on the new shape from the start reads in its epoch 1 (the source's own pass 1, the new split)."""
+    states, _, _ = old_states(corpora, [0.7, 0.3], "stop", [None, 30], tmp_path)
+    for rank in range(3):
+        per_source = []
+        for reshaped in (True, False):
+            mix = mixture(corpora, [0.7, 0.3], "stop", rank=rank, world_size=3)
+            try:
+                if reshaped:
+                    mix.load_state_dict(mix.reshaped_state(states, 0, lockstep=True))
+                while not mix.exhausted:
+                    mix.take(4)
+                mix.next_epoch()
+                got = {"short": [], "long": []}
+                while min(map(len, got.values())) < 3:
+                    row = mix.take(1)[0]
+                    got[source_of(row[0].key)].append([doc.key for doc in row])
+                per_source.append({name: keys[:3] for name, keys in got.items()})
+            finally:
+                mix.close()
+        assert per_source[0] == per_source[1], rank
+
+
+def test_a_mixture_state_of_ranks_in_different_epochs_is_refused(corpora, tmp_path):
+    states, _, _ = old_states(corpora, [0.7, 0.3], "stop", [None, 30], tmp_path)
+    states[1]["docs"]["mixture"]["epoch"] += 1
+    mix = mixture(corpora, [0.7, 0.3], "stop", rank=0, world_size=3)
+    try:
+        with pytest.raises(ReshapeError, match=r"different mixture epochs \(\[0, 1\]\): not a lockstep run"):
+            mix.reshaped_state(states, 0, lockstep=True)
+    finally:
+        mix.close()

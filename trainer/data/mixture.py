@@ -28,8 +28,8 @@ in the epoch). With data.epoch_lockstep the ranks then wait for each other at th
 source (`exhausted`, `next_epoch`).
 
 Checkpoints hold every source's row stream state and the counters here. Resumed with other weights (same source
-names), the shares follow the new weights from the resume on. A mixture resumes on the shape it was written on
-(trainer.data.reshape refuses it).
+names), the shares follow the new weights from the resume on. Resumed on another number of ranks or workers, each
+source's rest of the interrupted epoch is dealt as one source's is (`Mixture.reshaped_state`, trainer.data.reshape).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from trainer.data.loader import DocumentLoader
 from trainer.data.packing import PackingStats
 from trainer.data.pipeline import RowStream
 from trainer.data.reader import DataStreamError
+from trainer.data.reshape import ReshapeError, require_lockstep, rows_state
 from trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class Mixture:
         """Rows handed out from each source's current pass (0: at the start of one)."""
         self.read_through = [False] * n
         """Whether each source ran out in the current epoch."""
+        self.dealt = [False] * n
+        """Whether each source's current pass is the rest of one dealt at a resume on another shape
+        (`reshaped_state`): it may give no row on this rank, and is cut at the epoch's end before any was taken."""
         self._ready: deque[list[Document]] = deque()
         """Rows put back (`unread`), handed out again first."""
         self._ended = False
@@ -135,12 +139,13 @@ class Mixture:
 
     def _pass_ended(self, s: int) -> None:
         """Source s ran out: it starts its next pass when asked again; the epoch may end here."""
-        if self.pass_rows[s] == 0:
+        if self.pass_rows[s] == 0 and not self.dealt[s]:
             raise DataStreamError(f"source {self.names[s]!r}: a whole pass over this rank's share of its shards "
                                   "gave no document (empty shards, or every sample skipped)")
         self.sources[s].next_epoch()
-        self.passes[s] += 1
+        self.passes[s] += bool(self.pass_rows[s])  # a dealt rest that gave this rank nothing is no pass of its own
         self.pass_rows[s] = 0
+        self.dealt[s] = False
         self.read_through[s] = True
         if self.exhausted_policy == "stop" or all(self.read_through):
             self._end_epoch(s)
@@ -149,10 +154,11 @@ class Mixture:
         """Every source in the middle of a pass leaves its rest; the next epoch starts new passes."""
         cut = []
         for s, rows in enumerate(self.sources):
-            if self.pass_rows[s]:
+            if self.pass_rows[s] or self.dealt[s]:
                 self.docs_cut[s] += rows.abandon_epoch()
                 self.passes_cut[s] += 1
                 self.pass_rows[s] = 0
+                self.dealt[s] = False
                 cut.append(f"{self.names[s]!r} after {self.tokens[s]:,} tokens in all")
         self.read_through = [False] * len(self.sources)
         why = (f"source {self.names[ran_out]!r} ran out (data.mix_exhausted=stop)" if self.exhausted_policy == "stop"
@@ -218,11 +224,74 @@ class Mixture:
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
+        """This rank's mixture state from `states` (every old rank's, in rank order), written on another number of
+        ranks or DataLoader workers: each source's rest of the interrupted epoch is dealt as one source's is
+        (trainer.data.reshape: every document of it not yet trained on, to one new reader), so every new rank
+        reads its part of each source, then waits at the epoch's end as usual.
+
+            old rank r (in the interrupted epoch e)         source s on it               dealt
+            in the epoch, s in its pass of the epoch        its rest of that pass        yes
+            in the epoch, s read through (restart)          an extra pass, begun         no: cut (as at e's end)
+            waiting at e's end (the epoch ended on it)      its next pass, not begun     nothing left
+
+        The totals are kept (old rank r's counts go to new rank r mod W'); the shares follow the weights from here
+        (`mixed` starts at 0). Deterministic: every new rank deals the same from the same states."""
+        require_lockstep(lockstep)
+        saved = [state["docs"].get("mixture") for state in states]
+        if saved[0] is None:
+            raise MixtureStateError(f"the checkpoint's data stream is one source; this run mixes {self.names} "
+                                    "(data.sources): resume with the checkpoint's data config, or start a new run")
+        if saved[0]["names"] != self.names:
+            raise MixtureStateError(f"the checkpoint mixes the sources {saved[0]['names']}; this run's data.sources "
+                                    f"names {self.names}: a mixture resumes with the same sources, in the same order")
+        ended = [bool(state["exhausted"]) for state in states]
+        current = {m["epoch"] - e for m, e in zip(saved, ended, strict=True)}
+        if len(current) != 1:
+            raise ReshapeError(f"the checkpoint's ranks are in different mixture epochs ({sorted(current)}): not a "
+                               "lockstep run")
+        world, rank = self.sources[0].docs.stream.world_size, self.sources[0].docs.stream.rank
+        n = len(self.sources)
+        counters = {key: [0] * n for key in COUNTERS if key not in ("pass_rows", "read_through")}
+        for old_rank, m in enumerate(saved):
+            if old_rank % world == rank:  # totals kept: old rank r's counts go to new rank r mod W'
+                for key, values in counters.items():
+                    counters[key] = [a + b for a, b in zip(values, m[key], strict=True)]
+        sources, read_through, dealt = [], [], []
+        for s, rows in enumerate(self.sources):
+            olds = [state["sources"][s] for state in states]
+            # what old rank r leaves of source s: its pass of the epoch, or nothing (it waits, or read s through)
+            gives = [None if e or m["read_through"][s] else old["docs"]["lockstep_epoch"] - bool(old["exhausted"])
+                     for old, m, e in zip(olds, saved, ended, strict=True)]
+            for old_rank, (old, give) in enumerate(zip(olds, gives, strict=True)):
+                if give is None and not ended[old_rank] and old_rank % world == rank:  # an extra pass, cut here
+                    counters["passes_cut"][s] += 1
+                    counters["docs_cut"][s] += _docs_held(old)
+            epochs = [g for g in gives if g is not None]
+            epoch = max(epochs) if epochs else max(old["docs"]["lockstep_epoch"] for old in olds)
+            sources.append(rows_state(olds, rows.docs.stream, num_workers, gives, epoch))
+            read_through.append(not epochs and not all(ended))  # every rank was in an extra pass: so is this one
+            dealt.append(bool(epochs))
+        epoch = current.pop()
+        all_ended = all(ended)
+        ready = _deal_rows([row for state in states for row in state["ready"]], world, rank)
+        mixture = {"names": list(self.names), "weights": list(self.weights), "epoch": epoch + all_ended,
+                   "mixed": [0] * n, **counters, "pass_rows": [0] * n, "read_through": read_through,
+                   "dealt": dealt if not all_ended else [False] * n}
+        return {
+            "docs": {"mixture": mixture, "num_workers": num_workers, "lockstep_epoch": epoch + all_ended},
+            "sources": sources,
+            "ready": ready,
+            "stats": _summed([source["stats"] for source in sources]),
+            "exhausted": all_ended,
+        }
+
+
     def state_dict(self) -> dict:
         counters = {key: list(getattr(self, key)) for key in COUNTERS}
         return {
             "docs": {"mixture": {"names": list(self.names), "weights": list(self.weights), "epoch": self.epoch,
-                                 "mixed": list(self.mixed), **counters},
+                                 "mixed": list(self.mixed), **counters, "dealt": list(self.dealt)},
                      "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
                      "lockstep_epoch": self.epoch},
             "sources": [rows.state_dict() for rows in self.sources],
@@ -239,11 +308,12 @@ class Mixture:
         if saved["names"] != self.names:
             raise MixtureStateError(f"the checkpoint mixes the sources {saved['names']}; this run's data.sources "
                                     f"names {self.names}: a mixture resumes with the same sources, in the same order")
-        for rows, rows_state in zip(self.sources, state["sources"], strict=True):
-            rows.load_state_dict(rows_state)
+        for rows, source_state in zip(self.sources, state["sources"], strict=True):
+            rows.load_state_dict(source_state)
         self.epoch = saved["epoch"]
         for key in COUNTERS:
             setattr(self, key, list(saved[key]))
+        self.dealt = list(saved.get("dealt", [False] * len(self.sources)))  # not in checkpoints before issue 31
         self._ready = deque([[Document.from_state(d) for d in row] for row in state["ready"]])
         self._ended = state["exhausted"]
         if [round(w, 12) for w in saved["weights"]] == [round(w, 12) for w in self.weights]:
@@ -252,3 +322,26 @@ class Mixture:
             log.info("mixture weights changed from %s to %s at the resume: the shares follow the new weights from "
                      "here", saved["weights"], self.weights)
             self.mixed = [0] * len(self.sources)
+
+
+def _summed(counts: list[dict]) -> dict:
+    """Counts (e.g. PackingStats state dicts) added up key by key."""
+    return {key: sum(c[key] for c in counts) for key in counts[0]}
+
+
+def _docs_held(state: dict) -> int:
+    """Documents a RowStream state holds read but not handed out: its ready rows', packer's and pending ones."""
+    return (sum(map(len, state["ready"])) + len(state["packer"]["docs"]) + len(state["docs"]["pending"]))
+
+
+def _deal_rows(rows: list[list], world: int, rank: int) -> list[list]:
+    """This rank's share of rows put back (`Mixture.unread`) on the old ranks: each row whole, to the new rank with
+    the fewest tokens so far (ties: the lower)."""
+    load = [0] * world
+    mine = []
+    for row in rows:
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += sum(len(doc[1]) for doc in row)
+        if r == rank:
+            mine.append(row)
+    return mine

@@ -27,6 +27,7 @@ from typing import Any
 from trainer.data.batch import Batch, Document, collate_rows, flatten
 from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
+from trainer.data.reshape import reshape_state
 
 
 class RowStream:
@@ -100,6 +101,11 @@ class RowStream:
             "stats": self.stats.state_dict(),
             "exhausted": self._ended,  # the name checkpoints have always given it
         }
+
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
+        """This rank's state from every old rank's, written on another number of ranks or DataLoader workers
+        (trainer.data.reshape)."""
+        return reshape_state(states, self.docs.stream, num_workers, lockstep)
 
     def load_state_dict(self, state: dict) -> None:
         if state["docs"] is not None:
@@ -219,6 +225,9 @@ class RowPrefetcher:
         if self._before is None:  # the snapshot itself failed
             self._pending[1].result()
         return self._before
+
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
+        return self.rows.reshaped_state(states, num_workers, lockstep)
 
     def load_state_dict(self, state: dict) -> None:
         self._no_pending("load_state_dict")

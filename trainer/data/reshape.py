@@ -84,23 +84,41 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
+    require_lockstep(lockstep)
+    if "mixture" in states[0]["docs"]:
+        raise ReshapeError(f"the checkpoint's data stream mixes the sources {states[0]['docs']['mixture']['names']}; "
+                           "this run reads one source: resume with the checkpoint's data config (data.sources)")
+    # A rank whose documents of the epoch ended has already counted it (lockstep_epoch + 1) and waits for the rest.
+    current = {state["docs"]["lockstep_epoch"] - bool(state["exhausted"]) for state in states}
+    if len(current) != 1:
+        raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): not a lockstep run")
+    epoch = current.pop()
+    return rows_state(states, stream, num_workers, [epoch] * len(states), epoch)
+
+
+def require_lockstep(lockstep: bool) -> None:
     if not lockstep:
         raise ReshapeError(
             "a data stream resumes on another number of ranks or DataLoader workers only with "
             "data.epoch_lockstep=true (the default; without it the readers are in different epochs): resume on "
             "the shape the checkpoint was written on")
-    if stream is None or "mixture" in states[0]["docs"]:
-        names = states[0]["docs"].get("mixture", {}).get("names", "data.sources")
-        raise ReshapeError(
-            f"a data mixture ({names}) resumes only on the number of ranks and DataLoader workers it was written "
-            "on (dealing each source's rest of the epoch over another shape is not supported yet): resume on that "
-            "shape, or start a new run with train.init_from=<checkpoint> (weights only)")
+
+
+def rows_state(states: Sequence[dict], stream, num_workers: int, epochs: Sequence[int | None], epoch: int) -> dict:
+    """`reshape_state` given each old rank's interrupted epoch: epochs[r] is the epoch whose rest old rank r leaves
+    (its readers in it, or done with it), or None where r is done with what there is to deal (a mixture's rank that
+    waits, or whose source was read through: only its totals are kept). `epoch`: the new readers' epoch (the
+    interrupted one; where no old rank leaves anything, the epoch the new readers start from scratch)."""
     world, workers = stream.world_size, max(1, num_workers)  # no workers: the rank reads as one slot
     if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
         stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
-    left = _gather(states, stream)
+    left = _gather(states, stream, epochs, epoch)
     tokenized = _tokenized_ranks(left, world)
-    slots = _deal(left, stream, world, workers, tokenized)
+    if all(e is None for e in epochs):  # nothing of the epoch to deal: each new reader starts it from scratch
+        slots = [SlotState(epoch=epoch, skipped=skipped, docs=docs) for skipped, docs in
+                 _kept_counters(left, world * workers)]
+    else:
+        slots = _deal(left, stream, world, workers, tokenized)
     mine = range(stream.rank * workers, (stream.rank + 1) * workers)
     rank_of = _deal_tokenized(left, [rank for _, rank in tokenized])
     stats = dict.fromkeys(left.stats[0], 0)
@@ -128,44 +146,53 @@ def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bo
 # -- what was left -------------------------------------------------------------------------------
 
 
-def _gather(states: Sequence[dict], stream) -> _Left:
-    """The interrupted epoch and everything of it not yet trained on, from every old rank's state."""
+def _gather(states: Sequence[dict], stream, epochs: Sequence[int | None], epoch: int) -> _Left:
+    """Everything of the interrupted epoch not yet trained on, from every old rank's state (`rows_state`)."""
     old_world = len(states)
     loaders = [state["docs"] for state in states]
     old_workers = {loader["num_workers"] for loader in loaders}
     if len(old_workers) != 1:
         raise ReshapeError(f"the checkpoint's ranks had different data.num_workers ({sorted(old_workers)})")
     old_workers = max(1, old_workers.pop())
-    # A rank whose documents of the epoch ended has already counted it (lockstep_epoch + 1) and waits for the rest.
-    current = {loader["lockstep_epoch"] - bool(state["exhausted"]) for loader, state in zip(loaders, states, strict=True)}
-    if len(current) != 1:
-        raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): not a lockstep run")
-    epoch = current.pop()
     left = _Left(epoch=epoch, packer={k: states[0]["packer"][k] for k in ("seq_len", "buffer_size")})
     index = {url: i for i, url in enumerate(stream.shards)}
-    splits: dict[str, list[list[int]]] = {}
-    for rank, (state, loader) in enumerate(zip(states, loaders, strict=True)):
+    splits: dict[tuple[str, int], list[list[int]]] = {}
+    for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, epochs, strict=True)):
+        left.stats.append(state["stats"])
         for slot in range(rank * old_workers, (rank + 1) * old_workers):
             saved = loader["slot_states"].get(slot)
-            slot_state = SlotState(epoch=epoch) if saved is None else SlotState.from_dict(saved)
+            slot_state = SlotState(epoch=rank_epoch or 0) if saved is None else SlotState.from_dict(saved)
             left.counters.append((slot_state.skipped, slot_state.docs))
-            if slot_state.epoch == epoch + 1:
+            if rank_epoch is None or slot_state.epoch == rank_epoch + 1:
                 continue  # done with the epoch
-            if slot_state.epoch != epoch:
+            if slot_state.epoch != rank_epoch:
                 raise ReshapeError(f"reader {slot} of the checkpoint is in epoch {slot_state.epoch}, its rank in "
-                                   f"{epoch}: not a lockstep run")
+                                   f"{rank_epoch}: not a lockstep run")
             if slot_state.split == RESHAPED:
                 shards = [_shard_index(index, url) for url in slot_state.shards]
             else:
-                if slot_state.split not in splits:
-                    splits[slot_state.split] = stream.split_shards(epoch, old_world, old_workers, slot_state.split)
-                shards = splits[slot_state.split][slot]
+                key = (slot_state.split, rank_epoch)
+                if key not in splits:
+                    splits[key] = stream.split_shards(rank_epoch, old_world, old_workers, slot_state.split)
+                shards = splits[key][slot]
             _gather_slot(left, slot, slot_state, shards, stream.shards)
-        left.rows.extend(state["ready"])
-        left.pieces.extend(state["packer"]["docs"])
-        left.pending.extend(loader["pending"])
-        left.stats.append(state["stats"])
+        if rank_epoch is not None:
+            left.rows.extend(state["ready"])
+            left.pieces.extend(state["packer"]["docs"])
+            left.pending.extend(loader["pending"])
     return left
+
+
+def _kept_counters(left: _Left, num_slots: int) -> list[tuple[dict, int]]:
+    """Per new slot: the old slots' counters it keeps (samples skipped by reason, documents), old slot s's going to
+    new slot s mod S'."""
+    out: list[tuple[dict, int]] = [({}, 0) for _ in range(num_slots)]
+    for old_slot, (old_skipped, old_docs) in enumerate(left.counters):
+        skipped, docs = out[old_slot % num_slots]
+        for reason, n in old_skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        out[old_slot % num_slots] = (skipped, docs + old_docs)
+    return out
 
 
 def _gather_slot(left: _Left, slot: int, state: SlotState, shards: list[int], urls: list[str]) -> None:
@@ -252,13 +279,7 @@ def _slot_state(left: _Left, stream, slot: int, parts: list[_Part], samples: lis
     taken, last_key = starts.get(first, (0, ""))
     position = {"shard_index": first, "taken": taken, "last_key": last_key, "rng": random.Random(seed).getstate()[1],
                 "draining": False, "buffer": buffer}
-    skipped: dict[str, int] = {}
-    docs = 0
-    for old_slot, (old_skipped, old_docs) in enumerate(left.counters):
-        if old_slot % num_slots == slot:  # totals kept: old slot s's counts go to new slot s mod S'
-            docs += old_docs
-            for reason, n in old_skipped.items():
-                skipped[reason] = skipped.get(reason, 0) + n
+    skipped, docs = _kept_counters(left, num_slots)[slot]  # totals kept
     return SlotState.from_dict({"epoch": left.epoch, "drawn": 0, "shard": "", "skipped": skipped, "docs": docs,
                                 "position": position, "split": RESHAPED, "shards": shards, "starts": starts})
 

@@ -32,7 +32,6 @@ from trainer.checkpoint.weights import (
 )
 from trainer.config import RunConfig, resolve_dtype
 from trainer.data.batch import LossGroups
-from trainer.data.reshape import reshape_state
 from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
@@ -163,8 +162,8 @@ class Trainer:
         if len(rank_states) < written:  # the same ranks with other workers: this rank's state alone is not enough
             rank_states = store.load_rank_states(path, range(written))
         saved = (meta.get("config") or {}).get("data", {})
-        state = reshape_state([rank_states[r]["data"] for r in range(written)], self.data.loader.stream,
-                              cfg.data.num_workers, lockstep=cfg.data.epoch_lockstep and saved.get("epoch_lockstep", True))
+        state = self.data.rows.reshaped_state([rank_states[r]["data"] for r in range(written)], cfg.data.num_workers,
+                                              lockstep=cfg.data.epoch_lockstep and saved.get("epoch_lockstep", True))
         if info.is_main:
             print(f"resume on another shape: written by {written} rank(s) x {old_workers} DataLoader worker(s), "
                   f"resumed on {info.world_size} x {cfg.data.num_workers}: what was left of epoch "
