@@ -40,6 +40,7 @@ from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.reader import DataStreamError
 from trainer.data.reshape import ReshapeError
 from trainer.data.sources import resolve_source
+from trainer.data.state import StreamStateError
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids
 
@@ -244,7 +245,7 @@ def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
     finally:
         rows.close()
     single = source_rows(corpora[0], 0)
-    with pytest.raises(ReshapeError, match=r"the checkpoint's data stream mixes the sources \['short', 'long'\]; "
+    with pytest.raises(StreamStateError, match=r"the checkpoint's data stream mixes the sources \['short', 'long'\]; "
                                            r"this run reads one source"):
         single.reshaped_state([state, state], 1, lockstep=True)
     with pytest.raises(MixtureStateError, match=r"the checkpoint's data stream is one source"):
@@ -446,7 +447,7 @@ def test_a_mixture_resumed_on_another_shape_trains_each_sources_rest_of_the_epoc
     for rank in range(world):
         mix = mixture(corpora, weights, exhausted, workers=workers, rank=rank, world_size=world)
         try:
-            mix.load_state_dict(mix.reshaped_state(states, workers, lockstep=True))
+            mix.load_state(mix.reshaped_state(states, workers, lockstep=True))
             tokens = Counter()
             while not mix.exhausted:
                 rows = mix.take(1)
@@ -479,7 +480,7 @@ def test_after_a_reshaped_epoch_each_source_starts_the_next_pass_of_the_new_shap
             mix = mixture(corpora, [0.7, 0.3], "stop", rank=rank, world_size=3)
             try:
                 if reshaped:
-                    mix.load_state_dict(mix.reshaped_state(states, 0, lockstep=True))
+                    mix.load_state(mix.reshaped_state(states, 0, lockstep=True))
                 while not mix.exhausted:
                     mix.take(4)
                 mix.next_epoch()

@@ -60,7 +60,7 @@ def train_part(data: Path, shape: tuple[int, int], takes: list[int], tmp: Path,
     for rank in range(world):
         rows = rows_on(data, rank, world, workers)
         if states is not None:
-            rows.load_state_dict(reshape_state(states, rows.docs.stream, workers, lockstep=True))
+            rows.load_state(reshape_state(states, rows.docs.stream, workers, lockstep=True))
         seen += keys(rows.take(takes[rank]))
         out.append(rows.state_dict())
         rows.close()
@@ -75,7 +75,7 @@ def finish_epoch(data: Path, shape: tuple[int, int], states: list[dict], next_ro
     for rank in range(world):
         rows = rows_on(data, rank, world, workers)
         dealt.append(reshape_state(states, rows.docs.stream, workers, lockstep=True))
-        rows.load_state_dict(dealt[-1])
+        rows.load_state(dealt[-1])
         while not rows.exhausted:
             rest += keys(rows.take(5))
         rows.next_epoch()
@@ -123,7 +123,7 @@ def test_one_reader_continues_several_shards_read_in_part(corpus, epoch, tmp_pat
     references into each of them; those past the first are read for it before reading starts."""
     seen, states = train_part(corpus, (3, 0), [12, 9, 15], tmp_path)
     rest, _, dealt = finish_epoch(corpus, (1, 0), states)
-    slot = SlotState.from_dict(dealt[0]["docs"]["slot_states"][0])
+    slot = SlotState.from_dict(dealt[0].docs.slot_states[0].to_dict())  # as a checkpoint holds it
     assert len(slot.starts) == 3, slot.starts
     refs = {item[0] for item in slot.position.buffer if item[3] is None}
     assert len(refs) >= 2 and refs <= set(slot.starts), (refs, slot.starts)
@@ -136,12 +136,12 @@ def test_a_dealt_state_resumes_bit_exactly_on_its_own_shape(corpus, tmp_path):
     first, then = [17, 5, 30], [23, 35, 10]
     for rank in range(3):
         whole = rows_on(corpus, rank, 3, 0)
-        whole.load_state_dict(reshape_state(states, whole.docs.stream, 0, lockstep=True))
+        whole.load_state(reshape_state(states, whole.docs.stream, 0, lockstep=True))
         whole.take(first[rank])
         expected = keys(whole.take(then[rank]))
         whole.close()
         part = rows_on(corpus, rank, 3, 0)
-        part.load_state_dict(reshape_state(states, part.docs.stream, 0, lockstep=True))
+        part.load_state(reshape_state(states, part.docs.stream, 0, lockstep=True))
         part.take(first[rank])
         (saved,) = checkpointed([part.state_dict()], tmp_path)
         part.close()
@@ -154,7 +154,7 @@ def test_a_dealt_state_resumes_bit_exactly_on_its_own_shape(corpus, tmp_path):
 def test_totals_are_kept(corpus, tmp_path):
     """Documents emitted, packing counts: every old rank's and reader's, once, in the new ranks' sums."""
     _, states = train_part(corpus, (2, 2), [20, 7], tmp_path)
-    dealt = [reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True) for r in range(3)]
+    dealt = [reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True).to_dict() for r in range(3)]
     old_docs = sum(s["docs"] for state in states for s in state["docs"]["slot_states"].values())
     new_docs = sum(s["docs"] for state in dealt for s in state["docs"]["slot_states"].values())
     assert new_docs == old_docs > 0
@@ -166,11 +166,11 @@ def test_every_new_rank_deals_the_same_in_another_process(corpus, tmp_path):
     """The deal is a function of the states and the seed alone: another process (another hash seed) gets the
     same."""
     _, states = train_part(corpus, (2, 2), [20, 7], tmp_path)
-    here = [summary(reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True)) for r in range(3)]
+    here = [summary(reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True).to_dict()) for r in range(3)]
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from tests.data.test_reshape import *; "
             f"states = load_state({str(tmp_path / 'states.pt')!r}); "
             f"print(json.dumps([summary(reshape_state(states, rows_on(Path({str(corpus)!r}), r, 3, 0).docs.stream, "
-            "0, True)) for r in range(3)]))")
+            "0, True).to_dict()) for r in range(3)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,13 +19,14 @@ from tests.helpers import make_trainer, metrics
 from trainer.data.batch import Document
 from trainer.data.config import PackingConfig
 from trainer.data.pipeline import PREFETCH_THREAD, RowPrefetcher, RowStream
+from trainer.data.state import LoaderState
 
 SEQ_LEN, ROWS = 32, 3
 
 
 class Docs:
     """A resumable, finite document source (like DocumentLoader): documents 0..n-1 of seeded random lengths,
-    `state_dict` = how many were handed out. `fail_at`: raise when that document is reached; `delay_s`: sleep
+    `state` = how many were handed out. `fail_at`: raise when that document is reached; `delay_s`: sleep
     before each document; `closed` counts generators closed (the DataLoader workers' shutdown)."""
 
     def __init__(self, n: int = 200, fail_at: int | None = None, delay_s: float = 0.0) -> None:
@@ -45,11 +46,11 @@ class Docs:
         finally:
             self.closed += 1
 
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
+    def state(self) -> LoaderState:
+        return LoaderState(chunks_consumed=self.pos)  # one document a chunk
 
-    def load_state_dict(self, state: dict) -> None:
-        self.pos = state["pos"]
+    def load_state(self, state: LoaderState) -> None:
+        self.pos = state.chunks_consumed
 
 
 def stream(docs: Docs) -> RowStream:

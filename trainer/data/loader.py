@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from trainer.data.batch import Document
 from trainer.data.reader import SlotState
+from trainer.data.state import LoaderState
 from trainer.data.stream import DocumentStream
 from trainer.data.workers import init_worker, shutdown_workers, track
 
@@ -148,32 +149,36 @@ class DocumentLoader:
                 total[reason] = total.get(reason, 0) + n
         return total
 
-    def state_dict(self) -> dict:
-        return {
-            "slot_states": {slot: s.to_dict() for slot, s in self.slot_states.items()},
-            "chunks_consumed": self.chunks_consumed,
-            "epoch_chunks": self.epoch_chunks,
-            "lockstep_epoch": self.lockstep_epoch,
-            "num_workers": self.num_workers,
-            "pending": [d.to_state() for d in self._pending],
-        }
+    def state(self) -> LoaderState:
+        """A snapshot (the slots' buffers change in place as chunks arrive; a checkpoint's form of them is kept)."""
+        return LoaderState(slot_states={slot: SlotState.from_dict(s.to_dict()) for slot, s in self.slot_states.items()},
+                           chunks_consumed=self.chunks_consumed,
+                           epoch_chunks=self.epoch_chunks, lockstep_epoch=self.lockstep_epoch,
+                           num_workers=self.num_workers, pending=[d.to_state() for d in self._pending])
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["num_workers"] != self.num_workers:  # the trainer deals such a state first (trainer.data.reshape)
+    def load_state(self, state: LoaderState) -> None:
+        if state.num_workers != self.num_workers:  # the trainer deals such a state first (trainer.data.reshape)
             raise ValueError(
-                f"stream state was saved with {state['num_workers']} DataLoader workers; "
+                f"stream state was saved with {state.num_workers} DataLoader workers; "
                 f"this run has {self.num_workers} (deal it with trainer.data.reshape.reshape_state)"
             )
-        self.slot_states = {int(slot): SlotState.from_dict(s) for slot, s in state["slot_states"].items()}
-        self.chunks_consumed = state["chunks_consumed"]
-        self.epoch_chunks = state.get("epoch_chunks", 0)
-        self.lockstep_epoch = state.get("lockstep_epoch", 0)
-        self._pending = [Document.from_state(d) for d in state["pending"]]
+        # copies, as a checkpoint holds them: reading changes a slot's buffer in place, `state` stays as given
+        self.slot_states = {slot: SlotState.from_dict(s.to_dict()) for slot, s in state.slot_states.items()}
+        self.chunks_consumed = state.chunks_consumed
+        self.epoch_chunks = state.epoch_chunks
+        self.lockstep_epoch = state.lockstep_epoch
+        self._pending = [Document.from_state(d) for d in state.pending]
         self._restoring = True
         replaying = sorted(slot for slot, s in self.slot_states.items() if s.position is None and s.drawn)
         if replaying:
             log.warning("the stream state was saved before reader positions were: slot(s) %s replay their epoch up to "
                         "the samples drawn, reading every shard before that point", replaying)
+
+    def state_dict(self) -> dict:
+        return self.state().to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_state(LoaderState.from_dict(state))
 
 
 def _identity(x):

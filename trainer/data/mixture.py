@@ -45,15 +45,21 @@ from trainer.data.packing import PackingStats
 from trainer.data.pipeline import RowStream
 from trainer.data.reader import DataStreamError
 from trainer.data.reshape import ReshapeError, require_lockstep, rows_state
-from trainer.errors import UserError
+from trainer.data.state import (
+    MIXER_COUNTERS,
+    MixerState,
+    MixtureState,
+    RowStreamState,
+    StreamState,
+    StreamStateError,
+    is_mixture,
+)
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("tokens", "docs", "passes", "passes_cut", "docs_cut", "pass_rows", "read_through")
-"""Per-source counters a checkpoint keeps (besides `mixed`, the counts the next choice balances)."""
 
 
-class MixtureStateError(UserError, ValueError):
+class MixtureStateError(StreamStateError):
     """A stream state that does not fit this run's mixture (other sources, or none)."""
 
 
@@ -224,7 +230,53 @@ class Mixture:
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
+    def state(self) -> MixtureState:
+        mixer = MixerState(names=list(self.names), weights=list(self.weights), epoch=self.epoch, mixed=list(self.mixed),
+                           **{key: list(getattr(self, key)) for key in MIXER_COUNTERS}, dealt=list(self.dealt),
+                           num_workers=self.num_workers)
+        return MixtureState(mixer=mixer, sources=[rows.state() for rows in self.sources],
+                            ready=[[doc.to_state() for doc in row] for row in self._ready],
+                            stats=self.stats.state_dict(), ended=self._ended)
+
+    def load_state(self, state: MixtureState) -> None:
+        state = self._typed(state)
+        self._check_names(state.mixer.names)
+        for rows, source_state in zip(self.sources, state.sources, strict=True):
+            rows.load_state(source_state)
+        saved = state.mixer
+        self.epoch = saved.epoch
+        for key in MIXER_COUNTERS:
+            setattr(self, key, list(getattr(saved, key)))
+        self.dealt = list(saved.dealt)
+        self._ready = deque([[Document.from_state(d) for d in row] for row in state.ready])
+        self._ended = state.ended
+        if [round(w, 12) for w in saved.weights] == [round(w, 12) for w in self.weights]:
+            self.mixed = list(saved.mixed)
+        else:  # new weights: the shares follow them from here (the old counts would make a burst of one source)
+            log.info("mixture weights changed from %s to %s at the resume: the shares follow the new weights from "
+                     "here", saved.weights, self.weights)
+            self.mixed = [0] * len(self.sources)
+
+    def state_dict(self) -> dict:
+        return self.state().to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_state(self._typed(state))
+
+    def _typed(self, state: dict | StreamState) -> MixtureState:
+        if isinstance(state, MixtureState):
+            return state
+        if isinstance(state, RowStreamState) or not is_mixture(state):
+            raise MixtureStateError(f"the checkpoint's data stream is one source; this run mixes {self.names} "
+                                    "(data.sources): resume with the checkpoint's data config, or start a new run")
+        return MixtureState.from_dict(state)
+
+    def _check_names(self, names: list[str]) -> None:
+        if names != self.names:
+            raise MixtureStateError(f"the checkpoint mixes the sources {names}; this run's data.sources names "
+                                    f"{self.names}: a mixture resumes with the same sources, in the same order")
+
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> MixtureState:
         """This rank's mixture state from `states` (every old rank's, in rank order), written on another number of
         ranks or DataLoader workers: each source's rest of the interrupted epoch is dealt as one source's is
         (trainer.data.reshape: every document of it not yet trained on, to one new reader), so every new rank
@@ -238,100 +290,46 @@ class Mixture:
         The totals are kept (old rank r's counts go to new rank r mod W'); the shares follow the weights from here
         (`mixed` starts at 0). Deterministic: every new rank deals the same from the same states."""
         require_lockstep(lockstep)
-        saved = [state["docs"].get("mixture") for state in states]
-        if saved[0] is None:
-            raise MixtureStateError(f"the checkpoint's data stream is one source; this run mixes {self.names} "
-                                    "(data.sources): resume with the checkpoint's data config, or start a new run")
-        if saved[0]["names"] != self.names:
-            raise MixtureStateError(f"the checkpoint mixes the sources {saved[0]['names']}; this run's data.sources "
-                                    f"names {self.names}: a mixture resumes with the same sources, in the same order")
-        ended = [bool(state["exhausted"]) for state in states]
-        current = {m["epoch"] - e for m, e in zip(saved, ended, strict=True)}
+        olds = [self._typed(state) for state in states]
+        self._check_names(olds[0].mixer.names)
+        current = {old.epoch for old in olds}
         if len(current) != 1:
             raise ReshapeError(f"the checkpoint's ranks are in different mixture epochs ({sorted(current)}): not a "
                                "lockstep run")
-        world, rank = self.sources[0].docs.stream.world_size, self.sources[0].docs.stream.rank
+        epoch = current.pop()
+        stream = self.sources[0].docs.stream
+        world, rank = stream.world_size, stream.rank
         n = len(self.sources)
-        counters = {key: [0] * n for key in COUNTERS if key not in ("pass_rows", "read_through")}
-        for old_rank, m in enumerate(saved):
+        totals = {key: [0] * n for key in ("tokens", "docs", "passes", "passes_cut", "docs_cut")}
+        for old_rank, old in enumerate(olds):
             if old_rank % world == rank:  # totals kept: old rank r's counts go to new rank r mod W'
-                for key, values in counters.items():
-                    counters[key] = [a + b for a, b in zip(values, m[key], strict=True)]
+                for key, values in totals.items():
+                    totals[key] = [a + b for a, b in zip(values, getattr(old.mixer, key), strict=True)]
         sources, read_through, dealt = [], [], []
         for s, rows in enumerate(self.sources):
-            olds = [state["sources"][s] for state in states]
             # what old rank r leaves of source s: its pass of the epoch, or nothing (it waits, or read s through)
-            gives = [None if e or m["read_through"][s] else old["docs"]["lockstep_epoch"] - bool(old["exhausted"])
-                     for old, m, e in zip(olds, saved, ended, strict=True)]
+            gives = [None if old.ended or old.mixer.read_through[s] else old.sources[s].epoch for old in olds]
             for old_rank, (old, give) in enumerate(zip(olds, gives, strict=True)):
-                if give is None and not ended[old_rank] and old_rank % world == rank:  # an extra pass, cut here
-                    counters["passes_cut"][s] += 1
-                    counters["docs_cut"][s] += _docs_held(old)
+                if give is None and not old.ended and old_rank % world == rank:  # its extra pass, cut here
+                    totals["passes_cut"][s] += 1
+                    totals["docs_cut"][s] += old.sources[s].docs_held
             epochs = [g for g in gives if g is not None]
-            epoch = max(epochs) if epochs else max(old["docs"]["lockstep_epoch"] for old in olds)
-            sources.append(rows_state(olds, rows.docs.stream, num_workers, gives, epoch))
-            read_through.append(not epochs and not all(ended))  # every rank was in an extra pass: so is this one
+            start = max(epochs) if epochs else max(old.sources[s].docs.lockstep_epoch for old in olds)
+            sources.append(rows_state([old.sources[s] for old in olds], rows.docs.stream, num_workers, gives, start))
+            read_through.append(not epochs and not all(old.ended for old in olds))  # all in extra passes: so is this
             dealt.append(bool(epochs))
-        epoch = current.pop()
-        all_ended = all(ended)
-        ready = _deal_rows([row for state in states for row in state["ready"]], world, rank)
-        mixture = {"names": list(self.names), "weights": list(self.weights), "epoch": epoch + all_ended,
-                   "mixed": [0] * n, **counters, "pass_rows": [0] * n, "read_through": read_through,
-                   "dealt": dealt if not all_ended else [False] * n}
-        return {
-            "docs": {"mixture": mixture, "num_workers": num_workers, "lockstep_epoch": epoch + all_ended},
-            "sources": sources,
-            "ready": ready,
-            "stats": _summed([source["stats"] for source in sources]),
-            "exhausted": all_ended,
-        }
-
-
-    def state_dict(self) -> dict:
-        counters = {key: list(getattr(self, key)) for key in COUNTERS}
-        return {
-            "docs": {"mixture": {"names": list(self.names), "weights": list(self.weights), "epoch": self.epoch,
-                                 "mixed": list(self.mixed), **counters, "dealt": list(self.dealt)},
-                     "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
-                     "lockstep_epoch": self.epoch},
-            "sources": [rows.state_dict() for rows in self.sources],
-            "ready": [[doc.to_state() for doc in row] for row in self._ready],
-            "stats": self.stats.state_dict(),
-            "exhausted": self._ended,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        saved = state["docs"].get("mixture")
-        if saved is None:
-            raise MixtureStateError(f"the checkpoint's data stream is one source; this run mixes {self.names} "
-                                    "(data.sources): resume with the checkpoint's data config, or start a new run")
-        if saved["names"] != self.names:
-            raise MixtureStateError(f"the checkpoint mixes the sources {saved['names']}; this run's data.sources "
-                                    f"names {self.names}: a mixture resumes with the same sources, in the same order")
-        for rows, source_state in zip(self.sources, state["sources"], strict=True):
-            rows.load_state_dict(source_state)
-        self.epoch = saved["epoch"]
-        for key in COUNTERS:
-            setattr(self, key, list(saved[key]))
-        self.dealt = list(saved.get("dealt", [False] * len(self.sources)))  # not in checkpoints before issue 31
-        self._ready = deque([[Document.from_state(d) for d in row] for row in state["ready"]])
-        self._ended = state["exhausted"]
-        if [round(w, 12) for w in saved["weights"]] == [round(w, 12) for w in self.weights]:
-            self.mixed = list(saved["mixed"])
-        else:  # new weights: the shares follow them from here (the old counts would make a burst of one source)
-            log.info("mixture weights changed from %s to %s at the resume: the shares follow the new weights from "
-                     "here", saved["weights"], self.weights)
-            self.mixed = [0] * len(self.sources)
+        ended = all(old.ended for old in olds)
+        mixer = MixerState(names=list(self.names), weights=list(self.weights), epoch=epoch + ended, mixed=[0] * n,
+                           **totals, pass_rows=[0] * n, read_through=read_through,
+                           dealt=[False] * n if ended else dealt, num_workers=num_workers)
+        return MixtureState(mixer=mixer, sources=sources,
+                            ready=_deal_rows([row for old in olds for row in old.ready], world, rank),
+                            stats=_summed([source.stats for source in sources]), ended=ended)
 
 
 def _summed(counts: list[dict]) -> dict:
     """Counts (e.g. PackingStats state dicts) added up key by key."""
     return {key: sum(c[key] for c in counts) for key in counts[0]}
-
-
-def _docs_held(state: dict) -> int:
-    """Documents a RowStream state holds read but not handed out: its ready rows', packer's and pending ones."""
-    return (sum(map(len, state["ready"])) + len(state["packer"]["docs"]) + len(state["docs"]["pending"]))
 
 
 def _deal_rows(rows: list[list], world: int, rank: int) -> list[list]:

@@ -22,12 +22,65 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Protocol
 
 from trainer.data.batch import Batch, Document, collate_rows, flatten
 from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.reshape import reshape_state
+from trainer.data.state import PackerState, RowStreamState, StreamState
+
+
+class RowSource(Protocol):
+    """What the trainer draws its steps' rows from: one source (`RowStream`) or a data mixture
+    (trainer.data.mixture.Mixture); `RowPrefetcher` draws from either in the background, behind the same interface.
+    Epochs (data.epoch_lockstep): `exhausted` when this rank's rows of the epoch are all handed out; `next_epoch`
+    once every rank is (trainer.data.epochs.Lockstep decides). State: typed (trainer.data.state), as plain dicts
+    for checkpoints, and dealt from every old rank's on another shape (`reshaped_state`, trainer.data.reshape)."""
+
+    def take(self, num_rows: int) -> list[list[Document]]:
+        """The next `num_rows` rows (fewer only at the end of a lockstep epoch or of a finite stream)."""
+
+    def unread(self, rows: list[list[Document]]) -> None:
+        """Put the rows of the last `take` back in front (a step abandoned before it ran)."""
+
+    @property
+    def exhausted(self) -> bool:
+        """The (lockstep) epoch ended on this rank and every row of it was handed out."""
+
+    def next_epoch(self) -> None:
+        """Continue into the next epoch (after `exhausted`, when every rank is)."""
+
+    @property
+    def stats(self) -> PackingStats:
+        """Packing counts of the rows handed out."""
+
+    def start(self) -> None:
+        """Start the readers now (after `load_state`: their positions are restored on return)."""
+
+    def skipped(self) -> dict[str, int]:
+        """Samples skipped under on_error=skip by this rank's readers, by reason."""
+
+    def resume_read(self) -> tuple[int, int]:
+        """(samples, bytes) this rank's readers read from shards to restore their positions after a resume."""
+
+    def state(self) -> StreamState:
+        """A snapshot of the state, typed."""
+
+    def load_state(self, state: StreamState) -> None:
+        """Continue from `state` (written on this shape)."""
+
+    def state_dict(self) -> dict:
+        """`state()` as a checkpoint stores it."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """`load_state` from a checkpoint's dict (older formats included)."""
+
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> StreamState:
+        """This rank's state made from every old rank's (in rank order), written on another shape."""
+
+    def close(self) -> None:
+        """Stop reading (DataLoader workers end)."""
 
 
 class RowStream:
@@ -38,7 +91,7 @@ class RowStream:
         self.seq_len = seq_len
         self.cfg = cfg
         self.packer = OnlinePacker(seq_len, cfg.buffer_size)
-        self.stats = PackingStats()
+        self._stats = PackingStats()
         self._ready: deque[list[Document]] = deque()
         self._doc_iter: Iterator[Document] | None = None
         self._ended = False
@@ -54,9 +107,14 @@ class RowStream:
                 self._ended = True
                 self._ready.extend(self.packer.flush())
                 break
-            for piece in split_long(doc, self.seq_len, self.cfg.long_docs, self.stats):
+            for piece in split_long(doc, self.seq_len, self.cfg.long_docs, self._stats):
                 self._ready.extend(self.packer.push(piece))
         return [self._ready.popleft() for _ in range(min(num_rows, len(self._ready)))]
+
+    @property
+    def stats(self) -> PackingStats:
+        """What happened to the documents on their way into rows (split, truncated, dropped)."""
+        return self._stats
 
     def unread(self, rows: list[list[Document]]) -> None:
         """Put rows handed out by the last `take` back in front: the next `take` (and a checkpoint's state) has
@@ -92,29 +150,48 @@ class RowStream:
             self._doc_iter.close()
         self._doc_iter = None
 
-    def state_dict(self) -> dict:
-        docs_state = self.docs.state_dict() if hasattr(self.docs, "state_dict") else None
-        return {
-            "docs": docs_state,
-            "packer": self.packer.state_dict(),
-            "ready": [[d.to_state() for d in row] for row in self._ready],
-            "stats": self.stats.state_dict(),
-            "exhausted": self._ended,  # the name checkpoints have always given it
-        }
+    # -- what the trainer reports (RowSource) ------------------------------------------------------------
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
+    def start(self) -> None:
+        """Start the DataLoader workers now (after `load_state`: their positions are restored on return)."""
+        self.docs.start()
+
+    def skipped(self) -> dict[str, int]:
+        """Samples skipped under on_error=skip by this rank's readers, by reason."""
+        return self.docs.skipped()
+
+    def resume_read(self) -> tuple[int, int]:
+        """(samples, bytes) this rank's readers read from shards to restore their positions after a resume."""
+        return self.docs.resume_read()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+
+    def state(self) -> RowStreamState:
+        return RowStreamState(docs=self.docs.state() if hasattr(self.docs, "state") else None,
+                              packer=PackerState.from_dict(self.packer.state_dict()),
+                              ready=[[d.to_state() for d in row] for row in self._ready],
+                              stats=self.stats.state_dict(), ended=self._ended)
+
+    def load_state(self, state: RowStreamState) -> None:
+        if state.docs is not None:
+            self.docs.load_state(state.docs)
+        self.packer.load_state_dict(state.packer.to_dict())
+        self._ready = deque([[Document.from_state(d) for d in row] for row in state.ready])
+        self.stats.load_state_dict(state.stats)
+        self._doc_iter = None
+        self._ended = state.ended  # a rank waiting at an epoch end keeps waiting
+
+    def state_dict(self) -> dict:
+        return self.state().to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_state(RowStreamState.from_dict(state))
+
+    def reshaped_state(self, states: Sequence[dict | RowStreamState], num_workers: int,
+                       lockstep: bool) -> RowStreamState:
         """This rank's state from every old rank's, written on another number of ranks or DataLoader workers
         (trainer.data.reshape)."""
         return reshape_state(states, self.docs.stream, num_workers, lockstep)
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["docs"] is not None:
-            self.docs.load_state_dict(state["docs"])
-        self.packer.load_state_dict(state["packer"])
-        self._ready = deque([[Document.from_state(d) for d in row] for row in state["ready"]])
-        self.stats.load_state_dict(state["stats"])
-        self._doc_iter = None
-        self._ended = state.get("exhausted", False)  # a rank waiting at an epoch end keeps waiting
 
 
 PREFETCH_THREAD = "row-prefetch"
@@ -147,12 +224,12 @@ class RowPrefetcher:
     workers forked from it are killed when it ends (PR_SET_PDEATHSIG follows the forking thread).
     """
 
-    def __init__(self, rows: RowStream) -> None:
+    def __init__(self, rows: RowSource) -> None:
         self.rows = rows
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future] | None = None
         """(rows asked for, the draw's future -> (rows, prepare(rows)))."""
-        self._before: dict | None = None
+        self._before: StreamState | None = None
         """The stream's state before the pending draw (set by the thread first)."""
         self._prepared: tuple[list, Any] | None = None
         """(rows handed out by the last take, what prepare made of them)."""
@@ -168,7 +245,7 @@ class RowPrefetcher:
         self._pending = (num_rows, self._executor.submit(self._draw, num_rows, prepare))
 
     def _draw(self, num_rows: int, prepare) -> tuple[list[list[Document]], Any]:
-        self._before = self.rows.state_dict()
+        self._before = self.rows.state()
         rows = self.rows.take(num_rows)
         return rows, prepare(rows) if prepare is not None else None
 
@@ -204,7 +281,7 @@ class RowPrefetcher:
         if self._pending is None:
             return self.rows.stats
         stats = PackingStats()
-        stats.load_state_dict(self.state_dict()["stats"])
+        stats.load_state_dict(self.state().stats)
         return stats
 
     def unread(self, rows: list[list[Document]]) -> None:
@@ -217,21 +294,39 @@ class RowPrefetcher:
         self._no_pending("next_epoch")
         self.rows.next_epoch()
 
-    def state_dict(self) -> dict:
+    def state(self) -> StreamState:
         """The state before any rows drawn ahead (see the class docstring); waits for a pending draw."""
         if self._pending is None:
-            return self.rows.state_dict()
+            return self.rows.state()
         wait([self._pending[1]])  # the draw's own error is for the take that wants its rows
         if self._before is None:  # the snapshot itself failed
             self._pending[1].result()
         return self._before
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> dict:
-        return self.rows.reshaped_state(states, num_workers, lockstep)
+    def load_state(self, state: StreamState) -> None:
+        self._no_pending("load_state")
+        self.rows.load_state(state)
+
+    def state_dict(self) -> dict:
+        return self.state().to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self._no_pending("load_state_dict")
         self.rows.load_state_dict(state)
+
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> StreamState:
+        return self.rows.reshaped_state(states, num_workers, lockstep)
+
+    def start(self) -> None:
+        self._no_pending("start")
+        self.rows.start()
+
+    def skipped(self) -> dict[str, int]:
+        """RowSource.skipped (of the readers' latest chunks, drawn ahead or not)."""
+        return self.rows.skipped()
+
+    def resume_read(self) -> tuple[int, int]:
+        return self.rows.resume_read()
 
     def close(self) -> None:
         """Wait for a pending draw (its rows and any error of it are dropped), close the stream, end the thread.
@@ -242,7 +337,7 @@ class RowPrefetcher:
                 wait([self._pending[1]])
                 self._pending = None
                 if self._before is not None:  # the packing counts of rows handed out, not of the dropped draw
-                    self.rows.stats.load_state_dict(self._before["stats"])
+                    self.rows.stats.load_state_dict(self._before.stats)
         finally:
             busy = self._pending is not None  # the wait was interrupted (a second Ctrl-C): the draw still runs
             try:

@@ -35,6 +35,7 @@ import numpy as np
 
 from trainer.data.reader import SlotState
 from trainer.data.sources import url_file_name
+from trainer.data.state import LoaderState, PackerState, RowStreamState
 from trainer.data.stream import lpt
 from trainer.errors import UserError
 
@@ -77,19 +78,17 @@ class _Left:
     """seq_len and buffer_size of the old packers."""
 
 
-def reshape_state(states: Sequence[dict], stream, num_workers: int, lockstep: bool) -> dict:
-    """This rank's data stream state (a RowStream state, as a checkpoint holds it) on the shape of `stream`
-    (its rank and world size) x `num_workers`, made from `states`: every old rank's RowStream state, in rank
-    order. Deterministic: every new rank deals the same from the same states and seed.
+def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: int, lockstep: bool) -> RowStreamState:
+    """This rank's data stream state (a RowStream's) on the shape of `stream` (its rank and world size) x
+    `num_workers`, made from `states`: every old rank's RowStream state (typed, or as a checkpoint holds it), in
+    rank order. Deterministic: every new rank deals the same from the same states and seed.
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
     require_lockstep(lockstep)
-    if "mixture" in states[0]["docs"]:
-        raise ReshapeError(f"the checkpoint's data stream mixes the sources {states[0]['docs']['mixture']['names']}; "
-                           "this run reads one source: resume with the checkpoint's data config (data.sources)")
+    states = [s if isinstance(s, RowStreamState) else RowStreamState.from_dict(s) for s in states]
     # A rank whose documents of the epoch ended has already counted it (lockstep_epoch + 1) and waits for the rest.
-    current = {state["docs"]["lockstep_epoch"] - bool(state["exhausted"]) for state in states}
+    current = {state.epoch for state in states}
     if len(current) != 1:
         raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): not a lockstep run")
     epoch = current.pop()
@@ -104,7 +103,8 @@ def require_lockstep(lockstep: bool) -> None:
             "the shape the checkpoint was written on")
 
 
-def rows_state(states: Sequence[dict], stream, num_workers: int, epochs: Sequence[int | None], epoch: int) -> dict:
+def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, epochs: Sequence[int | None],
+               epoch: int) -> RowStreamState:
     """`reshape_state` given each old rank's interrupted epoch: epochs[r] is the epoch whose rest old rank r leaves
     (its readers in it, or done with it), or None where r is done with what there is to deal (a mixture's rank that
     waits, or whose source was read through: only its totals are kept). `epoch`: the new readers' epoch (the
@@ -126,42 +126,34 @@ def rows_state(states: Sequence[dict], stream, num_workers: int, epochs: Sequenc
         if old_rank % world == stream.rank:  # totals kept: old rank r's counts go to new rank r mod W'
             for name, n in old.items():
                 stats[name] += int(n)
-    return {
-        "docs": {
-            "slot_states": {s: slots[s].to_dict() for s in mine},
-            "chunks_consumed": 0,
-            "epoch_chunks": 0,
-            "lockstep_epoch": left.epoch,
-            "num_workers": num_workers,
-            "pending": [d for d, r in zip(left.pending, rank_of["pending"], strict=True) if r == stream.rank],
-        },
-        "packer": {**left.packer,
-                   "docs": [d for d, r in zip(left.pieces, rank_of["pieces"], strict=True) if r == stream.rank]},
-        "ready": [row for row, r in zip(left.rows, rank_of["rows"], strict=True) if r == stream.rank],
-        "stats": stats,
-        "exhausted": False,  # every new rank reads its part of the epoch, possibly nothing, then waits as usual
-    }
+    def mine_of(items: list, ranks: list[int]) -> list:
+        return [item for item, r in zip(items, ranks, strict=True) if r == stream.rank]
+
+    docs = LoaderState(slot_states={s: slots[s] for s in mine}, lockstep_epoch=left.epoch, num_workers=num_workers,
+                       pending=mine_of(left.pending, rank_of["pending"]))
+    packer = PackerState(**left.packer, docs=mine_of(left.pieces, rank_of["pieces"]))
+    # every new rank reads its part of the epoch, possibly nothing, then waits as usual: not ended
+    return RowStreamState(docs=docs, packer=packer, ready=mine_of(left.rows, rank_of["rows"]), stats=stats)
 
 
 # -- what was left -------------------------------------------------------------------------------
 
 
-def _gather(states: Sequence[dict], stream, epochs: Sequence[int | None], epoch: int) -> _Left:
+def _gather(states: Sequence[RowStreamState], stream, epochs: Sequence[int | None], epoch: int) -> _Left:
     """Everything of the interrupted epoch not yet trained on, from every old rank's state (`rows_state`)."""
     old_world = len(states)
-    loaders = [state["docs"] for state in states]
-    old_workers = {loader["num_workers"] for loader in loaders}
+    loaders = [state.docs for state in states]
+    old_workers = {loader.num_workers for loader in loaders}
     if len(old_workers) != 1:
         raise ReshapeError(f"the checkpoint's ranks had different data.num_workers ({sorted(old_workers)})")
     old_workers = max(1, old_workers.pop())
-    left = _Left(epoch=epoch, packer={k: states[0]["packer"][k] for k in ("seq_len", "buffer_size")})
+    left = _Left(epoch=epoch, packer={"seq_len": states[0].packer.seq_len, "buffer_size": states[0].packer.buffer_size})
     index = {url: i for i, url in enumerate(stream.shards)}
     splits: dict[tuple[str, int], list[list[int]]] = {}
     for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, epochs, strict=True)):
-        left.stats.append(state["stats"])
+        left.stats.append(state.stats)
         for slot in range(rank * old_workers, (rank + 1) * old_workers):
-            saved = loader["slot_states"].get(slot)
-            slot_state = SlotState(epoch=rank_epoch or 0) if saved is None else SlotState.from_dict(saved)
+            slot_state = loader.slot_states.get(slot) or SlotState(epoch=rank_epoch or 0)
             left.counters.append((slot_state.skipped, slot_state.docs))
             if rank_epoch is None or slot_state.epoch == rank_epoch + 1:
                 continue  # done with the epoch
@@ -177,9 +169,9 @@ def _gather(states: Sequence[dict], stream, epochs: Sequence[int | None], epoch:
                 shards = splits[key][slot]
             _gather_slot(left, slot, slot_state, shards, stream.shards)
         if rank_epoch is not None:
-            left.rows.extend(state["ready"])
-            left.pieces.extend(state["packer"]["docs"])
-            left.pending.extend(loader["pending"])
+            left.rows.extend(state.ready)
+            left.pieces.extend(state.packer.docs)
+            left.pending.extend(loader.pending)
     return left
 
 

@@ -137,7 +137,7 @@ class Trainer:
         if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
         meta, rank_states = self.checkpointer.load(path, self.engine)
-        self.data.rows.load_state_dict(self._stream_state(path, meta, rank_states))
+        self._load_stream_state(path, meta, rank_states)
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
         self.inputs.lockstep_wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
@@ -150,7 +150,7 @@ class Trainer:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
                   + " ".join(f"{k}={v}" for k, v in read.items()), flush=True)
 
-    def _stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> dict:
+    def _load_stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> None:
         """This rank's data stream state: its own on the shape the checkpoint was written on; on another number
         of ranks or data.num_workers, its part of every old rank's (trainer.data.reshape: each document of the
         interrupted epoch not yet trained on is trained on once, in another order than the uninterrupted run's)."""
@@ -158,7 +158,7 @@ class Trainer:
         own = rank_states.get(info.rank) if written == info.world_size else None
         old_workers = (own or next(iter(rank_states.values())))["data"]["docs"]["num_workers"]
         if own is not None and old_workers == cfg.data.num_workers:
-            return own["data"]
+            return self.data.rows.load_state_dict(own["data"])
         if len(rank_states) < written:  # the same ranks with other workers: this rank's state alone is not enough
             rank_states = store.load_rank_states(path, range(written))
         saved = (meta.get("config") or {}).get("data", {})
@@ -167,9 +167,9 @@ class Trainer:
         if info.is_main:
             print(f"resume on another shape: written by {written} rank(s) x {old_workers} DataLoader worker(s), "
                   f"resumed on {info.world_size} x {cfg.data.num_workers}: what was left of epoch "
-                  f"{state['docs']['lockstep_epoch']} is dealt over the new readers (each document once; the order "
+                  f"{state.epoch} is dealt over the new readers (each document once; the order "
                   "differs from the uninterrupted run's)", flush=True)
-        return state
+        self.data.rows.load_state(state)
 
     def fit(self) -> dict:
         """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and return."""
