@@ -55,7 +55,7 @@ def draw(container: dict, rows_wanted: int, warmup: int) -> tuple[float, list[li
     data = build_data(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     rows = data.rows
     try:
-        data.loader.start()  # every source's workers
+        data.rows.start()  # every source's workers
         out, t0 = [], None
         while len(out) < warmup + rows_wanted:
             if t0 is None and len(out) >= warmup:

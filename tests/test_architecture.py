@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,39 @@ def test_the_commands_that_never_compile_do_not_load_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def data_imports_of_run(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each module a of trainer.run importing a module b of trainer.data other than its facade."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() if room(a) == "trainer.run" for b in targets
+                  if room(b) == "trainer.data" and b != "trainer.data.feed")
+
+
+def test_the_run_takes_its_data_through_one_module():
+    graph = import_graph()
+    assert "trainer.data.feed" in graph["trainer.run.inputs"]
+    assert data_imports_of_run(graph) == []
+    assert data_imports_of_run({"trainer.run.step": {"trainer.data.batch"}}) == [
+        "trainer.run.step -> trainer.data.batch"]  # the check can fail
+
+
+EPOCH_ARITHMETIC = re.compile(r"\b\w*epoch\w*(['\"]?\s*\]|\))?\s*[-+]=?\s*(1\b|bool\(|self\.|ended|state\.)"
+                              r"|=\s*len\(\w*wait\w*\)\s*-|\bepoch\s*\+=")
+"""An epoch counted or compared by arithmetic: `epoch += 1`, `lockstep_epoch + 1`, `epoch - bool(ended)`, ..."""
+
+
+def epoch_arithmetic(path: Path) -> list[str]:
+    """The lines of `path` that count epochs by themselves (not through trainer.data.epochs)."""
+    return [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if EPOCH_ARITHMETIC.search(line.split("#")[0]) and "epoch_chunks" not in line]
+
+
+def test_one_module_decides_epochs(tmp_path):
+    """trainer.data.epochs holds every rule of when an epoch ends and the next begins; the others ask it."""
+    owner = PACKAGE / "data" / "epochs.py"
+    assert epoch_arithmetic(owner)  # the rules are there, and the pattern sees them
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if path != owner for line in epoch_arithmetic(path)]
+    assert found == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("state.epoch += 1\nstop = self.lockstep_epoch + 1\ne = loader['lockstep_epoch'] - bool(s)\n")
+    assert len(epoch_arithmetic(probe)) == 3  # the check can fail

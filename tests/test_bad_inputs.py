@@ -45,12 +45,12 @@ from trainer.checkpoint.safe_io import save_state
 from trainer.checkpoint.weights import checkpoint_conventions
 from trainer.config import from_container
 from trainer.data.config import DataConfig
+from trainer.data.feed import load_eval_docs
 from trainer.data.reshape import reshape_state
 from trainer.distributed.groups import DistInfo
 from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
 from trainer.run.checkpointer import Checkpointer, check_resumable
-from trainer.run.evaluate import load_eval_docs
 from trainer.run.inputs import build_data
 from trainer.train import HYDRA_ERRORS, build_config, user_message
 

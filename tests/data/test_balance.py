@@ -112,7 +112,7 @@ def test_the_trainer_balances_its_readers_by_the_manifest(demo_data, tmp_path):
     trainer = make_trainer(demo_data, tmp_path / "run")
     try:
         listed = [s["tokens"] for s in load_manifest(demo_data)["splits"]["train"]["shards"]]
-        assert trainer.data.loader.stream.shard_tokens == listed
+        assert trainer.data.rows.rows.docs.stream.shard_tokens == listed  # RowPrefetcher -> RowStream -> loader
     finally:
         trainer.data.rows.close()
 

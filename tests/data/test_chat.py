@@ -30,6 +30,7 @@ from trainer.data.chat import (
 )
 from trainer.data.config import DataConfig
 from trainer.data.corpus import PrepareError
+from trainer.data.feed import check_loss_on, load_eval_docs
 from trainer.data.packing import PackingStats, split_long
 from trainer.data.shards import load_manifest, shard_paths
 from trainer.data.sources import resolve_source
@@ -49,8 +50,6 @@ from trainer.data.tokenizer import (
 from trainer.errors import ConfigError
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 from trainer.prepare import main, prepare
-from trainer.run.evaluate import load_eval_docs
-from trainer.run.inputs import check_loss_on
 
 X = IGNORE_INDEX
 

@@ -23,12 +23,12 @@ import pytest
 from tests.harness import free_port
 from tests.helpers import ROOT, SMALL, ShardHandler, metrics, serve_shards
 from trainer.data.config import DataConfig
+from trainer.data.feed import load_eval_docs
 from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError
 from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.run.evaluate import load_eval_docs
 
 TRAIN = "train-{000000..000004}.tar"  # the demo_data fixture's five train shards
 

@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from trainer.data.feed import load_eval_docs
 from trainer.data.shards import load_manifest
 from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, GPTConfig, build_model
-from trainer.run.evaluate import Evaluator, load_eval_docs
+from trainer.run.evaluate import Evaluator
 
 SEQ_LEN = 64
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -33,6 +33,7 @@ from tests.helpers import (
 )
 from trainer.data.batch import Document, LossGroups, collate_rows, length_bucket_names, source_counts
 from trainer.data.config import DataConfig, PackingConfig
+from trainer.data.feed import load_eval_docs
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import micro_batches
 from trainer.data.sources import ShardSourceError
@@ -41,7 +42,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, build_model
-from trainer.run.evaluate import Evaluator, load_eval_docs
+from trainer.run.evaluate import Evaluator
 from trainer.run.metrics import by_group, by_source
 from trainer.run.step import train_step
 

@@ -7,12 +7,16 @@
     tokenizer         the byte-level BPE and its special tokens (trained, saved, hashed, extended)
     shards            WebDataset shards and manifest.json (written by prepare, read here)
     sources           where training shards come from (data.path, data.urls: files, http(s), pipe:)
+    feed              what a training run takes from this room (trainer.run imports no other module of it)
     reader            one slot's reader: shard cursor, shuffle buffer, resumable read position
     stream, loader    the rank x worker split of the shards, tokenization, DataLoader workers (workers.py)
     packing           the online packer (and offline BFD), long-document policies
-    pipeline          documents -> rows -> micro-batches for each layout, the prefetch thread
-    mixture           data.sources: rows drawn from several row streams by weight, per-source epochs
-    reshape           a single source's stream state written on W x K readers, dealt to W' x K' at a resume
+    pipeline          `RowSource`, the interface every row source implements; documents -> rows -> micro-batches
+                      for each layout (`RowStream`), the prefetch thread
+    mixture           data.sources: rows drawn from several row streams by weight, per-source passes
+    epochs            every rule of when an epoch ends, for readers, loaders, mixtures and the ranks (lockstep)
+    state             the stream's state as typed, versioned objects, and their checkpoint form
+    reshape           a stream state written on W x K readers, dealt to W' x K' at a resume (a mixture's by source)
     batch             `Document`, `Batch`: ids, positions, labels (-100 at boundaries), cu_seqlens
     config            the `data` and `packing` config sections
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader
 
+from trainer.data import epochs
 from trainer.data.batch import Document
 from trainer.data.reader import SlotState
 from trainer.data.state import LoaderState
@@ -74,7 +75,7 @@ class DocumentLoader:
                 while self._pending:
                     yield self._pending.pop(0)
             self.epoch_chunks = 0  # every slot finished the epoch (lockstep) or the finite stream ended
-            self.lockstep_epoch += 1
+            self.lockstep_epoch = epochs.after(self.lockstep_epoch)
         finally:  # on exhaustion, on an error, and when the consumer closes this generator
             shutdown_workers(batches)
 
@@ -83,7 +84,7 @@ class DocumentLoader:
         self.stream.resume_states = dict(self.slot_states)
         consumed = self.epoch_chunks if self.lockstep else self.chunks_consumed
         self.stream.worker_rotation = consumed % max(1, self.num_workers)
-        self.stream.stop_epoch = self.lockstep_epoch + 1 if self.lockstep else None
+        self.stream.stop_epoch = epochs.stop_epoch(self.lockstep, self.lockstep_epoch)
         self.stream.report_restore, self._restoring = self._restoring, False
         loader = DataLoader(
             self.stream,
@@ -127,7 +128,7 @@ class DocumentLoader:
             self._started = None
         workers = max(1, self.num_workers)
         slots = range(self.stream.rank * workers, (self.stream.rank + 1) * workers)
-        epoch = self.lockstep_epoch + 1
+        epoch = epochs.after(self.lockstep_epoch)
         kept = {slot: self.slot_states.get(slot, SlotState()) for slot in slots}
         self.slot_states = {slot: SlotState(epoch=epoch, skipped=dict(s.skipped), docs=s.docs)
                             for slot, s in kept.items()}

@@ -38,6 +38,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
+from trainer.data import epochs
 from trainer.data.batch import Document
 from trainer.data.config import MIX_EXHAUSTED
 from trainer.data.loader import DocumentLoader
@@ -153,7 +154,7 @@ class Mixture:
         self.pass_rows[s] = 0
         self.dealt[s] = False
         self.read_through[s] = True
-        if self.exhausted_policy == "stop" or all(self.read_through):
+        if epochs.mixture_epoch_ends(self.exhausted_policy, self.read_through):
             self._end_epoch(s)
 
     def _end_epoch(self, ran_out: int) -> None:
@@ -170,7 +171,7 @@ class Mixture:
         why = (f"source {self.names[ran_out]!r} ran out (data.mix_exhausted=stop)" if self.exhausted_policy == "stop"
                else "every source was read through (data.mix_exhausted=restart)")
         log.info("mixture epoch %d ended: %s%s", self.epoch, why, "; passes cut: " + ", ".join(cut) if cut else "")
-        self.epoch += 1
+        self.epoch = epochs.after(self.epoch)
         self._ended = self.lockstep
 
     def unread(self, rows: list[list[Document]]) -> None:
@@ -319,7 +320,8 @@ class Mixture:
             read_through.append(not epochs and not all(old.ended for old in olds))  # all in extra passes: so is this
             dealt.append(bool(epochs))
         ended = all(old.ended for old in olds)
-        mixer = MixerState(names=list(self.names), weights=list(self.weights), epoch=epoch + ended, mixed=[0] * n,
+        mixer = MixerState(names=list(self.names), weights=list(self.weights),
+                           epoch=epochs.after(epoch) if ended else epoch, mixed=[0] * n,
                            **totals, pass_rows=[0] * n, read_through=read_through,
                            dealt=[False] * n if ended else dealt, num_workers=num_workers)
         return MixtureState(mixer=mixer, sources=sources,

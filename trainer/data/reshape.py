@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from trainer.data import epochs
 from trainer.data.reader import SlotState
 from trainer.data.sources import url_file_name
 from trainer.data.state import LoaderState, PackerState, RowStreamState
@@ -87,7 +88,6 @@ def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: 
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
     require_lockstep(lockstep)
     states = [s if isinstance(s, RowStreamState) else RowStreamState.from_dict(s) for s in states]
-    # A rank whose documents of the epoch ended has already counted it (lockstep_epoch + 1) and waits for the rest.
     current = {state.epoch for state in states}
     if len(current) != 1:
         raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): not a lockstep run")
@@ -103,18 +103,18 @@ def require_lockstep(lockstep: bool) -> None:
             "the shape the checkpoint was written on")
 
 
-def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, epochs: Sequence[int | None],
+def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, rank_epochs: Sequence[int | None],
                epoch: int) -> RowStreamState:
-    """`reshape_state` given each old rank's interrupted epoch: epochs[r] is the epoch whose rest old rank r leaves
+    """`reshape_state` given each old rank's interrupted epoch: rank_epochs[r] is the epoch whose rest old rank r leaves
     (its readers in it, or done with it), or None where r is done with what there is to deal (a mixture's rank that
     waits, or whose source was read through: only its totals are kept). `epoch`: the new readers' epoch (the
     interrupted one; where no old rank leaves anything, the epoch the new readers start from scratch)."""
     world, workers = stream.world_size, max(1, num_workers)  # no workers: the rank reads as one slot
     if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
         stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
-    left = _gather(states, stream, epochs, epoch)
+    left = _gather(states, stream, rank_epochs, epoch)
     tokenized = _tokenized_ranks(left, world)
-    if all(e is None for e in epochs):  # nothing of the epoch to deal: each new reader starts it from scratch
+    if all(e is None for e in rank_epochs):  # nothing of the epoch to deal: each new reader starts it from scratch
         slots = [SlotState(epoch=epoch, skipped=skipped, docs=docs) for skipped, docs in
                  _kept_counters(left, world * workers)]
     else:
@@ -139,7 +139,7 @@ def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, epoch
 # -- what was left -------------------------------------------------------------------------------
 
 
-def _gather(states: Sequence[RowStreamState], stream, epochs: Sequence[int | None], epoch: int) -> _Left:
+def _gather(states: Sequence[RowStreamState], stream, rank_epochs: Sequence[int | None], epoch: int) -> _Left:
     """Everything of the interrupted epoch not yet trained on, from every old rank's state (`rows_state`)."""
     old_world = len(states)
     loaders = [state.docs for state in states]
@@ -150,14 +150,15 @@ def _gather(states: Sequence[RowStreamState], stream, epochs: Sequence[int | Non
     left = _Left(epoch=epoch, packer={"seq_len": states[0].packer.seq_len, "buffer_size": states[0].packer.buffer_size})
     index = {url: i for i, url in enumerate(stream.shards)}
     splits: dict[tuple[str, int], list[list[int]]] = {}
-    for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, epochs, strict=True)):
+    for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, rank_epochs, strict=True)):
         left.stats.append(state.stats)
         for slot in range(rank * old_workers, (rank + 1) * old_workers):
             slot_state = loader.slot_states.get(slot) or SlotState(epoch=rank_epoch or 0)
             left.counters.append((slot_state.skipped, slot_state.docs))
-            if rank_epoch is None or slot_state.epoch == rank_epoch + 1:
+            done = True if rank_epoch is None else epochs.reader_done(slot_state.epoch, rank_epoch)
+            if done:
                 continue  # done with the epoch
-            if slot_state.epoch != rank_epoch:
+            if done is None:
                 raise ReshapeError(f"reader {slot} of the checkpoint is in epoch {slot_state.epoch}, its rank in "
                                    f"{rank_epoch}: not a lockstep run")
             if slot_state.split == RESHAPED:

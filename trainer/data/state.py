@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainer.data import epochs
 from trainer.data.reader import SlotState
 from trainer.errors import UserError
 
@@ -97,7 +98,7 @@ class RowStreamState:
     @property
     def epoch(self) -> int:
         """The epoch this rank's readers are in or, where its documents of it ended, are done with."""
-        return self.docs.lockstep_epoch - self.ended
+        return epochs.current(self.docs.lockstep_epoch, self.ended)
 
     @property
     def docs_held(self) -> int:
@@ -173,7 +174,7 @@ class MixtureState:
     @property
     def epoch(self) -> int:
         """The mixture epoch this rank is in or, where it ended on this rank, is done with."""
-        return self.mixer.epoch - self.ended
+        return epochs.current(self.mixer.epoch, self.ended)
 
     def to_dict(self) -> dict:
         return {"version": STATE_VERSION, "docs": self.mixer.to_dict(),

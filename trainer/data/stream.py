@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from trainer.data import epochs as epoch_rules
 from trainer.data.batch import Document
 from trainer.data.chat import assistant_token_mask
 from trainer.data.config import LOSS_ON, ON_ERROR
@@ -213,7 +214,7 @@ class DocumentStream(IterableDataset):
                         yield self._chunk(slot, state, reader, keys, texts)
                         keys, texts = [], []
                 reader.close()
-                state.epoch += 1
+                state.epoch = epoch_rules.after(state.epoch)
                 state.drawn = 0
                 state.split, state.shards, state.starts = "by_tokens", None, {}  # the next epoch: this shape's split
                 # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
@@ -225,9 +226,7 @@ class DocumentStream(IterableDataset):
 
     def _reader(self, slot: int, num_slots: int, state: SlotState, position: ReadPosition | None) -> SlotReader | None:
         """The slot's reader for `state.epoch`, at `position` (or at `state.drawn`); None when no epoch is left."""
-        if (self.epochs is not None and state.epoch >= self.epochs) or (
-            self.stop_epoch is not None and state.epoch >= self.stop_epoch
-        ):
+        if epoch_rules.reader_stops(state.epoch, self.epochs, self.stop_epoch):
             return None
         if state.split == "reshaped":  # dealt by a resume on another shape (trainer.data.reshape)
             shards = list(state.shards)

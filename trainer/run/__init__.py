@@ -3,8 +3,9 @@
     loop          `Trainer`: builds the parts from a RunConfig, then calls them in order each step (its
                   docstring is the loop in six lines); each part owns its cadence (`due`), the loop still
                   assembles the logged metric dicts and the summary
-    inputs        this rank's data stream (`build_data`) and each step's micro-batches (`StepInputs`: rows
-                  drawn in lockstep at an epoch's end, laid out, checked, pinned, prefetched)
+    inputs        this rank's data stream (`build_data`, from trainer.data.feed, the one data module the run
+                  imports) and each step's micro-batches (`StepInputs`: rows agreed across ranks at an epoch's
+                  end by trainer.data.epochs.StepRows, laid out, checked, pinned, prefetched)
     step          one optimizer step: the loss weights of the normalization, the global counts reduced once
                   across ranks, then forward/backward over the micro-batches and the update
     evaluate      the held-out eval (fixed val set, layout- and rank-invariant val_loss); `Evaluator.due`

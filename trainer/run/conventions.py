@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from trainer.checkpoint.store import TOKENIZER_DIR
 from trainer.config import RunConfig
-from trainer.data.config import VAL_SPLIT
-from trainer.run.inputs import DataSource
+from trainer.data.feed import VAL_SPLIT, DataSource
 
 LOSS_DEFINITIONS = {
     "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "

@@ -20,16 +20,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from trainer.data.batch import NO_GROUPS, Batch, Document, LossGroups
-from trainer.data.config import VAL_SPLIT, DataConfig, PackingConfig
-from trainer.data.packing import OnlinePacker, PackingStats, split_long
-from trainer.data.pipeline import micro_batches
-from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
-from trainer.data.stream import DocumentStream
+from trainer.data.feed import NO_GROUPS, Batch, Document, LossGroups, ShardSourceError, eval_batches
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
@@ -59,72 +53,6 @@ class EvalResult:
         return {key: value for key, value in vars(self).items() if value is not None}
 
 
-def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
-                   max_docs: int | None, on_error: str = "raise") -> list[Document]:
-    """The first `max_docs` held-out documents in a fixed order, each split into chunks of <= seq_len.
-
-    `data` is the run's data config (held-out shards: data.val_urls, else the manifest's val split; data.loss_on:
-    which tokens are targets, as in training) or a prepared directory (every token a target).
-    Example: max_docs=3 over val shards whose fixed order is [v7, v2, v9, ...] with
-    len(v2) = 2.5 x seq_len -> [v7, v2#0, v2#1, v2#2, v9].
-
-    With data.sources: the first `max_docs` documents of each source (its val_urls, else its manifest's val split),
-    source after source, tagged with its index. A source without held-out shards is left out (one warning names
-    them); an error if no source has any.
-    """
-    if data is None:
-        raise ShardSourceError("load_eval_docs needs the data config (cfg.data) when data.urls is used")
-    if not isinstance(data, DataConfig):
-        data = DataConfig(path=str(data))
-    mixture = data.mixture()
-    if not mixture:
-        source = resolve_source(data)
-        if not source.val_urls:
-            if source.manifest is not None and data.val_urls is None:
-                raise ShardSourceError(f"{source.manifest}: the '{VAL_SPLIT}' split has no documents; set "
-                                       "data.val_urls=SHARDS, prepare with --val-fraction > 0, or set "
-                                       "train.eval_every=0")
-            raise ShardSourceError("no held-out shards for the eval: data.urls is set but data.val_urls is not; set "
-                                   "data.val_urls=SHARDS (same syntax as data.urls) or train.eval_every=0")
-        return _read_eval_docs(data, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error)
-    resolved = [(i, src.name, data.for_source(src)) for i, src in enumerate(mixture)]
-    resolved = [(i, name, cfg, resolve_source(cfg)) for i, name, cfg in resolved]
-    left_out = [name for _, name, _, source in resolved if not source.val_urls]
-    if len(left_out) == len(resolved):
-        raise ShardSourceError(f"no held-out shards for the eval in any of data.sources ({', '.join(left_out)}): "
-                               "give a source val_urls=SHARDS, prepare its directory with --val-fraction > 0, or "
-                               "set train.eval_every=0")
-    if left_out:
-        log.warning("data.sources %s: no held-out shards (no val_urls, no '%s' split in the manifest): left out of "
-                    "the eval (val_token_loss_by_source null for them)", ", ".join(left_out), VAL_SPLIT)
-    return [doc for i, name, cfg, source in resolved if source.val_urls
-            for doc in _read_eval_docs(cfg, source, tokenizer_dir, eos_id, seq_len, max_docs, on_error, name, i)]
-
-
-def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, eos_id: int, seq_len: int,
-                    max_docs: int | None, on_error: str, name: str | None = None, index: int = 0) -> list[Document]:
-    """`load_eval_docs` of one source whose held-out shards are `source.val_urls`; a mixture's source `index`
-    named `name`, whose documents the stream tags and keys as in training."""
-    stream = DocumentStream(
-        source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
-        on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
-        read_timeout_s=data.read_timeout_s, name=name, source=index,
-    )
-    docs: list[Document] = []
-    for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split
-        docs.extend(chunk)
-        if max_docs is not None and len(docs) >= max_docs:
-            break
-    if not docs:
-        shards = ", ".join(map(str, source.val_urls[:3])) + (", ..." if len(source.val_urls) > 3 else "")
-        why = (" (data.on_error=skip skipped what it could not read: see the warnings above)"
-               if on_error == "skip" else "")
-        raise ShardSourceError(f"the eval read no document from its {len(source.val_urls)} held-out shard(s) "
-                               f"[{shards}]{why}; check those shards, or set train.eval_every=0")
-    stats = PackingStats()
-    return [piece for doc in docs[:max_docs] for piece in split_long(doc, seq_len, "split", stats)]
-
-
 class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
@@ -136,10 +64,8 @@ class Evaluator:
         self.every = every
         """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
-        mine = docs[info.rank :: info.world_size]
-        rows = list(OnlinePacker(seq_len, buffer_size=max(1, len(mine))).pack(mine))
-        self.batches: list[Batch] = micro_batches(rows, PackingConfig(layout=layout), seq_len, micro_batch_tokens,
-                                                  pad_id)
+        self.batches: list[Batch] = eval_batches(docs, info.rank, info.world_size, seq_len, layout,
+                                                 micro_batch_tokens, pad_id)
         self.batches, self.group_targets = with_group_targets(self.batches, groups)  # G targets on every rank
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.data.batch import Batch
+from trainer.data.feed import Batch
 from trainer.model import GPT, compute_dtype
 from trainer.model.attention import (
     FLEX_BLOCK_SIZE,

@@ -31,8 +31,14 @@ from trainer.checkpoint.weights import (
     tokenizer_mismatch,
 )
 from trainer.config import RunConfig, resolve_dtype
-from trainer.data.batch import LossGroups
-from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
+from trainer.data.feed import (
+    LossGroups,
+    ReadInterrupted,
+    StepInterrupted,
+    allow_reads,
+    interrupt_reads,
+    load_eval_docs,
+)
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
@@ -41,9 +47,9 @@ from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
-from trainer.run.evaluate import EvalResult, Evaluator, load_eval_docs
+from trainer.run.evaluate import EvalResult, Evaluator
 from trainer.run.flops import flop_metrics, flop_model
-from trainer.run.inputs import StepInputs, StepInterrupted, build_data
+from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, by_group, by_source, peak_flops, peak_mem_gb
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
@@ -88,7 +94,7 @@ class Trainer:
                                   compile=cfg.train.compile)
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0,
-                         "lockstep_wait_steps": self.inputs.lockstep_wait_steps}  # counted into by take_rows
+                         "lockstep_wait_steps": self.inputs.rows.wait_steps}  # counted into by StepRows.take
         if mixture:
             self.counters["tokens_by_source"] = [0] * len(mixture)
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
@@ -140,11 +146,11 @@ class Trainer:
         self._load_stream_state(path, meta, rank_states)
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
-        self.inputs.lockstep_wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
+        self.inputs.rows.wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
         self.resumed_at = self.step
         if self.info.is_main:  # the branch after this step, if any, is abandoned: set aside, never picked again
             set_aside_after(self.run_dir, self.step)
-        self.data.loader.start()  # the readers restore their positions now: the line below says what that read
+        self.data.rows.start()  # the readers restore their positions now: the line below says what that read
         read = self._resume_read()
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
@@ -265,7 +271,7 @@ class Trainer:
 
     def _resume_read(self) -> dict:
         """What the data readers of all ranks read from shards to restore their positions (collective)."""
-        samples, nbytes = dist_sum([float(n) for n in self.data.loader.resume_read()], self.info.device)
+        samples, nbytes = dist_sum([float(n) for n in self.data.rows.resume_read()], self.info.device)
         self.resume_read = {"resume_samples_read": int(samples), "resume_bytes_read": int(nbytes)}
         return self.resume_read
 
@@ -302,7 +308,7 @@ class Trainer:
             "total_allocated_tokens": self.counters["allocated_tokens"],
             "total_docs": self.counters["docs"],
             "skipped_steps": self.counters["skipped_steps"],
-            "skipped_samples": self.data.loader.skipped(),
+            "skipped_samples": self.data.rows.skipped(),
             **self._lockstep_summary(),
             **self.resume_read,
             "packing_stats": self.data.rows.stats.state_dict(),
@@ -332,7 +338,7 @@ class Trainer:
 
     def _lockstep_summary(self) -> dict:
         """The steps some rank waited at an epoch's end for the others, in all and per epoch (null without lockstep)."""
-        waits = self.inputs.lockstep_wait_steps if self.cfg.data.epoch_lockstep else None
+        waits = self.inputs.rows.wait_steps if self.cfg.data.epoch_lockstep else None
         return {"lockstep_wait_steps": None if waits is None else sum(waits), "lockstep_wait_steps_by_epoch": waits}
 
     def _compile_summary(self) -> dict:
@@ -369,8 +375,8 @@ class Trainer:
             "warmup": self.step <= self.cfg.train.warmup_marked_steps,
         }
         if self.cfg.data.epoch_lockstep:
-            waits = self.inputs.lockstep_wait_steps
-            m.update(epoch=len(waits) - 1, lockstep_wait_steps=sum(waits), epoch_lockstep_wait_steps=waits[-1])
+            waits = self.inputs.rows.wait_steps
+            m.update(epoch=self.inputs.rows.epoch, lockstep_wait_steps=sum(waits), epoch_lockstep_wait_steps=waits[-1])
         if self.compile_counter is not None:
             m["compile_recompiles"] = self.compile_counter.recompiles
         self.metrics.log({**m, **(evaluation or {})})

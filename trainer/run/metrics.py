@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import WandbConfig
-from trainer.data.batch import LossGroups, length_bucket_names
+from trainer.data.feed import LossGroups, length_bucket_names
 from trainer.distributed.groups import DistInfo
 from trainer.registry import DOC_KEYS_DIR, METRICS_FILE, check_metric_keys, check_summary_keys
 from trainer.run.run_dir import truncate_jsonl_after

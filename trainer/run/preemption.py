@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from trainer.data.workers import allow_reads, interrupt_reads
+from trainer.data.feed import allow_reads, interrupt_reads
 from trainer.distributed.groups import dist_max
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

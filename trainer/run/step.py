@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from trainer.config import NORMALIZATIONS
-from trainer.data.batch import (
+from trainer.data.feed import (
     IGNORE_INDEX,
     NO_GROUPS,
     Batch,
