@@ -7,7 +7,7 @@ documents, side by side in one run, and the token shares the mixture holds.
 The mixture is data.sources = [{a: data/demo, 0.7}, {b: data/demo, 0.3}]: the same shards twice (each source with
 its own seed, so another order), so the documents' lengths and the tokenization work per document are those of
 the single source and only the mixing differs. Each configuration builds the stream as the trainer does
-(trainer.run.inputs.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time from
+(trainer.data.feed.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time from
 --warmup-rows rows (every source's workers started before, and every packer's
 buffer full: a packer emits rows once it holds packing.buffer_size documents, and a mixture has one per source)
 to the last row is measured. Configurations run in turn, --repeats times

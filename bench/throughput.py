@@ -8,7 +8,7 @@
                                                       # what the per-step metrics cost, plain and chunked loss
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
-(`trainer.run.inputs.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
+(`trainer.data.feed.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
 exactly the same documents with the same targets. Every layout gets its own copy of one model init and a
 fresh AdamW (`trainer.run.optim.build_optimizer`, fp32) and runs the real `trainer.run.step.train_step`. Steps are
 interleaved (step i runs every layout before step i + 1 starts, the order rotating each step) so machine

@@ -276,7 +276,7 @@ def epoch_chunks(data: Path, seq_len: int) -> Counter:
 
 def stream_rows(data: Path, rank: int, world_size: int, workers: int, seq_len: int, shuffle_buffer: int = 8,
                 packer_buffer: int = 8):
-    """A rank's RowStream over `data`'s train shards as trainer.run.inputs.build_data makes it (lockstep, the
+    """A rank's RowStream over `data`'s train shards as trainer.data.feed.build_data makes it (lockstep, the
     manifest's tokens, seed 0), in this process (workers 0: read in-process, one reader)."""
     from trainer.data.config import DataConfig, PackingConfig
     from trainer.data.loader import DocumentLoader

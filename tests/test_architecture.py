@@ -125,3 +125,28 @@ def test_one_module_decides_epochs(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("state.epoch += 1\nstop = self.lockstep_epoch + 1\ne = loader['lockstep_epoch'] - bool(s)\n")
     assert len(epoch_arithmetic(probe)) == 3  # the check can fail
+
+
+PREPARE_MAY_IMPORT = {"trainer.data.shards", "trainer.data.tokenizer", "trainer.data.chat", "trainer.data.config",
+                      "trainer.data.workers", "trainer.errors"}
+"""What the offline flow shares with the training stream (trainer/data/prepare/__init__.py)."""
+
+
+def flows_crossed(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for each import across the two flows of trainer.data: into the prepare room from outside it (but
+    its command), or out of it into anything but what both flows share."""
+    def inside(m: str) -> bool:
+        return m.startswith("trainer.data.prepare")
+
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if (inside(b) and not inside(a) and a != "trainer.prepare")
+                  or (inside(a) and not inside(b) and b not in PREPARE_MAY_IMPORT))
+
+
+def test_the_offline_preparation_and_the_training_stream_are_apart():
+    graph = import_graph()
+    assert "trainer.data.prepare.dataset" in graph["trainer.prepare"]
+    assert flows_crossed(graph) == []
+    assert flows_crossed({"trainer.data.stream": {"trainer.data.prepare.plan"},
+                          "trainer.data.prepare.units": {"trainer.data.stream"}}) == [
+        "trainer.data.prepare.units -> trainer.data.stream", "trainer.data.stream -> trainer.data.prepare.plan"]

@@ -22,12 +22,12 @@ from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import chat_template, render
+from trainer.data.feed import load_eval_docs
 from trainer.data.tokenizer import IM_END, IM_START, load_tokenizer, special_ids
 from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.groups import DistInfo
 from trainer.export import write_gpt2
 from trainer.model import GPT, AttentionConfig, GPTConfig, model_inputs
-from trainer.run.evaluate import load_eval_docs
 from trainer.run.step import train_step
 
 SEQ_LEN = 128

@@ -14,8 +14,8 @@ import torch
 from tests.harness import require_module
 from tests.helpers import ROOT, metrics, run_train
 from trainer.data.config import DataConfig
+from trainer.data.feed import load_eval_docs
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.run.evaluate import load_eval_docs
 
 pytestmark = pytest.mark.slow
 

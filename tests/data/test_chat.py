@@ -29,10 +29,9 @@ from trainer.data.chat import (
     render_conversation,
 )
 from trainer.data.config import DataConfig
-from trainer.data.corpus import PrepareError
 from trainer.data.feed import check_loss_on, load_eval_docs
 from trainer.data.packing import PackingStats, split_long
-from trainer.data.shards import load_manifest, shard_paths
+from trainer.data.shards import PrepareError, load_manifest, shard_paths
 from trainer.data.sources import resolve_source
 from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import (

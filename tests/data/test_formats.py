@@ -1,4 +1,4 @@
-"""trainer.data.formats on real files written by the real libraries: every format reads as the same records,
+"""trainer.data.prepare.formats on real files written by the real libraries: every format reads as the same records,
 spans cut anywhere partition a file exactly, and bad input is one clear error (or one counted skip) naming
 the file and the line or row."""
 
@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from trainer.data.corpus import ErrorPolicy, PrepareError
-from trainer.data.formats import Span, expand_inputs, file_kind, plan_spans, read_span, record_stem
+from trainer.data.prepare.corpus import ErrorPolicy, PrepareError
+from trainer.data.prepare.formats import Span, expand_inputs, file_kind, plan_spans, read_span, record_stem
 
 # ---------------------------------------------------------------------------------------------
 # One corpus, written in every format

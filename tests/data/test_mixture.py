@@ -78,7 +78,7 @@ def by_source(keys: Counter, name: str) -> Counter:
 
 
 def source_rows(data: Path, index: int, workers: int = 0, rank: int = 0, world_size: int = 1) -> RowStream:
-    """One source's row stream as trainer.run.inputs.build_data makes it, in this process."""
+    """One source's row stream as trainer.data.feed.build_data makes it, in this process."""
     source = resolve_source(DataConfig(path=str(data)))
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
     stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=index + 7, rank=rank,

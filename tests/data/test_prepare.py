@@ -11,8 +11,8 @@ import pytest
 import webdataset as wds
 
 from tests.harness import require_module
-from trainer.data.assemble import length_stats
-from trainer.data.corpus import (
+from trainer.data.prepare.assemble import length_stats
+from trainer.data.prepare.corpus import (
     ErrorPolicy,
     PrepareError,
     sanitize_key,

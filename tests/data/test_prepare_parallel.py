@@ -20,7 +20,7 @@ import pytest
 import webdataset as wds
 
 from tests.helpers import ENV, ROOT
-from trainer.data.assemble import STATE_DIR, length_stats, length_stats_of
+from trainer.data.prepare.assemble import STATE_DIR, length_stats, length_stats_of
 from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths
 from trainer.prepare import main, merge, prepare
 
@@ -107,7 +107,7 @@ def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, referenc
     assert prepare(f"jsonl:{corpus}/*", out, part=2, **args) is None
     assert not (out / "manifest.json").exists()
     assert main(["--merge", str(out)]) == 2  # parts 0 and 1 have not run
-    import trainer.data.formats as formats
+    import trainer.data.prepare.formats as formats
 
     def plan_again(*_args, **_kwargs):
         raise AssertionError("planned again: the staged plan of the same input and options must be reused")
@@ -174,7 +174,7 @@ def test_killed_with_sigkill_and_started_again_equals_an_uninterrupted_run(corpu
 def test_a_merge_interrupted_midway_is_finished_by_the_next_run(corpus, reference, tmp_path, monkeypatch):
     """The swap moves staged shards one by one; killed after a few, the old manifest is already gone (a
     half-swapped directory must not look complete) and the same command again finishes the swap."""
-    import trainer.data.assemble as assemble
+    import trainer.data.prepare.assemble as assemble
 
     out = tmp_path / "swap"
     args = dict(vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
@@ -307,7 +307,7 @@ def test_every_format_gives_the_same_dataset(tmp_path):
             for shard in split["shards"]:
                 assert (ref / shard["name"]).read_bytes() == (out / shard["name"]).read_bytes(), (name, shard["name"])
     assert units == 30  # 1500 records in blocks of 50: one train shard per block
-    from trainer.data.plan import make_plan
+    from trainer.data.prepare.plan import make_plan
 
     cut = {name: len(make_plan(source, {"docs_per_shard": 50}, int(UNIT_MB * 2**20)).units)
            for name, source in [("jsonl", f"jsonl:{src}/jsonl/*.jsonl"), ("zst", f"jsonl:{src}/zst/*"),

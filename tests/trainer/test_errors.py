@@ -24,8 +24,8 @@ from torch._utils import ExceptionWrapper
 
 from tests.harness import free_port
 from tests.helpers import ENV, LAYERS, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
-from trainer.data.corpus import PrepareError
 from trainer.data.reader import DataStreamError
+from trainer.data.shards import PrepareError
 from trainer.errors import EXIT_USER_ERROR, UserError, command, one_line, original_message, run_command
 from trainer.inspect_mask import InspectError
 from trainer.model import BackendUnavailable, resolve_backend

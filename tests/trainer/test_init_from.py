@@ -19,7 +19,7 @@ from tests.helpers import ROOT, SMALL, metrics, run_train
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import load_state
 from trainer.checkpoint.weights import grow_rows
-from trainer.data.corpus import PrepareError
+from trainer.data.shards import PrepareError
 from trainer.data.tokenizer import extend_tokenizer, extension_problem, load_tokenizer, train_tokenizer
 from trainer.model import AttentionConfig, GPTConfig, build_model
 from trainer.prepare import prepare

@@ -80,7 +80,7 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 def lockstep_takes(rows, epochs: int) -> list:
-    """One rank's takes over `epochs` epochs as trainer.run.inputs.StepInputs.take_rows makes them, prefetching after each take
+    """One rank's takes over `epochs` epochs as trainer.data.epochs.StepRows.take makes them, prefetching after each take
     when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the take)]."""
     out, epoch = [], 0
     while epoch < epochs:

@@ -1,11 +1,18 @@
 """Data: text in, batches out. Owns everything between a corpus on disk and the tensors of a micro-batch.
 
-    corpus, chat      sources of text for `trainer.prepare` (stdlib demo, text files, chat records)
-    formats           record files as corpora ship them (JSONL, .gz, .zst, parquet, HF datasets), cut in spans
-    plan, units       prepare's plan (the input cut into units, keys from positions) and one unit's work
-    assemble          the output directory: staging, the merge of units and parts, the swap into place
+Two flows, which never run side by side:
+
+    prepare/          offline: a corpus -> shards, tokenizer, manifest.json (`python -m trainer.prepare`)
+    (the rest)        training: shards -> documents -> rows -> micro-batches, resumable, on any shape
+
+Shared by both:
+
     tokenizer         the byte-level BPE and its special tokens (trained, saved, hashed, extended)
-    shards            WebDataset shards and manifest.json (written by prepare, read here)
+    shards            WebDataset shards and manifest.json (written by prepare, read here); PrepareError
+    chat              the chat template, rendering, and the assistant-only targets
+
+The training stream:
+
     sources           where training shards come from (data.path, data.urls: files, http(s), pipe:)
     feed              what a training run takes from this room (trainer.run imports no other module of it)
     reader            one slot's reader: shard cursor, shuffle buffer, resumable read position

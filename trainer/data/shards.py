@@ -13,7 +13,7 @@ name into key and field at the first dot) and are unique across the dataset.
 
 Every file is written atomically (temp file in the same directory, then `os.replace`), so a reader
 never sees half a shard; `trainer.prepare` stages a new dataset beside the old one and swaps it in at the end,
-manifest last (trainer.data.assemble).
+manifest last (trainer.data.prepare.assemble).
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from trainer.data.corpus import PrepareError
+from trainer.errors import UserError
+
+
+class PrepareError(UserError):
+    """Bad input or bad prepared data. The message names the file (and line) and what is wrong."""
+
 
 TEXT_FIELD = "txt"
 MANIFEST_FILE = "manifest.json"

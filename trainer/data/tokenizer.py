@@ -26,8 +26,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from trainer.data.corpus import PrepareError
-from trainer.data.shards import atomic_write_bytes
+from trainer.data.shards import PrepareError, atomic_write_bytes
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -9,7 +9,7 @@ permutation and shuffle buffer), is counted with the tokenizer and appended to t
     <stage>/u000003.json                                                  the result, written last
 
 A shard never crosses a block: `docs_per_shard` consecutive records of one file (a train shard holds the train
-documents of its block, a val shard the val ones), and units are cut only between blocks (trainer.data.plan).
+documents of its block, a val shard the val ones), and units are cut only between blocks (trainer.data.prepare.plan).
 So the shards are a function of the records alone: the same for 1 or 16 workers, 1 or 8 parts, and for the same
 corpus as .jsonl, .jsonl.zst or .parquet (which the plan cuts differently). The demo's blocks are its units.
 
@@ -30,10 +30,11 @@ from pathlib import Path
 
 import jinja2
 
-from trainer.data import formats
-from trainer.data.chat import assistant_spans, message_problem, module_conversations, render_conversation
+from trainer.data.chat import assistant_spans, render_conversation
 from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
-from trainer.data.corpus import (
+from trainer.data.prepare import formats
+from trainer.data.prepare.conversations import message_problem, module_conversations
+from trainer.data.prepare.corpus import (
     ErrorPolicy,
     json_kind,
     module_name,
@@ -44,7 +45,7 @@ from trainer.data.corpus import (
     stdlib_root,
     unique_keys,
 )
-from trainer.data.plan import Piece, Unit
+from trainer.data.prepare.plan import Piece, Unit
 from trainer.data.shards import ShardWriter, atomic_write_bytes
 from trainer.data.tokenizer import count_tokens
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainer.data.corpus import (
+from trainer.data.prepare.corpus import (
     ErrorPolicy,
     PrepareError,
     glob_root,

@@ -1,6 +1,6 @@
 """The plan of a prepare: a source cut into units that worker processes (and machines) prepare independently.
 
-A unit is a list of pieces read in order: spans of record files (trainer.data.formats: byte ranges of a JSONL,
+A unit is a list of pieces read in order: spans of record files (trainer.data.prepare.formats: byte ranges of a JSONL,
 a whole .gz/.zst, row groups of a parquet, rows of a Hugging Face dataset), or whole files (text: one file =
 one document; the demo: one standard-library module). Units are cut from the input alone, ~`unit_bytes` each,
 so the shards a unit gives do not depend on how many workers or machines share the work: `--workers 1` and
@@ -31,8 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainer.data import formats
-from trainer.data.corpus import (
+from trainer.data.prepare import formats
+from trainer.data.prepare.corpus import (
     ErrorPolicy,
     PrepareError,
     glob_root,

@@ -2,8 +2,8 @@
 
 Keys are WebDataset keys: webdataset splits a tar member name into key and field at the FIRST dot, so a key
 must hold no dot; `sanitize_key` maps module and path separators to `__` and the def separator to `--`, and
-`unique_keys` makes names unique (trainer.data.plan says how every document's key is made). Record files
-(JSONL, parquet, ...) are read by trainer.data.formats.
+`unique_keys` makes names unique (trainer.data.prepare.plan says how every document's key is made). Record files
+(JSONL, parquet, ...) are read by trainer.data.prepare.formats.
 
 Example: the class `JSONDecoder` in `json/decoder.py` becomes the document `json__decoder--JSONDecoder`,
 and the module's header (docstring and imports) becomes `json__decoder`; the `demo-modules` corpus
@@ -32,16 +32,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from trainer.data.config import ON_ERROR
-from trainer.errors import UserError
+from trainer.data.shards import PrepareError
 
 # Directories of the standard library that are not the library itself. Test suites are left out by
 # default: they hold deliberately broken files and would dominate the corpus (20 MB of 34 MB).
 _NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
-
-
-class PrepareError(UserError):
-    """Bad input or bad prepared data. The message names the file (and line) and what is wrong."""
 
 
 class ErrorPolicy:

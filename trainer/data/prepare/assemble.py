@@ -2,9 +2,9 @@
 
     <out>/manifest.json, tokenizer/, train-000000.tar ..., val-000000.tar ...   the dataset (trainer.data.shards)
     <out>/.prepare/<plan id>/                                                  staging, while a prepare runs:
-        plan.json            the plan (trainer.data.plan): units, options
+        plan.json            the plan (trainer.data.prepare.plan): units, options
         tokenizer/           the tokenizer the units are counted with
-        u000003/, u000003.json   a unit's shards and, written last, its result (trainer.data.units)
+        u000003/, u000003.json   a unit's shards and, written last, its result (trainer.data.prepare.units)
         part-000-of-002.json     a part's manifest: its units' shards and totals
         swap.json            the merge in progress: which staged file becomes which dataset file
 
@@ -31,11 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
-from trainer.data.corpus import PrepareError
-from trainer.data.plan import Plan
-from trainer.data.shards import MANIFEST_FILE, atomic_write_bytes, shard_name, write_manifest
+from trainer.data.prepare.plan import Plan
+from trainer.data.prepare.units import SPLITS, load_result
+from trainer.data.shards import MANIFEST_FILE, PrepareError, atomic_write_bytes, shard_name, write_manifest
 from trainer.data.tokenizer import TOKENIZER_FILES
-from trainer.data.units import SPLITS, load_result
 
 STATE_DIR = ".prepare"
 TOKENIZER_DIR = "tokenizer"
@@ -140,7 +139,7 @@ def load_stage_plan(stage: Path) -> Plan:
 
 
 def staged_plan(out: Path, inputs: str) -> Plan | None:
-    """The staged plan whose inputs key (trainer.data.plan.inputs_key) is `inputs`, if any."""
+    """The staged plan whose inputs key (trainer.data.prepare.plan.inputs_key) is `inputs`, if any."""
     root = out / STATE_DIR
     for path in sorted(root.glob(f"*/{PLAN_FILE}")) if root.is_dir() else []:
         try:
