@@ -1,8 +1,7 @@
 """The run: what `python -m trainer.train` does once the config is typed and the process group exists.
 
     loop          `Trainer`: builds the parts from a RunConfig, then calls them in order each step (its
-                  docstring is the loop in six lines); each part owns its cadence (`due`), the loop still
-                  assembles the logged metric dicts and the summary
+                  docstring is the loop in six lines); each part owns its cadence (`due`)
     inputs        this rank's data stream (`build_data`, from trainer.data.feed, the one data module the run
                   imports) and each step's micro-batches (`StepInputs`: rows agreed across ranks at an epoch's
                   end by trainer.data.epochs.StepRows, laid out, checked, pinned, prefetched)
@@ -13,7 +12,8 @@
     run_dir       one run per run dir: a fresh start, or another run's checkpoint, in a used one refused (or,
                   train.overwrite, the old run set aside); a resume from an older step sets the newer branch aside
     conventions   what conventions.json says: how inputs and objective were built
-    metrics       metrics.jsonl, W&B, the devices' peak FLOP/s; `MetricsLogger.due`; every key registered in
+    metrics       each step's metrics line (`step_metrics`) and summary.json (`run_summary`), written to
+                  metrics.jsonl and W&B; the devices' peak FLOP/s; `MetricsLogger.due`; every key registered in
                   trainer.registry
     flops         a step's FLOPs two ways: model (the documents' useful work, for mfu) and hardware (what this
                   layout and attention kernel computed, padding and recompute included, for hfu)

@@ -50,7 +50,7 @@ from trainer.run.conventions import conventions
 from trainer.run.evaluate import EvalResult, Evaluator
 from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, build_data
-from trainer.run.metrics import DocKeysLog, MetricsLogger, by_group, by_source, peak_flops, peak_mem_gb
+from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
 from trainer.run.run_dir import guard_fresh_start, set_aside_after
@@ -288,97 +288,29 @@ class Trainer:
         return {**self.last_eval.metrics(), "eval_time_s": time.perf_counter() - t0}
 
     def _summary(self, preempted: str | None) -> dict:
-        """summary.json: the run's totals and how it ran (every key is registered in trainer.registry)."""
-        info = self.info
-        ev = self.last_eval
-        return {
-            "final_step": self.step,
-            "final_loss": self._last_loss,
-            "final_val_loss": ev.val_loss if ev else None,
-            "final_val_ppl": ev.val_ppl if ev else None,
-            "final_val_token_loss_by_length": ev.val_token_loss_by_length if ev else None,
-            "val_tokens": ev.val_tokens if ev else None,
-            "val_docs": ev.val_docs if ev else None,
-            "loss_normalization": self.cfg.loss.normalization,
-            "wandb_group": self.wandb_group,
-            "world_size": info.world_size,
-            "elapsed_s": self.counters["elapsed_s"],
-            "peak_mem_gb": peak_mem_gb(info.device),
-            "total_valid_tokens": self.counters["valid_tokens"],
-            "total_allocated_tokens": self.counters["allocated_tokens"],
-            "total_docs": self.counters["docs"],
-            "skipped_steps": self.counters["skipped_steps"],
-            "skipped_samples": self.data.rows.skipped(),
-            **self._lockstep_summary(),
-            **self.resume_read,
-            "packing_stats": self.data.rows.stats.state_dict(),
-            "dtype": self.dtype,
-            "optimizer_fused": self.optimizer_fused,
-            **self._compile_summary(),
-            "preempted": preempted,
-            "run_dir": str(self.run_dir),
-            "checkpoint": str(self.checkpointer.last) if self.checkpointer.last else None,
-            **self._mixture_summary(),
-        }
-
-    def _mixture_summary(self) -> dict:
-        """With data.sources: the last eval's token loss per source, the run's token share of each source beside
-        its target share, and what the mixer read of each ({} without a mixture)."""
-        if not self.groups.sources:
-            return {}
-        ev = self.last_eval
-        shares = by_source(self.groups.sources, self.source_weights, self.counters["tokens_by_source"])
+        """summary.json: the run's totals and how it ran (trainer.run.metrics.run_summary)."""
         mixture = self.data.mixture
-        return {
-            "final_val_token_loss_by_source": ev.val_token_loss_by_source if ev else None,
-            "token_share_by_source": shares["token_share_by_source"],
-            "target_share_by_source": shares["target_share_by_source"],
-            "mixture": mixture.summary() if mixture is not None else None,
-        }
+        return run_summary(
+            final_step=self.step, final_loss=self._last_loss, last_eval=self.last_eval, counters=self.counters,
+            groups=self.groups, source_weights=self.source_weights,
+            mixture=mixture.summary() if mixture is not None else None, epochs=self._lockstep(),
+            skipped_samples=self.data.rows.skipped(), packing_stats=self.data.rows.stats.state_dict(),
+            resume_read=self.resume_read, compile_counter=self.compile_counter, device=self.info.device,
+            loss_normalization=self.cfg.loss.normalization, wandb_group=self.wandb_group,
+            world_size=self.info.world_size, dtype=self.dtype, optimizer_fused=self.optimizer_fused,
+            preempted=preempted, run_dir=str(self.run_dir),
+            checkpoint=str(self.checkpointer.last) if self.checkpointer.last else None)
 
-    def _lockstep_summary(self) -> dict:
-        """The steps some rank waited at an epoch's end for the others, in all and per epoch (null without lockstep)."""
-        waits = self.inputs.rows.wait_steps if self.cfg.data.epoch_lockstep else None
-        return {"lockstep_wait_steps": None if waits is None else sum(waits), "lockstep_wait_steps_by_epoch": waits}
-
-    def _compile_summary(self) -> dict:
-        """train.compile's counts for summary.json: dynamo compilations, recompilations and their latest reasons."""
-        counter = self.compile_counter
-        if counter is None:
-            return {"compile": False, "compile_frames": None, "compile_recompiles": None}
-        return {"compile": True, "compile_frames": counter.compiles, "compile_recompiles": counter.recompiles,
-                "compile_recompile_reasons": counter.reasons()}
+    def _lockstep(self):
+        """The ranks' epochs (StepRows) with data.epoch_lockstep, for the metrics; None without."""
+        return self.inputs.rows if self.cfg.data.epoch_lockstep else None
 
     def _log(self, stats, lr: float, step_time: float, data_time: float, evaluation: dict | None) -> None:
         self._last_loss = stats.loss
-        m = {
-            "step": self.step,
-            "loss": stats.loss,
-            "token_loss": stats.token_loss,
-            **by_group(self.groups, stats.group_loss_sums, stats.group_targets),
-            **by_source(self.groups.sources, self.source_weights, stats.source_tokens, stats.source_docs),
-            "lr": lr,
-            "grad_norm": stats.grad_norm,
-            "valid_tokens": stats.valid_tokens,
-            "allocated_tokens": stats.allocated_tokens,
-            "token_utilization": stats.real_tokens / stats.allocated_tokens,
-            "docs": stats.docs,
-            "docs_per_row": stats.docs / stats.rows,
-            "valid_tokens_per_s": stats.valid_tokens / step_time,
-            "allocated_tokens_per_s": stats.allocated_tokens / step_time,
-            "step_time_s": step_time,
-            "data_time_s": data_time,
-            "elapsed_s": self.counters["elapsed_s"],
-            "skipped_steps": self.counters["skipped_steps"],
-            "nonfinite": not stats.finite,
-            "peak_mem_gb": peak_mem_gb(self.info.device),
-            "warmup": self.step <= self.cfg.train.warmup_marked_steps,
-        }
-        if self.cfg.data.epoch_lockstep:
-            waits = self.inputs.rows.wait_steps
-            m.update(epoch=self.inputs.rows.epoch, lockstep_wait_steps=sum(waits), epoch_lockstep_wait_steps=waits[-1])
-        if self.compile_counter is not None:
-            m["compile_recompiles"] = self.compile_counter.recompiles
+        recompiles = self.compile_counter.recompiles if self.compile_counter is not None else None
+        m = step_metrics(self.step, stats, lr, step_time, data_time, self.counters, self.groups, self.source_weights,
+                         self.info.device, self.step <= self.cfg.train.warmup_marked_steps, self._lockstep(),
+                         recompiles)
         self.metrics.log({**m, **(evaluation or {})})
 
     def save(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import WandbConfig
-from trainer.data.feed import LossGroups, length_bucket_names
+from trainer.data.feed import LossGroups, StepRows, length_bucket_names
 from trainer.distributed.groups import DistInfo
 from trainer.registry import DOC_KEYS_DIR, METRICS_FILE, check_metric_keys, check_summary_keys
 from trainer.run.run_dir import truncate_jsonl_after
@@ -115,6 +115,93 @@ def by_source(names: Sequence[str], weights: Sequence[float], tokens: Sequence[i
     out["token_share_by_source"] = {n: (t / total if total else None) for n, t in zip(names, tokens, strict=True)}
     out["target_share_by_source"] = {n: w / sum(weights) for n, w in zip(names, weights, strict=True)}
     return out
+
+
+def step_metrics(step: int, stats, lr: float, step_time: float, data_time: float, counters: dict,
+                 groups: LossGroups, source_weights: Sequence[float], device: torch.device, warmup: bool,
+                 epochs: StepRows | None, compile_recompiles: int | None) -> dict:
+    """One step's metrics line (every key in trainer.registry.METRIC_KEYS): the objective and the step's loss
+    groups, the learning rate and gradient norm, the token counts and rates, the run's totals so far (`counters`,
+    the Trainer's), the epoch and its lockstep waits (`epochs`: the ranks' StepRows with data.epoch_lockstep, else
+    None), and train.compile's recompilations (None without it). `stats`: trainer.run.step.StepStats."""
+    m = {
+        "step": step,
+        "loss": stats.loss,
+        "token_loss": stats.token_loss,
+        **by_group(groups, stats.group_loss_sums, stats.group_targets),
+        **by_source(groups.sources, source_weights, stats.source_tokens, stats.source_docs),
+        "lr": lr,
+        "grad_norm": stats.grad_norm,
+        "valid_tokens": stats.valid_tokens,
+        "allocated_tokens": stats.allocated_tokens,
+        "token_utilization": stats.real_tokens / stats.allocated_tokens,
+        "docs": stats.docs,
+        "docs_per_row": stats.docs / stats.rows,
+        "valid_tokens_per_s": stats.valid_tokens / step_time,
+        "allocated_tokens_per_s": stats.allocated_tokens / step_time,
+        "step_time_s": step_time,
+        "data_time_s": data_time,
+        "elapsed_s": counters["elapsed_s"],
+        "skipped_steps": counters["skipped_steps"],
+        "nonfinite": not stats.finite,
+        "peak_mem_gb": peak_mem_gb(device),
+        "warmup": warmup,
+    }
+    if epochs is not None:
+        m.update(epoch=epochs.epoch, lockstep_wait_steps=sum(epochs.wait_steps),
+                 epoch_lockstep_wait_steps=epochs.wait_steps[-1])
+    if compile_recompiles is not None:
+        m["compile_recompiles"] = compile_recompiles
+    return m
+
+
+def run_summary(*, final_step: int, final_loss: float | None, last_eval, counters: dict, groups: LossGroups,
+                source_weights: Sequence[float], mixture, epochs: StepRows | None, skipped_samples: dict,
+                packing_stats: dict, resume_read: dict, compile_counter, device: torch.device, **run) -> dict:
+    """summary.json's run-specific keys (every key in trainer.registry.SUMMARY_KEYS; `MetricsLogger.summary` adds
+    the means over the logged steps): the final step, loss and eval (`last_eval`: trainer.run.evaluate.EvalResult or
+    None), the run's totals (`counters`), what the readers skipped and read to resume, the packing counts, the
+    lockstep waits by epoch (`epochs` as in `step_metrics`), train.compile's counts (`compile_counter`:
+    trainer.model.compile.CompileCounter or None), a mixture's shares and per-source counts (`mixture`: its
+    `summary()`, None without one), and `run`: how the run ran (world_size, dtype, preempted, checkpoint, ...)."""
+    ev = last_eval
+    waits = epochs.wait_steps if epochs is not None else None
+    out = {
+        "final_step": final_step,
+        "final_loss": final_loss,
+        "final_val_loss": ev.val_loss if ev else None,
+        "final_val_ppl": ev.val_ppl if ev else None,
+        "final_val_token_loss_by_length": ev.val_token_loss_by_length if ev else None,
+        "val_tokens": ev.val_tokens if ev else None,
+        "val_docs": ev.val_docs if ev else None,
+        "elapsed_s": counters["elapsed_s"],
+        "peak_mem_gb": peak_mem_gb(device),
+        "total_valid_tokens": counters["valid_tokens"],
+        "total_allocated_tokens": counters["allocated_tokens"],
+        "total_docs": counters["docs"],
+        "skipped_steps": counters["skipped_steps"],
+        "skipped_samples": skipped_samples,
+        "lockstep_wait_steps": None if waits is None else sum(waits),
+        "lockstep_wait_steps_by_epoch": waits,
+        **resume_read,
+        "packing_stats": packing_stats,
+        **_compile_summary(compile_counter),
+        **run,
+    }
+    if groups.sources:  # a mixture: the last eval's loss per source, the token shares beside the targets
+        shares = by_source(groups.sources, source_weights, counters["tokens_by_source"])
+        out.update(final_val_token_loss_by_source=ev.val_token_loss_by_source if ev else None,
+                   token_share_by_source=shares["token_share_by_source"],
+                   target_share_by_source=shares["target_share_by_source"], mixture=mixture)
+    return out
+
+
+def _compile_summary(counter) -> dict:
+    """train.compile's counts: dynamo compilations, recompilations and their latest reasons."""
+    if counter is None:
+        return {"compile": False, "compile_frames": None, "compile_recompiles": None}
+    return {"compile": True, "compile_frames": counter.compiles, "compile_recompiles": counter.recompiles,
+            "compile_recompile_reasons": counter.reasons()}
 
 
 def peak_mem_gb(device: torch.device) -> float:
