@@ -379,6 +379,7 @@ LAYERS: list[set[str]] = [
     {"trainer.distributed"},  # process groups and engines
     {"trainer.checkpoint"},  # the checkpoint store and everything that reads weights
     {"trainer.config"},  # the typed config, assembled from the rooms' sections
+    {"trainer.reporting"},  # runs compared from their files (reads the registry and manifests only)
     {"trainer.run"},  # the loop and its parts
     {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
      "trainer.generate", "trainer"},  # the commands

@@ -50,6 +50,8 @@ from trainer.data.reshape import reshape_state
 from trainer.distributed.groups import DistInfo
 from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
+from trainer.reporting import runs as report_runs
+from trainer.reporting import verdicts as report_verdicts
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.inputs import build_data
 from trainer.train import HYDRA_ERRORS, build_config, user_message
@@ -444,14 +446,14 @@ def test_a_bad_checkpoint_resume_or_argument_is_one_error_line(hydra_configs, ca
 
 
 def test_nan_losses_at_the_same_steps_are_not_called_the_same_objective():
-    def run(name: str, losses: list[float]) -> report.Run:
-        return report.Run(name, Path(name), {"loss.normalization": "global_tokens"},
+    def run(name: str, losses: list[float]) -> report_runs.Run:
+        return report_runs.Run(name, Path(name), {"loss.normalization": "global_tokens"},
                           [{"step": i + 1, "loss": x} for i, x in enumerate(losses)], None, [])
 
     ref, other = run("a", [3.0, math.nan, math.nan]), run("b", [3.0, math.nan, math.nan])
-    verdict = report.same_objective_verdict(other, ref, ["data.prefetch"], 1e-4)
+    verdict = report_verdicts.same_objective_verdict(other, ref, ["data.prefetch"], 1e-4)
     assert verdict.startswith("not comparable: non-finite loss at 2 shared step(s) (first: step 2)"), verdict
-    assert report.same_objective_verdict(run("c", [3.0, 2.5]), run("d", [3.0, 2.5]), [], 1e-4).startswith(
+    assert report_verdicts.same_objective_verdict(run("c", [3.0, 2.5]), run("d", [3.0, 2.5]), [], 1e-4).startswith(
         "same objective")
 
 

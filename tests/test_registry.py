@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from trainer import registry
 from trainer.config import NORMALIZATIONS, WandbConfig
 from trainer.registry import CLASSES, CONFIG_KEYS, FROM_SUMMARY, METRIC_KEYS, SAME_OBJECTIVE, SUMMARY_KEYS
-from trainer.report import flatten
+from trainer.reporting.runs import flatten
 from trainer.run.metrics import MetricsLogger
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,18 +19,23 @@ from pathlib import Path
 import pytest
 
 from trainer import report
-from trainer.report import (
-    TABLE_COLUMNS,
+from trainer.data.shards import FORMAT_VERSION
+from trainer.reporting import plots as report_plots
+from trainer.reporting import runs as report_runs
+from trainer.reporting import tables as report_tables
+from trainer.reporting import verdicts as report_verdicts
+from trainer.reporting.html import make_report
+from trainer.reporting.runs import (
     differing_keys,
     flatten,
     key_class,
     load_runs,
-    make_report,
     throughput,
     time_to_reach,
     unpacked_match,
-    verdict,
 )
+from trainer.reporting.tables import TABLE_COLUMNS
+from trainer.reporting.verdicts import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -89,11 +94,11 @@ def make_run(root: Path, name: str, overrides: dict | None = None, losses: list[
     return run
 
 
-def one(root: Path, name: str, **kw) -> report.Run:
+def one(root: Path, name: str, **kw) -> report_runs.Run:
     return load_runs([make_run(root, name, **kw)])[0]
 
 
-def pair(tmp_path: Path, ref_kw: dict, run_kw: dict) -> tuple[report.Run, report.Run]:
+def pair(tmp_path: Path, ref_kw: dict, run_kw: dict) -> tuple[report_runs.Run, report_runs.Run]:
     return one(tmp_path, "ref", **ref_kw), one(tmp_path, "run", **run_kw)
 
 
@@ -145,8 +150,8 @@ def test_old_and_crashed_runs_fall_back(tmp_path):
     del config["loss"]
     (run_dir / "config.json").write_text(json.dumps(config))
     run = load_runs([run_dir])[0]
-    assert report.train_loss(run) == {1: 4.0, 2: 2.9, 3: 2.0}
-    assert report.elapsed(run) == {1: 1.0, 2: 3.0, 3: 6.0}  # the running sum of step_time_s
+    assert report_runs.train_loss(run) == {1: 4.0, 2: 2.9, 3: 2.0}
+    assert report_runs.elapsed(run) == {1: 1.0, 2: 3.0, 3: 6.0}  # the running sum of step_time_s
     assert run.config["loss.normalization"] == "global_tokens"
     assert run.notes == ["no summary.json (crashed or still running)", "metrics.jsonl line 5 unreadable (skipped)"]
 
@@ -261,7 +266,7 @@ def test_speed_up_and_time_to_reach_by_hand(tmp_path):
     assert time_to_reach(slow, 2.0) is None
     assert time_to_reach(unpacked, 2.0) == (12.0, 6)
     table = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
-             for row in report.table_rows([unpacked, packed, slow], unpacked)}
+             for row in report_tables.table_rows([unpacked, packed, slow], unpacked)}
     assert table["p"]["speed-up vs unpacked"] == "1.60x vs u"
     assert table["u"]["speed-up vs unpacked"] == "1.00x vs u"
     assert table["p"]["time to ref. loss"] == "12.0 s (step 4)"
@@ -327,7 +332,7 @@ def write_data(root: Path, histogram: bool = True) -> Path:
     if histogram:
         lengths["histogram"] = {"edges": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
                                 "counts": [0, 1, 4, 10, 30, 60, 50, 20, 8, 2]}
-    (data / "manifest.json").write_text(json.dumps({"splits": {"train": {"lengths": lengths}}}))
+    (data / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": lengths}}}))
     return data
 
 
@@ -428,7 +433,7 @@ def test_cli_errors(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {tmp_path / 'nope'}: not a directory")
     make_run(tmp_path, "a")
-    with pytest.raises(report.ReportError, match="--reference nope: no such run"):
+    with pytest.raises(report_runs.ReportError, match="--reference nope: no such run"):
         make_report([tmp_path / "a"], tmp_path / "out", reference="nope")
 
 
@@ -460,7 +465,7 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     assert "seed1 by document length" not in verdicts  # not comparable: no per-bucket judgement
     assert "## Token loss by document length" in md and "| packed | <=64 | " in md
     rows = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
-            for row in report.table_rows(load_runs([tmp_path / n for n in variants]),
+            for row in report_tables.table_rows(load_runs([tmp_path / n for n in variants]),
                                          load_runs([tmp_path / "unpacked"])[0])}
     for row in rows.values():
         assert row["steps"] == "6" and row["final val loss"] != "n/a" and row["valid tokens/s"] != "n/a"
@@ -499,7 +504,7 @@ def test_each_packed_run_is_also_judged_against_its_unpacked_counterpart(tmp_pat
         make_run(tmp_path, f"{i}_{norm}_{layout}", {"loss.normalization": norm, "packing.layout": layout},
                  losses=losses)
     runs = load_runs([tmp_path])
-    pairs = dict(report.layout_verdicts(runs, runs[1], 1e-4))
+    pairs = dict(report_verdicts.layout_verdicts(runs, runs[1], 1e-4))
     assert list(pairs) == ["2_row_mean_packed vs 3_row_mean_unpacked"]  # 0 vs 1 is the reference's own verdict
     assert pairs["2_row_mean_packed vs 3_row_mean_unpacked"].startswith(
         "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
@@ -524,7 +529,7 @@ def add_to_summary(run_dir: Path, extra: dict) -> None:
     (run_dir / "summary.json").write_text(json.dumps({**summary, **extra}))
 
 
-def with_groups(run_dir: Path, by: report.Breakdown, train: dict[str, list[float | None]],
+def with_groups(run_dir: Path, by: report_tables.Breakdown, train: dict[str, list[float | None]],
                 targets: dict[str, list[int]], val: dict[str, float], **per_step: dict[str, list]) -> Path:
     """Add `by`'s per-group token losses and targets to every step of a hand-built run, its val losses to the
     last eval step, and each `per_step` key's {group: value of the step} (tokens_by_source=...) to every step."""
@@ -541,7 +546,7 @@ def with_groups(run_dir: Path, by: report.Breakdown, train: dict[str, list[float
 
 
 def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
-    by = report.BY_LENGTH
+    by = report_tables.BY_LENGTH
     targets = {"<=64": [100] * 6, ">64": [900] * 6}
     ref_train = {"<=64": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], ">64": [2.5] * 6}
     ref = with_groups(make_run(tmp_path, "unpacked", {"packing.layout": "unpacked"}), by, ref_train, targets,
@@ -554,12 +559,12 @@ def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
                         {"<=64": 2.15, ">64": 2.4})
     runs = load_runs([ref, same, mixed])
     # Train token loss of a bucket over a run: its steps weighted by their targets (equal here: the mean).
-    assert report.train_by_group(runs[0], by) == {"<=64": (2.5, 600), ">64": (2.5, 5400)}
-    rows = report.group_rows(runs, runs[0], by)
+    assert report_tables.train_by_group(runs[0], by) == {"<=64": (2.5, 600), ">64": (2.5, 5400)}
+    rows = report_tables.group_rows(runs, runs[0], by)
     assert rows[0] == ["unpacked", "<=64", "2.5000", "—", "2.2000", "—", "600"]
     assert rows[4] == ["mixed", "<=64", "2.4500", "-0.05", "2.1500", "-0.05", "600"]
     assert rows[5] == ["mixed", ">64", "2.5000", "+0", "2.4000", "+0", "5,400"]
-    verdicts = dict(report.group_verdicts(runs, runs[0], 1e-4, by))
+    verdicts = dict(report_tables.group_verdicts(runs, runs[0], 1e-4, by))
     assert verdicts["packed by document length"] == "every length bucket within 0.0001 of unpacked (max |Δ| 2e-06)"
     assert verdicts["mixed by document length"] == ("documents <=64 tokens: train token loss -0.05, final val token "
                                                     "loss -0.05 against unpacked (beyond 0.0001)")
@@ -595,7 +600,7 @@ def mixture_run(root: Path, name: str, weights: tuple[float, float], layout: str
     train = train or {"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], "modules": [2.0] * 6}
     tokens = tokens or {"functions": [300] * 6, "modules": [700] * 6}
     targets = targets or {"functions": [100] * 3 + [300] * 3, "modules": [700] * 6}
-    with_groups(run, report.BY_SOURCE, train, targets,
+    with_groups(run, report_tables.BY_SOURCE, train, targets,
                 val or {"functions": 2.3, "modules": 1.9}, tokens_by_source=tokens,
                 token_share_by_source={g: [n / 1000 for n in v] for g, v in tokens.items()},
                 target_share_by_source={g: [share] * 6 for g, share in target_share.items()})
@@ -604,7 +609,7 @@ def mixture_run(root: Path, name: str, weights: tuple[float, float], layout: str
 
 
 def test_loss_by_source_table_and_verdicts_by_hand(tmp_path):
-    by = report.BY_SOURCE
+    by = report_tables.BY_SOURCE
     ref = mixture_run(tmp_path, "unpacked", (0.3, 0.7), "unpacked")
     same = mixture_run(tmp_path, "packed", (0.3, 0.7), train={"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0 + 4e-5],
                                                                "modules": [2.0] * 6})
@@ -615,18 +620,18 @@ def test_loss_by_source_table_and_verdicts_by_hand(tmp_path):
                         val={"functions": 2.1, "modules": 2.0})
     runs = load_runs([ref, same, other])
     # Functions over the run: (3 x 100 x 3.0 + 3 x 300 x 2.0) / 1200 = 2.25; modules 2.0 on 4200 targets.
-    assert report.train_by_group(runs[0], by) == {"functions": (2.25, 1200), "modules": (2.0, 4200)}
-    assert report.train_by_group(runs[2], by)["modules"] == (pytest.approx(2.2), 3500)
-    rows = report.group_rows(runs, runs[0], by)
-    assert report.SOURCE_COLUMNS[1] == "source" and report.SOURCE_COLUMNS[-2:] == ["token share", "target share"]
+    assert report_tables.train_by_group(runs[0], by) == {"functions": (2.25, 1200), "modules": (2.0, 4200)}
+    assert report_tables.train_by_group(runs[2], by)["modules"] == (pytest.approx(2.2), 3500)
+    rows = report_tables.group_rows(runs, runs[0], by)
+    assert report_tables.SOURCE_COLUMNS[1] == "source" and report_tables.SOURCE_COLUMNS[-2:] == ["token share", "target share"]
     assert rows[0] == ["unpacked", "functions", "2.2500", "—", "2.3000", "—", "1,200", "30.0%", "30.0%"]
     # +4e-5 on step 6's 300 of the 1200 targets: +1e-5.
     assert rows[2] == ["packed", "functions", "2.2500", "+1e-05", "2.3000", "+0", "1,200", "30.0%", "30.0%"]
     # 2.8 against 2.25 over the shared steps; target share of functions 0.7 / 1.0.
     assert rows[4] == ["w70", "functions", "2.8000", "+0.55", "2.1000", "-0.2", "1,200", "30.0%", "70.0%"]
-    verdicts = dict(report.group_verdicts(runs, runs[0], 1e-4, by))
+    verdicts = dict(report_tables.group_verdicts(runs, runs[0], 1e-4, by))
     assert verdicts == {"packed by source": "every source within 0.0001 of unpacked (max |Δ| 1e-05)"}
-    assert dict(report.group_verdicts(runs, runs[0], 5e-6, by)) == {
+    assert dict(report_tables.group_verdicts(runs, runs[0], 5e-6, by)) == {
         "packed by source": "source functions: train token loss +1e-05, final val token loss +0 against "
                             "unpacked (beyond 5e-06)"}
 
@@ -645,9 +650,9 @@ def test_token_shares_held_or_not_by_hand(tmp_path):
                                                      "modules": {"weight": 0.3, "docs": 2, "tokens": 3100}}})
     plain = make_run(tmp_path, "plain")  # one source, no mixture: no line
     runs = load_runs([held, wobbly, drifted, plain])
-    assert report.token_shares(runs[1]) == pytest.approx({"functions": 0.305, "modules": 0.695})
-    assert report.step_share_gap(runs[1]) == pytest.approx(0.03)
-    assert dict(report.share_verdicts(runs)) == {
+    assert report_tables.token_shares(runs[1]) == pytest.approx({"functions": 0.305, "modules": 0.695})
+    assert report_tables.step_share_gap(runs[1]) == pytest.approx(0.03)
+    assert dict(report_tables.share_verdicts(runs)) == {
         "held mixture": "token shares held within 2 points of the targets: functions 30.0% (target 30.0%), "
                         "modules 70.0% (target 70.0%); single steps up to 0.0 points off",
         "wobbly mixture": "token shares held within 2 points of the targets: functions 30.5% (target 30.0%), "
@@ -664,9 +669,9 @@ def test_loss_by_source_plot_averages_over_logged_steps_by_targets(tmp_path):
                                  targets={"functions": [10, 30, 10, 0, 10, 10], "modules": [700] * 6})])[0]
     # Window 2 over the steps with targets (step 4 has none): (2.0), (2 x 10 + 3 x 30) / 40, (3 x 30 + 1 x 10) / 40,
     # then (1.0 + 4.0) / 2 at step 5 and 4.0 at step 6.
-    assert report.trailing_loss(run, report.BY_SOURCE, "functions", 2) == pytest.approx(
+    assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 2) == pytest.approx(
         {1: 2.0, 2: 2.75, 3: 2.5, 5: 2.5, 6: 4.0})
-    assert report.trailing_loss(run, report.BY_SOURCE, "functions", 1) == {1: 2.0, 2: 3.0, 3: 1.0, 5: 4.0, 6: 4.0}
+    assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 1) == {1: 2.0, 2: 3.0, 3: 1.0, 5: 4.0, 6: 4.0}
 
 
 def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary: dict | None = None) -> Path:
@@ -683,7 +688,7 @@ def test_the_keys_the_report_reads_are_registered():
     """A metric renamed in trainer/registry.py (its one owner) fails here, not as a report section gone quiet."""
     from trainer.registry import METRIC_KEYS, SUMMARY_KEYS
 
-    for by in (report.BY_LENGTH, report.BY_SOURCE):
+    for by in (report_tables.BY_LENGTH, report_tables.BY_SOURCE):
         assert {by.loss, by.targets, by.val_loss} <= set(METRIC_KEYS), by
     assert {"tokens_by_source", "token_share_by_source", "target_share_by_source", "model_flops", "hardware_flops",
             "mfu", "hfu"} <= set(METRIC_KEYS)
@@ -695,20 +700,20 @@ def test_flops_both_ways_by_hand(tmp_path):
     # Steady steps 3..6 (1 and 2 are warm-up): (2 + 4 + 6 + 6) GFLOP in 1 + 1 + 2 + 2 s = 3 GFLOP/s.
     model = [9e9, 9e9, 2e9, 4e9, 6e9, 6e9]
     cpu = with_flops(make_run(tmp_path, "cpu", step_times=[1, 1, 1, 1, 2, 2]), model, [1.5 * x for x in model])
-    assert report.flop_rates(load_runs([cpu])[0]) == pytest.approx(
+    assert report_tables.flop_rates(load_runs([cpu])[0]) == pytest.approx(
         {"mean_model_flops_per_s": 3e9, "mean_hardware_flops_per_s": 4.5e9, "mean_mfu": None, "mean_hfu": None})
-    assert report.flops_table(load_runs([cpu])) == (
+    assert report_tables.flops_table(load_runs([cpu])) == (
         ["run", "model FLOPs/s", "hardware FLOPs/s", "hardware / model"],
         [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50"]])  # no peak known: FLOPs/s only
     gpu = with_flops(make_run(tmp_path, "gpu"), model, model, {
         "mean_model_flops_per_s": 2.5e14, "mean_hardware_flops_per_s": 3e14, "mean_mfu": 0.253, "mean_hfu": 0.3036})
     old = make_run(tmp_path, "old")  # before FLOPs were logged
-    columns, rows = report.flops_table(load_runs([cpu, gpu, old]))
-    assert columns == report.FLOPS_COLUMNS
+    columns, rows = report_tables.flops_table(load_runs([cpu, gpu, old]))
+    assert columns == report_tables.FLOPS_COLUMNS
     assert rows == [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50", "n/a", "n/a"],
                     ["gpu", "250 TFLOP/s", "300 TFLOP/s", "1.20", "25.3%", "30.4%"],
                     ["old", "n/a", "n/a", "n/a", "n/a", "n/a"]]
-    assert report.flops_table(load_runs([old])) == (report.FLOPS_COLUMNS, [])  # no section at all
+    assert report_tables.flops_table(load_runs([old])) == (report_tables.FLOPS_COLUMNS, [])  # no section at all
 
 
 def test_mixture_report_sections_and_html(tmp_path):
@@ -717,7 +722,7 @@ def test_mixture_report_sections_and_html(tmp_path):
     write_data(tmp_path)
     modules = tmp_path / "reportdata" / "modules"
     modules.mkdir()
-    (modules / "manifest.json").write_text(json.dumps({"splits": {"train": {"lengths": {"histogram": {
+    (modules / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": {"histogram": {
         "edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
     sweep = tmp_path / "multirun"
     runs = [mixture_run(sweep, "0_w30_packed", (0.3, 0.7)), mixture_run(sweep, "1_w30_unpacked", (0.3, 0.7), "unpacked"),

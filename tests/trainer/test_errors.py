@@ -29,7 +29,7 @@ from trainer.data.shards import PrepareError
 from trainer.errors import EXIT_USER_ERROR, UserError, command, one_line, original_message, run_command
 from trainer.inspect_mask import InspectError
 from trainer.model import BackendUnavailable, resolve_backend
-from trainer.report import ReportError
+from trainer.reporting.runs import ReportError
 
 
 def train_cli(run_dir: Path, data: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
