@@ -1,10 +1,10 @@
 """packtrain: distributed GPT training with sequence packing that does not change the objective.
 
-The commands (`python -m trainer.X`) sit at the root, over the rooms below (train, export and generate are thin
-shells; prepare, report and inspect_mask still hold much of their own logic):
+The commands (`python -m trainer.X`) sit at the root, over the rooms below (train, prepare, report, export and
+generate are thin shells; inspect_mask still holds its own rendering):
     train         the Hydra entry point: config -> process group -> trainer.run.loop.Trainer
-    prepare       text -> tokenizer + WebDataset shards + manifest.json
-    report        compare run directories (verdicts, tables, plots)
+    prepare       text -> tokenizer + WebDataset shards + manifest.json (trainer.data.prepare)
+    report        compare run directories (trainer.reporting)
     inspect_mask  an HTML view of a packed row's attention mask, positions and labels
     export        a checkpoint -> a GPT-2 Hugging Face directory
     generate      sample from a checkpoint or an export
@@ -13,9 +13,10 @@ shells; prepare, report and inspect_mask still hold much of their own logic):
     registry      which config keys preserve the loss; every metric and summary key, with its meaning
 
 The rooms, from the bottom up (each imports only from rooms listed before it; tests/test_architecture.py):
-    data/         shards -> documents -> packed rows -> batches
+    data/         shards -> documents -> packed rows -> batches; data/prepare/: the offline preparation
     model/        the single-device GPT, its attention backends and losses
     distributed/  process groups and the engines (DDP, DeepSpeed) that wrap a model
     checkpoint/   the checkpoint store, safe loading, weights, the Hugging Face mapping
+    reporting/    runs compared from their files: verdicts, tables, plots, HTML
     run/          the training loop, the step, eval, metrics, optimizer, preemption
 """
