@@ -51,7 +51,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WANDB_MOD
 
 
 # Runs each argv through trainer.train.cli() in ONE process (a start costs seconds); argv[1] is a JSON list of
-# argv lists, argv[2] the path it writes [[exit status, stderr], ...] to (tests/trainer/test_errors.py and
+# argv lists, argv[2] the path it writes [[exit status, stderr], ...] to (tests/test_errors.py and
 # tests/test_bad_inputs.py).
 TRAIN_CLI_DRIVER = r"""
 import contextlib, io, json, sys
@@ -114,7 +114,7 @@ def assert_one_error_line(code: int, stderr: str, *phrases: str) -> str:
 
 
 def run_sweep(sweep: Path, data: Path, *overrides: str) -> Path:
-    """`python -m trainer.train -m ...` (the tiny settings of tests/trainer/test_train.py): one run dir per job,
+    """`python -m trainer.train -m ...` (the tiny settings of tests/test_train.py): one run dir per job,
     named by its job number."""
     cmd = [sys.executable, "-m", "trainer.train", "-m", f"data.path={data}", f"hydra.sweep.dir={sweep}",
            "hydra.sweep.subdir=${hydra.job.num}", *SMALL, "train.checkpoint_every=0", *overrides]
@@ -140,7 +140,7 @@ def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------------------------------
-# A tiny model and random documents for the step's objective (tests/trainer/test_step.py and others)
+# A tiny model and random documents for the step's objective (tests/run/test_step.py and others)
 # ---------------------------------------------------------------------------------------------------
 
 SEQ_LEN = 32

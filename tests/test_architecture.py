@@ -150,3 +150,37 @@ def test_the_offline_preparation_and_the_training_stream_are_apart():
     assert flows_crossed({"trainer.data.stream": {"trainer.data.prepare.plan"},
                           "trainer.data.prepare.units": {"trainer.data.stream"}}) == [
         "trainer.data.prepare.units -> trainer.data.stream", "trainer.data.stream -> trainer.data.prepare.plan"]
+
+
+NOT_ROOMS = {"fixtures", "__pycache__"}
+"""Folders of tests/ that hold data, not tests of a room."""
+
+
+def misplaced_tests(test_root: Path, package: Path) -> list[str]:
+    """What breaks the mirror of the package in tests/: a folder that is not a room of the package, or a test file
+    in tests/<room>/ that neither imports trainer.<room> nor names it in its docstring (a test of another room)."""
+    rooms = {p.parent.name for p in package.glob("*/__init__.py")}
+    found = []
+    for folder in sorted(p for p in test_root.iterdir() if p.is_dir() and p.name not in NOT_ROOMS):
+        if folder.name not in rooms:
+            found.append(f"{folder.name}/: not a room of {package.name}/")
+            continue
+        for path in sorted(folder.glob("test_*.py")):
+            tree = ast.parse(path.read_text())
+            imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+                n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+            named = f"trainer.{folder.name}" in (ast.get_docstring(tree) or "") + " ".join(imported)
+            if not named:
+                found.append(f"{folder.name}/{path.name}: tests no module of trainer.{folder.name}")
+    return found
+
+
+def test_the_tests_mirror_the_rooms(tmp_path):
+    assert misplaced_tests(ROOT / "tests", PACKAGE) == []
+    (tmp_path / "trainer" / "run").mkdir(parents=True)
+    (tmp_path / "trainer" / "run" / "__init__.py").write_text("")
+    (tmp_path / "tests" / "run").mkdir(parents=True)
+    (tmp_path / "tests" / "run" / "test_a.py").write_text("from trainer.data.batch import Batch\n")
+    (tmp_path / "tests" / "trainer").mkdir()
+    assert misplaced_tests(tmp_path / "tests", tmp_path / "trainer") == [
+        "run/test_a.py: tests no module of trainer.run", "trainer/: not a room of trainer/"]  # the check can fail

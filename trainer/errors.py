@@ -7,7 +7,7 @@ message alone is enough and a traceback would only bury it. Any other exception 
 
 Every command (`python -m trainer.train`, `prepare`, `report`, `inspect_mask`, `export`, `generate`) runs through
 `run_command` (or its decorator form, `command`); none prints the line or returns 2 itself
-(tests/trainer/test_errors.py checks that). A command may count more exception types as user mistakes
+(tests/test_errors.py checks that). A command may count more exception types as user mistakes
 (`OSError` where it writes files the user named; Hydra's own errors in train). argparse's own usage errors
 (a missing or mistyped flag) are left to argparse: usage, `prog: error: ...`, exit 2.
 """

@@ -1,6 +1,6 @@
 """Bad input found by the data layer: each a clear error naming the file, sample or key and what to do.
 
-Through the real `python -m trainer.train` these errors are checked in tests/trainer/test_errors.py;
+Through the real `python -m trainer.train` these errors are checked in tests/test_errors.py;
 here each is checked on the function that finds it.
 """
 

@@ -5,7 +5,7 @@ objective, the weighted sum and the per-group sums from that one tensor. Proven 
 gradient are the same bit for bit with and without groups (the metrics cannot change or slow the objective's
 kernel), the group sums are the token losses of that same tensor and agree with F.log_softmax written here,
 and the loss reads the logits in place (no sliced or transposed copy of them). Per bucket against each
-document alone: tests/trainer/test_length_buckets.py; per source: tests/trainer/test_source_metrics.py.
+document alone: tests/run/test_length_buckets.py; per source: tests/run/test_source_metrics.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from tests.harness import free_port, require_module
 from tests.helpers import SMALL, metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 pytestmark = pytest.mark.slow

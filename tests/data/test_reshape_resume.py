@@ -1,4 +1,5 @@
-"""A run interrupted on 2 ranks x 2 DataLoader workers resumes on 1 rank x 1 worker and on 3 x 1 (issue 21).
+"""A run interrupted on 2 ranks x 2 DataLoader workers resumes on 1 rank x 1 worker and on 3 x 1 (issue 21;
+trainer.data.reshape through real runs).
 
 Real torchrun runs with `logging.record_doc_keys` over 5 shards of short documents (shards of very different
 token counts, more documents per shard than a DataLoader chunk: the readers stop inside shards). The 2 x 2 run
@@ -8,7 +9,7 @@ from a step in which one rank had finished the epoch and waited for the other (d
     tarfile and the tokenizers library (nothing lost, nothing twice; the order differs from the uninterrupted run's);
   - then start the next epoch on every rank at one step, with the rows a run on the new shape would have had from
     the start (the new shape's own split, computed here in-process).
-The model and optimizer half of such a resume is tests/trainer/test_reshape_engine.py; the deal itself, case by
+The model and optimizer half of such a resume is tests/distributed/test_reshape_engine.py; the deal itself, case by
 case and in-process, tests/data/test_reshape.py.
 """
 

@@ -1,7 +1,7 @@
 """loss.chunk_tokens and train.activation_checkpointing through `python -m trainer.train`: the same run.
 
 Each option is checked against the plain path tensor by tensor in tests/model/; here they reach the model
-through Hydra, the config and the Trainer, and the first steps of training and the held-out loss must be
+through Hydra, the config and the Trainer (trainer.run.loop), and the first steps of training and the held-out loss must be
 those of a plain run with the same seed.
 """
 

@@ -37,7 +37,7 @@ from trainer.reporting.runs import (
 from trainer.reporting.tables import TABLE_COLUMNS
 from trainer.reporting.verdicts import verdict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
     "seed": 0,
     "train": {"seq_len": 128, "tokens_per_step": 1024, "micro_batch_tokens": 512, "max_steps": 6, "grad_clip": 1.0,

@@ -1,4 +1,5 @@
-"""Every training document is trained on once per epoch, counted from what the ranks actually consumed.
+"""Every training document is trained on once per epoch, counted from what the ranks actually consumed
+(trainer.data.epochs: the readers, the loaders and the ranks in lockstep, through real runs).
 
 2 ranks x 2 DataLoader workers (4 readers) over 8 shards for about 1.2 epochs, with `logging.record_doc_keys`:
 each rank writes the keys of the documents (and chunks `key#k`) of every step it ran. A resume in the middle
