@@ -556,7 +556,14 @@ def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(dem
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # hung: its threads' stacks (trainer.train dumps them on SIGQUIT), then kill
+        os.kill(proc.pid, signal.SIGQUIT)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the run did not end within 60 s of SIGINT; its stacks:\n{stderr[-12000:]}")
     assert proc.returncode == EXIT_INTERRUPTED, stderr
     assert "Traceback" not in stderr, stderr
     lines = stderr.splitlines()

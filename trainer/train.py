@@ -10,7 +10,10 @@ status 2. HYDRA_FULL_ERROR=1 shows the traceback of every error.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -27,8 +30,11 @@ from trainer.distributed.groups import DistInfo, init_distributed, shutdown_dist
 from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
 from trainer.model import compute_dtype, resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
+from trainer.run.run_dir import unlock_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+JOB_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+"""The job log's lines (as Hydra's default job logging writes them; configs/hydra/job_logging/console.yaml)."""
 
 HYDRA_ERRORS = (CompactHydraException,)
 """Hydra's own override and composition errors: the user's mistakes too, though not UserError subclasses."""
@@ -113,11 +119,29 @@ def run(raw: DictConfig) -> None:
     info = init_distributed(cfg.distributed)
     check_attention_backend(cfg, info)
     cfg.run_dir = shared_run_dir(run_dir, info)
-    summary = Trainer(cfg, info).fit()
+    accepted = (lambda: write_hydra_record(raw, Path(cfg.run_dir))) if info.is_main else None
+    summary = Trainer(cfg, info, accepted=accepted).fit()
     if info.is_main:
         write_summary(Path(cfg.run_dir), summary)
         print(_format_summary(summary), flush=True)
+    unlock_run_dir(Path(cfg.run_dir))
     shutdown_distributed()
+
+
+def write_hydra_record(raw: DictConfig, run_dir: Path) -> None:
+    """Rank 0, once the run dir is this run's (trainer.run.run_dir.claim_run_dir): what Hydra writes into a run dir
+    before its job (.hydra/config.yaml, hydra.yaml, overrides.yaml) and the job log, `<job name>.log`, from here on.
+    Hydra itself writes nothing there (hydra.output_subdir=null, console-only job logging: configs/config.yaml), so
+    a run refused at the claim leaves an earlier run's files as they were."""
+    hydra_cfg = HydraConfig.get()
+    record = run_dir / ".hydra"
+    record.mkdir(exist_ok=True)
+    OmegaConf.save(raw, record / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg, resolve=False)}), record / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), record / "overrides.yaml")
+    handler = logging.FileHandler(run_dir / f"{hydra_cfg.job.name}.log")
+    handler.setFormatter(logging.Formatter(JOB_LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
 
 
 def _format_summary(s: dict) -> str:
@@ -180,6 +204,8 @@ def cli() -> int:
     """`python -m trainer.train`: the exit status (a user's mistake in a job exits 2 from inside it)."""
     global _user_full_error, _job_started
     _job_started = False
+    # A run that seems hung: `kill -QUIT <pid>` prints every thread's stack to stderr, and the run goes on.
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]

@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,11 +52,15 @@ def copy_of(run_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def snapshot(directory: Path) -> dict[str, bytes]:
-    """Relative path -> bytes of every file of a run, Hydra's own (.hydra/, the job log) aside: Hydra rewrites
-    them at the start of every job, before the trainer runs."""
+RECORD = (".hydra", "train.log", ".lock")
+"""What a run writes into its run dir beside its RUN_FILES once the dir is its own: Hydra's record, the job log and
+the lock (trainer/train.py, trainer/run/run_dir.py). A refused run writes none of them."""
+
+
+def snapshot(directory: Path, record: bool = True) -> dict[str, bytes]:
+    """Relative path -> bytes of every file under `directory` (without `record`: RECORD's left out)."""
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.relative_to(directory).parts[0] not in (".hydra", "train.log")}
+            if p.is_file() and (record or p.relative_to(directory).parts[0] not in RECORD)}
 
 
 def train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
@@ -70,9 +76,12 @@ def train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None
 
 
 def test_a_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data, tmp_path):
+    """Nothing at all: not the earlier run's files, nor Hydra's record of it (.hydra/ with its overrides, which
+    this run's differ from), nor its job log or lock."""
     run_dir = copy_of(earlier, tmp_path / "run")
     before = snapshot(run_dir)
-    proc = train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.eval_every=0")
+    assert {".hydra/overrides.yaml", "train.log", ".lock"} <= set(before)
+    proc = train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.eval_every=0", "seed=3")
     assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} already holds a run", "metrics.jsonl",
                           "train.resume=true", "hydra.run.dir", "train.overwrite=true")
     assert snapshot(run_dir) == before  # metrics lines, config.json, summary.json, all four checkpoints
@@ -103,10 +112,42 @@ def test_overwrite_moves_the_earlier_run_aside_whole(earlier, demo_data, tmp_pat
     # The earlier run whole under replaced-<time>/, said so; an older set-aside run stays as it was.
     [aside] = sorted(set(run_dir.glob("replaced-*")) - {run_dir / SEEDED})
     assert f"moved into {aside} (nothing deleted)" in proc.stdout
-    earlier_files = {k: v for k, v in before.items() if not k.startswith(f"{SEEDED}/")}
+    earlier_files = {k: v for k, v in before.items() if not k.startswith((f"{SEEDED}/", *RECORD))}
     assert snapshot(aside) == earlier_files  # every file of the earlier run, byte for byte
     assert (run_dir / SEEDED / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 2
+
+
+def test_a_run_dir_held_by_a_live_run_refuses_another_and_a_dead_runs_lock_is_taken_over(demo_data, tmp_path):
+    """Two trainers started into one run dir: the second (fresh, resumed or overwriting) is refused with one line
+    naming the holder's pid and host, and changes nothing of the live run's record; once the holder is killed
+    (kill -9: the kernel drops its lock), a resume takes the run dir over and continues it."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
+           "train.max_steps=100000", "train.checkpoint_every=1", "train.keep_last=1", "train.eval_every=0"]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while store.latest_checkpoint(run_dir) is None:
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        record = {name: (run_dir / name).read_bytes() for name in (".hydra/overrides.yaml", ".hydra/config.yaml",
+                                                                   "config.json", ".lock")}
+        assert record[".lock"].decode().startswith(f"pid {first.pid} on {socket.gethostname()}")
+        for extra in ((), ("train.resume=true",), ("train.overwrite=true",)):
+            proc = train(run_dir, demo_data, "train.max_steps=2", "seed=5", *extra)
+            assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} is in use by another run",
+                                  f"pid {first.pid} on {socket.gethostname()}", "hydra.run.dir")
+        assert {name: (run_dir / name).read_bytes() for name in record} == record
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    step = store.read_meta(store.latest_checkpoint(run_dir))["step"]
+    run_train(run_dir, demo_data, "train.max_steps=100000", "train.checkpoint_every=1", "train.keep_last=1",
+              "train.eval_every=0", "train.resume=true", f"train.max_steps={step + 1}")
+    assert [m["step"] for m in metrics(run_dir)][-1] == step + 1
+    assert f"pid {first.pid} " not in (run_dir / ".lock").read_text()  # the new holder named itself
 
 
 def test_a_run_dir_holding_only_hydras_files_or_set_aside_runs_is_fresh(earlier_run):
@@ -183,7 +224,7 @@ def test_overwrite_moves_the_earlier_run_aside_for_another_runs_checkpoint(earli
     # The earlier run whole under replaced-<time>/; the resumed one alone in the run dir, from step 4 on.
     [aside] = sorted(set(run_dir.glob("replaced-*")) - {run_dir / SEEDED})
     assert f"moved into {aside} (nothing deleted)" in proc.stdout and f"resumed from {theirs} at step 4" in proc.stdout
-    assert snapshot(aside) == {k: v for k, v in before.items() if not k.startswith(f"{SEEDED}/")}
+    assert snapshot(aside) == {k: v for k, v in before.items() if not k.startswith((f"{SEEDED}/", *RECORD))}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000006"]
     assert [m["step"] for m in metrics(run_dir)] == [5, 6] and not list(run_dir.glob("abandoned-*"))
     assert snapshot(other) == snapshot(earlier)

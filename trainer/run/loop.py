@@ -17,6 +17,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,18 +54,28 @@ from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
-from trainer.run.run_dir import guard_fresh_start, set_aside_after
+from trainer.run.run_dir import claim_run_dir, set_aside_after, unlock_run_dir
 from trainer.run.step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, info: DistInfo) -> None:
+    def __init__(self, cfg: RunConfig, info: DistInfo, accepted: Callable[[], None] | None = None) -> None:
+        """`accepted`: called once the run dir is this run's (locked, the start and the checkpoint checked), before
+        the run writes its files: the command writes its own record there (Hydra's files, the job log)."""
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.run_dir)
-        guard_fresh_start(self.run_dir, cfg.train.resume, cfg.train.overwrite, info)  # before anything is written
+        claim_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite, info)  # before anything is written
+        try:
+            self._build(accepted)
+        except BaseException:  # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found
+            unlock_run_dir(self.run_dir, refused=True)
+            raise
+
+    def _build(self, accepted: Callable[[], None] | None) -> None:
+        cfg, info = self.cfg, self.info
         self.dtype = resolve_dtype(cfg.train.dtype, info.device)
         """train.dtype as run: 'auto' resolved to 'bf16' (CUDA with bf16) or 'fp32'."""
         _seed_everything(cfg.seed)
@@ -100,6 +111,8 @@ class Trainer:
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
         self.last_eval: EvalResult | None = None
         self._resume()
+        if accepted is not None:  # every check passed: the run writes from here on
+            accepted()
         self.wandb_group = cfg.logging.wandb.group or f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], self.wandb_group,

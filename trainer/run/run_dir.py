@@ -19,9 +19,12 @@ dirs one level down) looks, and nothing is deleted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -66,6 +69,84 @@ def own_checkpoint(run_dir: Path, checkpoint: str | Path) -> bool:
 
 
 OVERWRITE = "train.overwrite=true (the run dir's files are moved into <run dir>/replaced-<UTC time>/, not deleted)"
+
+
+LOCK_FILE = ".lock"
+"""In the run dir: locked (flock) by rank 0 of the run that holds it, for the run's life; it names the holder."""
+
+_held: dict[Path, tuple[int, bool, bool]] = {}
+"""Run dirs whose lock this process holds: resolved path -> (the locked file's descriptor, whether this process
+created the file, and the run dir)."""
+
+
+class RunDirInUse(ConfigError):
+    """Another run, alive, holds the run dir."""
+
+
+def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: DistInfo) -> None:
+    """Collective, before anything is written: this run takes the run dir or is refused, and a refused run leaves
+    nothing in it. Rank 0 takes the run dir's exclusive lock (flock on LOCK_FILE), then checks the start
+    (`guard_fresh_start`: a second run into a used dir is refused, or with train.overwrite moves the old one
+    aside); only then does it write its name into the lock file. Every rank raises the same error.
+
+    The lock is held for the run's life (until `unlock_run_dir` or the process exits); all ranks of one run
+    share rank 0's. Another live run holding it refuses this one with RunDirInUse, naming the holder's pid and
+    host. The kernel drops a lock when its process dies, however it dies (kill -9 included), so a lock left by a
+    dead run is free: the next run takes it over. Taking it again in the same process is a no-op. The lock is as
+    good as the file system's flock: local file systems and NFSv4 honour it across hosts."""
+    refusal = _take_lock(run_dir.resolve()) if info.is_main else None
+    refusal = broadcast_object(refusal)
+    if refusal:
+        raise RunDirInUse(refusal)
+    try:
+        guard_fresh_start(run_dir, resume, overwrite, info)
+    except ConfigError:
+        unlock_run_dir(run_dir, refused=True)
+        raise
+    if info.is_main:
+        fd = _held[run_dir.resolve()][0]
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode(), 0)
+
+
+def _take_lock(run_dir: Path) -> str | None:
+    """Lock `run_dir` for this process (rank 0); why not, if another process holds it."""
+    if run_dir in _held:
+        return None
+    made_dir = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    created = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "a run that is starting"
+        os.close(fd)
+        return (f"{run_dir} is in use by another run ({holder}): wait for it to end, stop it, or start in another "
+                "hydra.run.dir (hydra.sweep.dir under -m)")
+    except OSError as e:  # the file system cannot lock: say so rather than run unprotected
+        os.close(fd)
+        return f"cannot lock {path} ({e}): the run dir's file system does not support flock; use another directory"
+    _held[run_dir] = (fd, created, made_dir)
+    return None
+
+
+def unlock_run_dir(run_dir: Path, refused: bool = False) -> None:
+    """Release this process's lock of `run_dir`: the run ended (the lock file stays, naming the last holder), or
+    it was `refused` (a lock file this process created is removed, and the run dir if it made it and it is empty:
+    a refused run leaves nothing)."""
+    fd, created, made_dir = _held.pop(Path(run_dir).resolve(), (None, False, False))
+    if fd is None:
+        return
+    if refused and created:
+        with contextlib.suppress(OSError):
+            os.unlink(Path(run_dir) / LOCK_FILE)
+        if made_dir:
+            with contextlib.suppress(OSError):
+                Path(run_dir).rmdir()  # only if empty
+    os.close(fd)  # closing the descriptor drops the flock
 
 
 def guard_fresh_start(run_dir: Path, resume: bool | str, overwrite: bool, info: DistInfo) -> None:
