@@ -123,6 +123,10 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("data.sources", ("data.sources=[{name:'a b',path:x}]",), r"data.sources\[0\].name must be a name of letters"),
     ("data.sources", ("data.sources=[{name:a,path:x,wieght:1}]",), r"data.sources\[0\]: unknown key\(s\) \['wieght'\]"),
     ("data.sources", ("data.sources=[{name:a,path:x}]", "data.path=y"), r"data.sources replaces data.path, data.urls"),
+    ("data.sources", ("data.sources=[{name:a,path:x,weight:1e300},{name:b,path:y,weight:1e-300}]",),
+     r"data.sources: the weights \[1e\+300, 1e-300\] give b a share of 0 of the tokens, below 1e-09: it would never"),
+    ("data.sources", ("data.sources=[{name:a,path:x,weight:1e308},{name:b,path:y,weight:1e308}]",),
+     r"data.sources: the weights \[1e\+308, 1e\+308\] add up to inf"),
     ("data.mix_exhausted", ("data.mix_exhausted=never",), r"data.mix_exhausted must be one of \('stop', 'restart'\)"),
     # packing
     ("packing.layout", ("packing.layout=zigzag",), r"packing.layout must be one of"),
@@ -362,6 +366,22 @@ def one_source_state_into_a_mixture(tmp: Path, fixture) -> None:
 one_source_state_into_a_mixture.fixtures = ("demo_data",)
 
 
+def mixture_state_into_one_source(tmp: Path, fixture) -> None:
+    """A mixture run's data state loaded by a run of one source (data.path)."""
+    demo = fixture("demo_data")
+    mix = f"data.sources=[{{name:a,path:'{demo}'}},{{name:b,path:'{demo}'}}]"
+    mixed = build_data(from_container(composed(mix, "data.num_workers=0"), str(tmp / "b")), CPU)
+    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"), str(tmp / "a")), CPU)
+    try:
+        single.rows.load_state_dict(mixed.rows.state_dict())
+    finally:
+        single.rows.close()
+        mixed.rows.close()
+
+
+mixture_state_into_one_source.fixtures = ("demo_data",)
+
+
 def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str | None = None) -> Call:
     """A command's own main (decorated with trainer.errors.command: it prints its line and returns the status);
     `config_json`: first write {tmp}/runs/a with that config.json and one metrics line (for report)."""
@@ -408,6 +428,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
                                        r"reads one source: resume with the checkpoint's data config"),
     ("data.sources", one_source_state_into_a_mixture, r"the checkpoint's data stream is one source; this run mixes "
                                                       r"\['a', 'b'\] \(data.sources\)"),
+    ("data.sources", mixture_state_into_one_source, r"the checkpoint's data stream mixes the sources \['a', 'b'\]; "
+                                                    r"this run reads one source: resume with the checkpoint's data"),
     ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),
     ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
@@ -428,6 +450,16 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--sep is empty"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--add-tokens", ""),
      r"--add-tokens \[''\]: each token must be a non-empty string"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "nan"),
+     r"--unit-mb must be a finite number > 0, got nan"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "inf"),
+     r"--unit-mb must be a finite number > 0, got inf"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--tokenizer-sample-mb", "nan"),
+     r"--tokenizer-sample-mb must be a finite number > 0, got nan"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--workers", "0"),
+     r"--workers must be >= 1, got 0"),
+    ("prepare", command_main(prepare.main, "--merge", "{tmp}/out", "--source", "demo", "--out", "{tmp}/other"),
+     r"--merge .*/out merges the parts staged for that dataset and takes no --source or --out"),
     ("data.on_error", unreadable_val_shard, r"the eval read no document from its 1 held-out shard\(s\) .*"
                                               r"data.on_error=skip skipped what it could not read"),
 ]

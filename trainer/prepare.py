@@ -21,14 +21,14 @@ keeps the finished units. A user mistake ends as trainer/errors.py says (`error:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from trainer.data.config import ON_ERROR
 from trainer.data.prepare.assemble import LONG_THRESHOLDS, length_stats  # noqa: F401  (length_stats: re-exported)
-from trainer.data.prepare.dataset import DEFAULT_SAMPLE_MB, merge, prepare
+from trainer.data.prepare.dataset import DEFAULT_SAMPLE_MB, merge, prepare, usable_cores
+from trainer.data.shards import PrepareError
 from trainer.errors import command
 
 __all__ = ["main", "merge", "prepare"]
@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--add-tokens", nargs="+", default=[], metavar="TOKEN",
                    help="append these special tokens to the --tokenizer (train with tokenizer.add_tokens=[...])")
     p.add_argument("--workers", type=int, default=None,
-                   help="processes preparing units side by side (default: the cores this process may use)")
+                   help="processes preparing units side by side (default and most: the cores this process may use, "
+                   "and no more than there are units)")
     p.add_argument("--part", type=int, default=0, help="prepare the part I (0-based) of --parts (several machines)")
     p.add_argument("--parts", type=int, default=1, help="the number of parts the input is split into (default 1)")
     p.add_argument("--unit-mb", type=float, default=None,
@@ -92,22 +93,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def default_workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 @command(extra_user_errors=(OSError,))  # OSError: the output cannot be written (permissions, disk full)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     if args.merge is not None:
+        if args.source is not None or args.out is not None:
+            raise PrepareError(f"--merge {args.merge} merges the parts staged for that dataset and takes no --source or "
+                               "--out: drop them (or drop --merge to prepare)")
         print(format_report(merge(args.merge), args.merge))
         return 0
     manifest = prepare(
         args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
         val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
         seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
-        add_tokens=args.add_tokens, workers=args.workers or default_workers(), part=args.part, parts=args.parts,
+        add_tokens=args.add_tokens, workers=usable_cores() if args.workers is None else args.workers, part=args.part,
+        parts=args.parts,
         unit_mb=args.unit_mb, tokenizer_sample_mb=args.tokenizer_sample_mb, resume=args.resume,
     )
     if manifest is not None:

@@ -165,11 +165,31 @@ class DataConfig:
             path = entry.get("path")
             out.append(SourceConfig(name=name, path=None if path is None else str(path), urls=entry.get("urls"),
                                     val_urls=entry.get("val_urls"), weight=float(weight)))
+        check_shares([s.name for s in out], [s.weight for s in out])
         return out
 
     def for_source(self, source: SourceConfig) -> DataConfig:
         """This config with one source of the mixture as its only data (what trainer.data.sources resolves)."""
         return replace(self, path=source.path, urls=source.urls, val_urls=source.val_urls, sources=None)
+
+
+MIN_SHARE = 1e-9
+"""The smallest share of the tokens a source may have: below it the mixer would never draw it (or divide by a
+share that rounds to 0)."""
+
+
+def check_shares(names: list[str], weights: list[float]) -> None:
+    """A ValueError unless the weights, normalized, give every source a share of at least MIN_SHARE.
+
+    Example: weights [1e300, 1e-300] -> "data.sources: the weights give b a share of 1e-600 of the tokens ..."."""
+    total = sum(weights)
+    if not math.isfinite(total):
+        raise ValueError(f"data.sources: the weights {weights} add up to {total}: give them on a smaller scale "
+                         "(only their ratios count)")
+    for name, weight in zip(names, weights, strict=True):
+        if weight / total < MIN_SHARE:
+            raise ValueError(f"data.sources: the weights {weights} give {name} a share of {weight / total:.3g} of the "
+                             f"tokens, below {MIN_SHARE:g}: it would never be drawn; raise its weight or drop it")
 
 
 SINGLE_SOURCE = "data"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -237,6 +238,12 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     return manifest
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: prepare's default --workers, and the most it starts (more processes than
+    cores only share them, each holding its own tokenizer and buffers)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _check_options(val_fraction: float, docs_per_shard: int, max_docs: int | None, workers: int, part: int,
                    parts: int, unit_mb: float | None, sample_mb: float) -> None:
     if not 0 <= val_fraction < 1:
@@ -249,10 +256,10 @@ def _check_options(val_fraction: float, docs_per_shard: int, max_docs: int | Non
         raise PrepareError(f"--workers must be >= 1, got {workers}")
     if parts < 1 or not 0 <= part < parts:
         raise PrepareError(f"--part must be in [0, --parts) and --parts >= 1, got --part {part} --parts {parts}")
-    if unit_mb is not None and unit_mb <= 0:
-        raise PrepareError(f"--unit-mb must be > 0, got {unit_mb}")
-    if sample_mb <= 0:
-        raise PrepareError(f"--tokenizer-sample-mb must be > 0, got {sample_mb}")
+    if unit_mb is not None and not (math.isfinite(unit_mb) and unit_mb > 0):
+        raise PrepareError(f"--unit-mb must be a finite number > 0, got {unit_mb}")
+    if not (math.isfinite(sample_mb) and sample_mb > 0):
+        raise PrepareError(f"--tokenizer-sample-mb must be a finite number > 0, got {sample_mb}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +320,7 @@ def _run_units(units: Sequence[Unit], job: Job, workers: int, label: str = "") -
                     prepare_unit(unit, job, tok, status.progress)
                     status.unit_done()
         else:
-            _run_in_workers(units, job, min(workers, len(units)), status)
+            _run_in_workers(units, job, min(workers, len(units), usable_cores()), status)
         bar.update(max(0, total - bar.n))  # sizes on disk are estimates for compressed input and datasets
         status.line(final=True)
 
