@@ -747,3 +747,17 @@ def test_mixture_report_sections_and_html(tmp_path):
     page = (out / "report.html").read_text()
     assert "<h2>Token loss by source</h2>" in page and "<h2>FLOPs both ways</h2>" in page
     assert "<td>70.0%</td>" in page
+
+
+def test_hostile_run_names_stay_text_in_markdown_and_plots(tmp_path):
+    """A run dir named like HTML is escaped in report.md too (Markdown renderers pass raw HTML through), and one
+    named like TeX (`$\\frac{1}{$`: matplotlib's mathtext would fail on it) still gets its plots."""
+    runs_dir = tmp_path / "runs"
+    names = ["<img src=x onerror=alert(1)>", "$\\frac{1}{$", "$\\undefinedcmd$"]
+    for name in names:
+        make_run(runs_dir, name)
+    written = make_report([runs_dir], tmp_path / "out")
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "<img" not in md and "&lt;img src=x onerror=alert(1)>" in md
+    assert "$\\frac{1}{$" in md
+    assert (tmp_path / "out" / "loss_vs_step.png") in written and (tmp_path / "out" / "loss_vs_step.png").stat().st_size

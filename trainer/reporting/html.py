@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,15 +86,25 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
     )
 
 
+def _md(text: str) -> str:
+    """Text from the runs (names, config values, paths) as Markdown shows it: every `<` that could open an HTML tag,
+    comment or declaration escaped, since Markdown renderers pass raw HTML through (a run named
+    `<img src=x onerror=...>` stays text); `<=64` and `->` stay as they are.
+
+    Example: "<img src=x>" -> "&lt;img src=x>"; "<=64" -> "<=64"."""
+    return re.sub(r"<(?=[A-Za-z/!?])", "&lt;", str(text))
+
+
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return _md(text).replace("|", "\\|").replace("\n", " ")
 
 
 def render_markdown(report: Report) -> str:
     lines = [
         "# Training runs report",
         "",
-        f"Reference run: **{report.reference}**. Tolerance for equal losses: {fmt_num(report.tolerance)} (absolute).",
+        f"Reference run: **{_md(report.reference)}**. Tolerance for equal losses: {fmt_num(report.tolerance)} "
+        "(absolute).",
         "",
         "| " + " | ".join(_md_cell(c) for c in TABLE_COLUMNS) + " |",
         "|" + "---|" * len(TABLE_COLUMNS),
@@ -101,18 +112,18 @@ def render_markdown(report: Report) -> str:
         "",
         "## Verdicts (against the reference run; each run against its unpacked counterpart)",
         "",
-        *(f"- **{name}**: {text}" for name, text in report.verdicts),
+        *(f"- **{_md(name)}**: {_md(text)}" for name, text in report.verdicts),
         "",
     ]
     for title, intro, columns, rows in report.tables():
-        lines += [f"## {title}", "", *([intro, ""] if intro else []),
+        lines += [f"## {title}", "", *([_md(intro), ""] if intro else []),
                   "| " + " | ".join(_md_cell(c) for c in columns) + " |", "|" + "---|" * len(columns),
                   *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows), ""]
     lines += ["## Plots", ""]
     for name, caption in report.images:
-        lines += [f"![{caption}]({name})", ""]
+        lines += [f"![{_md(caption)}]({name})", ""]
     if report.notes:
-        lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
+        lines += ["## Notes", "", *(f"- {_md(n)}" for n in report.notes), ""]
     return "\n".join(lines)
 
 

@@ -25,6 +25,13 @@ from trainer.reporting.tables import (
     val_by_group,
 )
 
+
+def plain(text: str) -> str:
+    """Text from the runs (names, paths) as matplotlib shows it: literally, not as mathtext (`$...$` would be
+    parsed as TeX, and a run dir named `$\\frac{1}{$` would end the report)."""
+    return text.replace("$", r"\$")
+
+
 LINESTYLES = ["-", "--", ":", "-."]
 
 
@@ -47,7 +54,7 @@ def _line_plot(runs: Sequence[Run], y: Callable[[Run], Series], x: Callable[[Run
         ys = y(run)
         xs = x(run) if x else {s: float(s) for s in ys}
         steps = [s for s in sorted(ys) if s in xs]
-        ax.plot([xs[s] for s in steps], [ys[s] for s in steps], label=run.name, **_style(i, len(steps)))
+        ax.plot([xs[s] for s in steps], [ys[s] for s in steps], label=plain(run.name), **_style(i, len(steps)))
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -83,7 +90,7 @@ def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
         val, train = val_by_group(run, BY_LENGTH), train_by_group(run, BY_LENGTH)
         values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
         ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
-               label=f"{run.name} ({'val' if val else 'train'})", color=f"C{i % 10}", hatch=None if val else "//")
+               label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}", hatch=None if val else "//")
     ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], [f"{n} tokens" for n in names])
     ax.set(ylabel="token loss", title="Token loss by document length (final eval; train where no eval)")
     ax.legend(fontsize="small")
@@ -121,7 +128,7 @@ def plot_loss_by_source(runs: Sequence[Run]) -> plt.Figure:
         for j, name in enumerate(names):
             losses = trailing_loss(run, BY_SOURCE, name, SMOOTH_STEPS)
             steps = sorted(losses)
-            ax.plot(steps, [losses[s] for s in steps], label=f"{name}: {run.name}",
+            ax.plot(steps, [losses[s] for s in steps], label=plain(f"{name}: {run.name}"),
                     **{**_style(i, len(steps)), "color": f"C{j % 10}"})
     ax.set(xlabel="step", ylabel="train token loss",
            title=f"Train token loss by source (mean over the last {SMOOTH_STEPS} logged steps, by targets)")
@@ -135,7 +142,7 @@ def plot_throughput(runs: Sequence[Run]) -> plt.Figure:
     values = [throughput(r) or 0.0 for r in runs]
     bars = ax.bar(range(len(runs)), values, color=[f"C{i % 10}" for i in range(len(runs))])
     ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize="small")
-    ax.set_xticks(range(len(runs)), [r.name for r in runs], rotation=20, ha="right")
+    ax.set_xticks(range(len(runs)), [plain(r.name) for r in runs], rotation=20, ha="right")
     ax.set(ylabel="valid tokens/s", title="Valid tokens/s per run (mean over non-warm-up steps)")
     ax.grid(axis="y", alpha=0.3)
     return fig
@@ -203,7 +210,7 @@ def load_corpora(runs: Sequence[Run]) -> tuple[list[Corpus], list[str]]:
 def plot_doc_lengths(corpora: Sequence[Corpus]) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, corpus in enumerate(corpora):
-        ax.stairs(corpus.counts, corpus.edges, fill=True, alpha=0.35, color=f"C{i % 10}", label=corpus.label)
+        ax.stairs(corpus.counts, corpus.edges, fill=True, alpha=0.35, color=f"C{i % 10}", label=plain(corpus.label))
         for j, seq_len in enumerate(corpus.seq_lens):
             ax.axvline(seq_len, color=f"C{i % 10}", linestyle=LINESTYLES[(j + 1) % len(LINESTYLES)],
                        linewidth=1.5, label=f"train.seq_len={seq_len}")
