@@ -59,11 +59,20 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Pat
 # ---------------------------------------------------------------------------------------------------
 
 
+def special_texts(tok: Tokenizer) -> list[str]:
+    """The texts the tokenizer reads as special tokens (<|endoftext|>, <|im_start|>, <|im_end|>, <|pad|>, ...)."""
+    return [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+
+
 def prompt_ids(tok: Tokenizer, tok_dir: str | Path, prompt: str, chat: bool) -> list[int]:
     """Token ids of `prompt`, or (chat) of one user message and the generation prompt, through the tokenizer's
     chat template as transformers' apply_chat_template renders it (trainer.data.chat). Example, ChatML:
     "hi" -> the ids of "<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n".
     """
+    forged = sorted((t for t in special_texts(tok) if t in prompt), key=prompt.find)
+    if forged:  # encoded as that token, it would forge a turn (or end the text) where the user only typed text
+        raise GenerateError(f"the prompt holds {forged[0]!r}, a special token's text: it would be read as that token "
+                            "(forging a turn boundary); remove or escape it")
     if chat:
         try:
             prompt, _ = render([{"role": "user", "content": prompt}], chat_template(tok_dir), add_generation_prompt=True)
