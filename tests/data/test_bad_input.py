@@ -188,3 +188,23 @@ def test_check_token_ids_names_rows_when_documents_cannot_be_told_from_padding()
     batch = collate_rows([[doc("x", 5, 6), doc("tail", 1)], [doc("y", 99, 0)]], 3, PAD, "packed")
     with pytest.raises(TokenIdError, match=r"token id 99 .* in rows 1 "):
         check_token_ids(batch, vocab_size=10)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_record_files_that_hold_no_record_are_refused_and_nothing_is_written(tmp_path, kind):
+    """A parquet of 0 rows, an empty gzip: their bytes (the format's header) hold no document. Refused at the merge
+    naming the source, with no dataset written (no manifest.json, no shards)."""
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "empty.parquet"
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        import gzip
+
+        path = tmp_path / "empty.jsonl.gz"
+        gzip.open(path, "wb").close()
+    with pytest.raises(PrepareError, match=rf"no documents in '{kind}:.*{path.name}': its files hold none"):
+        prepare(f"{kind}:{path}", tmp_path / "out", vocab_size=300, val_fraction=0.0)
+    assert not (tmp_path / "out" / "manifest.json").exists() and not list((tmp_path / "out").glob("*.tar"))

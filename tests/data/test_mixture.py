@@ -309,6 +309,13 @@ def test_a_source_with_fewer_shards_than_readers_is_named(corpora):
     mix.close()
 
 
+def test_a_source_without_training_shards_is_named(corpora):
+    """A source whose prepared train split lists no shard (every document went to val): the error names it."""
+    source = resolve_source(DataConfig(path=str(corpora[1])))
+    with pytest.raises(DataStreamError, match=r"source 'long': no training shards to read"):
+        DocumentStream([], source.tokenizer_dir, 0, name="long", source=1)
+
+
 # -- real runs ------------------------------------------------------------------------------------------
 
 

@@ -69,7 +69,9 @@ class DocumentStream(IterableDataset):
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         if not shards:
-            raise DataStreamError("no shards given")
+            source = f"source {name!r}: " if name else ""
+            raise DataStreamError(f"{source}no training shards to read (the prepared split lists none: prepared from "
+                                  "no documents, or every one went to val?)")
         self.shards = [str(s) for s in shards]
         self.tokens_known = shard_tokens is not None
         """Whether `shard_tokens` are the shards' real token counts (from the manifest)."""

@@ -198,6 +198,9 @@ def merge(out: str | Path, stage: Path | None = None) -> dict:
         splits, totals, moves = assemble(results)
         skipped = Counter(totals["skipped"]) + Counter(plan.options.get("plan_skipped", {}))
         totals["skipped"] = dict(sorted(skipped.items()))
+        if not sum(split["docs"] for split in splits.values()):  # e.g. a parquet of 0 rows, an empty .gz
+            raise PrepareError(f"no documents in {plan.source!r}: its files hold none, or every one was skipped "
+                               f"({dict(skipped) or 'none skipped'}); nothing was written to {out}")
         return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
 
 
