@@ -30,6 +30,7 @@ from trainer.distributed.groups import DistInfo, init_distributed, shutdown_dist
 from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
 from trainer.model import compute_dtype, resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
+from trainer.run.preemption import end_with_launcher
 from trainer.run.run_dir import unlock_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -206,6 +207,7 @@ def cli() -> int:
     _job_started = False
     # A run that seems hung: `kill -QUIT <pid>` prints every thread's stack to stderr, and the run goes on.
     faulthandler.register(signal.SIGQUIT, all_threads=True)
+    end_with_launcher()  # under torchrun: a rank whose agent dies is preempted, not orphaned
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]

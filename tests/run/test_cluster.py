@@ -22,6 +22,7 @@ import torch
 
 from tests.harness import run_distributed
 from tests.helpers import ROOT, SMALL, metrics, run_train, torchrun
+from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import load_state
 
 pytestmark = pytest.mark.slow
@@ -159,6 +160,27 @@ def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(demo_data, tmp_pa
     assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
     run_train(run_dir, demo_data, *CLUSTER, "train.resume=true", launcher=torchrun())
     assert_same_losses_from(run_dir, uninterrupted[2], step + 1)
+
+
+def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_them(demo_data, tmp_path):
+    """The agent killed with SIGKILL: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG, set at its start),
+    so the ranks checkpoint the step they reached together and exit, their DataLoader workers with them (without
+    it they train on as orphans: max_steps is far away); the run then resumes from that checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, demo_data, "train.max_steps=100000", launcher=torchrun())
+    wait_for_step(run_dir, 5, proc)
+    ranks = trainer_ranks(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    below = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the agent only: its ranks are in the same session, not signalled
+    proc.wait()
+    assert_no_survivors(below, timeout=60)
+    ckpt = store.latest_checkpoint(run_dir)
+    step = store.read_meta(ckpt)["step"]
+    assert step >= 5 and f"preempted (SIGTERM) after step {step}" in output(run_dir)[0], output(run_dir)
+    assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    run_train(run_dir, demo_data, *CLUSTER, "train.resume=true", f"train.max_steps={step + 2}", launcher=torchrun())
+    assert [m["step"] for m in metrics(run_dir)][-2:] == [step + 1, step + 2]
 
 
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(demo_data, tmp_path, uninterrupted):

@@ -16,7 +16,10 @@ ReadInterrupted within a fraction of a second, and the loop checkpoints the last
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 import threading
 
 from trainer.data.feed import allow_reads, interrupt_reads
@@ -48,3 +51,21 @@ class PreemptionHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def end_with_launcher() -> None:
+    """Under torchrun (its agent is this process's parent): when the agent dies, however it dies (kill -9
+    included), the kernel sends this rank SIGTERM, which the run takes as a preemption (every rank checkpoints the
+    step it reached and exits) instead of training on as an orphan. Linux only; elsewhere a no-op. If the agent is
+    already gone, SIGTERM now."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent or parent == 1:  # the agent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
