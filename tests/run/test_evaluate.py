@@ -6,11 +6,15 @@ token losses summed with F.cross_entropy, divided by the number of targets.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from tests.helpers import make_trainer
 from trainer.data.feed import load_eval_docs
 from trainer.data.shards import load_manifest
 from trainer.data.tokenizer import load_tokenizer, special_ids
@@ -18,7 +22,8 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, GPTConfig, build_model
-from trainer.run.evaluate import Evaluator
+from trainer.run.evaluate import EvalInterrupted, Evaluator
+from trainer.run.preemption import PreemptionHandler
 
 SEQ_LEN = 64
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))
@@ -112,3 +117,38 @@ def test_empty_val_split_is_a_clear_error(tmp_path):
     prepare("demo", tmp_path, vocab_size=300, max_docs=40, docs_per_shard=20, val_fraction=0.0)
     with pytest.raises(ValueError, match="'val' split has no documents.*train.eval_every=0"):
         load_eval_docs(tmp_path, tmp_path / "tokenizer", 0, SEQ_LEN, None)
+
+
+def test_a_preemption_signal_abandons_the_eval_within_one_forward(demo_data, tmp_path):
+    """`stop` is asked before each micro-batch: once it says so the eval ends there (EvalInterrupted), on every
+    rank at the same micro-batch since the answer is collective; the Trainer's eval then returns no metrics and
+    the run checkpoints the step at once (the preemption path of tests/run/test_cluster.py)."""
+    docs, pad = eval_docs(demo_data)
+    _, engine = model_and_engine(load_tokenizer(demo_data / "tokenizer").get_vocab_size(), CPU)
+    evaluator = Evaluator(docs, CPU, SEQ_LEN, "packed", SEQ_LEN, pad)
+    assert len(evaluator.batches) > 5
+    forwards, asked = [], []
+    real_forward = engine.eval_forward
+
+    def counting(inputs):
+        forwards.append(1)
+        return real_forward(inputs)
+
+    engine.eval_forward = counting
+    with pytest.raises(EvalInterrupted):
+        evaluator.run(engine, stop=lambda: asked.append(1) or len(asked) > 2)
+    assert len(forwards) == 2 and engine.module.training  # stopped before the third forward, train mode restored
+    forwards.clear()
+    assert evaluator.run(engine, stop=lambda: False).val_tokens > 0 and len(forwards) == len(evaluator.batches)
+
+
+def test_the_trainer_abandons_its_eval_on_a_signal(demo_data, tmp_path):
+    trainer = make_trainer(demo_data, tmp_path / "run", "train.eval_every=1")
+    try:
+        trainer.preemption = PreemptionHandler()
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded by the handler, not acted on by the default action
+        assert trainer.preemption.signal_name == "SIGTERM"
+        assert trainer._evaluate() == {} and trainer.last_eval is None
+    finally:
+        trainer.preemption.close()
+        trainer.data.rows.close()

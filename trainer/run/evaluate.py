@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,10 @@ from trainer.run.metrics import by_group
 from trainer.run.step import empty_batch, with_group_targets
 
 log = logging.getLogger(__name__)
+
+
+class EvalInterrupted(Exception):
+    """A preemption signal arrived during the eval: abandoned on every rank at the same micro-batch."""
 
 
 @dataclass
@@ -73,8 +78,10 @@ class Evaluator:
         """Whether the eval runs after optimizer step `step`: every `every` steps, and after the last one."""
         return last or (self.every > 0 and step % self.every == 0)
 
-    def run(self, engine: Engine) -> EvalResult:
-        """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each)."""
+    def run(self, engine: Engine, stop: Callable[[], bool] | None = None) -> EvalResult:
+        """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each).
+        `stop`: asked before each micro-batch (collective, the same answer on every rank: a preemption signal on
+        any rank); True abandons the eval there (EvalInterrupted), so a signal is acted on within one forward."""
         info = self.info
         counts = [0.0] * info.world_size
         counts[info.rank] = len(self.batches)
@@ -87,6 +94,8 @@ class Evaluator:
         try:
             loss_sum, group_sums = 0.0, torch.zeros(num_groups)
             for mb in batches:
+                if stop is not None and stop():
+                    raise EvalInterrupted("a preemption signal arrived during the eval")
                 mb_loss, _, mb_groups = engine.eval_forward(model_inputs(mb.to_device(info.device)))
                 loss_sum = loss_sum + mb_loss.float()  # a tensor: no host sync per micro-batch
                 if mb_groups is not None:

@@ -48,7 +48,7 @@ from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
-from trainer.run.evaluate import EvalResult, Evaluator
+from trainer.run.evaluate import EvalInterrupted, EvalResult, Evaluator
 from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
@@ -195,7 +195,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (info.is_main and cfg.logging.progress),
                    desc="train", dynamic_ncols=True)
-        preemption = PreemptionHandler()
+        preemption = self.preemption = PreemptionHandler()
         preempted = None
         saved_step = self.step  # a resumed run's checkpoint is its first step's
         try:
@@ -295,9 +295,21 @@ class Trainer:
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         return flop_metrics(model_flops, hardware_flops, step_time, peak)
 
+    preemption: PreemptionHandler | None = None
+    """Set while `fit` runs."""
+
     def _evaluate(self) -> dict:
+        """The eval's metrics; {} when a preemption signal (on any rank) abandoned it: the step is checkpointed
+        right after, without waiting for the rest of the eval."""
         t0 = time.perf_counter()
-        self.last_eval = self.evaluator.run(self.engine)
+        handler = self.preemption
+        stop = (lambda: handler.requested(self.info.device)) if handler is not None else None
+        try:
+            self.last_eval = self.evaluator.run(self.engine, stop)
+        except EvalInterrupted:
+            log.warning("step %d: the eval was abandoned after %.1f s (a preemption signal)", self.step,
+                        time.perf_counter() - t0)
+            return {}
         return {**self.last_eval.metrics(), "eval_time_s": time.perf_counter() - t0}
 
     def _summary(self, preempted: str | None) -> dict:
