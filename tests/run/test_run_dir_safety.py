@@ -150,6 +150,24 @@ def test_a_run_dir_held_by_a_live_run_refuses_another_and_a_dead_runs_lock_is_ta
     assert f"pid {first.pid} " not in (run_dir / ".lock").read_text()  # the new holder named itself
 
 
+def test_a_run_dir_that_cannot_be_locked_is_one_error_line(demo_data, tmp_path):
+    """The lock file cannot be opened (here: a directory in its place; a read-only run dir alike): one line on
+    every rank, and nothing written."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".lock").mkdir(parents=True)
+    proc = train(run_dir, demo_data, "train.max_steps=1", "train.eval_every=0")
+    assert_one_error_line(proc.returncode, proc.stderr, f"cannot write into the run dir {run_dir}",
+                          "hydra.run.dir must name a directory this run can write")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+
+
+def test_a_resume_with_another_global_batch_says_so(earlier, demo_data, tmp_path):
+    run_dir = copy_of(earlier, tmp_path / "run")
+    proc = run_train(run_dir, demo_data, "train.max_steps=9", "train.eval_every=0", "train.resume=true",
+                     "train.tokens_per_step=2048")
+    assert "resume: train.tokens_per_step 1024 -> 2048: the global batch of every step after 8 differs" in proc.stdout
+
+
 def test_a_run_dir_holding_only_hydras_files_or_set_aside_runs_is_fresh(earlier_run):
     """What Hydra writes into every new run dir (a timestamped one, a sweep's job dir) before the job starts, and
     what an earlier overwrite set aside, are not a run: `earlier`'s fresh run started there, untouched."""

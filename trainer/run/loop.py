@@ -168,6 +168,11 @@ class Trainer:
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
                   + " ".join(f"{k}={v}" for k, v in read.items()), flush=True)
+            written = ((meta.get("config") or {}).get("train") or {}).get("tokens_per_step")
+            if written is not None and written != self.cfg.train.tokens_per_step:
+                print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the global batch "
+                      f"of every step after {self.step} differs from the checkpoint's run (the learning-rate schedule "
+                      "does not change with it)", flush=True)
 
     def _load_stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> None:
         """This rank's data stream state: its own on the shape the checkpoint was written on; on another number

@@ -115,10 +115,13 @@ def _take_lock(run_dir: Path) -> str | None:
     if run_dir in _held:
         return None
     made_dir = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # read-only, not a directory, no space: every rank refuses with this line
+        return f"cannot write into the run dir {run_dir} ({e}): hydra.run.dir must name a directory this run can write"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
