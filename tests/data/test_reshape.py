@@ -193,6 +193,10 @@ def test_refusals_say_why(corpus, tmp_path):
     stream = rows_on(corpus, 0, 1, 0).docs.stream
     with pytest.raises(ReshapeError, match=r"only with data.epoch_lockstep=true"):
         reshape_state(states, stream, 0, lockstep=False)
+    # this run keeps lockstep, the checkpoint's did not: the refusal says so (not "set data.epoch_lockstep=true")
+    with pytest.raises(ReshapeError, match=r"the checkpoint was written with data.epoch_lockstep=false .*resumes "
+                                           r"only on the number of ranks and DataLoader workers it was written on"):
+        reshape_state(states, stream, 0, lockstep=True, written_lockstep=False)
     legacy = copy.deepcopy(states)  # as a checkpoint written before reader positions were saved
     for state in legacy:
         for s in state["docs"]["slot_states"].values():

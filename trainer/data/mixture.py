@@ -277,7 +277,8 @@ class Mixture:
             raise MixtureStateError(f"the checkpoint mixes the sources {names}; this run's data.sources names "
                                     f"{self.names}: a mixture resumes with the same sources, in the same order")
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> MixtureState:
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool,
+                       written_lockstep: bool = True) -> MixtureState:
         """This rank's mixture state from `states` (every old rank's, in rank order), written on another number of
         ranks or DataLoader workers: each source's rest of the interrupted epoch is dealt as one source's is
         (trainer.data.reshape: every document of it not yet trained on, to one new reader), so every new rank
@@ -290,7 +291,7 @@ class Mixture:
 
         The totals are kept (old rank r's counts go to new rank r mod W'); the shares follow the weights from here
         (`mixed` starts at 0). Deterministic: every new rank deals the same from the same states."""
-        require_lockstep(lockstep)
+        require_lockstep(lockstep, written_lockstep)
         olds = [self._typed(state) for state in states]
         self._check_names(olds[0].mixer.names)
         current = {old.epoch for old in olds}

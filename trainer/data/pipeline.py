@@ -76,8 +76,10 @@ class RowSource(Protocol):
     def load_state_dict(self, state: dict) -> None:
         """`load_state` from a checkpoint's dict (older formats included)."""
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> StreamState:
-        """This rank's state made from every old rank's (in rank order), written on another shape."""
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool,
+                       written_lockstep: bool = True) -> StreamState:
+        """This rank's state made from every old rank's (in rank order), written on another shape; `lockstep`,
+        `written_lockstep`: data.epoch_lockstep of this run and of the checkpoint's."""
 
     def close(self) -> None:
         """Stop reading (DataLoader workers end)."""
@@ -187,11 +189,11 @@ class RowStream:
     def load_state_dict(self, state: dict) -> None:
         self.load_state(RowStreamState.from_dict(state))
 
-    def reshaped_state(self, states: Sequence[dict | RowStreamState], num_workers: int,
-                       lockstep: bool) -> RowStreamState:
+    def reshaped_state(self, states: Sequence[dict | RowStreamState], num_workers: int, lockstep: bool,
+                       written_lockstep: bool = True) -> RowStreamState:
         """This rank's state from every old rank's, written on another number of ranks or DataLoader workers
         (trainer.data.reshape)."""
-        return reshape_state(states, self.docs.stream, num_workers, lockstep)
+        return reshape_state(states, self.docs.stream, num_workers, lockstep, written_lockstep)
 
 
 PREFETCH_THREAD = "row-prefetch"
@@ -314,8 +316,9 @@ class RowPrefetcher:
         self._no_pending("load_state_dict")
         self.rows.load_state_dict(state)
 
-    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool) -> StreamState:
-        return self.rows.reshaped_state(states, num_workers, lockstep)
+    def reshaped_state(self, states: Sequence[dict], num_workers: int, lockstep: bool,
+                       written_lockstep: bool = True) -> StreamState:
+        return self.rows.reshaped_state(states, num_workers, lockstep, written_lockstep)
 
     def start(self) -> None:
         self._no_pending("start")

@@ -79,14 +79,15 @@ class _Left:
     """seq_len and buffer_size of the old packers."""
 
 
-def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: int, lockstep: bool) -> RowStreamState:
+def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: int, lockstep: bool,
+                  written_lockstep: bool = True) -> RowStreamState:
     """This rank's data stream state (a RowStream's) on the shape of `stream` (its rank and world size) x
     `num_workers`, made from `states`: every old rank's RowStream state (typed, or as a checkpoint holds it), in
     rank order. Deterministic: every new rank deals the same from the same states and seed.
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
-    require_lockstep(lockstep)
+    require_lockstep(lockstep, written_lockstep)
     states = [s if isinstance(s, RowStreamState) else RowStreamState.from_dict(s) for s in states]
     current = {state.epoch for state in states}
     if len(current) != 1:
@@ -95,7 +96,13 @@ def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: 
     return rows_state(states, stream, num_workers, [epoch] * len(states), epoch)
 
 
-def require_lockstep(lockstep: bool) -> None:
+def require_lockstep(lockstep: bool, written_lockstep: bool = True) -> None:
+    """A ReshapeError unless both this run (`lockstep`) and the checkpoint's (`written_lockstep`) kept their epochs
+    in lockstep (data.epoch_lockstep): only then is every old reader in the interrupted epoch or done with it."""
+    if not written_lockstep:
+        raise ReshapeError(
+            "the checkpoint was written with data.epoch_lockstep=false (its readers drift into different epochs): "
+            "its data stream resumes only on the number of ranks and DataLoader workers it was written on")
     if not lockstep:
         raise ReshapeError(
             "a data stream resumes on another number of ranks or DataLoader workers only with "

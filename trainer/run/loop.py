@@ -187,7 +187,8 @@ class Trainer:
             rank_states = store.load_rank_states(path, range(written))
         saved = (meta.get("config") or {}).get("data", {})
         state = self.data.rows.reshaped_state([rank_states[r]["data"] for r in range(written)], cfg.data.num_workers,
-                                              lockstep=cfg.data.epoch_lockstep and saved.get("epoch_lockstep", True))
+                                              lockstep=cfg.data.epoch_lockstep,
+                                              written_lockstep=saved.get("epoch_lockstep", True))
         if info.is_main:
             print(f"resume on another shape: written by {written} rank(s) x {old_workers} DataLoader worker(s), "
                   f"resumed on {info.world_size} x {cfg.data.num_workers}: what was left of epoch "
