@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from tests.harness import free_port
-from tests.helpers import ROOT, SMALL, metrics, run_train
+from tests.helpers import ROOT, SMALL, metrics, run_train, sources_override
 from trainer.checkpoint.safe_io import load_state
-from trainer.train import strip_launcher_args
+from trainer.reporting.runs import load_runs
+from trainer.train import JOB_DIR_MAX, job_dir, strip_launcher_args
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "valid_tokens", "allocated_tokens", "token_utilization", "docs",
@@ -171,3 +172,26 @@ def test_multirun_sweep_preset(demo_data, tmp_path):
     assert len(docs) == 1  # the same documents per step in every run
     groups = {json.loads((sweep / r / "summary.json").read_text())["wandb_group"] for r in runs}
     assert groups == {"sweep"}  # the sweep directory's name
+
+
+def test_a_sweep_over_paths_keeps_each_job_one_level_below_the_sweep_dir(demo_data, tmp_path):
+    """Overrides holding paths (a data.sources entry's path) used to nest each job's run dir along the path
+    (`0_data.sources=[{name:a,path:` / `tmp/...`), and the report then found no runs: trainer.train.job_dir."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "trainer.train", "-m", sources_override(("a", demo_data, 1.0)),
+           f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
+           "seed=0,1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 2 and all((job / "metrics.jsonl").is_file() for job in jobs), [str(p) for p in jobs]
+    assert all("_tmp_" in job.name or "path:_" in job.name for job in jobs)
+    assert sorted(run.name for run in load_runs([sweep])) == sorted(job.name for job in jobs)
+
+
+def test_job_dir_names_are_one_path_component():
+    assert job_dir("seed=1,packing=unpacked") == "seed=1,packing=unpacked"
+    assert job_dir("data.sources=[{name:a,path:/d/x}]") == "data.sources=[{name:a,path:_d_x}]"
+    long = job_dir("data.urls=" + "/very/long/path" * 20)
+    assert len(long) == JOB_DIR_MAX and "/" not in long and long != job_dir("data.urls=" + "/very/long/path" * 21)

@@ -11,6 +11,7 @@ status 2. HYDRA_FULL_ERROR=1 shows the traceback of every error.
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import logging
 import os
 import signal
@@ -34,6 +35,24 @@ from trainer.run.preemption import end_with_launcher
 from trainer.run.run_dir import unlock_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+JOB_DIR_MAX = 120
+"""The longest sweep job dir name (`job_dir`); longer ones keep their start and a hash of the whole."""
+
+
+def job_dir(overrides: str) -> str:
+    """A sweep job's dir name from its overrides (hydra.job.override_dirname), always ONE path component: a "/" in
+    a value (a path in data.sources, data.urls, train.init_from) becomes "_", and a name longer than JOB_DIR_MAX
+    keeps its start and a hash of the whole. So job dirs stay one level below the sweep dir, where trainer.report
+    looks. Example: "data.sources=[{name:a,path:/d/x}]" -> "data.sources=[{name:a,path:_d_x}]"."""
+    name = overrides.replace("/", "_").replace("\0", "")
+    if name in (".", ".."):
+        name = name.replace(".", "_")
+    if len(name) > JOB_DIR_MAX:
+        name = f"{name[:JOB_DIR_MAX - 17]}-{hashlib.sha256(overrides.encode()).hexdigest()[:16]}"
+    return name
+
+
+OmegaConf.register_new_resolver("job_dir", job_dir, replace=True)
 JOB_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 """The job log's lines (as Hydra's default job logging writes them; configs/hydra/job_logging/console.yaml)."""
 
