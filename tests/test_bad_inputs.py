@@ -577,12 +577,20 @@ def test_a_real_command_ends_a_mistake_with_one_line_and_exit_2(command_results,
     assert not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it (default action, not blocked),
+    whatever an earlier test in this pytest worker left (an ignored or blocked signal survives exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(demo_data, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
            "train.max_steps=100000", "train.checkpoint_every=1", "train.eval_every=0", "train.keep_last=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: Ctrl-C reaches the workers too
+                            start_new_session=True,  # its own process group: Ctrl-C reaches the workers too
+                            preexec_fn=_as_from_a_terminal)
     deadline = time.monotonic() + 90
     while store.latest_checkpoint(run_dir) is None or store.latest_checkpoint(run_dir).name < store.step_name(2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]

@@ -10,6 +10,7 @@ status 2. HYDRA_FULL_ERROR=1 shows the traceback of every error.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import logging
@@ -225,7 +226,11 @@ def cli() -> int:
     global _user_full_error, _job_started
     _job_started = False
     # A run that seems hung: `kill -QUIT <pid>` prints every thread's stack to stderr, and the run goes on.
-    faulthandler.register(signal.SIGQUIT, all_threads=True)
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no real stderr (an embedding, a test's capture)
+        faulthandler.register(signal.SIGQUIT, file=sys.__stderr__, all_threads=True)
+    # Signals a launcher left blocked (the mask survives fork and exec) would never reach the run: Ctrl-C and the
+    # preemption signals must.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGQUIT})
     end_with_launcher()  # under torchrun: a rank whose agent dies is preempted, not orphaned
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
