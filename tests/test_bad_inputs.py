@@ -366,6 +366,30 @@ def one_source_state_into_a_mixture(tmp: Path, fixture) -> None:
 one_source_state_into_a_mixture.fixtures = ("demo_data",)
 
 
+def into_a_dataset(tmp: Path, fixture) -> None:
+    """inspect_mask --out a prepared dataset (a copy of the demo data): refused, the dataset untouched."""
+    dataset = tmp / "dataset"
+    shutil.copytree(fixture("demo_data"), dataset)
+    before = sorted(p.name for p in dataset.iterdir())
+    try:
+        return inspect_mask.main(["--lengths", "3,2", "--row-len", "8", "--out", str(dataset)])
+    finally:
+        assert sorted(p.name for p in dataset.iterdir()) == before
+
+
+into_a_dataset.fixtures = ("demo_data",)
+
+
+def over_a_users_page(tmp: Path, _) -> None:
+    """inspect_mask --out a directory holding someone's own mask.html: refused, the page kept."""
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "mask.html").write_text("<html>my notes</html>")
+    try:
+        return inspect_mask.main(["--lengths", "3,2", "--row-len", "8", "--out", str(tmp / "mine")])
+    finally:
+        assert (tmp / "mine" / "mask.html").read_text() == "<html>my notes</html>"
+
+
 def mixture_state_into_one_source(tmp: Path, fixture) -> None:
     """A mixture run's data state loaded by a run of one source (data.path)."""
     demo = fixture("demo_data")
@@ -448,6 +472,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--device 'gpu0' is not a torch device"),
     ("inspect_mask", command_main(inspect_mask.main, "--text", "a|b", "--sep", "", "--out", "{tmp}/out"),
      r"--sep is empty"),
+    ("inspect_mask", into_a_dataset, r"--out .*/dataset is a prepared dataset \(manifest.json\)"),
+    ("inspect_mask", over_a_users_page, r"--out .*/mine holds a mask.html that inspect_mask did not write"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--add-tokens", ""),
      r"--add-tokens \[''\]: each token must be a non-empty string"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "nan"),

@@ -259,12 +259,15 @@ def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(ch
         checkpoint / "tokenizer": f"is inside the checkpoint {checkpoint.resolve()}",
         checkpoint: f"is inside the checkpoint {checkpoint.resolve()}",
         mine: "(notes.txt)",
+        # a new directory beside the run's checkpoints: train.resume=true would take it for one (and break)
+        checkpoint.parent / "step_000099": f"is inside the run's checkpoint directory {checkpoint.parent.resolve()}",
     }
     for out, words in cases.items():
         proc = run_export(checkpoint, out)
         assert proc.returncode == 2 and proc.stderr.startswith(f"error: --out {out} ") and words in proc.stderr, \
             proc.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert not (checkpoint.parent / "step_000099").exists()
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     again = tmp_path / "again"
     again.mkdir()

@@ -26,11 +26,12 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from trainer.checkpoint import hf
-from trainer.checkpoint.store import CONVENTIONS_FILE, META_FILE
+from trainer.checkpoint.store import CONVENTIONS_FILE, META_FILE, ROOT_DIR
 from trainer.checkpoint.weights import load_model, model_config, tokenizer_dir
 from trainer.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILES, load_tokenizer, special_ids
 from trainer.errors import command
 from trainer.model import GPT
+from trainer.registry import METRICS_FILE
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
@@ -54,6 +55,11 @@ def check_out_dir(out: Path) -> None:
         if (parent / META_FILE).is_file():
             raise hf.ExportError(f"--out {out} is inside the checkpoint {parent}: give a new directory "
                                  "(e.g. exports/NAME)")
+        if parent.name == ROOT_DIR and (parent != out.resolve()) and (
+                (parent.parent / METRICS_FILE).is_file() or any(parent.glob(f"*/{META_FILE}"))):
+            # e.g. <run>/checkpoints/step_000099: train.resume=true would take it for a checkpoint of the run
+            raise hf.ExportError(f"--out {out} is inside the run's checkpoint directory {parent}, where "
+                                 "train.resume looks for checkpoints: give a directory outside it (e.g. exports/NAME)")
     if out.exists() and not out.is_dir():
         raise hf.ExportError(f"--out {out} is a file: give a new directory")
     if not out.is_dir() or not any(out.iterdir()):

@@ -35,9 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.checkpoint.store import META_FILE
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
+from trainer.data.shards import MANIFEST_FILE
 from trainer.errors import UserError, command
 from trainer.model.attention import block_diagonal_mask, document_ids
+from trainer.registry import METRICS_FILE
 
 DEFAULT_TOKENIZER = "data/demo/tokenizer"
 DEFAULT_OUT = "mask_inspector"
@@ -242,9 +245,27 @@ def write_html(data: dict, path: str | Path, png: bytes | None = None) -> Path:
     return path
 
 
+PAGE_MARK = "<title>packtrain mask inspector</title>"
+"""In every mask.html this command writes: one without it is someone else's, never overwritten."""
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """--out never clobbers or confuses something else: not a prepared dataset, a run dir or a checkpoint, and no
+    mask.html this command did not write."""
+    for name, what in ((MANIFEST_FILE, "a prepared dataset"), (METRICS_FILE, "a training run's dir"),
+                       (META_FILE, "a checkpoint")):
+        if (out_dir / name).is_file():
+            raise InspectError(f"--out {out_dir} is {what} ({name}): give a directory of its own")
+    page = out_dir / "mask.html"
+    if page.is_file() and PAGE_MARK not in page.read_text(encoding="utf-8", errors="replace")[:4096]:
+        raise InspectError(f"--out {out_dir} holds a mask.html that inspect_mask did not write: it would be "
+                           "overwritten; give another directory")
+
+
 def write_outputs(data: dict, out_dir: str | Path) -> tuple[Path, Path]:
     """mask.png and mask.html under `out_dir` (created); returns their paths."""
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = render_png(data)
     png_path = out_dir / "mask.png"

@@ -161,6 +161,17 @@ def test_a_run_dir_that_cannot_be_locked_is_one_error_line(demo_data, tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
 
 
+@pytest.mark.parametrize("target", ["dataset", "checkpoint"])
+def test_a_prepared_dataset_or_a_checkpoint_is_not_a_run_dir(earlier, demo_data, tmp_path, target):
+    """hydra.run.dir naming a prepared dataset (or a checkpoint) is refused before anything is written there."""
+    run_dir = copy_of(demo_data if target == "dataset" else store.checkpoint_dir(earlier, 8), tmp_path / target)
+    before = snapshot(run_dir)
+    proc = train(run_dir, demo_data, "train.max_steps=1", "train.eval_every=0")
+    what = "prepared dataset" if target == "dataset" else "checkpoint"
+    assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} is a {what}", "choose another hydra.run.dir")
+    assert snapshot(run_dir) == before
+
+
 def test_a_resume_with_another_global_batch_says_so(earlier, demo_data, tmp_path):
     run_dir = copy_of(earlier, tmp_path / "run")
     proc = run_train(run_dir, demo_data, "train.max_steps=9", "train.eval_every=0", "train.resume=true",

@@ -35,7 +35,7 @@ from trainer.data.loader import DocumentLoader
 from trainer.data.mixture import Mixture
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import RowPrefetcher, RowSource, RowStream, micro_batches
-from trainer.data.shards import load_manifest
+from trainer.data.shards import MANIFEST_FILE, load_manifest
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
@@ -43,7 +43,7 @@ from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.errors import ConfigError
 
 __all__ = [
-    "IGNORE_INDEX", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "LossGroups", "ReadInterrupted",
+    "IGNORE_INDEX", "MANIFEST_FILE", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "LossGroups", "ReadInterrupted",
     "RowPrefetcher", "RowSource", "ShardSourceError", "StepInterrupted", "StepRows", "allow_reads", "build_data", "check_token_ids", "collate_rows",
     "eval_batches", "interrupt_reads", "length_bucket_names", "load_eval_docs", "micro_batches", "source_counts",
 ]

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from trainer.checkpoint import store
+from trainer.data.feed import MANIFEST_FILE
 from trainer.distributed.groups import DistInfo, broadcast_object
 from trainer.errors import ConfigError
 from trainer.registry import CONFIG_FILE, DOC_KEYS_DIR, METRICS_FILE, SUMMARY_FILE
@@ -114,6 +115,11 @@ def _take_lock(run_dir: Path) -> str | None:
     """Lock `run_dir` for this process (rank 0); why not, if another process holds it."""
     if run_dir in _held:
         return None
+    if (run_dir / MANIFEST_FILE).is_file():
+        return (f"{run_dir} is a prepared dataset ({MANIFEST_FILE}): a run writes into a directory of its own; choose "
+                "another hydra.run.dir")
+    if (run_dir / store.META_FILE).is_file():
+        return f"{run_dir} is a checkpoint: a run writes into a directory of its own; choose another hydra.run.dir"
     made_dir = not run_dir.exists()
     path = run_dir / LOCK_FILE
     created = not path.exists()
