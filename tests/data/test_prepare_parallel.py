@@ -21,7 +21,7 @@ import webdataset as wds
 
 from tests.helpers import ENV, ROOT
 from trainer.data.prepare.assemble import STATE_DIR, length_stats, length_stats_of
-from trainer.data.shards import TEXT_FIELD, load_manifest, shard_paths
+from trainer.data.shards import TEXT_FIELD, PrepareError, load_manifest, shard_paths
 from trainer.prepare import main, merge, prepare
 
 VOCAB = 300
@@ -122,6 +122,21 @@ def test_parts_merged_equal_one_run_and_a_missing_part_is_named(corpus, referenc
     manifest = prepare(f"jsonl:{corpus}/*", out, part=1, **args)  # the last part merges by itself
     assert manifest == load_manifest(out)
     assert_same_dataset(reference, out)
+
+
+def test_a_part_with_other_options_is_refused_and_the_finished_parts_are_kept(corpus, tmp_path):
+    """--part 1 --parts 3 with options other than part 0's used to delete part 0's finished staging."""
+    out = tmp_path / "parts"
+    args = dict(vocab_size=VOCAB, val_fraction=0.05, unit_mb=UNIT_MB, parts=3)
+    assert prepare(f"jsonl:{corpus}/*", out, part=0, docs_per_shard=100, **args) is None
+    [stage] = (out / STATE_DIR).iterdir()
+    before = {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert (stage / "part-000-of-003.json").is_file()
+    with pytest.raises(PrepareError, match=r"holds finished parts of a prepare with other options or input .*"
+                                           r"part-000-of-003.json"):
+        prepare(f"jsonl:{corpus}/*", out, part=1, docs_per_shard=60, **args)
+    assert {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*") if p.is_file() and p.name != ".lock"} \
+        == before
 
 
 def test_merge_is_idempotent_and_an_empty_dir_has_nothing_to_merge(reference, tmp_path, capsys):

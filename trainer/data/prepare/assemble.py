@@ -106,13 +106,19 @@ def holding(stage: Path, exclusive: bool = False) -> Iterator[None]:
 
 def remove_abandoned_stages(out: Path, keep: str) -> None:
     """Delete the staging of other plans (an earlier prepare with other options or input) that no running
-    prepare holds."""
+    prepare holds. A staging that holds a finished part of a prepare run in parts (--part I --parts N) is never
+    deleted: this prepare is refused instead (its options or input differ from those parts')."""
     root = out / STATE_DIR
     if not root.is_dir():
         return
     for stage in root.iterdir():
         if stage.name == keep or not stage.is_dir():
             continue
+        finished = sorted(p.name for p in stage.glob("part-*-of-*.json"))
+        if finished:
+            raise PrepareError(f"{out} holds finished parts of a prepare with other options or input ({stage}: "
+                               f"{', '.join(finished)}): every part of one dataset takes the same --source and "
+                               "options; run this part with theirs, or delete that staging directory to start over")
         fd = os.open(stage / ".lock", os.O_CREAT | os.O_RDWR, 0o644) if stage.is_dir() else None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
