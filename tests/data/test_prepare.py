@@ -500,3 +500,19 @@ def test_prepare_and_its_workers_do_not_import_torch():
     code = "import sys, trainer.prepare; print(sorted(m for m in ('torch', 'webdataset') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"  # ~200 MB and 1.5 s less per worker process
+
+
+def test_a_source_glob_never_reads_prepared_data(tmp_path):
+    """`text:notes/**/*` with --out notes/prepared: the second run's glob matches the first run's shards, manifest
+    and tokenizer, which it used to read as documents. Refused, naming the file; so is another dataset's."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for i in range(30):
+        (notes / f"n{i}.txt").write_text(f"note number {i}: " + "some words of text " * 20)
+    source = f"text:{notes}/**/*"
+    assert prepare(source, notes / "prepared", vocab_size=300, val_fraction=0.0)["splits"]["train"]["docs"] == 30
+    with pytest.raises(PrepareError, match=r"the source matches .*/notes/prepared/.*, inside --out"):
+        prepare(source, notes / "prepared", vocab_size=300, val_fraction=0.0)
+    with pytest.raises(PrepareError, match=r"the source matches .*/notes/prepared/.*, inside a prepared dataset"):
+        prepare(source, tmp_path / "other", vocab_size=300, val_fraction=0.0)
+    assert not (tmp_path / "other").exists()

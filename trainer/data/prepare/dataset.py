@@ -50,7 +50,7 @@ from trainer.data.prepare.assemble import (
 from trainer.data.prepare.corpus import ErrorPolicy, PrepareError, unique_keys, whole_modules
 from trainer.data.prepare.plan import Piece, Plan, Unit, input_files, inputs_key, is_chat, make_plan
 from trainer.data.prepare.units import Job, load_result, prepare_unit, unit_documents, unit_hash
-from trainer.data.shards import FORMAT_VERSION, SCHEMA, atomic_write_bytes, load_manifest
+from trainer.data.shards import FORMAT_VERSION, MANIFEST_FILE, SCHEMA, atomic_write_bytes, load_manifest
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS_MAP_FILE,
@@ -130,6 +130,7 @@ def prepare(
     }
     unit_bytes, single = (None if unit_mb is None else int(unit_mb * MB)), max_docs is not None
     files = source_files(source)
+    check_not_prepared_data(files, out)
     plan = staged_plan(out, inputs_key(files, options, unit_bytes, single)) or \
         make_plan(source, options, unit_bytes, single, files=files)
     stage = stage_dir(out, plan.id)
@@ -170,6 +171,26 @@ def source_files(source: str) -> list[Piece]:
     unique = (key for key, _ in unique_keys(named))  # two modules can sanitize to one key: the second is `k-2`
     return [Piece("text", path, key, os.path.getsize(path), renamed=key != original, number=number)
             for number, (key, (original, path)) in enumerate(zip(unique, named, strict=True), start=1)]
+
+
+def check_not_prepared_data(files: Sequence[Piece], out: str | Path) -> None:
+    """A PrepareError if the source matches a file inside `out` or inside any prepared dataset (a directory with
+    manifest.json above the file): prepare would read its own output (its shards, manifest and tokenizer) or
+    another dataset's as documents. Example: `text:notes/**/*` --out notes/prepared, run twice."""
+    out = Path(out).resolve()
+    is_dataset: dict[Path, bool] = {}  # each directory looked at once, however many files it holds
+    for piece in files:
+        if piece.kind == "module":
+            continue
+        path = Path(piece.path).resolve()
+        for parent in path.parents:
+            if parent not in is_dataset:
+                is_dataset[parent] = parent == out or (parent / MANIFEST_FILE).is_file()
+            if is_dataset[parent]:
+                what = "--out" if parent == out else "a prepared dataset"
+                raise PrepareError(f"the source matches {path}, inside {what} ({parent}): prepare would read a "
+                                   "dataset's own files as documents; narrow the source's glob or write --out "
+                                   "elsewhere")
 
 
 def merge(out: str | Path, stage: Path | None = None) -> dict:
