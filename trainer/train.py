@@ -160,9 +160,18 @@ def write_hydra_record(raw: DictConfig, run_dir: Path) -> None:
     OmegaConf.save(raw, record / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg, resolve=False)}), record / "hydra.yaml")
     OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), record / "overrides.yaml")
-    handler = logging.FileHandler(run_dir / f"{hydra_cfg.job.name}.log")
-    handler.setFormatter(logging.Formatter(JOB_LOG_FORMAT))
-    logging.getLogger().addHandler(handler)
+    global _job_log
+    root = logging.getLogger()
+    if _job_log is not None:  # the previous job of a sweep (-m runs its jobs in this process): its log is closed
+        root.removeHandler(_job_log)
+        _job_log.close()
+    _job_log = logging.FileHandler(run_dir / f"{hydra_cfg.job.name}.log")
+    _job_log.setFormatter(logging.Formatter(JOB_LOG_FORMAT))
+    root.addHandler(_job_log)
+
+
+_job_log: logging.FileHandler | None = None
+"""The job log write_hydra_record opened last."""
 
 
 def _format_summary(s: dict) -> str:

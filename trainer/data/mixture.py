@@ -66,8 +66,7 @@ class MixtureStateError(StreamStateError):
 
 class Mixture:
     """Rows of several per-source `RowStream`s (each over a `DocumentLoader` iterating one pass at a time), mixed
-    by weight: the RowStream interface the trainer draws its steps from (take, unread, exhausted, next_epoch,
-    stats, state_dict, close) and the DocumentLoader one it reports from (start, skipped, resume_read)."""
+    by weight: a trainer.data.pipeline.RowSource, like one source's RowStream."""
 
     def __init__(self, sources: Sequence[RowStream], names: Sequence[str], weights: Sequence[float],
                  exhausted: str = "stop", lockstep: bool = True) -> None:
@@ -86,8 +85,6 @@ class Mixture:
         self.lockstep = lockstep
         """One mixture epoch, then `exhausted` until `next_epoch` (data.epoch_lockstep); else the epochs run on."""
         self.num_workers = self.loaders[0].num_workers
-        self.stream = None
-        """No single DocumentStream: trainer.data.reshape, which deals one, refuses a mixture."""
         n = len(self.sources)
         self.epoch = 0
         self.mixed = [0] * n
@@ -117,10 +114,6 @@ class Mixture:
     @property
     def loaders(self) -> list[DocumentLoader]:
         return [rows.docs for rows in self.sources]
-
-    @property
-    def lockstep_epoch(self) -> int:
-        return self.epoch
 
     # -- rows ----------------------------------------------------------------------------------------
 
