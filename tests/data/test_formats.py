@@ -555,11 +555,16 @@ def test_expand_inputs(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"")
     d = tmp_path / "d"
-    assert expand_inputs("jsonl", f"{d}/**/*.json*") == (str(d), [f"{d}/2024/b.json.gz", f"{d}/2024/c.jsonl.zst",
-                                                                  f"{d}/a.jsonl"])
-    assert expand_inputs("jsonl", f"{d}/a.jsonl") == (str(d), [f"{d}/a.jsonl"])
-    assert expand_inputs("parquet", f"{tmp_path}/p/**/*") == (f"{tmp_path}/p", [f"{tmp_path}/p/one.parquet",
-                                                                                f"{tmp_path}/p/sub/two.parquet"])
+    def listed(kind, pattern):
+        root, paths, aliases = expand_inputs(kind, pattern)
+        assert aliases == dict.fromkeys(paths, 0)
+        return root, paths
+
+    assert listed("jsonl", f"{d}/**/*.json*") == (str(d), [f"{d}/2024/b.json.gz", f"{d}/2024/c.jsonl.zst",
+                                                          f"{d}/a.jsonl"])
+    assert listed("jsonl", f"{d}/a.jsonl") == (str(d), [f"{d}/a.jsonl"])
+    assert listed("parquet", f"{tmp_path}/p/**/*") == (f"{tmp_path}/p", [f"{tmp_path}/p/one.parquet",
+                                                                        f"{tmp_path}/p/sub/two.parquet"])
     with pytest.raises(PrepareError) as e:
         expand_inputs("jsonl", f"{d}/*")
     assert str(e.value) == f"jsonl:{d}/* matched {d}/x.csv: not a .jsonl/.json/.ndjson(.gz/.zst) file"

@@ -390,6 +390,49 @@ def test_bad_text_file_is_a_clear_error_or_a_counted_skip(tmp_path, case, capsys
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == 2
 
 
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_symlink_loops_and_aliases_read_each_real_file_once(tmp_path, kind):
+    """`glob.glob("**")` follows `sub/up -> ..` round the loop until the path is too long: the same file read 41
+    times (two loops: exponentially many). Each real file is read once, under its first path in sorted order;
+    the other paths to it are counted as skipped (same_file), never silently read again."""
+    src = tmp_path / "src"
+    ext = "txt" if kind == "text" else "jsonl"
+    for i in range(3):
+        (src / "sub").mkdir(parents=True, exist_ok=True)
+        body = f"document {i} body" if kind == "text" else json.dumps({"text": f"document {i} body"}) + "\n"
+        (src / ("sub" if i == 2 else ".") / f"d{i}.{ext}").write_text(body)
+    (src / "sub" / "up").symlink_to("..")  # a loop
+    (src / "sub" / "again").symlink_to(".")  # a second loop: 2^depth paths to glob.glob
+    (src / f"alias.{ext}").symlink_to(f"d0.{ext}")  # a second name for one file
+    pattern = f"{src}/**/*.{ext}"
+    manifest = prepare(f"{kind}:{pattern}", tmp_path / "out", vocab_size=VOCAB, val_fraction=0.0)
+    texts = sorted(text for _, text in read_back(tmp_path / "out", "train"))
+    assert texts == ["document 0 body", "document 1 body", "document 2 body"]
+    assert manifest["skipped"] == {"same_file": 1}  # alias; the loops reach no file a second time as a listing
+    assert manifest["splits"]["train"]["docs"] == 3
+
+
+def test_match_files_keeps_the_first_path_of_each_real_file(tmp_path):
+    from trainer.data.prepare.corpus import match_files
+
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("a")
+    (d / ".hidden.txt").write_text("h")
+    (d / "sub" / "b.txt").write_text("b")
+    (d / "sub" / "up").symlink_to("..")
+    (d / "z.txt").symlink_to("a.txt")
+    (d / "dangling.txt").symlink_to("nowhere.txt")
+    paths, aliases = match_files(f"{d}/**/*.txt")
+    assert paths == [f"{d}/a.txt", f"{d}/dangling.txt", f"{d}/sub/b.txt"]
+    assert aliases == {f"{d}/a.txt": 1, f"{d}/dangling.txt": 0, f"{d}/sub/b.txt": 0}
+    assert match_files(f"{d}/*.txt")[0] == [f"{d}/a.txt", f"{d}/dangling.txt"]
+    assert match_files(f"{d}/.*.txt")[0] == [f"{d}/.hidden.txt"]
+    assert match_files(f"{d}/**/b.txt")[0] == [f"{d}/sub/b.txt"]
+    assert match_files(f"{d}/*/b.txt")[0] == [f"{d}/sub/b.txt"]
+    assert match_files(f"{d}/**")[0] == [f"{d}/a.txt", f"{d}/dangling.txt", f"{d}/sub/b.txt"]
+
+
 def test_jsonl_keys_from_file_stem_and_line_number(tmp_path):
     """Keys come from the position (stem + line), never from a field: unique by construction, nothing to
     remember. A second file with the same stem gets `-2` and its documents count as renamed."""

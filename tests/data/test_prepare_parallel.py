@@ -213,6 +213,69 @@ def test_a_merge_interrupted_midway_is_finished_by_the_next_run(corpus, referenc
     assert_same_dataset(reference, out)
 
 
+def test_the_same_prepare_started_twice_is_refused_naming_the_first(corpus, reference, tmp_path):
+    """Two identical prepares into one --out used to work the same units side by side until one found the
+    other's files moved away ("[Errno 2] No such file or directory"). The second is refused with one line naming
+    the first (pid and host); the first, held stopped meanwhile, then finishes the dataset undisturbed. A prepare
+    with other options started beside it is refused too (its merge would replace the first's dataset)."""
+    out = tmp_path / "twice"
+    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB), "--docs-per-shard",
+            "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
+    first = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob(f"{STATE_DIR}/*/.part-000-of-001.lock")) and time.monotonic() < deadline:
+            assert first.poll() is None, first.stderr.read()
+            time.sleep(0.005)
+        lock = next(out.glob(f"{STATE_DIR}/*/.part-000-of-001.lock"))
+        while not lock.read_text() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(first.pid, signal.SIGSTOP)
+        second = cli(*args)
+        assert second.returncode == 2
+        assert second.stderr == (f"error: {out}: this prepare is already running there (pid {first.pid} on "
+                                 f"{os.uname().nodename}); wait for it to finish (it merges the dataset) or stop it "
+                                 "first\n")
+        other = cli(*args[:-2], "--seed", "7")
+        assert other.returncode == 2 and "another prepare with other options or input is running there" in \
+            other.stderr and other.stderr.count("\n") == 1
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert_same_dataset(reference, out)
+
+
+def test_a_prepare_that_waited_on_a_merge_of_its_stage_ends_cleanly(tmp_path):
+    """A prepare that waits for the stage's lock while another merges it finds the stage gone when it gets the
+    lock: it is told so (StageMerged), instead of working in a deleted directory."""
+    import threading
+
+    from trainer.data.prepare.assemble import StageMerged, holding
+
+    stage = tmp_path / "out" / STATE_DIR / "plan"
+    merged, outcome = threading.Event(), []
+
+    def waiter():
+        try:
+            with holding(stage):
+                outcome.append("held")
+        except StageMerged:
+            outcome.append("merged")
+
+    with holding(stage, exclusive=True):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.2)  # the waiter is blocked on the lock
+        assert not outcome
+        import shutil
+
+        shutil.rmtree(stage)  # what the merge does last
+    thread.join(timeout=10)
+    assert outcome == ["merged"]
+    merged.set()
+
+
 def test_resume_without_earlier_work_is_refused(corpus, tmp_path, capsys):
     assert main(["--source", f"jsonl:{corpus}/a.jsonl", "--out", str(tmp_path / "o"), "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err

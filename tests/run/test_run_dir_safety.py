@@ -172,6 +172,31 @@ def test_a_prepared_dataset_or_a_checkpoint_is_not_a_run_dir(earlier, demo_data,
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("case", ["shard_dir", "inside_dataset", "inside_init_checkpoint"])
+def test_a_directory_the_run_reads_is_not_its_run_dir(earlier, demo_data, tmp_path, case):
+    """hydra.run.dir naming the directory of the run's own shards (data.urls), or a directory inside the dataset
+    (data.path) or the checkpoint it starts from (train.init_from): refused before anything is written there,
+    naming the setting."""
+    data = shutil.copytree(demo_data, tmp_path / "data")
+    if case == "shard_dir":
+        shards = tmp_path / "shards"
+        shards.mkdir()
+        for shard in data.glob("train-*.tar"):
+            shutil.copy(shard, shards)
+        run_dir, extra, what = shards, [f"data.urls={shards}/train-*.tar"], "data.urls"
+    elif case == "inside_dataset":
+        run_dir, extra, what = data / "runs" / "r", [], "data.path"
+    else:
+        init = copy_of(store.checkpoint_dir(earlier, 8), tmp_path / "init")
+        run_dir, extra, what = init / "finetune", [f"train.init_from={init}"], "train.init_from"
+    read = {"shard_dir": tmp_path / "shards", "inside_dataset": data}.get(case, tmp_path / "init")
+    before = snapshot(read)
+    proc = train(run_dir, data, "train.max_steps=1", "train.eval_every=0", *extra)
+    assert_one_error_line(proc.returncode, proc.stderr, f"hydra.run.dir {run_dir.resolve()} ",
+                          f"the run reads ({what})", "choose another hydra.run.dir")
+    assert snapshot(read) == before  # not a file written (Hydra may have made the empty run dir)
+
+
 def test_a_resume_with_another_global_batch_says_so(earlier, demo_data, tmp_path):
     run_dir = copy_of(earlier, tmp_path / "run")
     proc = run_train(run_dir, demo_data, "train.max_steps=9", "train.eval_every=0", "train.resume=true",

@@ -54,7 +54,7 @@ from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptionHandler
-from trainer.run.run_dir import claim_run_dir, set_aside_after, unlock_run_dir
+from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlock_run_dir
 from trainer.run.step import NonFiniteError, train_step
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class Trainer:
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.run_dir)
-        claim_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite, info)  # before anything is written
+        claim_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite, info,  # before anything is written
+                      input_dirs(cfg))
         try:
             self._build(accepted)
         except BaseException:  # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found

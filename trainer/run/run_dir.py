@@ -26,9 +26,11 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from trainer.checkpoint import store
+from trainer.config import RunConfig
 from trainer.data.feed import MANIFEST_FILE
 from trainer.distributed.groups import DistInfo, broadcast_object
 from trainer.errors import ConfigError
@@ -84,7 +86,8 @@ class RunDirInUse(ConfigError):
     """Another run, alive, holds the run dir."""
 
 
-def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: DistInfo) -> None:
+def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: DistInfo,
+                  inputs: Sequence[tuple[str, Path, bool]] = ()) -> None:
     """Collective, before anything is written: this run takes the run dir or is refused, and a refused run leaves
     nothing in it. Rank 0 takes the run dir's exclusive lock (flock on LOCK_FILE), then checks the start
     (`guard_fresh_start`: a second run into a used dir is refused, or with train.overwrite moves the old one
@@ -94,8 +97,9 @@ def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: Dist
     share rank 0's. Another live run holding it refuses this one with RunDirInUse, naming the holder's pid and
     host. The kernel drops a lock when its process dies, however it dies (kill -9 included), so a lock left by a
     dead run is free: the next run takes it over. Taking it again in the same process is a no-op. The lock is as
-    good as the file system's flock: local file systems and NFSv4 honour it across hosts."""
-    refusal = _take_lock(run_dir.resolve()) if info.is_main else None
+    good as the file system's flock: local file systems and NFSv4 honour it across hosts. A run dir that is one
+    of the run's `inputs` (`input_dirs`), or inside a dataset, tokenizer or checkpoint it reads, is refused."""
+    refusal = _take_lock(run_dir.resolve(), inputs) if info.is_main else None
     refusal = broadcast_object(refusal)
     if refusal:
         raise RunDirInUse(refusal)
@@ -111,10 +115,67 @@ def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: Dist
                       f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n".encode(), 0)
 
 
-def _take_lock(run_dir: Path) -> str | None:
-    """Lock `run_dir` for this process (rank 0); why not, if another process holds it."""
+def input_dirs(cfg: RunConfig) -> list[tuple[str, Path, bool]]:
+    """The local directories a run reads, as (the setting, the directory, whether a run dir inside it is refused
+    too): datasets, tokenizers and checkpoints (never written into, nor under), and the directories of local
+    shards (data.urls / val_urls: never the run dir itself; a run dir under them is fine, e.g. `data.urls=*.tar`
+    from the directory the runs go under).
+
+    Example: data.path=data/demo, data.urls=/d/train-{000..009}.tar -> [("data.path", data/demo, True),
+    ("data.urls", /d, False)]."""
+    found: list[tuple[str, Path, bool]] = []
+    data = cfg.data
+    named = [("data.path", data.path), ("data.tokenizer", data.tokenizer), ("train.init_from", cfg.train.init_from)]
+    if not resuming(cfg.train.resume) and cfg.train.resume not in (False, "false", "False", None):
+        named.append(("train.resume", cfg.train.resume))
+    urls = [("data.urls", data.urls), ("data.val_urls", data.val_urls)]
+    for source in data.sources or []:
+        if isinstance(source, Mapping):
+            name = source.get("name", "?")
+            named.append((f"data.sources[{name}].path", source.get("path")))
+            urls += [(f"data.sources[{name}].urls", source.get("urls")),
+                     (f"data.sources[{name}].val_urls", source.get("val_urls"))]
+    found += [(what, Path(str(value)).resolve(), True) for what, value in named if value]
+    for what, value in urls:
+        for url in [value] if isinstance(value, str) else value or []:
+            for one in str(url).split("::"):
+                directory = _local_dir(one)
+                if directory is not None:
+                    found.append((what, directory, False))
+    return found
+
+
+def _local_dir(url: str) -> Path | None:
+    """The directory a local shard pattern reads from: its components before the first wildcard or brace, less
+    the file name; None for URLs and pipe: commands. Example: "/d/x/train-{0..9}.tar" -> /d/x."""
+    url = url.removeprefix("file://")
+    if url.startswith("pipe:") or "://" in url or ":" in url.split("/")[0]:
+        return None
+    fixed = []
+    for part in Path(url).parts:
+        if any(c in part for c in "*?[{"):
+            break
+        fixed.append(part)
+    else:
+        fixed = fixed[:-1]  # a file: its directory
+    return Path(*fixed).resolve() if fixed else Path.cwd()
+
+
+def _input_refusal(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]]) -> str | None:
+    for what, directory, inside_too in inputs:
+        if run_dir == directory or (inside_too and directory in run_dir.parents):
+            where = "is a directory" if run_dir == directory else f"is inside {directory}, a directory"
+            return (f"hydra.run.dir {run_dir} {where} the run reads ({what}): a run writes into a directory of its "
+                    "own; choose another hydra.run.dir")
+    return None
+
+
+def _take_lock(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]] = ()) -> str | None:
+    """Lock `run_dir` for this process (rank 0); why not, if another process holds it or the run reads from it."""
     if run_dir in _held:
         return None
+    if (refusal := _input_refusal(run_dir, inputs)) is not None:
+        return refusal
     if (run_dir / MANIFEST_FILE).is_file():
         return (f"{run_dir} is a prepared dataset ({MANIFEST_FILE}): a run writes into a directory of its own; choose "
                 "another hydra.run.dir")

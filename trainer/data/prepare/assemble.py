@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -91,6 +92,10 @@ def stage_dir(out: Path, plan_id: str) -> Path:
     return out / STATE_DIR / plan_id
 
 
+class StageMerged(Exception):
+    """The stage a prepare waited for was merged into the dataset (and removed) by another prepare meanwhile."""
+
+
 @contextlib.contextmanager
 def holding(stage: Path, exclusive: bool = False) -> Iterator[None]:
     """Hold the stage's lock while working on it: shared for a running part, exclusive for the merge (two parts
@@ -99,6 +104,33 @@ def holding(stage: Path, exclusive: bool = False) -> Iterator[None]:
     fd = os.open(stage / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            here = os.stat(stage / ".lock").st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            here = False
+        if not here:  # waited on a merge, which removed the stage: this work is done
+            raise StageMerged(stage)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def claiming_part(stage: Path, part: int, parts: int) -> Iterator[None]:
+    """Be the one process preparing part `part` of `parts` of this stage, or a PrepareError naming the one that is
+    (the same command started twice would write the same units side by side, and one would find the other's
+    files moved away under it). The lock file says who holds it; a dead holder's lock is free (flock)."""
+    fd = os.open(stage / f".part-{part:03d}-of-{parts:03d}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process"
+            what = f"part {part} of {parts}" if parts > 1 else "this prepare"
+            raise PrepareError(f"{stage.parent.parent}: {what} is already running there ({holder}); wait for it "
+                               "to finish (it merges the dataset) or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
     finally:
         os.close(fd)
@@ -122,8 +154,9 @@ def remove_abandoned_stages(out: Path, keep: str) -> None:
         fd = os.open(stage / ".lock", os.O_CREAT | os.O_RDWR, 0o644) if stage.is_dir() else None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a prepare of that plan is running
+        except BlockingIOError:  # a prepare of that plan is running: its merge would replace this one's
+            raise PrepareError(f"{out}: another prepare with other options or input is running there ({stage}); "
+                               "one --out takes one prepare at a time: wait for it, or write elsewhere") from None
         finally:
             if fd is not None:
                 os.close(fd)

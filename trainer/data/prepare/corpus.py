@@ -16,6 +16,7 @@ either raises a `PrepareError` naming the file (and line) or warns and counts th
 from __future__ import annotations
 
 import ast
+import fnmatch
 import glob
 import io
 import json
@@ -265,12 +266,83 @@ def read_text_file(path: str, policy: ErrorPolicy) -> str | None:
     return text
 
 
-def text_paths(pattern: str) -> list[str]:
-    """The files matching `pattern` (recursive `**` allowed), sorted; an error if there are none."""
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
+def match_files(pattern: str) -> tuple[list[str], dict[str, int]]:
+    """The files matching `pattern` (a path or a glob; a `**` component matches any number of directories), sorted,
+    each real file once, and for each kept path how many other matching paths reach the same file.
+
+    `glob.glob(recursive=True)` follows directory symlinks without noticing a loop: with `sub/up -> ..`,
+    `d/**/*.txt` lists `d/a.txt`, `d/sub/up/a.txt`, `d/sub/up/sub/up/a.txt`... until the path is too long, and two
+    loops make that exponential. Here each real directory is walked once and each real file (device, inode) is kept
+    under its first path in sorted order. As `glob`, wildcards skip names starting with a dot unless the pattern's
+    component starts with one. Example: d/a.txt, d/sub/up -> .. : match_files("d/**/*.txt") ->
+    (["d/a.txt"], {"d/a.txt": 0}); a second link d/b.txt -> a.txt makes it (["d/a.txt"], {"d/a.txt": 1}).
+    """
+    parts = Path(pattern).parts
+    if "**" in parts:
+        at = parts.index("**")
+        prefix = os.path.join(*parts[:at]) if at else ""
+        bases = sorted(glob.glob(prefix)) if glob.has_magic(prefix) else [prefix]
+        found = [path for base in bases for path in _walk_matching(base, parts[at:])]
+    else:
+        found = glob.glob(pattern)
+    kept: dict[tuple[int, int], str] = {}
+    aliases: dict[str, int] = {}
+    for path in sorted(found):
+        try:
+            st = os.stat(path)
+        except OSError:  # a dangling link: the reader names it
+            kept[(-1, len(kept))] = path
+            aliases[path] = 0
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        first = kept.setdefault((st.st_dev, st.st_ino), path)
+        aliases[first] = aliases.get(first, -1) + 1
+    return list(aliases), aliases
+
+
+def _walk_matching(base: str, rest: tuple[str, ...]) -> Iterator[str]:
+    """Paths under directory `base` whose relative path matches `rest` (components; `**`: zero or more of them),
+    walking each real directory once (symlinked directories are followed, loops are not)."""
+    top = base or "."
+    if not os.path.isdir(top):
+        return
+    hidden = any(part.startswith(".") for part in rest)
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        if not hidden:
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        rel = os.path.relpath(dirpath, top)
+        rel_parts = () if rel == "." else tuple(Path(rel).parts)
+        for name in [*filenames, *dirnames]:
+            if _matches((*rel_parts, name), rest):
+                yield os.path.join(base, *rel_parts, name) if base else os.path.join(*rel_parts, name)
+
+
+def _matches(names: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether path components `names` match glob components `parts` (`**`: zero or more non-hidden names)."""
+    if not parts:
+        return not names
+    head, tail = parts[0], parts[1:]
+    if head == "**":
+        return any(_matches(names[i:], tail) for i in range(len(names) + 1)
+                   if not any(n.startswith(".") for n in names[:i]))
+    if not names or (names[0].startswith(".") and not head.startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(names[0], head) and _matches(names[1:], tail)
+
+
+def text_paths(pattern: str) -> tuple[list[str], dict[str, int]]:
+    """The files matching `pattern` (`match_files`: recursive `**`, each real file once); an error if none."""
+    paths, aliases = match_files(pattern)
     if not paths:
         raise PrepareError(f"no files match {pattern!r}")
-    return paths
+    return paths, aliases
 
 
 def json_kind(value: object) -> str:

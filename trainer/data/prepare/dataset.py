@@ -32,9 +32,11 @@ from trainer.data.chat import TEMPLATE_NAME, chat_template
 from trainer.data.prepare.assemble import (
     SWAP_FILE,
     TOKENIZER_DIR,
+    StageMerged,
     assemble,
     at_least_one_rule,
     check_out_dir,
+    claiming_part,
     find_stage,
     holding,
     load_stage_plan,
@@ -139,20 +141,26 @@ def prepare(
                            "options is staged there; run without --resume to start")
     if (stage / SWAP_FILE).is_file():  # a merge was interrupted midway: finish it
         return merge(out, stage)
-    with holding(stage):
-        remove_abandoned_stages(out, keep=plan.id)
-        write_plan(stage, plan)
-        _stage_tokenizer(stage, plan, tokenizer, reused, add_tokens)
-        job = job_of(plan, stage)
-        mine = plan.part(part, parts)
-        todo = [u for u in mine if load_result(stage, u.index) is None]
-        label = f"part {part} of {parts}: " if parts > 1 else ""
-        if len(todo) < len(mine):
-            print(f"{label}resuming: {len(mine) - len(todo)} of {len(mine)} units already done in {stage}",
-                  file=sys.stderr)
-        _run_units(todo, job, workers, label)
-        results, _ = unit_results(stage, plan)
-        _write_part_manifest(stage, plan, part, parts, results)
+    remove_abandoned_stages(out, keep=plan.id)  # before this stage exists: a refused prepare leaves nothing
+    try:
+        with holding(stage), claiming_part(stage, part, parts):
+            remove_abandoned_stages(out, keep=plan.id)  # one started meanwhile
+            write_plan(stage, plan)
+            _stage_tokenizer(stage, plan, tokenizer, reused, add_tokens)
+            job = job_of(plan, stage)
+            mine = plan.part(part, parts)
+            todo = [u for u in mine if load_result(stage, u.index) is None]
+            label = f"part {part} of {parts}: " if parts > 1 else ""
+            if len(todo) < len(mine):
+                print(f"{label}resuming: {len(mine) - len(todo)} of {len(mine)} units already done in {stage}",
+                      file=sys.stderr)
+            _run_units(todo, job, workers, label)
+            results, _ = unit_results(stage, plan)
+            _write_part_manifest(stage, plan, part, parts, results)
+    except StageMerged:
+        print(f"{out}: another prepare of this source with these options merged the dataset while this one waited "
+              "for it: nothing left to do", file=sys.stderr)
+        return load_manifest(out)
     done, missing = unit_results(stage, plan)
     if missing:
         print(f"part {part} of {parts} done; {missing_message(stage, missing, parts)}. The last part to finish "
@@ -200,29 +208,36 @@ def merge(out: str | Path, stage: Path | None = None) -> dict:
     if stage is None:
         print(f"{out}: already merged (manifest.json, nothing staged)", file=sys.stderr)
         return load_manifest(out)
-    with holding(stage, exclusive=True):
-        if not (stage / "plan.json").is_file():  # another part merged while this one waited for the lock
-            return load_manifest(out)
-        if (stage / SWAP_FILE).is_file():
-            return swap_into_place(out, stage)
-        plan = load_stage_plan(stage)
-        results, missing = unit_results(stage, plan)
-        if missing:
-            raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing parts "
-                               "(the same command with --part I --parts N for each)")
-        rule = at_least_one_rule(results, plan.options["val_fraction"])
-        if rule is not None:  # e.g. 40 documents at val_fraction 0.01: the lowest-scoring one goes to val
-            index, key, split = rule
-            job = job_of(plan, stage)
-            results[index] = prepare_unit(plan.units[index], job, load_tokenizer(job.tokenizer),
-                                          force={**results[index]["force"], key: split})
-        splits, totals, moves = assemble(results)
-        skipped = Counter(totals["skipped"]) + Counter(plan.options.get("plan_skipped", {}))
-        totals["skipped"] = dict(sorted(skipped.items()))
-        if not sum(split["docs"] for split in splits.values()):  # e.g. a parquet of 0 rows, an empty .gz
-            raise PrepareError(f"no documents in {plan.source!r}: its files hold none, or every one was skipped "
-                               f"({dict(skipped) or 'none skipped'}); nothing was written to {out}")
-        return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
+    try:
+        with holding(stage, exclusive=True):
+            return _merge_held(out, stage)
+    except StageMerged:  # another part merged while this one waited for the lock
+        return load_manifest(out)
+
+
+def _merge_held(out: Path, stage: Path) -> dict:
+    if not (stage / "plan.json").is_file():  # another part merged while this one waited for the lock
+        return load_manifest(out)
+    if (stage / SWAP_FILE).is_file():
+        return swap_into_place(out, stage)
+    plan = load_stage_plan(stage)
+    results, missing = unit_results(stage, plan)
+    if missing:
+        raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing parts "
+                           "(the same command with --part I --parts N for each)")
+    rule = at_least_one_rule(results, plan.options["val_fraction"])
+    if rule is not None:  # e.g. 40 documents at val_fraction 0.01: the lowest-scoring one goes to val
+        index, key, split = rule
+        job = job_of(plan, stage)
+        results[index] = prepare_unit(plan.units[index], job, load_tokenizer(job.tokenizer),
+                                      force={**results[index]["force"], key: split})
+    splits, totals, moves = assemble(results)
+    skipped = Counter(totals["skipped"]) + Counter(plan.options.get("plan_skipped", {}))
+    totals["skipped"] = dict(sorted(skipped.items()))
+    if not sum(split["docs"] for split in splits.values()):  # e.g. a parquet of 0 rows, an empty .gz
+        raise PrepareError(f"no documents in {plan.source!r}: its files hold none, or every one was skipped "
+                           f"({dict(skipped) or 'none skipped'}); nothing was written to {out}")
+    return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
 
 
 def job_of(plan: Plan, stage: Path) -> Job:

@@ -18,7 +18,6 @@ reached)") ends its span, the records before it kept, and is counted once.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
@@ -32,6 +31,7 @@ from trainer.data.prepare.corpus import (
     PrepareError,
     glob_root,
     json_kind,
+    match_files,
     not_regular_file,
     sanitize_key,
 )
@@ -97,15 +97,16 @@ def file_kind(path: str) -> str | None:
     return SUFFIXES.get(_suffix(path))
 
 
-def expand_inputs(kind: str, pattern: str) -> tuple[str, list[str]]:
-    """(glob root, sorted files) of a "jsonl" or "parquet" source: a path or a glob (recursive ** allowed).
+def expand_inputs(kind: str, pattern: str) -> tuple[str, list[str], dict[str, int]]:
+    """(glob root, sorted files, other paths to each file) of a "jsonl" or "parquet" source: a path or a glob
+    (recursive ** allowed; each real file once, see corpus.match_files).
 
     Every matching file must be of that kind ("jsonl" takes .gz and .zst too). Example:
-    expand_inputs("jsonl", "data/**/*.json*") -> ("data", ["data/a.jsonl", "data/b/c.json.gz"]).
+    expand_inputs("jsonl", "data/**/*.json*") -> ("data", ["data/a.jsonl", "data/b/c.json.gz"], {...: 0}).
     """
     if kind not in ("jsonl", "parquet"):
         raise PrepareError(f"expand_inputs: kind must be 'jsonl' or 'parquet', got {kind!r}")
-    paths = sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
+    paths, aliases = match_files(pattern)
     if not paths:
         hint = " (a directory: give a glob such as 'DIR/**/*.jsonl')" if os.path.isdir(pattern) else ""
         raise PrepareError(f"no files match {pattern!r}{hint}")
@@ -117,7 +118,7 @@ def expand_inputs(kind: str, pattern: str) -> tuple[str, list[str]]:
         if found is None or found.split(".")[0] != kind:
             wanted = "a .jsonl/.json/.ndjson(.gz/.zst) file" if kind == "jsonl" else "a .parquet file"
             raise PrepareError(f"{kind}:{pattern} matched {path}: not {wanted}")
-    return glob_root(pattern), paths
+    return glob_root(pattern), paths, aliases
 
 
 def record_stem(path: str, root: str) -> str:

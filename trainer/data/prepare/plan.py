@@ -64,6 +64,9 @@ class Piece:
     bytes: int
     renamed: bool = False
     """`name` was made unique (another file had it first)."""
+    aliases: int = 0
+    """Other paths of the source that reach this same file (symlinks): it is read once, under `path`; each is
+    counted as skipped (`same_file`)."""
     span: formats.Span | None = None
     number: int = 0
     """Text: the file's 1-based position in the listing (its record number: files make blocks too)."""
@@ -168,6 +171,8 @@ def make_plan(source: str, options: dict, unit_bytes: int | None = None, single_
         unit_bytes = min(MAX_UNIT_BYTES, max(MIN_UNIT_BYTES, total // UNITS_PER_CORPUS))
     # --on-error skip: a file that cannot be planned (not a parquet, unreadable) is skipped and counted here.
     policy = ErrorPolicy(options.get("on_error", "raise"))
+    if sum(f.aliases for f in files):
+        policy.skipped["same_file"] += sum(f.aliases for f in files)
     block = options.get("docs_per_shard", 1)
     pieces = [piece for f in files for piece in _spans(f, unit_bytes, policy, block)]
     if not pieces:
@@ -186,7 +191,7 @@ def _spans(piece: Piece, unit_bytes: int, policy: ErrorPolicy, block: int) -> It
         return
     for span in formats.plan_spans(piece.path, piece.kind, unit_bytes, block=block,
                                    policy=policy if policy.on_error == "skip" else None):
-        yield Piece(piece.kind, piece.path, piece.name, span.bytes, piece.renamed, span)
+        yield dataclasses.replace(piece, bytes=span.bytes, span=span)
 
 
 def _group(pieces: Sequence[Piece], unit_bytes: int, block: int) -> Iterator[list[Piece]]:
@@ -206,10 +211,11 @@ def _group(pieces: Sequence[Piece], unit_bytes: int, block: int) -> Iterator[lis
         yield group
 
 
-def _unique(named: list[tuple[str, str]], kind: str) -> Iterator[Piece]:
+def _unique(named: list[tuple[str, str]], kind: str, aliases: dict[str, int] | None = None) -> Iterator[Piece]:
     """Pieces for (name, path) pairs, names made unique in order (`unique_keys`: the second `k` is `k-2`)."""
+    aliases = aliases or {}
     for (name, path), (original, _) in zip(unique_keys(named), named, strict=True):
-        yield Piece(kind, path, name, _size(path), renamed=name != original)
+        yield Piece(kind, path, name, _size(path), renamed=name != original, aliases=aliases.get(path, 0))
 
 
 def _module_files() -> Iterator[Piece]:
@@ -219,15 +225,16 @@ def _module_files() -> Iterator[Piece]:
 
 def _text_files(pattern: str) -> Iterator[Piece]:
     root = glob_root(pattern)
-    named = [(sanitize_key(os.path.relpath(p, root)), p) for p in text_paths(pattern)]
-    for number, piece in enumerate(_unique(named, "text"), start=1):
+    paths, aliases = text_paths(pattern)
+    named = [(sanitize_key(os.path.relpath(p, root)), p) for p in paths]
+    for number, piece in enumerate(_unique(named, "text", aliases), start=1):
         yield dataclasses.replace(piece, number=number)
 
 
 def _record_files(kind: str, pattern: str) -> Iterator[Piece]:
-    root, paths = formats.expand_inputs(kind, pattern)
-    for piece in _unique([(formats.record_stem(p, root), p) for p in paths], kind):
-        yield Piece(formats.file_kind(piece.path) or kind, piece.path, piece.name, piece.bytes, piece.renamed)
+    root, paths, aliases = formats.expand_inputs(kind, pattern)
+    for piece in _unique([(formats.record_stem(p, root), p) for p in paths], kind, aliases):
+        yield dataclasses.replace(piece, kind=formats.file_kind(piece.path) or kind)
 
 
 def _size(path: str | os.PathLike) -> int:
