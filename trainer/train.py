@@ -32,7 +32,7 @@ from trainer.distributed.groups import DistInfo, init_distributed, shutdown_dist
 from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
 from trainer.model import compute_dtype, resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
-from trainer.run.preemption import end_with_launcher
+from trainer.run.preemption import PreemptedAtStart, end_with_launcher
 from trainer.run.run_dir import unlock_run_dir
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -141,7 +141,14 @@ def run(raw: DictConfig) -> None:
     check_attention_backend(cfg, info)
     cfg.run_dir = shared_run_dir(run_dir, info)
     accepted = (lambda: write_hydra_record(raw, Path(cfg.run_dir))) if info.is_main else None
-    summary = Trainer(cfg, info, accepted=accepted).fit()
+    try:
+        trainer = Trainer(cfg, info, accepted=accepted)
+    except PreemptedAtStart as e:  # a preemption is not a failure: the next start does it all again
+        if info.is_main:
+            print(str(e), flush=True)
+        shutdown_distributed()
+        return
+    summary = trainer.fit()
     if info.is_main:
         write_summary(Path(cfg.run_dir), summary)
         print(_format_summary(summary), flush=True)

@@ -39,7 +39,7 @@ from trainer.data.mixture import Mixture, MixtureStateError
 from trainer.data.pipeline import RowStream, micro_batches
 from trainer.data.reader import DataStreamError
 from trainer.data.reshape import ReshapeError
-from trainer.data.sources import resolve_source
+from trainer.data.sources import ShardSourceError, resolve_source
 from trainer.data.state import StreamStateError
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids
@@ -510,3 +510,19 @@ def test_a_mixture_state_of_ranks_in_different_epochs_is_refused(corpora, tmp_pa
             mix.reshaped_state(states, 0, lockstep=True)
     finally:
         mix.close()
+
+
+def test_a_source_whose_path_and_urls_name_two_datasets_is_one_line_naming_both(corpora):
+    """data.path of one dataset with data.urls of another (same shard names, other contents): refused at the start,
+    naming the shard, its size and the manifest's, instead of every shard being read through and then reported as
+    truncated. The same shards with their own manifest pass."""
+    short, long = corpora
+    with pytest.raises(ShardSourceError) as e:
+        resolve_source(DataConfig(path=str(short), urls=f"{long}/train-*.tar"))
+    size = (long / "train-000000.tar").stat().st_size
+    listed = next(s["bytes"] for s in json.loads((short / "manifest.json").read_text())["splits"]["train"]["shards"]
+                  if s["name"] == "train-000000.tar")
+    assert str(e.value) == (f"{long}/train-000000.tar is not the shard train-000000.tar of {short}/manifest.json "
+                            f"({size:,} bytes; the manifest lists {listed:,}): data.path and data.urls name different "
+                            "datasets; give data.path of the dataset these shards belong to, or leave data.path out")
+    assert resolve_source(DataConfig(path=str(long), urls=f"{long}/train-*.tar")).expected_docs

@@ -140,12 +140,14 @@ def test_a_stalled_gs_command_hits_read_timeout_s_and_is_retried_then_named(demo
     assert processes_running(f"sleep {mark}") == []
 
 
+@pytest.mark.parametrize("detach", ["", "setsid "])
 @pytest.mark.parametrize("how", ["read to its end", "abandoned"])
-def test_no_process_of_the_command_group_outlives_the_read(demo_data, bin_dir, how):
+def test_no_process_of_the_command_group_outlives_the_read(demo_data, bin_dir, how, detach):
     """ais leaves a child running (`sleep &`, its output elsewhere) and writes the shard: once the shard is read,
-    or left after its first sample, the command's process group is killed, the child with it."""
+    or left after its first sample, the command's process group is killed, the child with it; a child detached
+    into a session of its own (`setsid sleep &`, out of the group's reach) too."""
     mark = marker()
-    standin(bin_dir, demo_data, "ais", f'sleep {mark} >/dev/null 2>&1 & cat "$f"')
+    standin(bin_dir, demo_data, "ais", f'{detach}sleep {mark} >/dev/null 2>&1 & cat "$f"')
     samples = read_shard(AIS_URL)
     if how == "abandoned":
         assert next(samples)["__key__"]

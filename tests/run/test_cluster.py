@@ -326,3 +326,33 @@ def test_skip_policy_counts_skipped_steps(demo_data, tmp_path):
     state = load_state(run_dir / "checkpoints" / "step_000004" / "engine.pt")
     assert all(torch.isfinite(t).all() for t in state["model"].values())
     assert state["scheduler"]["last_epoch"] == 1  # only step 1 advanced the schedule
+
+
+def test_sigterm_while_a_resume_restores_the_readers_ends_the_start_within_seconds(demo_data, tmp_path):
+    """A resume replays each reader's shards to its position before training; over a slow source that takes long
+    (here: the shards' command stalls once FLAG exists). SIGTERM then ends the start within seconds, with one line
+    and exit 0, writing nothing (before: the default action killed it without a word, or a launcher's handler left
+    it replaying to the end). The next start resumes from the same checkpoint."""
+    flag, slow = tmp_path / "FLAG", tmp_path / "slow_cat.sh"
+    slow.write_text(f'#!/bin/sh\n[ -e {flag} ] && sleep 600\nexec cat "$1"\n')
+    urls = f"data.urls='pipe:sh {slow} {demo_data}/train-{{000000..000004}}.tar'"
+    run_dir = tmp_path / "run"
+    run_train(run_dir, demo_data, *CLUSTER, urls, "train.max_steps=8")
+    before = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*"))
+    flag.touch()
+    proc = start(run_dir, demo_data, urls, "train.resume=true")
+    time.sleep(8)  # loading, then stalled in the replay
+    assert proc.poll() is None, output(run_dir)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    out, err = output(run_dir)
+    assert code == 0 and took < 15, (code, took, err[-3000:])
+    assert "preempted (SIGTERM) while restoring the data readers' positions of " in out, out
+    assert "nothing was trained or written" in out
+    assert "Traceback" not in err, err[-3000:]
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == before
+    flag.unlink()
+    run_train(run_dir, demo_data, *CLUSTER, urls, "train.resume=true", "train.max_steps=10")
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, 11))

@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import functools
 import glob
+import itertools
 import logging
 import os
 import posixpath
@@ -113,6 +114,8 @@ def resolve_source(data: DataConfig) -> ShardSource:
     if counts and data.urls is not None and not any(url_file_name(u) in counts for u in train):
         log.warning("none of the data.urls shard names is listed in %s: document counts are not checked",
                     manifest_dir / MANIFEST_FILE)
+    if manifest is not None and data.urls is not None:
+        _check_shards_of(manifest, manifest_dir, train)
     return ShardSource(
         train_urls=train,
         val_urls=val,
@@ -162,6 +165,28 @@ def _missing_message(key: str, pattern: str, expanded: list[str], missing: list[
                 f"{missing[0]}); check the directory and the brace range")
     return (f"{key}={pattern!r}: {len(missing)} of its {len(expanded)} shards do not exist (first: {missing[0]}); "
             "check the brace range, the list or the directory")
+
+
+def _check_shards_of(manifest: dict, manifest_dir: Path, urls: list[str]) -> None:
+    """A ShardSourceError if a local data.urls shard is not the manifest's shard of its name: it lies elsewhere and
+    its size differs from the one the manifest lists (data.path and data.urls name two datasets; each of its shards
+    would otherwise be read through and then reported as truncated). Remote shards are checked as they are read."""
+    sizes = {s["name"]: s.get("bytes") for split in manifest["splits"].values() for s in split["shards"]}
+    home = os.path.realpath(manifest_dir)
+    for url in urls:
+        path = _local_path(url)
+        name = url_file_name(url)
+        if path is None or sizes.get(name) is None or os.path.dirname(os.path.realpath(path)) == home:
+            continue
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            continue  # named when it is read
+        if size != sizes[name]:
+            raise ShardSourceError(
+                f"{url} is not the shard {name} of {manifest_dir / MANIFEST_FILE} ({size:,} bytes; the manifest lists "
+                f"{sizes[name]:,}): data.path and data.urls name different datasets; give data.path of the dataset "
+                "these shards belong to, or leave data.path out")
 
 
 def _local_path(url: str) -> str | None:
@@ -491,6 +516,7 @@ class CommandStream:
         # The leader is not reaped yet (a zombie at most), so its pid, the group's id, cannot have been reused.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the command's children too (a backgrounded one, a pipeline)
+        kill_marked(getattr(proc, "packtrain_mark", None))  # and any that left the group (setsid)
         try:
             status = proc.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -575,13 +601,43 @@ def _spawn(args: list[str], parent_death_signal: int, stdin: bytes | None = None
     return box[0]
 
 
+MARK_VAR = "PACKTRAIN_SHARD_COMMAND"
+"""Set in each shard command's environment to a token of its own, which its descendants inherit: a process that
+left the command's group (`setsid`, a daemon) is still found, and killed, when the shard is closed."""
+_marks = itertools.count()
+
+
+def kill_marked(mark: str | None) -> int:
+    """SIGKILL every process of this user whose environment holds MARK_VAR=`mark`; how many there were. One pass
+    over /proc (~1 ms per hundred processes), once per shard command."""
+    if not mark or not os.path.isdir("/proc"):
+        return 0
+    needle, killed = f"\0{MARK_VAR}={mark}\0".encode(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = b"\0" + f.read() + b"\0"
+        except OSError:  # another user's, or gone
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
 def _spawner(requests: queue.SimpleQueue) -> None:
     while True:
         args, parent_death_signal, stdin, box, done = requests.get()
         try:
+            mark = f"{os.getpid()}-{next(_marks)}-{time.monotonic_ns()}"
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                                     stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
+                                    env={**os.environ, MARK_VAR: mark},
                                     preexec_fn=functools.partial(_in_child, os.getpid(), parent_death_signal))
+            proc.packtrain_mark = mark
             if stdin is not None:
                 with contextlib.suppress(OSError):  # a few bytes: the pipe takes them before the child reads
                     proc.stdin.write(stdin)

@@ -53,7 +53,7 @@ from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
 from trainer.run.optim import build_optimizer, build_scheduler
-from trainer.run.preemption import PreemptionHandler
+from trainer.run.preemption import PreemptedAtStart, PreemptionHandler
 from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlock_run_dir
 from trainer.run.step import NonFiniteError, train_step
 
@@ -69,9 +69,13 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         claim_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite, info,  # before anything is written
                       input_dirs(cfg))
+        # From here a preemption signal is recorded, not fatal: the long phases of the start (loading a checkpoint,
+        # dealing a reshaped resume, the readers replaying shards to their positions) end at the next check.
+        self.preemption = PreemptionHandler()
         try:
             self._build(accepted)
         except BaseException:  # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found
+            self.preemption.close()
             unlock_run_dir(self.run_dir, refused=True)
             raise
 
@@ -157,14 +161,21 @@ class Trainer:
         if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
         meta, rank_states = self.checkpointer.load(path, self.engine)
+        self._stop_if_preempted(f"loading {path}")
         self._load_stream_state(path, meta, rank_states)
+        self._stop_if_preempted(f"restoring the data stream of {path}")
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
         self.inputs.rows.wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
         self.resumed_at = self.step
         if self.info.is_main:  # the branch after this step, if any, is abandoned: set aside, never picked again
             set_aside_after(self.run_dir, self.step)
-        self.data.rows.start()  # the readers restore their positions now: the line below says what that read
+        try:
+            self.data.rows.start()  # the readers restore their positions now: the line below says what that read
+        except ReadInterrupted:  # by a preemption signal (its handler interrupts every read)
+            if self.preemption.signal_name is None:
+                raise
+        self._stop_if_preempted(f"restoring the data readers' positions of {path}")
         read = self._resume_read()
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
@@ -174,6 +185,13 @@ class Trainer:
                 print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the global batch "
                       f"of every step after {self.step} differs from the checkpoint's run (the learning-rate schedule "
                       "does not change with it)", flush=True)
+
+    def _stop_if_preempted(self, phase: str) -> None:
+        """Collective: every rank raises PreemptedAtStart if a preemption signal reached any rank so far."""
+        if self.preemption.requested(self.info.device):
+            signal_name = self.preemption.signal_name or "a signal on another rank"
+            raise PreemptedAtStart(f"preempted ({signal_name}) while {phase}, before training: nothing was trained "
+                                   f"or written; continue with the same command")
 
     def _load_stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> None:
         """This rank's data stream state: its own on the shape the checkpoint was written on; on another number
@@ -202,7 +220,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (info.is_main and cfg.logging.progress),
                    desc="train", dynamic_ncols=True)
-        preemption = self.preemption = PreemptionHandler()
+        preemption = self.preemption  # installed at the start (__init__)
         preempted = None
         saved_step = self.step  # a resumed run's checkpoint is its first step's
         try:
@@ -302,8 +320,8 @@ class Trainer:
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         return flop_metrics(model_flops, hardware_flops, step_time, peak)
 
-    preemption: PreemptionHandler | None = None
-    """Set while `fit` runs."""
+    preemption: PreemptionHandler
+    """Installed when the run dir is claimed; closed when `fit` ends (or the start fails)."""
 
     def _evaluate(self) -> dict:
         """The eval's metrics; {} when a preemption signal (on any rank) abandoned it: the step is checkpointed

@@ -28,6 +28,11 @@ from trainer.distributed.groups import dist_max
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+class PreemptedAtStart(Exception):
+    """A preemption signal arrived while the run was starting (loading a checkpoint, dealing a reshaped resume,
+    restoring the readers' positions): it ends there, before training, writing nothing (the run dir as found)."""
+
+
 class PreemptionHandler:
     """Records SIGTERM / SIGUSR1; restores the previous handlers on `close()`."""
 
