@@ -495,3 +495,74 @@ def test_demo_chat_is_deterministic_chatml_with_every_shape(bytes_dir, tmp_path)
     for text in texts:  # every conversation renders as ChatML and answers something
         assert text.startswith(IM_START) and text.endswith(f"{IM_END}\n")
         assert all(b - a > len(IM_END) for a, b in assistant_spans(text))
+
+
+HOSTILE_TEMPLATES = {  # a chat template received with a tokenizer -> what bounds it
+    "nested_ranges_writing": ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+                              "characters|loop steps"),
+    "nested_ranges_silent": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                             "loop steps"),
+    "nested_messages_silent": ("{% for a in messages %}{% for b in messages %}{% for c in messages %}{% endfor %}"
+                               "{% endfor %}{% endfor %}", "loop steps"),
+    "repeat_a_gigabyte": ("{{ 'a' * 10**9 }}", "repeats a str"),
+    "repeat_in_steps": ("{{ 'a' * 1000 * 1000 * 1000 }}", "repeats a str"),
+    "repeat_a_list": ("{{ ([1] * 10**9)|length }}", "repeats a list"),
+    "huge_power": ("{{ 7 ** 100000000 }}", "to the power"),
+    "format_width": ("{{ '%1000000000s' % 'a' }}", "width"),
+    "center_width": ("{{ 'a'|center(1000000000) }}", "width"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_bounded_in_output_steps_and_time(case):
+    """Before: nested range(100000) loops grew `generate --chat` to 23.5 GB, `'a' * 10**9` allocated a GB at once,
+    nested loops without output never ended. Each stops with TemplateLimitError (one message) within the time
+    bound, before allocating past the output bound (the process's peak memory grows by less than 200 MB)."""
+    import resource
+    import time
+
+    from trainer.data.chat import RENDER_MAX_SECONDS, TemplateLimitError, render
+
+    template, words = HOSTILE_TEMPLATES[case]
+    messages = [{"role": "user", "content": "hi"}] * 200
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(TemplateLimitError, match=words):
+        render(messages, template)
+    assert time.monotonic() - t0 < RENDER_MAX_SECONDS + 1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # kB
+
+
+def test_the_bounds_leave_real_templates_alone(merged_dir):
+    """ChatML with a long conversation (a 2 MB message, 5,000 turns) renders as before: the bounds scale with the
+    input (4x its characters) and the messages' loop spends one step a turn."""
+    from trainer.data.chat import render
+
+    template = chat_template(merged_dir / "tokenizer")
+    messages = [{"role": "user", "content": "x" * (2 << 20)}] + [
+        {"role": "user" if i % 2 else "assistant", "content": f"turn {i}"} for i in range(5000)]
+    text, _ = render(messages, template)
+    assert text == chatml(messages)
+
+
+def test_prepare_and_generate_stop_a_hostile_template_with_one_line(tmp_path, merged_dir, capsys):
+    """The template's fault, not a record's: prepare stops (even under --on-error skip, where every conversation
+    would pay the bound again) with one line naming the record; generate --chat names the tokenizer."""
+    import trainer.generate as gen
+    from trainer.data.tokenizer import load_tokenizer
+    from trainer.prepare import main
+
+    config = json.loads((merged_dir / "tokenizer_config.json").read_text())
+    other = tmp_path / "tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((merged_dir / "tokenizer.json").read_bytes())
+    (other / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": HOSTILE_TEMPLATES["nested_ranges_writing"][0]}))
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    assert main(["--source", f"chat:{path}", "--out", str(tmp_path / "out"), "--tokenizer", str(other),
+                 "--on-error", "skip"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:1: the chat template ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    with pytest.raises(gen.GenerateError, match=f"{other}: the chat template failed: the chat template (ran|wrote)"):
+        gen.prompt_ids(load_tokenizer(other), other, "hi", True)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -89,11 +91,136 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
+# A chat template comes with a tokenizer, from elsewhere: jinja's sandbox keeps it from reaching Python, but not from
+# looping or allocating without end (nested `range(100000)` loops grew `generate --chat` to 23.5 GB; `'a' * 10**9`
+# asked for a GB at once). One rendering is bounded in output, loop steps and time:
+RENDER_MAX_CHARS = 1 << 20
+"""Output characters one rendering may write, at least; 4x the messages' characters if that is more (a template
+adds a header per turn, not megabytes)."""
+RENDER_MAX_STEPS = 1_000_000
+"""Loop steps over `range(...)` and over the messages, summed over every loop of one rendering."""
+RENDER_MAX_SECONDS = 5.0
+"""Wall-clock time of one rendering (checked at each loop step and each piece of output)."""
+
+
+class TemplateLimitError(jinja2.exceptions.TemplateRuntimeError):
+    """A rendering went past RENDER_MAX_CHARS, RENDER_MAX_STEPS or RENDER_MAX_SECONDS: the template's fault, not the
+    conversation's."""
+
+
+class _Budget:
+    """What one rendering may still spend."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars, self.chars, self.steps = max_chars, 0, RENDER_MAX_STEPS
+        self.deadline = time.monotonic() + RENDER_MAX_SECONDS
+
+    def step(self, n: int = 1) -> None:
+        self.steps -= n
+        if self.steps < 0:
+            raise TemplateLimitError(f"the chat template ran more than {RENDER_MAX_STEPS:,} loop steps in one "
+                                     "rendering (trainer.data.chat.RENDER_MAX_STEPS)")
+        self.check_time()
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TemplateLimitError(f"the chat template ran longer than {RENDER_MAX_SECONDS:g} s in one rendering "
+                                     "(trainer.data.chat.RENDER_MAX_SECONDS)")
+
+    def size(self, n: int, what: str) -> None:
+        if n > self.max_chars:
+            raise TemplateLimitError(f"the chat template {what} {n:,} characters, more than the {self.max_chars:,} "
+                                     "one rendering may write (trainer.data.chat.RENDER_MAX_CHARS)")
+
+
+_budget: ContextVar[_Budget | None] = ContextVar("render_budget", default=None)
+
+
+def _spend(n: int = 1) -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.step(n)
+
+
+class _CountedList(list):
+    """The messages as the template sees them: a list (the immutable sandbox keeps it unchanged) whose every
+    iteration step is spent from the rendering's budget."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            _spend()
+            yield item
+
+
+class _CountedRange:
+    """`range(...)` in a template: a range whose iteration steps are spent from the rendering's budget."""
+
+    def __init__(self, *args: int) -> None:
+        self.range = range(*args)
+
+    def __iter__(self):
+        for i in self.range:
+            _spend()
+            yield i
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __getitem__(self, index):
+        return self.range[index]
+
+    def __contains__(self, value) -> bool:
+        return value in self.range
+
+
+_FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with `*`, `**` and `%` checked before they allocate: a string or list repeated, a power, a format
+    width past the rendering's bounds raise TemplateLimitError."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        budget = _budget.get()
+        limit = budget.max_chars if budget is not None else RENDER_MAX_CHARS
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > limit:
+                    raise TemplateLimitError(f"the chat template repeats a {type(seq).__name__} of {len(seq):,} "
+                                             f"{n:,} times, past the {limit:,} characters one rendering may write")
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 256:
+                raise TemplateLimitError(f"the chat template raises {left} to the power {right}: a number of more "
+                                         "than 256 digits' worth is not a template's business")
+        elif operator == "%" and isinstance(left, str):
+            if any(int(w) > limit for w in _FORMAT_WIDTH.findall(left)):
+                raise TemplateLimitError(f"the chat template formats with a width past the {limit:,} characters one "
+                                         "rendering may write")
+        return super().call_binop(context, operator, left, right)
+
+
+def _bounded_width(filter_fn):
+    """A jinja filter taking a width (center, indent) whose width is checked against the rendering's bound."""
+
+    def bounded(value, width=80, *args, **kwargs):
+        budget = _budget.get()
+        if isinstance(width, int) and width > (budget.max_chars if budget is not None else RENDER_MAX_CHARS):
+            raise TemplateLimitError(f"the chat template asks for a width of {width:,} characters")
+        return filter_fn(value, width, *args, **kwargs)
+
+    return bounded
+
+
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
-    """A chat template compiled as transformers compiles it (templates are untrusted code: sandboxed)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    """A chat template compiled as transformers compiles it (templates are untrusted code: sandboxed), and bounded
+    (RENDER_MAX_CHARS, RENDER_MAX_STEPS, RENDER_MAX_SECONDS)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.globals["range"] = _CountedRange
+    for name in ("center", "indent"):
+        env.filters[name] = _bounded_width(env.filters[name])
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     try:
@@ -113,9 +240,18 @@ def render(messages: list[dict], template: str, add_generation_prompt: bool = Fa
     extension = next(e for e in compiled.environment.extensions.values() if isinstance(e, GenerationBlock))
     blocks: list[str] = []
     spans: list[Span] = []
-    with extension.record(blocks, spans):
-        for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt):
-            blocks.append(block)
+    given = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    budget = _Budget(max(RENDER_MAX_CHARS, 4 * given))
+    token = _budget.set(budget)
+    try:
+        with extension.record(blocks, spans):
+            for block in compiled.generate(messages=_CountedList(messages), add_generation_prompt=add_generation_prompt):
+                blocks.append(block)
+                budget.chars += len(block)
+                budget.size(budget.chars, "wrote")
+                budget.check_time()
+    finally:
+        _budget.reset(token)
     return "".join(blocks), spans
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jinja2
 
-from trainer.data.chat import assistant_spans, render_conversation
+from trainer.data.chat import TemplateLimitError, assistant_spans, render_conversation
 from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
 from trainer.data.prepare import formats
 from trainer.data.prepare.conversations import message_problem, module_conversations
@@ -46,7 +46,7 @@ from trainer.data.prepare.corpus import (
     unique_keys,
 )
 from trainer.data.prepare.plan import Piece, Unit
-from trainer.data.shards import ShardWriter, atomic_write_bytes
+from trainer.data.shards import PrepareError, ShardWriter, atomic_write_bytes
 from trainer.data.tokenizer import count_tokens
 
 WINDOW_BYTES = 4 << 20  # text per window (split, count, write)
@@ -291,6 +291,8 @@ def _conversation(value: object, where: str, policy: ErrorPolicy, template: str)
     messages = [{"role": m["role"], "content": m["content"]} for m in value]  # type: ignore[union-attr]
     try:
         return render_conversation(messages, template)
+    except TemplateLimitError as e:  # the template's fault: every conversation would pay for it
+        raise PrepareError(f"{where}: {e}") from None
     except jinja2.TemplateError as e:  # a template that refuses this conversation (raise_exception)
         policy.bad("template_error", where, f"the chat template refuses this conversation: {e}")
         return None
