@@ -113,6 +113,7 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("data.retries", ("data.retries=-1",), r"data.retries must be >= 0, got -1"),
     ("data.read_timeout_s", ("data.read_timeout_s=0",), r"data.read_timeout_s must be in \(0, 86400\] seconds, got 0"),
     ("data.read_timeout_s", ("data.read_timeout_s=nan",), r"data.read_timeout_s must be in \(0, 86400\]"),
+    ("data.max_doc_mb", ("data.max_doc_mb=0",), r"data.max_doc_mb must be a finite number > 0, got 0"),
     ("data.loss_on", ("data.loss_on=user",), r"data.loss_on must be one of \('all', 'assistant'\)"),
     ("data.prefetch", ("data.prefetch=maybe",), r"data.prefetch must be true or false, got 'maybe'"),
     ("data.epoch_lockstep", ("data.epoch_lockstep=2",), r"data.epoch_lockstep must be true or false, got 2"),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trainer.data.config import ON_ERROR
 from trainer.data.prepare.assemble import LONG_THRESHOLDS, length_stats  # noqa: F401  (length_stats: re-exported)
-from trainer.data.prepare.dataset import DEFAULT_SAMPLE_MB, merge, prepare, usable_cores
+from trainer.data.prepare.dataset import DEFAULT_MAX_DOC_MB, DEFAULT_SAMPLE_MB, merge, prepare, usable_cores
 from trainer.data.shards import PrepareError
 from trainer.errors import command
 
@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--on-error", choices=ON_ERROR, default="raise",
                    help="stop at, or skip (warn and count), bad items")
     p.add_argument("--max-docs", type=int, default=None, help="keep only the first N documents")
+    p.add_argument("--max-doc-mb", type=float, default=DEFAULT_MAX_DOC_MB,
+                   help="one document's largest size in MB of UTF-8 text (tokenizing one document takes ~200x its size "
+                        "in memory); a larger one is an error naming it, or with --on-error skip a counted skip "
+                        f"(too_large); default {DEFAULT_MAX_DOC_MB:g}")
     p.add_argument("--add-tokens", nargs="+", default=[], metavar="TOKEN",
                    help="append these special tokens to the --tokenizer (train with tokenizer.add_tokens=[...])")
     p.add_argument("--workers", type=int, default=None,
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = prepare(
         args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
         val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
-        seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
+        seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs, max_doc_mb=args.max_doc_mb,
         add_tokens=args.add_tokens, workers=usable_cores() if args.workers is None else args.workers, part=args.part,
         parts=args.parts,
         unit_mb=args.unit_mb, tokenizer_sample_mb=args.tokenizer_sample_mb, resume=args.resume,

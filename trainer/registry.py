@@ -82,6 +82,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "data.on_error": (SAME_OBJECTIVE, "decides only what a bad sample does; on clean data the steps are the same"),
     "data.retries": (SAME_OBJECTIVE, "a retried shard skips the samples it already gave"),
     "data.read_timeout_s": (SAME_OBJECTIVE, "a stalled read is retried like any transient failure: the same samples"),
+    "data.max_doc_mb": (OTHER, "may leave out documents over the bound (an error unless data.on_error=skip)"),
     "data.loss_on": (OTHER, "different targets"),
     "data.prefetch": (SAME_OBJECTIVE, "the same rows and order, drawn in a background thread"),
     "data.sources": (OTHER, "different data: other sources or other weights"),

@@ -87,6 +87,27 @@ def test_a_sample_lost_to_a_non_file_member_is_counted_under_skip(odd_shard, dem
     assert loader.skipped() == {"truncated_shard": 1}
 
 
+def test_a_sample_over_data_max_doc_mb_is_an_error_naming_it_or_a_counted_skip(tmp_path, demo_data):
+    """A 200 MB member aborted the tokenizer (a document is tokenized whole, ~200x its size): a sample over
+    data.max_doc_mb is an error naming shard, key and size before it is decoded, or under skip a counted skip."""
+    from trainer.data.config import DataConfig
+
+    big = b"word " * 6000  # 30,000 bytes
+    shard = write_tar(tmp_path / "big.tar", [("a.txt", b"first document"), ("b.txt", big), ("c.txt", b"third")])
+    limit = DataConfig(max_doc_mb=0.02).max_doc_bytes
+    with pytest.raises(DataStreamError) as e:
+        list(DocumentLoader(stream_over(shard, demo_data, max_doc_bytes=limit)))
+    assert str(e.value) == (f"{shard}: sample 'b' is 30,000 bytes of text, over data.max_doc_mb=0.02 (tokenizing one "
+                            "document takes ~200x its size in memory): raise data.max_doc_mb, or skip such documents "
+                            "with data.on_error=skip")
+    loader = DocumentLoader(stream_over(shard, demo_data, max_doc_bytes=limit, on_error="skip"))
+    assert [d.key for d in loader] == ["a", "c"] and loader.skipped() == {"too_large": 1}
+    assert [d.key for d in DocumentLoader(stream_over(shard, demo_data, max_doc_bytes=DataConfig().max_doc_bytes))] \
+        == ["a", "b", "c"]  # the default bound: 8 MB
+    with pytest.raises(ValueError, match="data.max_doc_mb must be a finite number > 0, got nan"):
+        DataConfig(max_doc_mb=float("nan"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Documents whose text is not a string (trainer.prepare --source jsonl:...)
 # ---------------------------------------------------------------------------------------------

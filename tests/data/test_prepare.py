@@ -433,6 +433,33 @@ def test_match_files_keeps_the_first_path_of_each_real_file(tmp_path):
     assert match_files(f"{d}/**")[0] == [f"{d}/a.txt", f"{d}/dangling.txt", f"{d}/sub/b.txt"]
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "text"])
+def test_a_document_over_max_doc_mb_is_an_error_naming_it_or_a_counted_skip(tmp_path, kind, capsys):
+    """One 52 MB JSON line made prepare peak at 10.6 GB (a document is tokenized whole). A document over --max-doc-mb
+    (default 8) is an error naming it and its size, or under --on-error skip a counted skip (too_large), before it
+    is tokenized; a text file is judged by its size before it is read."""
+    big, small = "word " * 6000, "a short document"  # 30,000 bytes and 16
+    if kind == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in (small, big, small + " again")))
+        source, where = f"jsonl:{path}", f"{path}:2"
+    else:
+        src = write_files(tmp_path / "src", {"a.txt": small, "b.txt": big, "c.txt": small + " again"})
+        source, where = f"text:{src}/*.txt", str(src / "b.txt")
+    argv = ["--source", source, "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB), "--max-doc-mb", "0.02"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {where}: the document is 30,000 bytes, over --max-doc-mb 0.02 (tokenizing one document "
+                   "takes ~200x its size in memory): split it, raise --max-doc-mb, or skip such documents with "
+                   "--on-error skip\n")
+    manifest = prepare(source, tmp_path / "out", vocab_size=VOCAB, on_error="skip", max_doc_mb=0.02, val_fraction=0.0)
+    assert manifest["skipped"] == {"too_large": 1} and manifest["splits"]["train"]["docs"] == 2
+    assert manifest["options"]["max_doc_bytes"] == int(0.02 * 2**20)
+    assert prepare(source, tmp_path / "all", vocab_size=VOCAB, val_fraction=0.0)["splits"]["train"]["docs"] == 3
+    assert main([*argv[:-1], "nan"]) == 2 and "--max-doc-mb must be a finite number > 0, got nan" in \
+        capsys.readouterr().err
+
+
 def test_jsonl_keys_from_file_stem_and_line_number(tmp_path):
     """Keys come from the position (stem + line), never from a field: unique by construction, nothing to
     remember. A second file with the same stem gets `-2` and its documents count as renamed."""

@@ -76,6 +76,11 @@ class DataConfig:
     """Seconds a shard's command (curl for http(s), a pipe: command) may send no byte before the read counts as a
     transient failure (retried as above; then `error: URL: ... no data for N s`, or skipped under on_error=skip)."""
 
+    max_doc_mb: float = 8.0
+    """One document's largest text in MB: a larger sample is an error naming it (or under data.on_error=skip a
+    counted skip, too_large), before it is tokenized (tokenizing one document whole takes ~200x its size in
+    memory; trainer.prepare bounds its documents the same way, --max-doc-mb)."""
+
     loss_on: str = "all"
     """Which tokens are targets: 'all' (every token but each document's first) or 'assistant' (chat data only:
     the tokens of assistant turns, content and the turn's closing <|im_end|>; system/user turns and the
@@ -106,6 +111,8 @@ class DataConfig:
         if not 0 < self.read_timeout_s <= 86400:  # also NaN
             raise ValueError(f"data.read_timeout_s must be in (0, 86400] seconds, got {self.read_timeout_s}")
         require_range("data.num_workers", self.num_workers, 0)
+        if not (isinstance(self.max_doc_mb, (int, float)) and 0 < self.max_doc_mb < float("inf")):  # also NaN
+            raise ValueError(f"data.max_doc_mb must be a finite number > 0, got {self.max_doc_mb}")
         require_range("data.shuffle_buffer", self.shuffle_buffer, 1)
         for key in ("path", "tokenizer", "split"):
             if getattr(self, key) == "":
@@ -121,6 +128,10 @@ class DataConfig:
             raise ValueError(f"data.mix_exhausted must be one of {MIX_EXHAUSTED}, got {self.mix_exhausted!r}")
         if self.sources is not None:
             self.mixture()  # checked here, at startup
+
+    @property
+    def max_doc_bytes(self) -> int:
+        return int(self.max_doc_mb * 2**20)
 
     def mixture(self) -> list[SourceConfig]:
         """The sources of data.sources, checked; [] without a mixture.

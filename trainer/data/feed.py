@@ -137,6 +137,7 @@ def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, t
         retries=data.retries,
         read_timeout_s=data.read_timeout_s,
         loss_on=data.loss_on,
+        max_doc_bytes=data.max_doc_bytes,
         shard_tokens=manifest_tokens(source.train_urls, source.manifest),  # the readers are balanced by them
         name=name,
         source=index,
@@ -206,7 +207,7 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
-        read_timeout_s=data.read_timeout_s, name=name, source=index,
+        read_timeout_s=data.read_timeout_s, name=name, source=index, max_doc_bytes=data.max_doc_bytes,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split

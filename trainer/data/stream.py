@@ -57,6 +57,7 @@ class DocumentStream(IterableDataset):
         shard_tokens: Sequence[int] | None = None,
         name: str | None = None,
         source: int = 0,
+        max_doc_bytes: int | None = None,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -97,6 +98,9 @@ class DocumentStream(IterableDataset):
         self.read_timeout_s = read_timeout_s
         """Seconds a shard command (curl, pipe:) may send nothing before the read counts as a transient failure."""
         self.loss_on = loss_on
+        self.max_doc_bytes = max_doc_bytes
+        """A sample's largest text in bytes (data.max_doc_mb); larger: an error or a counted skip (too_large), before
+        it is decoded and tokenized (~200x its size in memory)."""
         """'all': no loss_mask (every token a target); 'assistant': a loss_mask marking the assistant turns."""
         self.name = name
         """The source's name in a mixture (data.sources), for errors and the documents' keys (`source_key`); None
@@ -160,6 +164,12 @@ class DocumentStream(IterableDataset):
         shard = shards[shard_index]
         if isinstance(data, list):
             self._bad(state, "missing_text", f"{shard}: sample {key!r} has no {TEXT_FIELD!r} field (has {data})")
+            return None
+        if self.max_doc_bytes is not None and len(data) > self.max_doc_bytes:
+            self._bad(state, "too_large", f"{shard}: sample {key!r} is {len(data):,} bytes of text, over data.max_doc_mb="
+                                          f"{self.max_doc_bytes / 2**20:.3g} (tokenizing one document takes ~200x its "
+                                          "size in memory): raise data.max_doc_mb, or skip such documents with "
+                                          "data.on_error=skip")
             return None
         try:
             text = data.decode("utf-8")

@@ -74,6 +74,9 @@ from trainer.data.workers import die_with_parent
 
 MB = 1 << 20
 DEFAULT_SAMPLE_MB = 100
+DEFAULT_MAX_DOC_MB = 8.0
+"""One document's largest size (MB of UTF-8 text) by default: tokenizing one document whole takes ~200x its size in
+memory (a 52 MB JSON line peaked at 10.6 GB), so 8 MB stays under ~2 GB per worker."""
 DEMO_MODULES = "demo-modules"
 """The standard library's modules whole, one document each (trainer.data.prepare.corpus.whole_modules)."""
 
@@ -91,6 +94,7 @@ def prepare(
     text_key: str = "text",
     on_error: str = "raise",
     max_docs: int | None = None,
+    max_doc_mb: float = DEFAULT_MAX_DOC_MB,
     add_tokens: Sequence[str] = (),
     workers: int = 1,
     part: int = 0,
@@ -109,6 +113,8 @@ def prepare(
     side by side; `resume` insists on finding earlier work of the same command (without it, it is used if there).
     """
     _check_options(val_fraction, docs_per_shard, max_docs, workers, part, parts, unit_mb, tokenizer_sample_mb)
+    if not (isinstance(max_doc_mb, (int, float)) and math.isfinite(max_doc_mb) and max_doc_mb > 0):
+        raise PrepareError(f"--max-doc-mb must be a finite number > 0, got {max_doc_mb}")
     if max_docs is not None and parts > 1:
         raise PrepareError("--max-docs reads the first documents in order: it cannot be split into --parts")
     reused = _load_reusable_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the slow part
@@ -124,6 +130,7 @@ def prepare(
     options = {
         "seed": seed, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
         "max_shard_bytes": max_shard_bytes, "max_docs": max_docs, "text_key": text_key, "on_error": on_error,
+        "max_doc_bytes": int(max_doc_mb * MB),
         "tokenizer": {"trained": reused is None, "vocab_size": vocab_size if reused is None else None,
                       "sample_bytes": int(tokenizer_sample_mb * MB) if reused is None else None,
                       "base_sha256": tokenizer_hash(tokenizer) if reused is not None else None,
@@ -244,7 +251,8 @@ def job_of(plan: Plan, stage: Path) -> Job:
     o = plan.options
     return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
                docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
-               on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"])
+               on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"],
+               max_doc_bytes=o.get("max_doc_bytes"))
 
 
 def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
@@ -265,7 +273,7 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
         "schema": SCHEMA,
         "source": plan.source,
         "options": {k: o[k] for k in ("seed", "val_fraction", "docs_per_shard", "max_shard_bytes", "max_docs",
-                                      "text_key", "on_error", "unit_bytes")}
+                                      "text_key", "on_error", "unit_bytes", "max_doc_bytes")}
                    | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"]},
         "tokenizer": tokenizer,
         "splits": splits,

@@ -55,6 +55,9 @@ SPLITS = (TRAIN_SPLIT, VAL_SPLIT)
 Progress = Callable[[int, int], None]  # (input bytes advanced, documents finished)
 
 
+MB = 1 << 20
+
+
 @dataclass(frozen=True)
 class Job:
     """The options every unit of a plan is prepared with (picklable: it travels to worker processes)."""
@@ -72,6 +75,8 @@ class Job:
     chat_template: str | None
     """Chat sources: the template conversations are rendered with."""
     max_docs: int | None = None
+    max_doc_bytes: int | None = None
+    """One document's largest size in bytes of UTF-8 text; larger: `policy.bad("too_large", ...)`."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -221,6 +226,8 @@ def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Count
                      progress: Progress | None) -> Iterator[tuple[str, str, object]]:
     size = job.docs_per_shard
     if piece.kind == "text":
+        if not _fits(piece.bytes, piece.path, job, policy):  # judged by its size, before it is read
+            return
         text = read_text_file(piece.path, policy)
         if text is not None:
             renamed["doc"] += piece.renamed
@@ -238,9 +245,22 @@ def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Count
     for number, where, value in formats.read_span(piece.span, policy, field_name, bytes_progress, missing):
         text = _conversation(value, where, policy, job.chat_template) if chat else \
             document_text(value, where, policy, field_name)
+        if text is not None and not _fits(len(text.encode("utf-8")), where, job, policy):
+            continue
         if text is not None:
             renamed["doc"] += piece.renamed
             yield f"{piece.name}--{number}", text, (piece.path, (number - 1) // size)
+
+
+def _fits(size: int, where: str, job: Job, policy: ErrorPolicy) -> bool:
+    """Whether a document of `size` bytes is within job.max_doc_bytes; if not, reported (an error, or a counted
+    skip `too_large`)."""
+    if job.max_doc_bytes is None or size <= job.max_doc_bytes:
+        return True
+    policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb {job.max_doc_bytes / MB:.3g} "
+                                   "(tokenizing one document takes ~200x its size in memory): split it, raise "
+                                   "--max-doc-mb, or skip such documents with --on-error skip")
+    return False
 
 
 def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter) -> Iterator[tuple[str, str]]:
