@@ -62,3 +62,19 @@ def test_deepspeed_sh_two_processes_matches_torchrun_ddp(demo_data, tmp_path, to
     assert [m["valid_tokens"] for m in zero] == [m["valid_tokens"] for m in ddp]
     for a, b in zip(zero, ddp, strict=True):  # same seed, data and objective: the same curve
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.parametrize("mistake, words", [("train.seq_len=1", "train.seq_len must be >= 2, got 1"),
+                                            ("trian.seq_len=1", "unknown config key 'trian'")])
+def test_a_mistake_under_torchrun_is_printed_once_not_once_per_rank(demo_data, tmp_path, mistake, words):
+    """Every rank makes a config mistake alike; each used to print it (N lines for N ranks). Rank 0 alone prints it
+    now; the others exit 2 in silence. What torchrun prints after it (its ChildFailedError report) is its own:
+    launch/README.md says so."""
+    cmd = [str(ROOT / "launch" / "torchrun.sh"), f"data.path={demo_data}", f"hydra.run.dir={tmp_path / 'run'}",
+           *SMALL, mistake]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "NPROC": "2", "PATH": path, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]

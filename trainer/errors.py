@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable
 
@@ -68,11 +69,15 @@ def run_command(
     extra_user_errors: ErrorTypes = (),
     message: Callable[[BaseException], str] | None = None,
     tracebacks: bool = False,
+    same_on_every_rank: ErrorTypes = (),
 ) -> int:
     """Run `command` and return its exit status (None counts as 0); a user's mistake is printed, not raised.
 
     A UserError (or one of `extra_user_errors`) prints one line, `error: <message(e)>`, on stderr and returns
     EXIT_USER_ERROR; `message` defaults to `original_message` (train passes one that also shortens Hydra's).
+    `same_on_every_rank`: errors every rank of a launch raises alike (a config, an override: train passes
+    ConfigError and Hydra's): printed by rank 0 alone (RANK, as torchrun and the deepspeed launcher set it), the
+    other ranks exit EXIT_USER_ERROR without a word, so a launch prints the mistake once, not once per rank.
     `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Ctrl-C (KeyboardInterrupt)
     prints one line too, `error: interrupted (SIGINT)...` with the interrupt's own text (train's says which step
     and checkpoint), and returns EXIT_INTERRUPTED. Whatever ends the command, its multiprocessing children are
@@ -84,7 +89,8 @@ def run_command(
         if tracebacks:
             stop_worker_processes()
             raise
-        print_user_error((message or original_message)(e))
+        if not (isinstance(e, same_on_every_rank) and int(os.environ.get("RANK", "0") or 0) > 0):
+            print_user_error((message or original_message)(e))
         return EXIT_USER_ERROR
     except KeyboardInterrupt as e:
         if tracebacks:

@@ -60,6 +60,10 @@ JOB_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 HYDRA_ERRORS = (CompactHydraException,)
 """Hydra's own override and composition errors: the user's mistakes too, though not UserError subclasses."""
 
+SAME_ON_EVERY_RANK = (ConfigError, *HYDRA_ERRORS)
+"""Mistakes every rank of a launch makes alike (the config, an override, a refusal rank 0 decided and broadcast):
+rank 0 alone prints them (trainer.errors.run_command)."""
+
 _DEEPSPEED_ONLY = ("{key} exists only with distributed.engine=deepspeed, which distributed=ddp (the default) is not: "
                    "choose distributed=deepspeed_zero1, deepspeed_zero2 or deepspeed_zero3, then override {key}")
 GROUP_ONLY_KEYS = {key: _DEEPSPEED_ONLY.format(key=key) for key in ("distributed.zero_stage", "distributed.offload")}
@@ -112,7 +116,7 @@ def main(raw: DictConfig) -> None:
     _job_started = True
     # Caught inside the job, so Hydra prints no "Error executing job ..." line above ours.
     status = run_command(lambda: run(raw), extra_user_errors=HYDRA_ERRORS, message=user_message,
-                         tracebacks=_tracebacks_wanted())
+                         tracebacks=_tracebacks_wanted(), same_on_every_rank=SAME_ON_EVERY_RANK)
     if status:
         raise SystemExit(status)  # passes through Hydra: under -m it ends the sweep
 
@@ -257,7 +261,7 @@ def cli() -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:  # Hydra's own errors are raised here, before any job
         return run_command(_hydra_main, extra_user_errors=HYDRA_ERRORS, message=user_message,
-                           tracebacks=_user_full_error)
+                           tracebacks=_user_full_error, same_on_every_rank=SAME_ON_EVERY_RANK)
     finally:
         if not _user_full_error:
             os.environ.pop("HYDRA_FULL_ERROR", None)
