@@ -69,6 +69,37 @@ def flash_varlen_args(
     )
 
 
+def flash_varlen_qk_args(
+    q_MHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+) -> dict:
+    """`flash_attn_varlen_func` arguments with separate query and key segments (context parallelism's allgather
+    strategy: a piece of m queries of a document attends to its n >= m keys up to the last query). flash-attn >= 2.1
+    aligns the causal mask at the bottom right when m < n: query i sees keys 0 .. n - m + i. Example: one piece of
+    2 queries over 5 keys -> cu_seqlens_q [0, 2], cu_seqlens_k [0, 5], max 2 and 5."""
+    if not (q_MHD.dim() == k_NHD.dim() == 3 and k_NHD.shape == v_NHD.shape and q_MHD.shape[1:] == k_NHD.shape[1:]):
+        raise ValueError(f"q (M, H, D) and k, v (N, H, D) expected, got {q_MHD.shape}, {k_NHD.shape}, {v_NHD.shape}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (S + 1,), got {tuple(cu_seqlens_q.shape)} and "
+                         f"{tuple(cu_seqlens_k.shape)}")
+    return dict(
+        q=q_MHD, k=k_NHD, v=v_NHD,
+        cu_seqlens_q=cu_seqlens_q.to(device=q_MHD.device, dtype=torch.int32),
+        cu_seqlens_k=cu_seqlens_k.to(device=q_MHD.device, dtype=torch.int32),
+        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), causal=True,
+    )
+
+
+def _flash_attn() -> ModuleType:
+    flash_attn, error = _import_flash_attn()
+    if flash_attn is None:
+        raise RuntimeError(
+            f"attention backend 'flash' needs the flash-attn package, which does not import ({error}); "
+            "install it with `pip install 'packtrain[flash]'` on a CUDA machine or pick another backend"
+        )
+    return flash_attn
+
+
 def flash_varlen_attention(
     q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
@@ -77,10 +108,13 @@ def flash_varlen_attention(
     Raises RuntimeError naming what is missing if flash-attn does not import. Device and dtype are checked
     by the adapter's backend resolution (`trainer.model.attention.backend_unavailable_reason`).
     """
-    flash_attn, error = _import_flash_attn()
-    if flash_attn is None:
-        raise RuntimeError(
-            f"attention backend 'flash' needs the flash-attn package, which does not import ({error}); "
-            "install it with `pip install 'packtrain[flash]'` on a CUDA machine or pick another backend"
-        )
-    return flash_attn.flash_attn_varlen_func(**flash_varlen_args(q_NHD, k_NHD, v_NHD, cu_seqlens, max_seqlen))
+    return _flash_attn().flash_attn_varlen_func(**flash_varlen_args(q_NHD, k_NHD, v_NHD, cu_seqlens, max_seqlen))
+
+
+def flash_varlen_attention_qk(
+    q_MHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+) -> torch.Tensor:
+    """flash-attn's varlen kernel with separate query and key segments (`flash_varlen_qk_args`); (M, H, D)."""
+    return _flash_attn().flash_attn_varlen_func(**flash_varlen_qk_args(
+        q_MHD, k_NHD, v_NHD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
+from trainer.model.context_parallel import ContextShard
 from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
 
 POS_EMBS = ("learned", "rope")
@@ -208,6 +209,10 @@ class CausalSelfAttention(nn.Module):
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
+        elif isinstance(segments, ContextShard):  # context parallelism: joins the group's shares of the rows
+            flat = (B * L, self.n_head, self.head_dim)
+            y = segments.attend(q.reshape(flat), k.reshape(flat), v.reshape(flat), self.attention.backend,
+                                self.attention.flex_compile)
         else:
             flat = (B * L, self.n_head, self.head_dim)
             y = self.attend(
@@ -309,6 +314,8 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         loss_groups: torch.Tensor | None = None,
         num_loss_groups: int = 0,
+        context: ContextShard | None = None,
+        labels_shifted: bool = False,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
 
@@ -322,6 +329,9 @@ class GPT(nn.Module):
         where they never exist whole; True always returns them (the plain loss path); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
+        context: this rank's share of whole rows under context parallelism (trainer.model.context_parallel.
+        shard_inputs makes these kwargs): attention joins the group's shares; labels, weights and groups then
+        arrive shifted (`labels_shifted`: labels[t] is position t's target).
         """
         B, L = input_ids.shape
         past = 0 if cache is None else cache.length
@@ -332,8 +342,10 @@ class GPT(nn.Module):
             raise ValueError("a KVCache decodes padded rows: pass cu_seqlens=None")
         if position_ids is None:
             position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
-        segments = None
-        if cu_seqlens is not None and self.attention.isolate_documents:
+        segments = context
+        if context is not None and (cu_seqlens is not None or cache is not None):
+            raise ValueError("a context-parallel shard carries its own boundaries: pass cu_seqlens=None, no cache")
+        if context is None and cu_seqlens is not None and self.attention.isolate_documents:
             if max_seqlen is None:
                 raise ValueError("packed rows need max_seqlen (a Python int computed with cu_seqlens)")
             segments = Segments(cu_seqlens, max_seqlen)
@@ -353,15 +365,15 @@ class GPT(nn.Module):
 
         if self.loss_chunk_tokens and labels is not None and not return_logits:  # the logits never exist whole
             loss_sum, num_targets, weighted, grouped = chunked_cross_entropy(
-                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups
-            )
+                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups,
+                labels_shifted)
             return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
                                group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V)
         loss_sum = num_targets = weighted = grouped = None
         if labels is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
             loss_sum, num_targets, weighted, grouped = plain_cross_entropy(
-                logits, labels, loss_weights, loss_groups, num_loss_groups)
+                logits, labels, loss_weights, loss_groups, num_loss_groups, labels_shifted)
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
 

@@ -38,11 +38,12 @@ def shift_left(x_BL: torch.Tensor, fill: float) -> torch.Tensor:
     return F.pad(x_BL[:, 1:], (0, 1), value=fill)
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     """(B, L) fp32 cross entropy of each position's next-token target (logits at t predicting labels at t + 1),
-    0 where ignored and at each row's last position. One kernel over the contiguous (B * L, V) logits."""
+    0 where ignored and at each row's last position. One kernel over the contiguous (B * L, V) logits.
+    `shifted`: labels[t] already is position t's target (a context-parallel shard, cut from shifted whole rows)."""
     B, L, V = logits.shape
-    targets_N = shift_left(labels, IGNORE_INDEX).reshape(-1)
+    targets_N = (labels if shifted else shift_left(labels, IGNORE_INDEX)).reshape(-1)
     ce_N = F.cross_entropy(logits.reshape(B * L, V).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
     return ce_N.view(B, L)
 
@@ -59,14 +60,20 @@ def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> t
     return out.index_add_(0, torch.where(inside, groups_N, 0), torch.where(inside, ce_N, 0.0))
 
 
-def num_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Targets of unshifted labels: every label but -100 and each row's first (which nothing predicts)."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
+def num_targets(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Targets of unshifted labels: every label but -100 and each row's first (which nothing predicts); of
+    `shifted` ones, every label but -100."""
+    return (labels != IGNORE_INDEX).sum() if shifted else (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def _aligned(x_BL: torch.Tensor, fill: float, shifted: bool) -> torch.Tensor:
+    """Weights or groups aligned with the positions that score them: shifted left unless they already are."""
+    return x_BL if shifted else shift_left(x_BL, fill)
 
 
 def plain_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None, num_groups: int = 0,
+    groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
     of whole logits (B, L, V). Every sum reduces the same `token_losses`: with or without weights and groups, the
@@ -76,10 +83,10 @@ def plain_cross_entropy(
     token's document) makes the weighted sum the sum of per-document mean losses; groups[b, t] is the group of
     that target (-1: none), as in `group_sums`.
     """
-    ce_BL = token_losses(logits, labels)
-    weighted = None if weights is None else (ce_BL * shift_left(weights, 0.0)).sum()
-    grouped = None if groups is None else group_sums(ce_BL, shift_left(groups, -1), num_groups)
-    return ce_BL.sum(), num_targets(labels), weighted, grouped
+    ce_BL = token_losses(logits, labels, shifted)
+    weighted = None if weights is None else (ce_BL * _aligned(weights, 0.0, shifted)).sum()
+    grouped = None if groups is None else group_sums(ce_BL, _aligned(groups, -1, shifted), num_groups)
+    return ce_BL.sum(), num_targets(labels, shifted), weighted, grouped
 
 
 def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +175,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
-    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """plain_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
 
@@ -180,9 +187,9 @@ def chunked_cross_entropy(
     Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
     """
     B, L, C = hidden.shape
-    targets_BL = shift_left(labels, IGNORE_INDEX)
-    weights_N = None if weights is None else shift_left(weights.float(), 0.0).reshape(-1)
-    groups_N = None if groups is None else shift_left(groups, -1).reshape(-1)
+    targets_BL = _aligned(labels, IGNORE_INDEX, shifted)
+    weights_N = None if weights is None else _aligned(weights.float(), 0.0, shifted).reshape(-1)
+    groups_N = None if groups is None else _aligned(groups, -1, shifted).reshape(-1)
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -191,5 +198,5 @@ def chunked_cross_entropy(
             hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
             want_grad, groups_N, num_groups,
         )
-    return (loss_sum, num_targets(labels), None if weights is None else weighted_sum,
+    return (loss_sum, num_targets(labels, shifted), None if weights is None else weighted_sum,
             None if groups is None else grouped)

@@ -1,0 +1,209 @@
+"""Context parallelism (trainer/model/context_parallel.py): one packed row split over the ranks of a group gives the
+loss and EVERY parameter's gradient of the whole row on one rank, on real gloo process groups, for both strategies.
+
+The rows are laid out by the trainer's own collate_rows (positions reset per document, -100 at each document
+start, EOS kept as a target, a padding tail), with a document longer than a chunk, documents crossing every chunk
+boundary and single-token documents. Three references: the model on one rank (CP = 1), and, sharing no code with
+the model's attention or loss, a plain-PyTorch forward written here (each document alone through the same weights,
+softmax attention with an explicit causal mask, cross entropy of each next token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.harness import run_distributed
+from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
+from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
+from trainer.model.context_parallel import ContextGroup, local_flat_index, shard_inputs, zigzag_positions
+
+VOCAB, L = 61, 32
+ROWS = [[20, 1, 1, 10], [5, 3, 7, 9]]  # row 1 ends in a padding tail of 8
+"""Document lengths per row: at CP = 4 the chunks are 4 positions long, so the 20-token document spans five chunks
+and every chunk boundary of row 0 cuts a document; two documents of one token."""
+
+
+def make_batch(layout: str = "packed", rows=ROWS, seed: int = 0, change: tuple[int, int] | None = None):
+    """A batch of the trainer's collate_rows; `change` = (document number, token index): that token altered."""
+    rng = np.random.default_rng(seed)
+    docs, number = [], 0
+    for row in rows:
+        docs.append([])
+        for n in row:
+            tokens = rng.integers(4, VOCAB, size=n)
+            tokens[-1] = 1  # EOS, kept as a target
+            if change is not None and change[0] == number:
+                tokens[change[1]] = (tokens[change[1]] + 7) % VOCAB
+            docs[-1].append(Document(key=f"d{number}", tokens=tokens))
+            number += 1
+    if layout != "packed":
+        docs = [[d] for row in docs for d in row]
+    return collate_rows(docs, L, 0, layout)
+
+
+def model(pos_emb: str = "learned", isolate: bool = True, backend: str = "sdpa_docs"):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, max_seq_len=L, pos_emb=pos_emb)
+    return build_model(cfg, AttentionConfig(backend=backend, isolate_documents=isolate))
+
+
+def grads(m) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+def whole(m, batch) -> tuple[float, int, dict]:
+    """CP = 1: the model on one rank."""
+    m.zero_grad()
+    out = m(**model_inputs(batch))
+    out.loss_sum.backward()
+    return out.loss_sum.item(), int(out.num_targets), grads(m)
+
+
+def reference_loss(m, batch) -> torch.Tensor:
+    """The summed next-token cross entropy of every document, each alone, through the weights of `m` in plain
+    PyTorch: no packing, no cu_seqlens, no trainer attention or loss code."""
+    total = torch.zeros(())
+    p = dict(m.named_parameters())
+    heads, dim = m.cfg.n_head, m.cfg.n_embd // m.cfg.n_head
+    for b, lengths in enumerate(ROWS):
+        ids = batch.input_ids[b]
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        for a, e in zip(bounds, bounds[1:], strict=False):
+            if e - a < 2:
+                continue  # a one-token document has no target
+            x = p["wte.weight"][ids[a:e]] + p["wpe.weight"][: e - a]
+            n = e - a
+            for i in range(m.cfg.n_layer):
+                h = F.layer_norm(x, (m.cfg.n_embd,), p[f"blocks.{i}.ln_1.weight"], p[f"blocks.{i}.ln_1.bias"])
+                qkv = h @ p[f"blocks.{i}.attn.c_attn.weight"].T + p[f"blocks.{i}.attn.c_attn.bias"]
+                q, k, v = (t.view(n, heads, dim).transpose(0, 1) for t in qkv.split(m.cfg.n_embd, -1))
+                scores = q @ k.transpose(1, 2) / math.sqrt(dim)
+                scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+                y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, m.cfg.n_embd)
+                x = x + y @ p[f"blocks.{i}.attn.c_proj.weight"].T + p[f"blocks.{i}.attn.c_proj.bias"]
+                h = F.layer_norm(x, (m.cfg.n_embd,), p[f"blocks.{i}.ln_2.weight"], p[f"blocks.{i}.ln_2.bias"])
+                h = F.gelu(h @ p[f"blocks.{i}.mlp.c_fc.weight"].T + p[f"blocks.{i}.mlp.c_fc.bias"], approximate="tanh")
+                x = x + h @ p[f"blocks.{i}.mlp.c_proj.weight"].T + p[f"blocks.{i}.mlp.c_proj.bias"]
+            logits = F.layer_norm(x, (m.cfg.n_embd,), p["ln_f.weight"], p["ln_f.bias"]) @ p["wte.weight"].T
+            targets = ids[a + 1:e]
+            total = total + F.cross_entropy(logits[:-1], targets, reduction="sum")
+    return total
+
+
+def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, change=None):
+    """One rank of DP = world / size x CP = size: its group's batch (seed = its data rank), its share, summed."""
+    dp_rank = rank // size
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+    cp = ContextGroup(groups[dp_rank], size, rank % size, strategy)
+    m = model(pos_emb, isolate, backend)
+    batch = make_batch(layout, seed=dp_rank, change=change)
+    inputs = shard_inputs(model_inputs(batch), cp, isolate_documents=isolate)
+    out = m(**inputs, return_logits=True)
+    out.loss_sum.backward()
+    loss = out.loss_sum.detach().clone()
+    count = out.num_targets.clone()
+    dist.all_reduce(loss)
+    dist.all_reduce(count)
+    g = grads(m)
+    for t in g.values():
+        dist.all_reduce(t)
+    local = local_flat_index(*inputs["input_ids"].shape[:1], inputs["context"].seq_len, size, rank % size)
+    return loss.item(), int(count), g, out.logits.detach(), local
+
+
+def reference_sums(world, size, layout, pos_emb, isolate, backend):
+    """CP = 1 over the same data ranks: loss, targets and gradients summed over their batches."""
+    m = model(pos_emb, isolate, backend)
+    m.zero_grad()
+    loss, count = 0.0, 0
+    for dp_rank in range(world // size):
+        out = m(**model_inputs(make_batch(layout, seed=dp_rank)))
+        out.loss_sum.backward()
+        loss, count = loss + out.loss_sum.item(), count + int(out.num_targets)
+    return loss, count, grads(m)
+
+
+CASES = [  # (world, CP size, strategy, layout, pos_emb)
+    (2, 2, "allgather", "packed", "learned"),
+    (2, 2, "ulysses", "packed", "learned"),
+    (4, 4, "allgather", "packed", "rope"),
+    (4, 4, "ulysses", "packed", "rope"),
+    (4, 2, "allgather", "packed", "learned"),  # DP 2 x CP 2
+    (4, 2, "ulysses", "packed", "rope"),
+    (2, 2, "allgather", "unpacked", "learned"),
+    (2, 2, "ulysses", "bucketed", "learned"),
+]
+
+
+@pytest.mark.parametrize("world, size, strategy, layout, pos_emb", CASES)
+def test_loss_and_every_gradient_equal_cp1(world, size, strategy, layout, pos_emb):
+    results = run_distributed(_cp_rank, world, (size, strategy, layout, pos_emb, True, "sdpa_docs"))
+    ref_loss, ref_count, ref_grads = reference_sums(world, size, layout, pos_emb, True, "sdpa_docs")
+    for loss, count, g, _, _ in results:
+        assert count == ref_count  # every target counted once over the group
+        assert abs(loss - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss)), (loss, ref_loss)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(g[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_cp1_model_equals_the_plain_pytorch_reference():
+    """The CP = 1 side of the comparisons above against code that shares nothing with the model's attention and
+    loss: loss and every gradient."""
+    m = model()
+    batch = make_batch()
+    loss, count, g = whole(m, batch)
+    ref_model = model()
+    ref = reference_loss(ref_model, batch)
+    ref.backward()
+    assert abs(loss - ref.item()) <= 1e-6 * abs(ref.item()), (loss, ref.item())  # fp32 sums: relative
+    assert count == int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_cp_equals_the_plain_pytorch_reference(strategy):
+    (loss, count, g, _, _), _ = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", True, "sdpa_docs"))
+    ref_model = model()
+    ref = reference_loss(ref_model, make_batch())
+    ref.backward()
+    assert abs(loss - ref.item()) <= 1e-6 * abs(ref.item()), (loss, ref.item())  # fp32 sums: relative
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_no_logit_of_another_document_changes_on_any_rank(strategy):
+    """Leakage probe: one token of document 0 changed; on every rank, every logit of every other document is
+    unchanged (and with document isolation off, some do change: the probe can see leakage)."""
+    def logits_by_position(isolate, change):
+        out = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", isolate, "sdpa_docs", change))
+        full = torch.zeros(2 * L, VOCAB)
+        for _, _, _, logits, local in out:
+            full[torch.as_tensor(local)] = logits.reshape(-1, VOCAB)
+        return full
+
+    doc0 = torch.zeros(2 * L, dtype=torch.bool)
+    doc0[:20] = True
+    for isolate in (True, False):
+        before, after = logits_by_position(isolate, None), logits_by_position(isolate, (0, 3))
+        changed = (before - after).abs().amax(-1) > 1e-6
+        assert changed[:20].any()  # the changed document itself sees it
+        if isolate:
+            assert not changed[~doc0].any(), changed.nonzero().flatten().tolist()
+        else:
+            assert changed[20:L].any()  # row 0's later documents read document 0
+
+
+def test_zigzag_gives_each_rank_a_cheap_and_a_dear_chunk():
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(np.concatenate([zigzag_positions(24, 3, r) for r in range(3)]).tolist()) == list(range(24))
+    with pytest.raises(ValueError, match="cannot be cut into 2 x 3"):
+        zigzag_positions(20, 3, 0)

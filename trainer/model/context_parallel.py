@@ -1,0 +1,298 @@
+"""Context parallelism: one packed row split over the N ranks of a context-parallel group, documents still exact.
+
+Every rank of the group holds the same rows (the data ranks are the groups, not the ranks) and 1/N of each
+row's positions. A row of length L is cut into 2N chunks of C = L / 2N positions; rank r takes chunks r and
+2N - 1 - r ("zigzag"), so that under causal attention every rank gets one cheap chunk from the row's start and
+one dear chunk from its end. Example, N = 2, L = 8 (C = 2): rank 0 holds positions [0 1 6 7], rank 1 [2 3 4 5].
+
+Everything a position needs that depends on its neighbours is computed on the whole row first and then cut:
+positions (reset per document), targets (labels shifted left on the whole row, so the target of a chunk's last
+position is the first label of the next chunk, and -100 at each document start holds wherever the chunk lands),
+loss weights and groups. The model then scores each local position against its own pre-shifted target
+(`labels_shifted`). Attention is the only layer that sees other positions, and does so in one of two ways:
+
+    allgather  K and V all-gathered over the group (differentiable: the backward reduce-scatters their
+               gradients to their owners); each local query attends to the keys of its own document up to itself.
+               A run of local queries inside one document is one (query piece, key piece) pair: queries [a, b) of
+               a document starting at s attend to keys [s, b), causally aligned at the bottom right (query i sees
+               keys up to s + (a - s) + i). flash-attn takes the pieces as cu_seqlens_q != cu_seqlens_k; on CPU
+               SDPA runs once per piece with that mask. Any number of heads.
+    ulysses    all-to-all turns (local positions, all H heads) into (the whole row, H / N heads); the document
+               kernel of trainer.model.attention runs on whole rows with the row's own cu_seqlens, and an
+               all-to-all turns the result back. Needs H % N == 0; any attention backend.
+
+torch's `torch.distributed.tensor.experimental.context_parallel` (ring attention over SDPA / Flex) is not used: it
+shards plain causal attention (its SDPA path takes no document mask, `is_causal` only), so packed documents would
+attend across their boundaries; its load balancer is the same zigzag as here.
+
+The gradients of a rank's parameters are then its share of the full gradient: summed over the group (the data
+parallel all-reduce runs over data x context ranks) they are the CP = 1 gradient, given that each target is
+counted once in the step's denominator (trainer.run.step counts the targets of the whole rows on one rank of each
+group).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+from trainer.model import flash
+from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
+from trainer.model.loss import shift_left
+
+STRATEGIES = ("allgather", "ulysses")
+ALLGATHER_KERNELS = ("flash", "sdpa_docs", "dense")
+"""The kernels the allgather strategy can run: they take separate query and key lengths (bottom-right causal)."""
+
+
+def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
+    """The positions of a row of `seq_len` that rank `rank` of a group of `size` holds, in order: chunk `rank`,
+    then chunk 2 * size - 1 - rank. Example: zigzag_positions(8, 2, 0) -> [0 1 6 7]."""
+    if seq_len % (2 * size):
+        raise ValueError(f"a row of {seq_len} positions cannot be cut into 2 x {size} equal chunks")
+    chunk = seq_len // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return np.concatenate([np.arange(first, first + chunk), np.arange(second, second + chunk)])
+
+
+def local_flat_index(batch: int, seq_len: int, size: int, rank: int) -> np.ndarray:
+    """Flat (row * seq_len + position) indices of this rank's positions of every row, row by row."""
+    positions = zigzag_positions(seq_len, size, rank)
+    return (np.arange(batch)[:, None] * seq_len + positions[None, :]).reshape(-1)
+
+
+@dataclass
+class ContextGroup:
+    """The context-parallel group a rank belongs to, and how attention crosses it."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    strategy: str = "allgather"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"context-parallel strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+
+def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True) -> dict:
+    """The model's forward kwargs of a whole micro-batch (trainer.model.model_inputs) -> this rank's share.
+
+    The targets, weights and groups are shifted on the whole rows, then cut with the inputs; the attention
+    boundaries of the whole micro-batch travel in a `ContextShard` (`context`). Rows whose length does not divide
+    into 2N chunks (an unpacked or bucketed layout) are padded at their end first: padding has no target and
+    attends only within its own row, so nothing changes.
+    """
+    input_ids, labels = inputs["input_ids"], inputs["labels"]
+    B, L = input_ids.shape
+    position_ids = inputs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+    cu_seqlens = inputs.get("cu_seqlens")
+    per_row = cu_seqlens is None or not isolate_documents
+    targets = shift_left(labels, -100)
+    weights = None if inputs.get("loss_weights") is None else shift_left(inputs["loss_weights"].float(), 0.0)
+    groups = None if inputs.get("loss_groups") is None else shift_left(inputs["loss_groups"], -1)
+    pad = (-L) % (2 * cp.size)
+    if pad:
+        if not per_row:
+            raise ValueError(f"packed rows of {L} positions cannot be cut into 2 x {cp.size} chunks: train.seq_len must "
+                             f"be a multiple of {2 * cp.size}")
+        input_ids = F.pad(input_ids, (0, pad), value=0)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1,
+                                                                                      device=position_ids.device)], 1)
+        targets = F.pad(targets, (0, pad), value=-100)
+        weights = None if weights is None else F.pad(weights, (0, pad), value=0.0)
+        groups = None if groups is None else F.pad(groups, (0, pad), value=-1)
+        L += pad
+    if per_row:
+        cu_seqlens = torch.arange(0, B * L + 1, L, dtype=torch.int32)
+    positions = torch.as_tensor(zigzag_positions(L, cp.size, cp.rank), device=input_ids.device)
+    out = {
+        "input_ids": input_ids[:, positions],
+        "position_ids": position_ids[:, positions],
+        "labels": targets[:, positions],
+        "labels_shifted": True,
+        "context": ContextShard(cp, cu_seqlens.cpu(), B, L),
+    }
+    if weights is not None:
+        out["loss_weights"] = weights[:, positions]
+    if groups is not None:
+        out["loss_groups"], out["num_loss_groups"] = groups[:, positions], inputs["num_loss_groups"]
+    return out
+
+
+class ContextShard:
+    """One micro-batch's attention boundaries as a rank of a context-parallel group sees them: the segments
+    (documents) of the whole rows, this rank's positions among them, and the collectives that join them. Built
+    once per forward pass; what each strategy needs is computed on first use and shared by all layers."""
+
+    def __init__(self, cp: ContextGroup, cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
+        self.cp, self.batch, self.seq_len = cp, batch, seq_len
+        self.cu = cu_seqlens.to(torch.int64).numpy()
+        self.num_tokens = batch * seq_len
+        self.local = local_flat_index(batch, seq_len, cp.size, cp.rank)
+        self._cache: dict = {}
+
+    # -- allgather ------------------------------------------------------------------------------------------
+
+    def pieces(self) -> dict:
+        """(query piece, key piece) pairs of the local queries: lengths, the key index into the whole rows, and
+        cu_seqlens / max lengths as varlen kernels take them."""
+        if "pieces" in self._cache:
+            return self._cache["pieces"]
+        seg = np.searchsorted(self.cu[1:], self.local, side="right")  # segment of each local query
+        start = self.cu[seg]
+        cut = np.flatnonzero((np.diff(self.local) != 1) | (np.diff(seg) != 0)) + 1
+        bounds = [0, *cut.tolist(), len(self.local)]
+        q_lens, k_lens, k_index = [], [], []
+        for a, b in itertools.pairwise(bounds):
+            s, end = int(start[a]), int(self.local[b - 1]) + 1
+            q_lens.append(b - a)
+            k_lens.append(end - s)
+            k_index.append(np.arange(s, end))
+        piece = {
+            "q_lens": q_lens, "k_lens": k_lens, "k_index": torch.as_tensor(np.concatenate(k_index)),
+            "cu_q": torch.as_tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32),
+            "cu_k": torch.as_tensor(np.concatenate([[0], np.cumsum(k_lens)]), dtype=torch.int32),
+            "max_q": max(q_lens), "max_k": max(k_lens),
+        }
+        self._cache["pieces"] = piece
+        return piece
+
+    def gathered_order(self) -> torch.Tensor:
+        """Flat positions of the whole rows in the order an all-gather (or all-to-all) over the group lays them:
+        rank 0's local positions, then rank 1's, ..."""
+        if "order" not in self._cache:
+            order = np.concatenate([local_flat_index(self.batch, self.seq_len, self.cp.size, r)
+                                    for r in range(self.cp.size)])
+            self._cache["order"] = torch.as_tensor(order)
+            self._cache["inverse"] = torch.as_tensor(np.argsort(order))
+        return self._cache["order"]
+
+    def _whole(self, local_NHD: torch.Tensor) -> torch.Tensor:
+        """All-gather a local (N_loc, H, D) tensor into the whole rows' flat order, differentiably."""
+        self.gathered_order()
+        gathered = _AllGather.apply(local_NHD.contiguous(), self.cp.group)
+        return gathered.index_select(0, self._cache["inverse"].to(local_NHD.device))
+
+    def allgather_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+        k_all, v_all = self._whole(k), self._whole(v)
+        if kernel == "dense":
+            return _dense_local(q, k_all, v_all, self._dense_mask(q.device))
+        p = self.pieces()
+        index = p["k_index"].to(q.device)
+        k_p, v_p = k_all.index_select(0, index), v_all.index_select(0, index)
+        if kernel == "flash":
+            return flash.flash_varlen_attention_qk(q, k_p, v_p, p["cu_q"].to(q.device), p["cu_k"].to(q.device),
+                                                   p["max_q"], p["max_k"])
+        return _sdpa_pieces(q, k_p, v_p, p["q_lens"], p["k_lens"])
+
+    def _dense_mask(self, device: torch.device) -> torch.Tensor:
+        """(N_loc, N) Boolean: local query i may attend to whole-row position j (same segment, j <= its position)."""
+        key = ("dense", device)
+        if key not in self._cache:
+            cu = torch.as_tensor(self.cu)
+            seg = document_ids(cu, self.num_tokens)
+            local = torch.as_tensor(self.local)
+            mask = (seg[local][:, None] == seg[None, :]) & (torch.arange(self.num_tokens)[None, :] <= local[:, None])
+            self._cache[key] = mask.to(device)
+        return self._cache[key]
+
+    # -- ulysses --------------------------------------------------------------------------------------------
+
+    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
+                          flex_compile: bool) -> torch.Tensor:
+        size = self.cp.size
+        n_loc, heads, dim = q.shape
+        order = self.gathered_order().to(q.device)
+        inverse = self._cache["inverse"].to(q.device)
+
+        def to_rows(x: torch.Tensor) -> torch.Tensor:  # (N_loc, H, D) -> (N, H / size, D), whole rows in order
+            x = x.reshape(n_loc, size, heads // size, dim).transpose(0, 1).contiguous()
+            out = dist_fn.all_to_all_single(torch.empty_like(x), x, group=self.cp.group)
+            return out.reshape(size * n_loc, heads // size, dim).index_select(0, inverse)
+
+        segments = self._cache.get("segments")
+        if segments is None:
+            cu = torch.as_tensor(self.cu, dtype=torch.int32)
+            segments = self._cache["segments"] = Segments(cu, int(np.diff(self.cu).max()))
+        y = segment_attention(to_rows(q), to_rows(k), to_rows(v), segments, backend, flex_compile)
+        y = y.index_select(0, order).reshape(size, n_loc, heads // size, dim).contiguous()
+        back = dist_fn.all_to_all_single(torch.empty_like(y), y, group=self.cp.group)
+        return back.transpose(0, 1).reshape(n_loc, heads, dim)
+
+    # -- the layer's call -----------------------------------------------------------------------------------
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
+               flex_compile: bool = True) -> torch.Tensor:
+        """Document-causal attention of this rank's (N_loc, H, D) queries over the whole rows; (N_loc, H, D)."""
+        if self.cp.strategy == "ulysses":
+            return self.ulysses_attention(q, k, v, backend, flex_compile)
+        return self.allgather_attention(q, k, v, allgather_kernel(backend, q.device, q.dtype))
+
+
+# torch 2.13 renamed the tensor collectives (*_single); older versions (pyproject accepts them) have the old names.
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 0 over `group`; backward sums every rank's gradient of the gathered tensor and keeps
+    this rank's slice (a reduce-scatter: NCCL's where the backend has one, else an all-reduce and a slice: gloo
+    has no reduce-scatter, and torch.distributed.nn.functional.all_gather's fallback scatters from global rank 0,
+    which fails on a group without it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, grad, group=group)
+            return out, None
+        dist.all_reduce(grad, group=group)
+        return grad.chunk(size, 0)[rank].contiguous(), None
+
+
+def allgather_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel the allgather strategy runs for attention `backend`: flash where it runs (auto too), else the
+    per-piece SDPA; a backend that cannot take separate query and key lengths is refused (ValueError)."""
+    if backend == "auto":
+        return "flash" if flash.flash_unavailable_reason(device, dtype) is None else "sdpa_docs"
+    if backend not in ALLGATHER_KERNELS:
+        raise ValueError(f"distributed.context_parallel_strategy=allgather needs an attention backend that takes "
+                         f"separate query and key lengths ({', '.join(ALLGATHER_KERNELS)} or auto), got {backend!r}; "
+                         "use attention=auto, or the ulysses strategy (any backend)")
+    return resolve_backend(backend, device, dtype)
+
+
+def _sdpa_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: list[int],
+                 k_lens: list[int]) -> torch.Tensor:
+    """SDPA once per (query piece, key piece), causal aligned at the bottom right: the last query sees every key."""
+    outs = []
+    for q_t, k_t, v_t, m, n in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens), q_lens, k_lens, strict=True):
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q_t, k_t, v_t))
+        if m == n:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+        else:
+            mask = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(n - m)
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
+        outs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+def _dense_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask).squeeze(0).transpose(0, 1)
