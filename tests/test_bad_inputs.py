@@ -177,6 +177,19 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"distributed.zero_stage must be 1, 2 or 3 with engine=deepspeed, got 4"),
     ("distributed.zero_stage", ("train.compile=true", "distributed=deepspeed_zero3"),
      r"train.compile=true does not run under ZeRO-3"),
+    ("distributed.context_parallel", ("distributed.context_parallel=0",),
+     r"distributed.context_parallel must be an integer >= 1, got 0"),
+    ("distributed.context_parallel", ("distributed.context_parallel=3",),
+     r"distributed.context_parallel=3 cuts each row into 2 x 3 equal chunks \(zigzag\): train.seq_len \(128\) must "
+     r"be a multiple of 6"),
+    ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),
+     r"ulysses splits the heads over the group: model.n_head \(4\) must be a multiple of"),
+    ("distributed.context_parallel", ("distributed.context_parallel=2", "attention=flex"),
+     r"allgather needs an attention backend that takes separate query and key lengths .* got attention.backend=flex"),
+    ("distributed.context_parallel", ("distributed.context_parallel=2", "train.compile=true"),
+     r"train.compile=true is not supported with distributed.context_parallel > 1"),
+    ("distributed.context_parallel_strategy", ("distributed.context_parallel_strategy=ring",),
+     r"distributed.context_parallel_strategy must be one of \('allgather', 'ulysses'\), got 'ring'"),
     ("distributed.offload", ("distributed.offload=true",), r"distributed.offload exists only with"),
     ("distributed.offload", ("distributed=deepspeed_zero2", "distributed.offload=maybe"),
      r"distributed.offload must be true or false"),
@@ -522,6 +535,9 @@ def test_nan_losses_at_the_same_steps_are_not_called_the_same_objective():
 
 COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
     # name -> (config key or command, python -m argv ({tmp}: the row's directory), regex of the line, what stays intact)
+    "context_parallel_over_one_rank": ("distributed.context_parallel", ["trainer.train", *SMALL,
+                                       "distributed.context_parallel=2", "hydra.run.dir={tmp}/run"],
+                                       r"distributed.context_parallel=2 must divide the number of ranks \(1\)", None),
     "n_head_0": ("model.n_head", ["trainer.train", *SMALL, "model.n_head=0", "hydra.run.dir={tmp}/run"],
                  r"^error: model.n_head must be >= 1, got 0$", None),
     "zero_stage_under_ddp": ("distributed.zero_stage", ["trainer.train", *SMALL, "distributed.zero_stage=1",

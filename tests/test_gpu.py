@@ -379,3 +379,29 @@ def test_packed_matches_unpacked_on_cuda_in_fp32(backend):
     assert abs(loss_p - loss_u) <= 1e-5 * abs(loss_u)
     for name, g_u in grads_u.items():
         assert relative_error(grads_p[name], g_u) <= 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_flash_with_separate_query_and_key_segments_matches_the_per_piece_reference(dtype):
+    """Context parallelism's allgather call (trainer/distributed/context.py): flash-attn's varlen kernel with
+    cu_seqlens_q != cu_seqlens_k, causal aligned at the bottom right, forward and backward, against SDPA per piece
+    in fp32. Pieces: 3 queries over 7 keys, 4 over 4, 1 over 9 (a document's last query sees it whole)."""
+    skip_unless_available("flash", dtype)
+    from trainer.distributed.context import _sdpa_pieces
+
+    q_lens, k_lens = [3, 4, 1], [7, 4, 9]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(sum(q_lens), 4, 64, generator=g)
+    k, v = (torch.randn(sum(k_lens), 4, 64, generator=g) for _ in range(2))
+    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *np.cumsum(k_lens)], dtype=torch.int32)
+    leaves = [t.to(CUDA, dtype).requires_grad_() for t in (q, k, v)]
+    out = flash.flash_varlen_attention_qk(*leaves, cu_q, cu_k, max(q_lens), max(k_lens))
+    ref_leaves = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
+    ref = _sdpa_pieces(*ref_leaves, q_lens, k_lens)
+    assert relative_error(out.float(), ref) < 2e-2
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(dtype))
+    ref.backward(grad)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert relative_error(got.grad.float(), want.grad) < 3e-2

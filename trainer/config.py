@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainer.data.config import DataConfig, PackingConfig
-from trainer.distributed.config import DistributedConfig
+from trainer.distributed.config import ALLGATHER_KERNELS, DistributedConfig
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
@@ -283,6 +283,22 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     if cfg.model.max_seq_len < cfg.train.seq_len:
         problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")
+    cp, strategy = cfg.distributed.context_parallel, cfg.distributed.context_parallel_strategy
+    if cp > 1:
+        if cfg.train.seq_len % (2 * cp):
+            problems.append(f"distributed.context_parallel={cp} cuts each row into 2 x {cp} equal chunks (zigzag): "
+                            f"train.seq_len ({cfg.train.seq_len}) must be a multiple of {2 * cp}")
+        if strategy == "ulysses" and cfg.model.n_head % cp:
+            problems.append(f"distributed.context_parallel_strategy=ulysses splits the heads over the group: "
+                            f"model.n_head ({cfg.model.n_head}) must be a multiple of distributed.context_parallel "
+                            f"({cp}); use the allgather strategy (any head count)")
+        if strategy == "allgather" and cfg.attention.backend not in ("auto", *ALLGATHER_KERNELS):
+            problems.append(f"distributed.context_parallel_strategy=allgather needs an attention backend that takes "
+                            f"separate query and key lengths (auto, {', '.join(ALLGATHER_KERNELS)}), got "
+                            f"attention.backend={cfg.attention.backend}; use attention=auto or the ulysses strategy")
+        if cfg.train.compile:
+            problems.append("train.compile=true is not supported with distributed.context_parallel > 1 yet: use "
+                            "train.compile=false")
     if cfg.tokenizer.add_tokens and not cfg.train.init_from:
         problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} extends the tokenizer of train.init_from's "
                         "checkpoint: set train.init_from=CHECKPOINT too")

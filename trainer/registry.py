@@ -124,6 +124,9 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "distributed.device": (SAME_OBJECTIVE, "the same computation (fp32)"),
     "distributed.zero_stage": (SAME_OBJECTIVE, "shards state, not the update"),
     "distributed.offload": (SAME_OBJECTIVE, "where the optimizer state lives"),
+    "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss and "
+                                     "gradients"),
+    "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, not what it computes"),
     # logging
     "logging.log_every": (IGNORED, "which steps are written"),
     "logging.progress": (IGNORED, "the progress bar"),

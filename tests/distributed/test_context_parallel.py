@@ -1,4 +1,4 @@
-"""Context parallelism (trainer/model/context_parallel.py): one packed row split over the ranks of a group gives the
+"""Context parallelism (trainer/distributed/context.py): one packed row split over the ranks of a group gives the
 loss and EVERY parameter's gradient of the whole row on one rank, on real gloo process groups, for both strategies.
 
 The rows are laid out by the trainer's own collate_rows (positions reset per document, -100 at each document
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from tests.harness import run_distributed
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
+from trainer.distributed.context import ContextGroup, local_flat_index, shard_inputs, zigzag_positions
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
-from trainer.model.context_parallel import ContextGroup, local_flat_index, shard_inputs, zigzag_positions
 
 VOCAB, L = 61, 32
 ROWS = [[20, 1, 1, 10], [5, 3, 7, 9]]  # row 1 ends in a padding tail of 8
@@ -207,3 +207,58 @@ def test_zigzag_gives_each_rank_a_cheap_and_a_dear_chunk():
     assert sorted(np.concatenate([zigzag_positions(24, 3, r) for r in range(3)]).tolist()) == list(range(24))
     with pytest.raises(ValueError, match="cannot be cut into 2 x 3"):
         zigzag_positions(20, 3, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer: real runs of `python -m trainer.train` under torchrun
+# ---------------------------------------------------------------------------------------------------
+
+LONG = ["experiment=long_context_cpu", "model=tiny", "train.max_steps=6", "train.checkpoint_every=3",
+        "train.tokens_per_step=2048", "train.micro_batch_tokens=1024", "data.num_workers=0", "data.shuffle_buffer=64",
+        "logging.progress=false", "logging.wandb.mode=disabled"]
+
+
+def long_run(run_dir, data, *overrides, launcher=None):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
+                                                  *LONG, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def assert_same_losses(a, b, steps):
+    from tests.helpers import metrics
+
+    ma, mb = {m["step"]: m for m in metrics(a)}, {m["step"]: m for m in metrics(b)}
+    assert sorted(mb) == list(steps)
+    for step in steps:
+        assert ma[step]["valid_tokens"] == mb[step]["valid_tokens"] and ma[step]["docs"] == mb[step]["docs"], step
+        assert abs(ma[step]["loss"] - mb[step]["loss"]) <= 1e-6, (step, ma[step]["loss"], mb[step]["loss"])
+
+
+def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp_sizes(demo_data, tmp_path):
+    """experiment=long_context_cpu (rows of 1,024 over 2 ranks) under torchrun: every step's loss, valid tokens and
+    documents equal the CP = 1 run's; its step-3 checkpoint resumed at CP = 1, and CP = 1's resumed at CP = 2
+    (ulysses), continue with the uninterrupted run's losses."""
+    import shutil
+
+    from tests.helpers import torchrun
+    from trainer.checkpoint import store
+
+    ref, cp2 = tmp_path / "cp1", tmp_path / "cp2"
+    long_run(ref, demo_data, "distributed.context_parallel=1")
+    out = long_run(cp2, demo_data, launcher=torchrun()).stdout
+    assert_same_losses(ref, cp2, range(1, 7))
+    for src, dest, extra, launcher in ((cp2, "cp2_to_1", ["distributed.context_parallel=1"], None),
+                                       (ref, "cp1_to_2", ["distributed.context_parallel_strategy=ulysses"], torchrun())):
+        resumed = shutil.copytree(src, tmp_path / dest)  # resumed from step 3: steps 4-6 are set aside, then redone
+        long_run(resumed, demo_data, *extra, f"train.resume={store.checkpoint_dir(resumed, 3)}", launcher=launcher)
+        assert_same_losses(ref, resumed, range(1, 7))
+    assert "run dir:" in out

@@ -105,3 +105,19 @@ def test_torch_varlen_args_follow_the_older_is_causal_spelling():
 
     args = torch_varlen_args(*flat_qkv(), torch.tensor([0, 12]), 12, old_varlen_attn)
     assert args["is_causal"] is True and "window_size" not in args
+
+
+def test_flash_qk_args_take_separate_int32_segments_and_maxima():
+    """The allgather strategy's flash call (context parallelism): cu_seqlens_q != cu_seqlens_k, int32 on the
+    tokens' device, host-int maxima, causal (bottom-right aligned in flash-attn >= 2.1)."""
+    q, k = torch.zeros(4, 2, 8), torch.zeros(9, 2, 8)
+    args = flash.flash_varlen_qk_args(q, k, k.clone(), torch.tensor([0, 3, 4]), torch.tensor([0, 5, 9]), 3, 5)
+    assert args["cu_seqlens_q"].dtype == args["cu_seqlens_k"].dtype == torch.int32
+    assert args["cu_seqlens_q"].tolist() == [0, 3, 4] and args["cu_seqlens_k"].tolist() == [0, 5, 9]
+    assert (args["max_seqlen_q"], args["max_seqlen_k"], args["causal"]) == (3, 5, True)
+    assert type(args["max_seqlen_q"]) is int
+    with pytest.raises(ValueError, match="both be"):
+        flash.flash_varlen_qk_args(q, k, k, torch.tensor([0, 4]), torch.tensor([0, 5, 9]), 4, 5)
+    with pytest.raises(ValueError, match=r"q \(M, H, D\)"):
+        flash.flash_varlen_qk_args(q, torch.zeros(9, 3, 8), torch.zeros(9, 3, 8), torch.tensor([0, 4]),
+                                   torch.tensor([0, 9]), 4, 9)

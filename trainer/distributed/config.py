@@ -8,6 +8,10 @@ from dataclasses import dataclass
 ENGINES = ("ddp", "deepspeed")
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
+CP_STRATEGIES = ("allgather", "ulysses")
+ALLGATHER_KERNELS = ("flash", "sdpa_docs", "dense")
+"""The attention kernels the allgather strategy runs: they take separate query and key lengths (bottom-right
+causal)."""
 ENGINE_MODULES = {"deepspeed": "deepspeed"}
 """The module an engine needs installed (checked, not imported, when the config is built)."""
 
@@ -24,6 +28,12 @@ class DistributedConfig:
     """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights (0 with ddp)."""
     offload: bool = False
     """DeepSpeed: keep the optimizer state (and its step) on the CPU; saves accelerator memory, costs speed."""
+    context_parallel: int = 1
+    """Ranks that share each row (context parallelism, trainer/distributed/context.py): the world is data-parallel
+    x context-parallel, the N ranks of a group train the same rows, each holding 1/N of every row's positions."""
+    context_parallel_strategy: str = "allgather"
+    """How attention crosses the group: 'allgather' (keys and values all-gathered; any head count; flash, sdpa_docs,
+    dense or auto) or 'ulysses' (all-to-all to whole rows of n_head / N heads; any attention backend)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -36,6 +46,11 @@ class DistributedConfig:
             raise ValueError(f"distributed.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise ValueError(f"distributed.device must be one of {DEVICES}, got {self.device!r}")
+        if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ValueError(f"distributed.context_parallel must be an integer >= 1, got {self.context_parallel!r}")
+        if self.context_parallel_strategy not in CP_STRATEGIES:
+            raise ValueError(f"distributed.context_parallel_strategy must be one of {CP_STRATEGIES}, got "
+                             f"{self.context_parallel_strategy!r}")
 
 
 def missing_engine_package(cfg: DistributedConfig) -> str | None:

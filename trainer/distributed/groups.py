@@ -7,6 +7,7 @@ The model itself never imports torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.distributed.config import DistributedConfig
+from trainer.distributed.context import ContextGroup
 from trainer.errors import ConfigError
 
 
@@ -24,10 +26,34 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    context: ContextGroup | None = None
+    """This rank's context-parallel group (distributed.context_parallel > 1), else None. The world is a
+    (data, context) DeviceMesh: rank = data_rank * N + context rank, so a group is N consecutive ranks."""
+    data_group: dist.ProcessGroup | None = None
+    """The ranks with this rank's context rank, one per data rank (None: the whole world)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def context_size(self) -> int:
+        return 1 if self.context is None else self.context.size
+
+    @property
+    def data_rank(self) -> int:
+        """Which data stream this rank reads: the ranks of one context group read the same one."""
+        return self.rank // self.context_size
+
+    @property
+    def data_world(self) -> int:
+        """Data streams (data-parallel ranks): world size / context-parallel size."""
+        return self.world_size // self.context_size
+
+    @property
+    def counts_data(self) -> bool:
+        """Whether this rank's rows count in sums over the world (one rank per context group: each token once)."""
+        return self.context is None or self.context.rank == 0
 
 
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
@@ -52,7 +78,21 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return _with_context(info, cfg) if cfg.context_parallel > 1 else info
+
+
+def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
+    """`info` on a (data, context) DeviceMesh of distributed.context_parallel ranks per group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = cfg.context_parallel
+    if info.world_size % size:
+        raise ConfigError(f"distributed.context_parallel={size} must divide the number of ranks ({info.world_size}): "
+                          f"launch a multiple of {size} processes, or choose a divisor of {info.world_size}")
+    mesh = init_device_mesh(info.device.type, (info.world_size // size, size), mesh_dim_names=("data", "context"))
+    context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy)
+    return dataclasses.replace(info, context=context, data_group=mesh.get_group("data"))
 
 
 def shutdown_distributed() -> None:
@@ -92,11 +132,11 @@ def _pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def dist_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few numbers over all ranks in one all-reduce (float64, so token counts stay exact)."""
+def dist_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a few numbers over all ranks (or `group`'s) in one all-reduce (float64, so token counts stay exact)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 

@@ -32,7 +32,6 @@ from torch.utils.checkpoint import checkpoint
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
-from trainer.model.context_parallel import ContextShard
 from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
 
 POS_EMBS = ("learned", "rope")
@@ -209,7 +208,7 @@ class CausalSelfAttention(nn.Module):
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
-        elif isinstance(segments, ContextShard):  # context parallelism: joins the group's shares of the rows
+        elif not isinstance(segments, Segments):  # a context-parallel shard: joins the group's shares of the rows
             flat = (B * L, self.n_head, self.head_dim)
             y = segments.attend(q.reshape(flat), k.reshape(flat), v.reshape(flat), self.attention.backend,
                                 self.attention.flex_compile)
@@ -314,7 +313,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         loss_groups: torch.Tensor | None = None,
         num_loss_groups: int = 0,
-        context: ContextShard | None = None,
+        context=None,
         labels_shifted: bool = False,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
@@ -329,9 +328,10 @@ class GPT(nn.Module):
         where they never exist whole; True always returns them (the plain loss path); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
-        context: this rank's share of whole rows under context parallelism (trainer.model.context_parallel.
-        shard_inputs makes these kwargs): attention joins the group's shares; labels, weights and groups then
-        arrive shifted (`labels_shifted`: labels[t] is position t's target).
+        context: this rank's share of whole rows under context parallelism (a trainer.distributed.context.
+        ContextShard; its shard_inputs makes these kwargs): each attention layer calls its `attend(q, k, v,
+        backend, flex_compile)`, which joins the group's shares; labels, weights and groups then arrive shifted
+        (`labels_shifted`: labels[t] is position t's target). The model itself imports no torch.distributed.
         """
         B, L = input_ids.shape
         past = 0 if cache is None else cache.length

@@ -19,13 +19,14 @@ from trainer.distributed.groups import DistInfo, dist_sum
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
-    """This rank's data source for the run `cfg` (trainer.data.feed.build_data)."""
-    return build_data_source(cfg.data, cfg.packing, cfg.train.seq_len, cfg.seed, info.rank, info.world_size)
+    """This rank's data source for the run `cfg` (trainer.data.feed.build_data): the stream of its data rank (the
+    ranks of a context-parallel group read one stream, each holding a share of its rows' positions)."""
+    return build_data_source(cfg.data, cfg.packing, cfg.train.seq_len, cfg.seed, info.data_rank, info.data_world)
 
 
 def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
-    """This rank's share of the logical batch. Example: 10 rows over 4 ranks -> 3, 3, 2, 2."""
-    return rows_per_step // info.world_size + (info.rank < rows_per_step % info.world_size)
+    """This data rank's share of the logical batch. Example: 10 rows over 4 data ranks -> 3, 3, 2, 2."""
+    return rows_per_step // info.data_world + (info.data_rank < rows_per_step % info.data_world)
 
 
 class StepInputs:
@@ -38,8 +39,10 @@ class StepInputs:
         self.vocab_size = vocab_size
         """The model's embedding rows: every token id must be below it."""
         self.rows_per_rank = rows_for_rank(cfg.train.rows_per_step, info)
-        self.rows = StepRows(data.rows, info.world_size, cfg.train.rows_per_step, cfg.data.epoch_lockstep,
-                             lambda values: dist_sum(values, info.device))
+        # The agreement at an epoch's end is among the data ranks (over the ranks of this context rank: each
+        # context rank's column agrees alike, on the same streams).
+        self.rows = StepRows(data.rows, info.data_world, cfg.train.rows_per_step, cfg.data.epoch_lockstep,
+                             lambda values: dist_sum(values, info.device, info.data_group))
 
     def next(self, prefetch_next: bool) -> tuple[list, list[Batch], float]:
         """(this step's rows, its micro-batches, seconds spent waiting for them). Collective (the lockstep

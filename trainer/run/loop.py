@@ -13,6 +13,7 @@ Wrapping for several ranks happens once, in trainer.distributed.engine.paralleli
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -40,6 +41,7 @@ from trainer.data.feed import (
     interrupt_reads,
     load_eval_docs,
 )
+from trainer.distributed.context import shard_inputs
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
@@ -100,6 +102,9 @@ class Trainer:
         self.init_record = self._init_from(model) if self.resume_path is None else None
         model = model.to(info.device)
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size)
+        self.shard = None if info.context is None else functools.partial(
+            shard_inputs, cp=info.context, isolate_documents=cfg.attention.isolate_documents)
+        """Context parallelism: a micro-batch's forward kwargs -> this rank's share (trainer.distributed.context)."""
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
         optimizer = build_optimizer(model, cfg.optim)
@@ -196,21 +201,30 @@ class Trainer:
     def _load_stream_state(self, path: Path, meta: dict, rank_states: dict[int, dict]) -> None:
         """This rank's data stream state: its own on the shape the checkpoint was written on; on another number
         of ranks or data.num_workers, its part of every old rank's (trainer.data.reshape: each document of the
-        interrupted epoch not yet trained on is trained on once, in another order than the uninterrupted run's)."""
+        interrupted epoch not yet trained on is trained on once, in another order than the uninterrupted run's).
+
+        The stream belongs to the data ranks: under context parallelism the N ranks of a group hold one stream's
+        state alike, so a checkpoint written at CP = N by W ranks holds W / N streams (those of ranks 0, N, 2N, ...)
+        and resumes on any CP size whose data ranks are as many (the stream exactly) or not (dealt, as above)."""
         cfg, info, written = self.cfg, self.info, meta["world_size"]
-        own = rank_states.get(info.rank) if written == info.world_size else None
+        written_cp = int(((meta.get("config") or {}).get("distributed") or {}).get("context_parallel") or 1)
+        streams = [r * written_cp for r in range(written // written_cp)]  # one rank of each old group
+        if len(streams) == info.data_world and streams[info.data_rank] not in rank_states:
+            rank_states = {**rank_states, **store.load_rank_states(path, [streams[info.data_rank]])}
+        own = rank_states.get(streams[info.data_rank]) if len(streams) == info.data_world else None
         old_workers = (own or next(iter(rank_states.values())))["data"]["docs"]["num_workers"]
         if own is not None and old_workers == cfg.data.num_workers:
             return self.data.rows.load_state_dict(own["data"])
-        if len(rank_states) < written:  # the same ranks with other workers: this rank's state alone is not enough
-            rank_states = store.load_rank_states(path, range(written))
+        if not set(streams) <= set(rank_states):  # another shape: every old stream's state is dealt
+            rank_states = {**rank_states, **store.load_rank_states(path, [r for r in streams if r not in rank_states])}
         saved = (meta.get("config") or {}).get("data", {})
-        state = self.data.rows.reshaped_state([rank_states[r]["data"] for r in range(written)], cfg.data.num_workers,
+        written = len(streams)
+        state = self.data.rows.reshaped_state([rank_states[r]["data"] for r in streams], cfg.data.num_workers,
                                               lockstep=cfg.data.epoch_lockstep,
                                               written_lockstep=saved.get("epoch_lockstep", True))
         if info.is_main:
             print(f"resume on another shape: written by {written} rank(s) x {old_workers} DataLoader worker(s), "
-                  f"resumed on {info.world_size} x {cfg.data.num_workers}: what was left of epoch "
+                  f"resumed on {info.data_world} x {cfg.data.num_workers}: what was left of epoch "
                   f"{state.epoch} is dealt over the new readers (each document once; the order "
                   "differs from the uninterrupted run's)", flush=True)
         self.data.rows.load_state(state)
@@ -273,7 +287,8 @@ class Trainer:
         t0 = time.perf_counter()
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups)
+        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
+                           shard=self.shard)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         step_time = time.perf_counter() - t0
@@ -316,7 +331,8 @@ class Trainer:
     def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
         """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
         Collective: one all-reduce of two numbers, on logged steps only."""
-        model_flops, hardware_flops = dist_sum(list(self.flops.step_flops(rows, mbs)), self.info.device)
+        once = float(self.info.counts_data)  # the ranks of a context group hold the same rows: counted once
+        model_flops, hardware_flops = dist_sum([once * f for f in self.flops.step_flops(rows, mbs)], self.info.device)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         return flop_metrics(model_flops, hardware_flops, step_time, peak)
 

@@ -33,7 +33,7 @@ micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter r
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -156,23 +156,27 @@ def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[lis
 
 
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS) -> StepStats:
+               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS,
+               shard: Callable[[dict], dict] | None = None) -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
     x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
-    stats carry (metrics: the objective is unchanged)."""
+    stats carry (metrics: the objective is unchanged). `shard`: under context parallelism, a micro-batch's forward
+    kwargs -> this rank's share of its positions (trainer.distributed.context.shard_inputs); the ranks of a group
+    hold the same micro-batches, and one of them (info.counts_data) counts them, so every target is counted once."""
     micro_batches, local_groups = group_counts(micro_batches, groups)
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.world_size  # micro-batches per rank, e.g. [3, 0, 0, 0] on rank 0 of 4
     counts[info.rank] = len(micro_batches)
+    once = int(info.counts_data)
     local = [
-        sum(mb.num_valid_targets for mb in micro_batches),
-        sum(units for _, units in weighted),
-        sum(mb.num_allocated for mb in micro_batches),
-        sum(mb.num_tokens for mb in micro_batches),
-        sum(mb.num_docs for mb in micro_batches),
-        sum(mb.shape[0] for mb in micro_batches),
+        once * sum(mb.num_valid_targets for mb in micro_batches),
+        once * sum(units for _, units in weighted),
+        once * sum(mb.num_allocated for mb in micro_batches),
+        once * sum(mb.num_tokens for mb in micro_batches),
+        once * sum(mb.num_docs for mb in micro_batches),
+        once * sum(mb.shape[0] for mb in micro_batches),
         *counts,
-        *local_groups,
+        *(once * n for n in local_groups),
     ]
     totals = dist_sum(local, info.device)
     valid, units, allocated, real, docs, rows = (int(x) for x in totals[:6])
@@ -190,6 +194,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     group_sums = torch.zeros(num_groups)
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
+        if shard is not None:
+            inputs = shard(inputs)
         mb_objective, mb_loss_sum, mb_groups = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()

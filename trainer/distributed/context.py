@@ -42,13 +42,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
+from trainer.distributed.config import ALLGATHER_KERNELS, CP_STRATEGIES
 from trainer.model import flash
 from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
 from trainer.model.loss import shift_left
 
-STRATEGIES = ("allgather", "ulysses")
-ALLGATHER_KERNELS = ("flash", "sdpa_docs", "dense")
-"""The kernels the allgather strategy can run: they take separate query and key lengths (bottom-right causal)."""
+STRATEGIES = CP_STRATEGIES
 
 
 def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
