@@ -216,6 +216,8 @@ METRIC_KEYS: dict[str, str] = {
     "mfu": "model FLOPs utilization: model_flops / step_time_s / the devices' peak bf16 FLOP/s (CUDA devices in "
            "PEAK_FLOPS only)",
     "hfu": "hardware FLOPs utilization: hardware_flops / step_time_s / the devices' peak bf16 FLOP/s (as mfu)",
+    "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention pairs of its "
+                    "queries) of the ranks of rank 0's group on its micro-batches of the step; 0 = even (logged steps)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",

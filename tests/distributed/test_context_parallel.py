@@ -262,3 +262,30 @@ def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp
         long_run(resumed, demo_data, *extra, f"train.resume={store.checkpoint_dir(resumed, 3)}", launcher=launcher)
         assert_same_losses(ref, resumed, range(1, 7))
     assert "run dir:" in out
+    from tests.helpers import metrics
+
+    logged = [m["cp_imbalance"] for m in metrics(cp2) if "cp_imbalance" in m]
+    assert logged and all(0.0 <= x < 1.0 for x in logged)  # the work of rank 0's group, max / mean - 1
+    assert all("cp_imbalance" not in m for m in metrics(ref))
+
+
+def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_long_document():
+    """rank_pairs against a count written here (each query at p of a document from s sees p - s + 1 keys); a row
+    that is one document is split exactly evenly by zigzag, a contiguous split is not (rank 1 of 2 has 3x the
+    pairs of rank 0)."""
+    from trainer.distributed.context import imbalance, query_pairs, rank_pairs
+
+    cu = np.array([0, 5, 6, 16])  # documents of 5, 1, 10 positions in one row of 16
+    expected = []
+    for r in range(2):
+        total = 0
+        for p in zigzag_positions(16, 2, r):
+            s = max(c for c in cu[:-1] if c <= p)
+            total += p - s + 1
+        expected.append(float(total))
+    assert rank_pairs(cu, 1, 16, 2) == expected
+    one = np.array([0, 64])
+    assert imbalance(rank_pairs(one, 1, 64, 4)) == 0.0
+    contiguous = [query_pairs(one, np.arange(0, 32)), query_pairs(one, np.arange(32, 64))]
+    assert contiguous[1] / contiguous[0] == pytest.approx((32 * 33 / 2 + 32 * 32) / (32 * 33 / 2))
+    assert imbalance([10.0, 12.0]) == pytest.approx(12 / 11 - 1)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
 from trainer.distributed.config import ALLGATHER_KERNELS, CP_STRATEGIES
@@ -58,6 +57,25 @@ def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
     chunk = seq_len // (2 * size)
     first, second = rank * chunk, (2 * size - 1 - rank) * chunk
     return np.concatenate([np.arange(first, first + chunk), np.arange(second, second + chunk)])
+
+
+def query_pairs(cu_seqlens: np.ndarray, positions: np.ndarray) -> float:
+    """(query, key) pairs of causal document attention whose query is one of `positions` (flat, sorted):
+    each query at position p of a segment starting at s attends to p - s + 1 keys.
+    Example: segments [0, 4, 8], queries [2, 3, 4] -> 3 + 4 + 1 = 8."""
+    seg = np.searchsorted(cu_seqlens[1:], positions, side="right")
+    return float((positions - cu_seqlens[seg] + 1).sum())
+
+
+def rank_pairs(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int) -> list[float]:
+    """Each rank's attention pairs of a micro-batch under the zigzag split (`query_pairs` of its positions)."""
+    return [query_pairs(cu_seqlens, local_flat_index(batch, seq_len, size, r)) for r in range(size)]
+
+
+def imbalance(work: list[float]) -> float:
+    """max / mean - 1 of the ranks' work: 0.0 when even. Example: [10, 12] -> 12 / 11 - 1 = 0.0909."""
+    mean = sum(work) / len(work)
+    return max(work) / mean - 1 if mean > 0 else 0.0
 
 
 def local_flat_index(batch: int, seq_len: int, size: int, rank: int) -> np.ndarray:
@@ -215,7 +233,7 @@ class ContextShard:
 
         def to_rows(x: torch.Tensor) -> torch.Tensor:  # (N_loc, H, D) -> (N, H / size, D), whole rows in order
             x = x.reshape(n_loc, size, heads // size, dim).transpose(0, 1).contiguous()
-            out = dist_fn.all_to_all_single(torch.empty_like(x), x, group=self.cp.group)
+            out = _AllToAll.apply(x, self.cp.group)
             return out.reshape(size * n_loc, heads // size, dim).index_select(0, inverse)
 
         segments = self._cache.get("segments")
@@ -224,7 +242,7 @@ class ContextShard:
             segments = self._cache["segments"] = Segments(cu, int(np.diff(self.cu).max()))
         y = segment_attention(to_rows(q), to_rows(k), to_rows(v), segments, backend, flex_compile)
         y = y.index_select(0, order).reshape(size, n_loc, heads // size, dim).contiguous()
-        back = dist_fn.all_to_all_single(torch.empty_like(y), y, group=self.cp.group)
+        back = _AllToAll.apply(y, self.cp.group)
         return back.transpose(0, 1).reshape(n_loc, heads, dim)
 
     # -- the layer's call -----------------------------------------------------------------------------------
@@ -263,6 +281,28 @@ class _AllGather(torch.autograd.Function):
             return out, None
         dist.all_reduce(grad, group=group)
         return grad.chunk(size, 0)[rank].contiguous(), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of equal dim-0 slices over `group` (slice i goes to rank i); its backward is the same exchange of
+    the gradients, back to where each slice came from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x: torch.Tensor, group) -> torch.Tensor:
+    """dist.all_to_all_single into a fresh contiguous tensor (empty_like would copy a transposed input's strides,
+    and the collective writes its output as contiguous)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
 
 
 def allgather_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -334,7 +334,10 @@ class Trainer:
         once = float(self.info.counts_data)  # the ranks of a context group hold the same rows: counted once
         model_flops, hardware_flops = dist_sum([once * f for f in self.flops.step_flops(rows, mbs)], self.info.device)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
-        return flop_metrics(model_flops, hardware_flops, step_time, peak)
+        out = flop_metrics(model_flops, hardware_flops, step_time, peak)
+        if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)
+            out["cp_imbalance"] = self.flops.context_imbalance(mbs, self.info.context_size)
+        return out
 
     preemption: PreemptionHandler
     """Installed when the run dir is claimed; closed when `fit` ends (or the start fails)."""
