@@ -8,7 +8,8 @@
    N = 2, 4, 8 ranks three ways, and each rank's work counted by the attention-aware FLOP model
    (trainer.run.flops: 6 N per position + 12 d per (query, key) pair of its own queries, here the attention part
    alone since the dense part is even in every split):
-       zigzag        the trainer's split (trainer.distributed.context): chunks r and 2N - 1 - r of 2N
+       zigzag        chunks r and 2N - 1 - r of 2N (distributed.context_parallel_split=zigzag)
+       balanced      8N chunks dealt 8 to a rank by attention work, row by row (the trainer's default split)
        contiguous    N equal consecutive ranges (what a naive split does)
        doc-aware     N consecutive ranges cut where the prefix work reaches k / N of the row's (balanced by
                      construction up to one position; positions no longer equal per rank, so the dense work and
@@ -74,6 +75,7 @@ def split_work(cu: np.ndarray, seq_len: int, size: int, dense: float) -> dict[st
     """Imbalance (max / mean - 1) of one row under each split: of the attention pairs alone, and of the whole work
     with `dense` pair-equivalents per position (6 N / (12 d n_layer): the matmuls, even in the equal splits)."""
     zigzag = rank_pairs(cu, 1, seq_len, size)
+    balanced = rank_pairs(cu, 1, seq_len, size, "balanced")
     step = seq_len // size
     contiguous = [query_pairs(cu, np.arange(r * step, (r + 1) * step)) for r in range(size)]
     per_rank_dense = dense * seq_len / size
@@ -82,12 +84,13 @@ def split_work(cu: np.ndarray, seq_len: int, size: int, dense: float) -> dict[st
     prefix = np.cumsum(per_position)
     cuts = [0, *np.searchsorted(prefix, [prefix[-1] * k / size for k in range(1, size)]).tolist(), seq_len]
     aware = [float(per_position[a:b].sum()) for a, b in zip(cuts, cuts[1:], strict=False)]
-    return {"zigzag": imbalance(zigzag), "contiguous": imbalance(contiguous), "doc-aware": imbalance(aware),
-            "zigzag total": imbalance([w + per_rank_dense for w in zigzag]),
+    return {"zigzag": imbalance(zigzag), "balanced": imbalance(balanced), "contiguous": imbalance(contiguous),
+            "doc-aware": imbalance(aware), "zigzag total": imbalance([w + per_rank_dense for w in zigzag]),
+            "balanced total": imbalance([w + per_rank_dense for w in balanced]),
             "contiguous total": imbalance([w + per_rank_dense for w in contiguous])}
 
 
-SPLITS = ("zigzag", "contiguous", "doc-aware", "zigzag total", "contiguous total")
+SPLITS = ("zigzag", "balanced", "contiguous", "doc-aware", "zigzag total", "balanced total", "contiguous total")
 GPT2_124M = 12 * 12 * 768**2 / (2 * 768 * 12)
 """Dense pair-equivalents per position of gpt2-124m (N = 12 x 12 d^2 matmul parameters in the blocks, d = 768, 12
 layers; the head's 38.6M left out, which only lowers the imbalance): 6 N / (12 d n_layer) = 4,608."""
@@ -139,7 +142,7 @@ def _rank(rank: int, world: int, port: int, out: str, strategy: str, row_len: in
                         AttentionConfig(backend="sdpa_docs"))
     inputs = model_inputs(batch)
     if world > 1:
-        inputs = shard_inputs(inputs, ContextGroup(dist.group.WORLD, world, rank, strategy))
+        inputs = shard_inputs(inputs, ContextGroup(dist.group.WORLD, world, rank, strategy, "balanced"))
     saved = [0]
 
     def pack_hook(t):

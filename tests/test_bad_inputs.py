@@ -180,8 +180,10 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("distributed.context_parallel", ("distributed.context_parallel=0",),
      r"distributed.context_parallel must be an integer >= 1, got 0"),
     ("distributed.context_parallel", ("distributed.context_parallel=3",),
-     r"distributed.context_parallel=3 cuts each row into 2 x 3 equal chunks \(zigzag\): train.seq_len \(128\) must "
-     r"be a multiple of 6"),
+     r"distributed.context_parallel=3 with the balanced split cuts each row into 24 equal chunks: train.seq_len "
+     r"\(128\) must be a multiple of 24"),
+    ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
+     r"distributed.context_parallel_split must be one of \('balanced', 'zigzag'\), got 'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),
      r"ulysses splits the heads over the group: model.n_head \(4\) must be a multiple of"),
     ("distributed.context_parallel", ("distributed.context_parallel=2", "attention=flex"),

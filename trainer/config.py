@@ -22,6 +22,7 @@ import torch
 
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import ALLGATHER_KERNELS, DistributedConfig
+from trainer.distributed.context import split_chunks
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
@@ -285,9 +286,11 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")
     cp, strategy = cfg.distributed.context_parallel, cfg.distributed.context_parallel_strategy
     if cp > 1:
-        if cfg.train.seq_len % (2 * cp):
-            problems.append(f"distributed.context_parallel={cp} cuts each row into 2 x {cp} equal chunks (zigzag): "
-                            f"train.seq_len ({cfg.train.seq_len}) must be a multiple of {2 * cp}")
+        split = cfg.distributed.context_parallel_split
+        chunks = split_chunks(split, cp)
+        if cfg.train.seq_len % chunks:
+            problems.append(f"distributed.context_parallel={cp} with the {split} split cuts each row into {chunks} "
+                            f"equal chunks: train.seq_len ({cfg.train.seq_len}) must be a multiple of {chunks}")
         if strategy == "ulysses" and cfg.model.n_head % cp:
             problems.append(f"distributed.context_parallel_strategy=ulysses splits the heads over the group: "
                             f"model.n_head ({cfg.model.n_head}) must be a multiple of distributed.context_parallel "

@@ -82,7 +82,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "data.on_error": (SAME_OBJECTIVE, "decides only what a bad sample does; on clean data the steps are the same"),
     "data.retries": (SAME_OBJECTIVE, "a retried shard skips the samples it already gave"),
     "data.read_timeout_s": (SAME_OBJECTIVE, "a stalled read is retried like any transient failure: the same samples"),
-    "data.max_doc_mb": (OTHER, "may leave out documents over the bound (an error unless data.on_error=skip)"),
+    "data.max_doc_mb": (SAME_OBJECTIVE, "a bound on bad input, like data.on_error: a larger document is an error, or "
+                                        "skipped and counted; on data within it the steps are the same"),
     "data.loss_on": (OTHER, "different targets"),
     "data.prefetch": (SAME_OBJECTIVE, "the same rows and order, drawn in a background thread"),
     "data.sources": (OTHER, "different data: other sources or other weights"),
@@ -127,6 +128,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss and "
                                      "gradients"),
     "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, not what it computes"),
+    "distributed.context_parallel_split": (SAME_OBJECTIVE, "which positions each rank holds, not what is computed"),
     # logging
     "logging.log_every": (IGNORED, "which steps are written"),
     "logging.progress": (IGNORED, "the progress bar"),
@@ -148,6 +150,9 @@ OLDER_RUN_VALUES: dict[str, Any] = {
     "loss.normalization": "global_tokens",
     "data.loss_on": "all",
     "tokenizer.add_tokens": (),
+    "distributed.context_parallel": 1,
+    "distributed.context_parallel_strategy": "allgather",
+    "distributed.context_parallel_split": "zigzag",
 }
 """Values of keys that older runs' config.json lacks: how their trainer behaved before the key existed."""
 
@@ -217,7 +222,8 @@ METRIC_KEYS: dict[str, str] = {
            "PEAK_FLOPS only)",
     "hfu": "hardware FLOPs utilization: hardware_flops / step_time_s / the devices' peak bf16 FLOP/s (as mfu)",
     "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention pairs of its "
-                    "queries) of the ranks of rank 0's group on its micro-batches of the step; 0 = even (logged steps)",
+                    "queries, under distributed.context_parallel_split) of the ranks of rank 0's group on its "
+                    "micro-batches of the step; 0 = even (logged steps)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",

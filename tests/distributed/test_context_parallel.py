@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tests.harness import run_distributed
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
-from trainer.distributed.context import ContextGroup, local_flat_index, shard_inputs, zigzag_positions
+from trainer.distributed.context import ContextGroup, shard_inputs, zigzag_positions
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 
 VOCAB, L = 61, 32
@@ -96,11 +96,11 @@ def reference_loss(m, batch) -> torch.Tensor:
     return total
 
 
-def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, change=None):
+def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, change=None, split="zigzag"):
     """One rank of DP = world / size x CP = size: its group's batch (seed = its data rank), its share, summed."""
     dp_rank = rank // size
     groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
-    cp = ContextGroup(groups[dp_rank], size, rank % size, strategy)
+    cp = ContextGroup(groups[dp_rank], size, rank % size, strategy, split)
     m = model(pos_emb, isolate, backend)
     batch = make_batch(layout, seed=dp_rank, change=change)
     inputs = shard_inputs(model_inputs(batch), cp, isolate_documents=isolate)
@@ -113,8 +113,7 @@ def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, cha
     g = grads(m)
     for t in g.values():
         dist.all_reduce(t)
-    local = local_flat_index(*inputs["input_ids"].shape[:1], inputs["context"].seq_len, size, rank % size)
-    return loss.item(), int(count), g, out.logits.detach(), local
+    return loss.item(), int(count), g, out.logits.detach(), inputs["context"].local
 
 
 def reference_sums(world, size, layout, pos_emb, isolate, backend):
@@ -129,21 +128,22 @@ def reference_sums(world, size, layout, pos_emb, isolate, backend):
     return loss, count, grads(m)
 
 
-CASES = [  # (world, CP size, strategy, layout, pos_emb)
-    (2, 2, "allgather", "packed", "learned"),
-    (2, 2, "ulysses", "packed", "learned"),
-    (4, 4, "allgather", "packed", "rope"),
-    (4, 4, "ulysses", "packed", "rope"),
-    (4, 2, "allgather", "packed", "learned"),  # DP 2 x CP 2
-    (4, 2, "ulysses", "packed", "rope"),
-    (2, 2, "allgather", "unpacked", "learned"),
-    (2, 2, "ulysses", "bucketed", "learned"),
+CASES = [  # (world, CP size, strategy, layout, pos_emb, split)
+    (2, 2, "allgather", "packed", "learned", "zigzag"),
+    (2, 2, "ulysses", "packed", "learned", "zigzag"),
+    (2, 2, "allgather", "packed", "learned", "balanced"),
+    (4, 4, "allgather", "packed", "rope", "zigzag"),
+    (4, 4, "ulysses", "packed", "rope", "balanced"),
+    (4, 2, "allgather", "packed", "learned", "balanced"),  # DP 2 x CP 2
+    (4, 2, "ulysses", "packed", "rope", "zigzag"),
+    (2, 2, "allgather", "unpacked", "learned", "balanced"),
+    (2, 2, "ulysses", "bucketed", "learned", "zigzag"),
 ]
 
 
-@pytest.mark.parametrize("world, size, strategy, layout, pos_emb", CASES)
-def test_loss_and_every_gradient_equal_cp1(world, size, strategy, layout, pos_emb):
-    results = run_distributed(_cp_rank, world, (size, strategy, layout, pos_emb, True, "sdpa_docs"))
+@pytest.mark.parametrize("world, size, strategy, layout, pos_emb, split", CASES)
+def test_loss_and_every_gradient_equal_cp1(world, size, strategy, layout, pos_emb, split):
+    results = run_distributed(_cp_rank, world, (size, strategy, layout, pos_emb, True, "sdpa_docs", None, split))
     ref_loss, ref_count, ref_grads = reference_sums(world, size, layout, pos_emb, True, "sdpa_docs")
     for loss, count, g, _, _ in results:
         assert count == ref_count  # every target counted once over the group
@@ -178,12 +178,12 @@ def test_cp_equals_the_plain_pytorch_reference(strategy):
         torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
-def test_no_logit_of_another_document_changes_on_any_rank(strategy):
+@pytest.mark.parametrize("strategy, split", [("allgather", "balanced"), ("ulysses", "zigzag")])
+def test_no_logit_of_another_document_changes_on_any_rank(strategy, split):
     """Leakage probe: one token of document 0 changed; on every rank, every logit of every other document is
     unchanged (and with document isolation off, some do change: the probe can see leakage)."""
     def logits_by_position(isolate, change):
-        out = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", isolate, "sdpa_docs", change))
+        out = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", isolate, "sdpa_docs", change, split))
         full = torch.zeros(2 * L, VOCAB)
         for _, _, _, logits, local in out:
             full[torch.as_tensor(local)] = logits.reshape(-1, VOCAB)
@@ -199,6 +199,25 @@ def test_no_logit_of_another_document_changes_on_any_rank(strategy):
             assert not changed[~doc0].any(), changed.nonzero().flatten().tolist()
         else:
             assert changed[20:L].any()  # row 0's later documents read document 0
+
+
+def test_the_balanced_split_deals_chunks_by_work_with_equal_positions_per_rank():
+    """row_positions('balanced'): every rank as many positions, every position once, and on rows of many documents
+    a smaller work imbalance than zigzag's (here the test's rows at N = 2 and 4, and one long document: even)."""
+    from trainer.distributed.context import imbalance, rank_pairs, row_positions
+
+    batch = make_batch()
+    cu = batch.cu_seqlens.numpy().astype(np.int64)
+    for size in (2, 4):
+        positions = row_positions(cu, 2, L, size, "balanced")
+        assert positions.shape == (size, 2, L // size)
+        for b in range(2):
+            assert sorted(positions[:, b].reshape(-1).tolist()) == list(range(L))
+        assert imbalance(rank_pairs(cu, 2, L, size, "balanced")) < imbalance(rank_pairs(cu, 2, L, size, "zigzag"))
+    assert rank_pairs(np.array([0, 12, 16]), 1, 16, 2, "balanced") == [44.0, 44.0]  # the docstring's example
+    assert rank_pairs(np.array([0, 12, 16]), 1, 16, 2, "zigzag") == [20.0, 68.0]
+    with pytest.raises(ValueError, match="cannot be cut into 16 equal chunks"):
+        row_positions(cu, 2, 24, 2, "balanced")
 
 
 def test_zigzag_gives_each_rank_a_cheap_and_a_dear_chunk():
@@ -267,6 +286,30 @@ def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp
     logged = [m["cp_imbalance"] for m in metrics(cp2) if "cp_imbalance" in m]
     assert logged and all(0.0 <= x < 1.0 for x in logged)  # the work of rank 0's group, max / mean - 1
     assert all("cp_imbalance" not in m for m in metrics(ref))
+
+
+def test_deepspeed_zero2_with_cp_equals_ddp_with_cp_and_a_cp_checkpoint_resumes_on_more_data_ranks(demo_data,
+                                                                                                   tmp_path):
+    """DeepSpeed ZeRO-2 at CP = 2 trains the same losses as DDP at CP = 2 (and so as CP = 1). A CP = 2 checkpoint
+    (one data rank) resumed on 2 data ranks at CP = 1: the stream's rest of the epoch is dealt over them (trainer.
+    data.reshape), the run goes on to its last step."""
+    import shutil
+
+    from tests.harness import require_module
+    from tests.helpers import metrics, torchrun
+    from trainer.checkpoint import store
+
+    require_module("deepspeed", "pip install -e '.[deepspeed]'")
+    ddp, ds = tmp_path / "ddp", tmp_path / "ds"
+    long_run(ddp, demo_data, "train.max_steps=4", launcher=torchrun())
+    long_run(ds, demo_data, "train.max_steps=4", "distributed=deepspeed_zero2", "distributed.context_parallel=2",
+             launcher=torchrun())
+    assert_same_losses(ddp, ds, range(1, 5))
+    wider = shutil.copytree(ddp, tmp_path / "wider")
+    out = long_run(wider, demo_data, "train.max_steps=6", "distributed.context_parallel=1",
+                   f"train.resume={store.checkpoint_dir(wider, 3)}", launcher=torchrun()).stdout
+    assert "resume on another shape: written by 1 rank(s)" in out and "resumed on 2 x 0" in out, out
+    assert [m["step"] for m in metrics(wider)] == list(range(1, 7))
 
 
 def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_long_document():

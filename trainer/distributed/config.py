@@ -9,6 +9,7 @@ ENGINES = ("ddp", "deepspeed")
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 CP_STRATEGIES = ("allgather", "ulysses")
+CP_SPLITS = ("balanced", "zigzag")
 ALLGATHER_KERNELS = ("flash", "sdpa_docs", "dense")
 """The attention kernels the allgather strategy runs: they take separate query and key lengths (bottom-right
 causal)."""
@@ -34,6 +35,10 @@ class DistributedConfig:
     context_parallel_strategy: str = "allgather"
     """How attention crosses the group: 'allgather' (keys and values all-gathered; any head count; flash, sdpa_docs,
     dense or auto) or 'ulysses' (all-to-all to whole rows of n_head / N heads; any attention backend)."""
+    context_parallel_split: str = "balanced"
+    """How each row's positions are dealt to the group: 'balanced' (8N chunks dealt by attention work, row by row:
+    even work on rows packed with many documents) or 'zigzag' (chunks r and 2N - 1 - r of 2N: even for one long
+    document per row). Both give each rank as many positions; trainer.distributed.context.row_positions."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -48,6 +53,9 @@ class DistributedConfig:
             raise ValueError(f"distributed.device must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
             raise ValueError(f"distributed.context_parallel must be an integer >= 1, got {self.context_parallel!r}")
+        if self.context_parallel_split not in CP_SPLITS:
+            raise ValueError(f"distributed.context_parallel_split must be one of {CP_SPLITS}, got "
+                             f"{self.context_parallel_split!r}")
         if self.context_parallel_strategy not in CP_STRATEGIES:
             raise ValueError(f"distributed.context_parallel_strategy must be one of {CP_STRATEGIES}, got "
                              f"{self.context_parallel_strategy!r}")

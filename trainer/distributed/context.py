@@ -1,9 +1,9 @@
 """Context parallelism: one packed row split over the N ranks of a context-parallel group, documents still exact.
 
 Every rank of the group holds the same rows (the data ranks are the groups, not the ranks) and 1/N of each
-row's positions. A row of length L is cut into 2N chunks of C = L / 2N positions; rank r takes chunks r and
-2N - 1 - r ("zigzag"), so that under causal attention every rank gets one cheap chunk from the row's start and
-one dear chunk from its end. Example, N = 2, L = 8 (C = 2): rank 0 holds positions [0 1 6 7], rank 1 [2 3 4 5].
+row's positions, dealt by attention cost (`row_positions`): `balanced` cuts a row into 8N chunks and deals them by
+the work of their queries (which depends on where they sit inside their documents), `zigzag` gives rank r chunks r
+and 2N - 1 - r of 2N (even for one long document: rank 0 of 2 holds [0 1 6 7] of a row of 8, rank 1 [2 3 4 5]).
 
 Everything a position needs that depends on its neighbours is computed on the whole row first and then cut:
 positions (reset per document), targets (labels shifted left on the whole row, so the target of a chunk's last
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.distributed.config import ALLGATHER_KERNELS, CP_STRATEGIES
+from trainer.distributed.config import ALLGATHER_KERNELS, CP_SPLITS, CP_STRATEGIES
 from trainer.model import flash
 from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
 from trainer.model.loss import shift_left
@@ -59,6 +59,50 @@ def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(first, first + chunk), np.arange(second, second + chunk)])
 
 
+BALANCED_CHUNKS = 8
+"""Chunks per rank of the `balanced` split: each row is cut into 8N chunks, dealt 8 to a rank."""
+
+
+def split_chunks(split: str, size: int) -> int:
+    """Chunks a row is cut into: 2N (zigzag) or BALANCED_CHUNKS x N (balanced)."""
+    return 2 * size if split == "zigzag" else BALANCED_CHUNKS * size
+
+
+def row_positions(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, split: str = "zigzag") -> np.ndarray:
+    """(size, batch, seq_len / size): the positions of each row that each rank holds, sorted within the row.
+
+    zigzag    chunks r and 2N - 1 - r of 2N: the same positions in every row; even for one document per row
+    balanced  8N chunks per row, dealt 8 to a rank by attention work (the pairs of their queries, `query_pairs`):
+              the dearest chunk first, each to the rank with the least work that still has room. Every rank holds
+              as many positions (so the same matmul work and activations); the attention work is evened row by row.
+              Example, one row of documents [12, 4] over 2 ranks (16 chunks of one position, pairs 1..12 and 1..4):
+              44 pairs each (zigzag: 20 and 68).
+    """
+    chunks = split_chunks(split, size)
+    if seq_len % chunks:
+        raise ValueError(f"a row of {seq_len} positions cannot be cut into {chunks} equal chunks ({split} split over "
+                         f"{size} ranks)")
+    width = seq_len // chunks
+    if split == "zigzag":
+        one = np.stack([zigzag_positions(seq_len, size, r) for r in range(size)])
+        return np.broadcast_to(one[:, None, :], (size, batch, seq_len // size)).copy()
+    flat = np.arange(batch * seq_len)
+    seg = np.searchsorted(cu_seqlens[1:], flat, side="right")
+    pairs = (flat - cu_seqlens[seg] + 1).reshape(batch, chunks, width).sum(-1)  # (B, chunks)
+    per_rank = chunks // size
+    out = np.empty((size, batch, seq_len // size), dtype=np.int64)
+    for b in range(batch):
+        work, owned = np.zeros(size), [[] for _ in range(size)]
+        for c in np.argsort(-pairs[b], kind="stable"):
+            open_ranks = [r for r in range(size) if len(owned[r]) < per_rank]
+            r = min(open_ranks, key=lambda r: (work[r], r))
+            owned[r].append(int(c))
+            work[r] += pairs[b, c]
+        for r in range(size):
+            out[r, b] = np.concatenate([np.arange(c * width, (c + 1) * width) for c in sorted(owned[r])])
+    return out
+
+
 def query_pairs(cu_seqlens: np.ndarray, positions: np.ndarray) -> float:
     """(query, key) pairs of causal document attention whose query is one of `positions` (flat, sorted):
     each query at position p of a segment starting at s attends to p - s + 1 keys.
@@ -67,9 +111,10 @@ def query_pairs(cu_seqlens: np.ndarray, positions: np.ndarray) -> float:
     return float((positions - cu_seqlens[seg] + 1).sum())
 
 
-def rank_pairs(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int) -> list[float]:
-    """Each rank's attention pairs of a micro-batch under the zigzag split (`query_pairs` of its positions)."""
-    return [query_pairs(cu_seqlens, local_flat_index(batch, seq_len, size, r)) for r in range(size)]
+def rank_pairs(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, split: str = "zigzag") -> list[float]:
+    """Each rank's attention pairs of a micro-batch under `split` (`query_pairs` of its positions)."""
+    positions = row_positions(cu_seqlens, batch, seq_len, size, split)
+    return [query_pairs(cu_seqlens, flat_index(positions[r], seq_len)) for r in range(size)]
 
 
 def imbalance(work: list[float]) -> float:
@@ -78,10 +123,14 @@ def imbalance(work: list[float]) -> float:
     return max(work) / mean - 1 if mean > 0 else 0.0
 
 
+def flat_index(positions_BP: np.ndarray, seq_len: int) -> np.ndarray:
+    """(B, P) positions of each row -> flat (row * seq_len + position) indices, row by row."""
+    return (np.arange(positions_BP.shape[0])[:, None] * seq_len + positions_BP).reshape(-1)
+
+
 def local_flat_index(batch: int, seq_len: int, size: int, rank: int) -> np.ndarray:
-    """Flat (row * seq_len + position) indices of this rank's positions of every row, row by row."""
-    positions = zigzag_positions(seq_len, size, rank)
-    return (np.arange(batch)[:, None] * seq_len + positions[None, :]).reshape(-1)
+    """Flat indices of rank `rank`'s zigzag positions of every row, row by row."""
+    return flat_index(np.broadcast_to(zigzag_positions(seq_len, size, rank), (batch, seq_len // (size))), seq_len)
 
 
 @dataclass
@@ -92,10 +141,14 @@ class ContextGroup:
     size: int
     rank: int
     strategy: str = "allgather"
+    split: str = "zigzag"
+    """How each row's positions are dealt: 'zigzag' or 'balanced' (`row_positions`)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"context-parallel strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.split not in CP_SPLITS:
+            raise ValueError(f"context-parallel split must be one of {CP_SPLITS}, got {self.split!r}")
 
 
 def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True) -> dict:
@@ -116,11 +169,12 @@ def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True)
     targets = shift_left(labels, -100)
     weights = None if inputs.get("loss_weights") is None else shift_left(inputs["loss_weights"].float(), 0.0)
     groups = None if inputs.get("loss_groups") is None else shift_left(inputs["loss_groups"], -1)
-    pad = (-L) % (2 * cp.size)
+    chunks = split_chunks(cp.split, cp.size)
+    pad = (-L) % chunks
     if pad:
         if not per_row:
-            raise ValueError(f"packed rows of {L} positions cannot be cut into 2 x {cp.size} chunks: train.seq_len must "
-                             f"be a multiple of {2 * cp.size}")
+            raise ValueError(f"packed rows of {L} positions cannot be cut into {chunks} chunks ({cp.split} split): "
+                             f"train.seq_len must be a multiple of {chunks}")
         input_ids = F.pad(input_ids, (0, pad), value=0)
         position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1,
                                                                                       device=position_ids.device)], 1)
@@ -130,18 +184,18 @@ def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True)
         L += pad
     if per_row:
         cu_seqlens = torch.arange(0, B * L + 1, L, dtype=torch.int32)
-    positions = torch.as_tensor(zigzag_positions(L, cp.size, cp.rank), device=input_ids.device)
-    out = {
-        "input_ids": input_ids[:, positions],
-        "position_ids": position_ids[:, positions],
-        "labels": targets[:, positions],
-        "labels_shifted": True,
-        "context": ContextShard(cp, cu_seqlens.cpu(), B, L),
-    }
+    context = ContextShard(cp, cu_seqlens.cpu(), B, L)
+    index = torch.as_tensor(context.positions[cp.rank], device=input_ids.device)  # (B, L / N)
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return torch.gather(x, 1, index)
+
+    out = {"input_ids": cut(input_ids), "position_ids": cut(position_ids), "labels": cut(targets),
+           "labels_shifted": True, "context": context}
     if weights is not None:
-        out["loss_weights"] = weights[:, positions]
+        out["loss_weights"] = cut(weights)
     if groups is not None:
-        out["loss_groups"], out["num_loss_groups"] = groups[:, positions], inputs["num_loss_groups"]
+        out["loss_groups"], out["num_loss_groups"] = cut(groups), inputs["num_loss_groups"]
     return out
 
 
@@ -154,7 +208,9 @@ class ContextShard:
         self.cp, self.batch, self.seq_len = cp, batch, seq_len
         self.cu = cu_seqlens.to(torch.int64).numpy()
         self.num_tokens = batch * seq_len
-        self.local = local_flat_index(batch, seq_len, cp.size, cp.rank)
+        self.positions = row_positions(self.cu, batch, seq_len, cp.size, cp.split)
+        """(N, B, L / N): each rank's positions of each row (the same on every rank: computed from the rows)."""
+        self.local = flat_index(self.positions[cp.rank], seq_len)
         self._cache: dict = {}
 
     # -- allgather ------------------------------------------------------------------------------------------
@@ -187,8 +243,7 @@ class ContextShard:
         """Flat positions of the whole rows in the order an all-gather (or all-to-all) over the group lays them:
         rank 0's local positions, then rank 1's, ..."""
         if "order" not in self._cache:
-            order = np.concatenate([local_flat_index(self.batch, self.seq_len, self.cp.size, r)
-                                    for r in range(self.cp.size)])
+            order = np.concatenate([flat_index(self.positions[r], self.seq_len) for r in range(self.cp.size)])
             self._cache["order"] = torch.as_tensor(order)
             self._cache["inverse"] = torch.as_tensor(np.argsort(order))
         return self._cache["order"]

@@ -91,7 +91,8 @@ def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
         raise ConfigError(f"distributed.context_parallel={size} must divide the number of ranks ({info.world_size}): "
                           f"launch a multiple of {size} processes, or choose a divisor of {info.world_size}")
     mesh = init_device_mesh(info.device.type, (info.world_size // size, size), mesh_dim_names=("data", "context"))
-    context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy)
+    context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy,
+                           cfg.context_parallel_split)
     return dataclasses.replace(info, context=context, data_group=mesh.get_group("data"))
 
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from trainer.data.feed import Batch
-from trainer.distributed.context import imbalance, rank_pairs
+from trainer.distributed.context import imbalance, rank_pairs, split_chunks
 from trainer.model import GPT, compute_dtype
 from trainer.model.attention import (
     FLEX_BLOCK_SIZE,
@@ -102,20 +102,20 @@ class FlopModel:
         model = self.model_flops(len(doc) for row in rows for doc in row)
         return model, sum(self.hardware_flops(mb) for mb in batches)
 
-    def context_imbalance(self, batches: Iterable[Batch], size: int) -> float:
+    def context_imbalance(self, batches: Iterable[Batch], size: int, split: str = "zigzag") -> float:
         """How unevenly a context-parallel group of `size` shares the step's work (max / mean - 1 over its ranks):
         each rank computes the dense 6 N of its 1/size of the positions and the attention pairs of its own queries
-        (trainer.distributed.context.rank_pairs, zigzag split, whole-row segments). Host arithmetic only."""
+        (trainer.distributed.context.rank_pairs under `split`, whole-row segments). Host arithmetic only."""
         work = [0.0] * size
         for mb in batches:
             rows, row_len = mb.shape
-            pad = (-row_len) % (2 * size)
+            pad = (-row_len) % split_chunks(split, size)
             row_len += pad
             if mb.layout == "packed" and self.isolate_documents and not pad:
                 cu = mb.cu_seqlens.to(torch.int64).numpy()
             else:
                 cu = np.arange(0, rows * row_len + 1, row_len)
-            pairs = rank_pairs(cu, rows, row_len, size)
+            pairs = rank_pairs(cu, rows, row_len, size, split)
             for r in range(size):
                 work[r] += 6 * self.matmul_params * rows * row_len / size + self._attention(pairs[r], False)
         return imbalance(work)

@@ -336,7 +336,7 @@ class Trainer:
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         out = flop_metrics(model_flops, hardware_flops, step_time, peak)
         if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)
-            out["cp_imbalance"] = self.flops.context_imbalance(mbs, self.info.context_size)
+            out["cp_imbalance"] = self.flops.context_imbalance(mbs, self.info.context_size, self.info.context.split)
         return out
 
     preemption: PreemptionHandler
