@@ -761,3 +761,17 @@ def test_hostile_run_names_stay_text_in_markdown_and_plots(tmp_path):
     assert "<img" not in md and "&lt;img src=x onerror=alert(1)>" in md
     assert "$\\frac{1}{$" in md
     assert (tmp_path / "out" / "loss_vs_step.png") in written and (tmp_path / "out" / "loss_vs_step.png").stat().st_size
+
+
+def test_the_table_shows_how_many_ranks_and_the_context_parallel_split(tmp_path):
+    """The "ranks" column: the world size from summary.json; under context parallelism the data x context split
+    (the CP degree of each run); n/a without summary.json."""
+    plain = one(tmp_path, "plain")
+    cp = one(tmp_path, "cp", overrides={"distributed.context_parallel": 2})
+    cp.config["world_size"] = 4
+    lost = one(tmp_path, "lost", summary=False)
+    table = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
+             for row in report_tables.table_rows([plain, cp, lost], plain)}
+    assert table["plain"]["ranks"] == str(plain.config["world_size"])
+    assert table["cp"]["ranks"] == "4 (2 data x 2 context)"
+    assert table["lost"]["ranks"] == "n/a"

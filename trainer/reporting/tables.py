@@ -25,10 +25,20 @@ from trainer.reporting.runs import (
 from trainer.reporting.verdicts import fmt_num, ratio, verdict
 
 TABLE_COLUMNS = [
-    "run", "differs", "steps", "final train loss", "final val loss", "max |Δ train loss|",
+    "run", "differs", "steps", "ranks", "final train loss", "final val loss", "max |Δ train loss|",
     "token utilization", "valid tokens/s", "allocated tokens/s", "speed-up vs unpacked",
     "time to ref. loss", "peak mem (GB)", "notes",
 ]
+
+
+def ranks(run: Run) -> str:
+    """How many ranks trained the run and, under context parallelism, how they split: "4 (2 data x 2 context)";
+    "n/a" without summary.json (the world size is read from it)."""
+    world = run.config.get("world_size")
+    if world is None:
+        return "n/a"
+    cp = int(run.config.get("distributed.context_parallel") or 1)
+    return f"{world} ({world // cp} data x {cp} context)" if cp > 1 else str(world)
 
 
 def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERANCE) -> list[list[str]]:
@@ -46,6 +56,7 @@ def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERAN
             run.name,
             describe(run, diff) or "—",
             str(max(series(run, "step"), default=0)),
+            ranks(run),
             fmt_num(last(train_loss(run)), ".4f"),
             fmt_num(last(series(run, "val_loss")), ".4f"),
             "—" if run is ref else (fmt_num(gap[0]) + f" ({gap[1]} steps)" if gap else "n/a"),
