@@ -13,6 +13,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
     except BaseException:  # report, then let the parent fail the test
         result = ("error", traceback.format_exc())
     finally:
+        if result[0] == "error":  # said before the barrier: a rank left waiting there is reported with this
+            Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         # Leave together: a rank that tears gloo down while another still talks to it can abort (SIGABRT,
         # "terminate called without an active exception"). Every rank reaches this line, errors included.
         with contextlib.suppress(Exception):
@@ -43,10 +46,27 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_distributed(fn, world_size: int = 2, args: tuple = ()) -> list:
+RUN_TIMEOUT_S = 300
+"""A call's ranks must all end within this: a rank that raised while another waits in a collective would otherwise
+leave the test hanging (each rank meets the others at a barrier before it leaves)."""
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout_s: float = RUN_TIMEOUT_S) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-                           start_method="spawn", join=True)
+        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+                                     start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                done = {r for r in range(world_size) if Path(out_dir, f"rank{r}.pkl").exists()}
+                errors = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes())[1] for r in sorted(done)]
+                for process in context.processes:
+                    process.kill()
+                for process in context.processes:
+                    process.join(timeout=10)
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - done)} still running after {timeout_s:g} s "
+                                     "(waiting in a collective for a rank that failed?); what the others reported:\n"
+                                     + "\n".join(str(e)[-3000:] for e in errors))
         results = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
     errors = [f"rank {r}:\n{value}" for r, (status, value) in enumerate(results) if status == "error"]
     if errors:

@@ -1,0 +1,28 @@
+"""tests.harness.run_distributed: a rank that fails while another waits in a collective fails the call with the
+failing rank's traceback within the timeout, instead of hanging the suite."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_distributed
+
+
+def _one_rank_fails(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 gave up")
+    t = torch.ones(1)
+    for _ in range(3):  # rank 0 waits for a partner that never comes
+        dist.all_reduce(t)
+    return int(t.item())
+
+
+def test_a_rank_that_fails_while_another_waits_is_reported_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)still running after 10 s.*ValueError: rank 1 gave up"):
+        run_distributed(_one_rank_fails, 2, timeout_s=10)
+    assert time.monotonic() - t0 < 60
