@@ -59,7 +59,7 @@ sft: install
 	@echo "fine-tuned model (Hugging Face format): $(SFT_RUN)/hf"
 
 # Two pytest workers, each given whole test files (module fixtures are built once), one thread per process:
-# ~12-13 min on 2 idle cores (clean clone, bash .ci/run: 1,206 passed, 35 skipped in 11m55s; 13m14s with the install).
+# ~12-15 min on 2 cores (clean clones, bash .ci/run: 1,206-1,207 passed, 35 skipped in 11m55s-14m47s; +1.5 min install).
 # TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 test: install
