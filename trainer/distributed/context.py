@@ -46,8 +46,6 @@ from trainer.model import flash
 from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
 from trainer.model.loss import shift_left
 
-STRATEGIES = CP_STRATEGIES
-
 
 def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
     """The positions of a row of `seq_len` that rank `rank` of a group of `size` holds, in order: chunk `rank`,
@@ -128,11 +126,6 @@ def flat_index(positions_BP: np.ndarray, seq_len: int) -> np.ndarray:
     return (np.arange(positions_BP.shape[0])[:, None] * seq_len + positions_BP).reshape(-1)
 
 
-def local_flat_index(batch: int, seq_len: int, size: int, rank: int) -> np.ndarray:
-    """Flat indices of rank `rank`'s zigzag positions of every row, row by row."""
-    return flat_index(np.broadcast_to(zigzag_positions(seq_len, size, rank), (batch, seq_len // (size))), seq_len)
-
-
 @dataclass
 class ContextGroup:
     """The context-parallel group a rank belongs to, and how attention crosses it."""
@@ -145,8 +138,8 @@ class ContextGroup:
     """How each row's positions are dealt: 'zigzag' or 'balanced' (`row_positions`)."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"context-parallel strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy not in CP_STRATEGIES:
+            raise ValueError(f"context-parallel strategy must be one of {CP_STRATEGIES}, got {self.strategy!r}")
         if self.split not in CP_SPLITS:
             raise ValueError(f"context-parallel split must be one of {CP_SPLITS}, got {self.split!r}")
 
