@@ -9,6 +9,7 @@ import contextlib
 import functools
 import http.server
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -166,6 +168,32 @@ def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:
     for name in a:
         diff = (a[name] - b[name]).abs().max().item()
         assert diff <= tol, f"{name}: max abs diff {diff:.3g}"
+
+
+def plain_document_loss(params: dict[str, torch.Tensor], cfg: GPTConfig, ids: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross entropy of one document (token ids, learned positions from 0) through the GPT
+    weights `params` (named as the model's), in plain PyTorch written here: no packing, no cu_seqlens, no trainer
+    attention or loss code. A one-token document has no target: 0."""
+    ids = torch.as_tensor(ids)
+    n = len(ids)
+    if n < 2:
+        return torch.zeros(())
+    heads, dim = cfg.n_head, cfg.n_embd // cfg.n_head
+    p = params
+    x = p["wte.weight"][ids] + p["wpe.weight"][:n]
+    for i in range(cfg.n_layer):
+        h = F.layer_norm(x, (cfg.n_embd,), p[f"blocks.{i}.ln_1.weight"], p[f"blocks.{i}.ln_1.bias"])
+        qkv = h @ p[f"blocks.{i}.attn.c_attn.weight"].T + p[f"blocks.{i}.attn.c_attn.bias"]
+        q, k, v = (t.view(n, heads, dim).transpose(0, 1) for t in qkv.split(cfg.n_embd, -1))
+        scores = q @ k.transpose(1, 2) / math.sqrt(dim)
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, cfg.n_embd)
+        x = x + y @ p[f"blocks.{i}.attn.c_proj.weight"].T + p[f"blocks.{i}.attn.c_proj.bias"]
+        h = F.layer_norm(x, (cfg.n_embd,), p[f"blocks.{i}.ln_2.weight"], p[f"blocks.{i}.ln_2.bias"])
+        h = F.gelu(h @ p[f"blocks.{i}.mlp.c_fc.weight"].T + p[f"blocks.{i}.mlp.c_fc.bias"], approximate="tanh")
+        x = x + h @ p[f"blocks.{i}.mlp.c_proj.weight"].T + p[f"blocks.{i}.mlp.c_proj.bias"]
+    logits = F.layer_norm(x, (cfg.n_embd,), p["ln_f.weight"], p["ln_f.bias"]) @ p["wte.weight"].T
+    return F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
 
 
 def split(steps, fractions: list[float]) -> list[list[list[Document]]]:

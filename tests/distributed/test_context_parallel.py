@@ -10,15 +10,13 @@ softmax attention with an explicit causal mask, cross entropy of each next token
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tests.harness import run_distributed
+from tests.helpers import plain_document_loss
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.distributed.context import ContextGroup, shard_inputs, zigzag_positions
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
@@ -67,32 +65,14 @@ def whole(m, batch) -> tuple[float, int, dict]:
 
 def reference_loss(m, batch) -> torch.Tensor:
     """The summed next-token cross entropy of every document, each alone, through the weights of `m` in plain
-    PyTorch: no packing, no cu_seqlens, no trainer attention or loss code."""
+    PyTorch: no packing, no cu_seqlens, no trainer attention or loss code (tests.helpers.plain_document_loss)."""
     total = torch.zeros(())
-    p = dict(m.named_parameters())
-    heads, dim = m.cfg.n_head, m.cfg.n_embd // m.cfg.n_head
+    params = dict(m.named_parameters())
     for b, lengths in enumerate(ROWS):
         ids = batch.input_ids[b]
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         for a, e in zip(bounds, bounds[1:], strict=False):
-            if e - a < 2:
-                continue  # a one-token document has no target
-            x = p["wte.weight"][ids[a:e]] + p["wpe.weight"][: e - a]
-            n = e - a
-            for i in range(m.cfg.n_layer):
-                h = F.layer_norm(x, (m.cfg.n_embd,), p[f"blocks.{i}.ln_1.weight"], p[f"blocks.{i}.ln_1.bias"])
-                qkv = h @ p[f"blocks.{i}.attn.c_attn.weight"].T + p[f"blocks.{i}.attn.c_attn.bias"]
-                q, k, v = (t.view(n, heads, dim).transpose(0, 1) for t in qkv.split(m.cfg.n_embd, -1))
-                scores = q @ k.transpose(1, 2) / math.sqrt(dim)
-                scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-                y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, m.cfg.n_embd)
-                x = x + y @ p[f"blocks.{i}.attn.c_proj.weight"].T + p[f"blocks.{i}.attn.c_proj.bias"]
-                h = F.layer_norm(x, (m.cfg.n_embd,), p[f"blocks.{i}.ln_2.weight"], p[f"blocks.{i}.ln_2.bias"])
-                h = F.gelu(h @ p[f"blocks.{i}.mlp.c_fc.weight"].T + p[f"blocks.{i}.mlp.c_fc.bias"], approximate="tanh")
-                x = x + h @ p[f"blocks.{i}.mlp.c_proj.weight"].T + p[f"blocks.{i}.mlp.c_proj.bias"]
-            logits = F.layer_norm(x, (m.cfg.n_embd,), p["ln_f.weight"], p["ln_f.bias"]) @ p["wte.weight"].T
-            targets = ids[a + 1:e]
-            total = total + F.cross_entropy(logits[:-1], targets, reduction="sum")
+            total = total + plain_document_loss(params, m.cfg, ids[a:e])
     return total
 
 

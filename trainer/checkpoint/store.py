@@ -9,15 +9,18 @@ in packtrain spells these names):
     model.safetensors   WEIGHTS_FILE      the whole model's weights (every engine), TIED_KEY left out
     rank_00000.pt ...   rank_file(rank)   each rank's data-stream state and RNG states
     engine.pt           ENGINE_FILE       a replicated engine's (DDP's) model, optimizer and LR schedule
-    deepspeed/          DEEPSPEED_DIR     or, for a sharded engine (DeepSpeed), its own checkpoint: one ZeRO shard
-                                          per rank, which DeepSpeed writes itself into the directory named here
-                                          (it also copies its recovery scripts, zero_to_fp32.py, beside it)
+    deepspeed/          DEEPSPEED_DIR     or, for DeepSpeed, its own checkpoint: one ZeRO shard per rank, which
+                                          DeepSpeed writes itself into the directory named here (it also copies its
+                                          recovery scripts, zero_to_fp32.py, beside it)
+    dcp/                DCP_DIR           or, for FSDP2, torch.distributed.checkpoint's files: each rank's shards
+                                          (__0_0.distcp, ...) and the .metadata, written by every rank in parallel
 
 Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io); DeepSpeed's own
-files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them.
+files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them; DCP's are read by the FSDP2
+engine's own reader, which unpickles nothing but plain data, tensors and DCP's metadata types.
 
-On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`); DeepSpeed's
-shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
+On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP reshards
+as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
 checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then reads
 every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them (trainer.data.reshape).
 
@@ -71,6 +74,9 @@ TOKENIZER_DIR = "tokenizer"
 WEIGHTS_FILE = "model.safetensors"
 ENGINE_FILE = "engine.pt"
 DEEPSPEED_DIR = "deepspeed"
+DCP_DIR = "dcp"
+SHARD_DIRS = {"deepspeed": DEEPSPEED_DIR, "dcp": DCP_DIR}
+"""A sharded engine's directory, by its `shard_format`."""
 RANK_FILE = "rank_{rank:05d}.pt"
 RANK_GLOB = "rank_*.pt"
 
@@ -180,7 +186,7 @@ def save_checkpoint(
         failure = e
     if engine.sharded:
         try:
-            engine.save_shards(tmp / DEEPSPEED_DIR)  # collective: every rank writes its shard
+            engine.save_shards(tmp / SHARD_DIRS[engine.shard_format])  # collective: every rank writes its shard
         except (OSError, RuntimeError) as e:
             failure = failure or e
     elif info.is_main and failure is None:
@@ -322,7 +328,8 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
 
     A replicated engine reads ENGINE_FILE whatever the world size (no part of it depends on the ranks: DDP's
     gradient averaging factor is the running world size, not saved). A sharded engine reads its shards as
-    written on the same number of ranks; written on another, rank 0 converts them first (`_load_resharded`).
+    written on the same number of ranks, or on any number if it reshards as it loads (FSDP2's DCP); else, written
+    on another number, rank 0 converts them first (`_load_resharded`, DeepSpeed).
     `meta`: the checkpoint's META_FILE, if already read.
     """
     path = Path(path)
@@ -332,9 +339,12 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
                               "resume with the same distributed= config")
     if not engine.sharded:
         engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
-    elif meta["world_size"] == info.world_size:
-        shards = path / DEEPSPEED_DIR
-        check_deepspeed_files(shards)  # DeepSpeed itself unpickles with weights_only=False
+    elif meta["world_size"] == info.world_size or engine.reshards_on_load:
+        shards = path / SHARD_DIRS[engine.shard_format]
+        if not shards.is_dir():
+            raise CheckpointError(f"{shards} is missing: the checkpoint is damaged; resume from an earlier one")
+        if engine.shard_format == "deepspeed":
+            check_deepspeed_files(shards)  # DeepSpeed itself unpickles with weights_only=False
         engine.load_shards(shards)  # collective
     else:
         _load_resharded(path, info, engine)

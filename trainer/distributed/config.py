@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-ENGINES = ("ddp", "deepspeed")
+ENGINES = ("ddp", "deepspeed", "fsdp2")
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 CP_STRATEGIES = ("allgather", "ulysses")
@@ -20,7 +20,8 @@ ENGINE_MODULES = {"deepspeed": "deepspeed"}
 @dataclass
 class DistributedConfig:
     engine: str = "ddp"
-    """'ddp' (torch DistributedDataParallel) or 'deepspeed' (ZeRO, see trainer/distributed/deepspeed.py)."""
+    """'ddp' (torch DistributedDataParallel), 'deepspeed' (ZeRO, trainer/distributed/deepspeed.py) or 'fsdp2'
+    (torch's fully_shard over the run's DeviceMesh, trainer/distributed/fsdp.py)."""
     backend: str = "auto"
     """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
     device: str = "auto"
@@ -28,7 +29,11 @@ class DistributedConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights (0 with ddp)."""
     offload: bool = False
-    """DeepSpeed: keep the optimizer state (and its step) on the CPU; saves accelerator memory, costs speed."""
+    """DeepSpeed: keep the optimizer state (and its step) on the CPU; FSDP2: keep the parameter, gradient and
+    optimizer shards on the CPU (CPUOffloadPolicy). Saves accelerator memory, costs speed."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered weights after its forward and gather them again for its backward (ZeRO-3's
+    memory); false keeps them until the backward (ZeRO-2's memory, one all-gather fewer per block)."""
     context_parallel: int = 1
     """Ranks that share each row (context parallelism, trainer/distributed/context.py): the world is data-parallel
     x context-parallel, the N ranks of a group train the same rows, each holding 1/N of every row's positions."""
@@ -46,7 +51,15 @@ class DistributedConfig:
         if self.engine == "deepspeed" and self.zero_stage not in (1, 2, 3):
             raise ValueError(f"distributed.zero_stage must be 1, 2 or 3 with engine=deepspeed, got {self.zero_stage}")
         if self.engine == "ddp" and (self.zero_stage != 0 or self.offload):
-            raise ValueError("distributed.zero_stage / offload need engine=deepspeed (try distributed=deepspeed_zero2)")
+            raise ValueError("distributed.zero_stage / offload need engine=deepspeed or fsdp2 (try "
+                             "distributed=deepspeed_zero2 or distributed=fsdp2)")
+        if self.engine == "fsdp2" and self.zero_stage != 0:
+            raise ValueError("distributed.zero_stage is DeepSpeed's; FSDP2 always shards parameters, gradients and "
+                             "optimizer state (distributed.reshard_after_forward=false keeps the gathered weights "
+                             "from forward to backward, as ZeRO-2)")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"distributed.reshard_after_forward must be true or false, got "
+                             f"{self.reshard_after_forward!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"distributed.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:

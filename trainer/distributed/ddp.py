@@ -34,6 +34,8 @@ class DDPEngine:
     name = "ddp"
     equal_micro_batches = False
     sharded = False
+    shard_format = None
+    reshards_on_load = False
     can_discard = True
     """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
 

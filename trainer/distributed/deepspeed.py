@@ -85,6 +85,8 @@ class DeepSpeedEngine:
     equal_micro_batches = True
     can_discard = False  # ds.step() clips and applies in one call: a non-finite loss stops before it
     sharded = True  # even ZeRO-1 partitions the optimizer state
+    shard_format = "deepspeed"
+    reshards_on_load = False  # another number of ranks goes through convert_shards (DeepSpeed's universal checkpoint)
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):

@@ -1,8 +1,8 @@
 """The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
 
 `parallelize` is the one place a built model (single-device code) is wrapped for several ranks; it returns an
-`Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py) and `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
-imported only when configured, so plain runs never import deepspeed). Process groups are set up before, by
+`Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
+imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py). Process groups are set up before, by
 `trainer.distributed.groups.init_distributed`; the engines only use them.
 
 An engine returns its state; it never chooses a file name. The checkpoint store (trainer.checkpoint.store, the
@@ -49,6 +49,12 @@ class Engine(Protocol):
     """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
     which loads on any number of ranks. True: each rank holds a part, which only the engine can write and read
     (`save_shards` / `load_shards`), and convert for another number of ranks (`convert_shards`)."""
+    shard_format: str | None
+    """What a sharded engine's save_shards writes: 'deepspeed' (DeepSpeed's own files) or 'dcp'
+    (torch.distributed.checkpoint); None if not sharded. The checkpoint store names the directory by it."""
+    reshards_on_load: bool
+    """True if load_shards reads shards written on any number of ranks itself (DCP), so the store never calls
+    convert_shards."""
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
@@ -132,4 +138,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
         )
 
         return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
-    raise ValueError(f"distributed.engine must be 'ddp' or 'deepspeed', got {cfg.engine!r}")
+    if cfg.engine == "fsdp2":
+        from trainer.distributed.fsdp import FSDP2Engine
+
+        return FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+    raise ValueError(f"distributed.engine must be 'ddp', 'deepspeed' or 'fsdp2', got {cfg.engine!r}")

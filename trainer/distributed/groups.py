@@ -1,7 +1,8 @@
 """Process groups and named reductions: the only place a process group is set up.
 
 Wrapping a model for several ranks is `trainer.distributed.engine.parallelize` (the `Engine` interface, with DDP in
-trainer/distributed/ddp.py and DeepSpeed in trainer/distributed/deepspeed.py); both import this module, never the reverse.
+trainer/distributed/ddp.py, DeepSpeed in trainer/distributed/deepspeed.py and FSDP2 in trainer/distributed/fsdp.py);
+they import this module, never the reverse. The world's DeviceMesh is built here too (`DistInfo.mesh`).
 The model itself never imports torch.distributed.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import ContextGroup
@@ -31,6 +33,10 @@ class DistInfo:
     (data, context) DeviceMesh: rank = data_rank * N + context rank, so a group is N consecutive ranks."""
     data_group: dist.ProcessGroup | None = None
     """The ranks with this rank's context rank, one per data rank (None: the whole world)."""
+    mesh: DeviceMesh | None = None
+    """The world as a DeviceMesh with named dimensions, ("data",) or ("data", "context") under context
+    parallelism; built for engines and strategies that address its dimensions (FSDP2 shards over it, context
+    parallelism takes its groups from it), else None."""
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +66,7 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     """Join the process group torchrun / the deepspeed launcher describe in the environment (if any).
 
     A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group, except
-    under DeepSpeed, which wants one even then: a group of one over an in-memory store.
+    under DeepSpeed and FSDP2, which want one even then: a group of one over an in-memory store.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -74,12 +80,18 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
-    elif cfg.engine == "deepspeed" and not dist.is_initialized():
+    elif cfg.engine in ("deepspeed", "fsdp2") and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
-    return _with_context(info, cfg) if cfg.context_parallel > 1 else info
+    if cfg.context_parallel > 1:
+        return _with_context(info, cfg)
+    if cfg.engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return dataclasses.replace(info, mesh=init_device_mesh(device.type, (world_size,), mesh_dim_names=("data",)))
+    return info
 
 
 def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
@@ -93,7 +105,7 @@ def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
     mesh = init_device_mesh(info.device.type, (info.world_size // size, size), mesh_dim_names=("data", "context"))
     context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy,
                            cfg.context_parallel_split)
-    return dataclasses.replace(info, context=context, data_group=mesh.get_group("data"))
+    return dataclasses.replace(info, context=context, data_group=mesh.get_group("data"), mesh=mesh)
 
 
 def shutdown_distributed() -> None:

@@ -89,8 +89,9 @@ class NonFiniteError(UserError, RuntimeError):
 
 
 def empty_batch(pad_id: int) -> Batch:
-    """A one-position batch with no target: a rank without data still joins the gradient all-reduce."""
-    return collate_rows([[Document(key="<empty>", tokens=np.array([pad_id]))]], 1, pad_id, "packed")
+    """A one-position batch with no target: a rank without data still joins the gradient all-reduce. Laid out as
+    an unpacked row (no document boundaries), which context parallelism pads to its chunks like any unpacked row."""
+    return collate_rows([[Document(key="<empty>", tokens=np.array([pad_id]))]], 1, pad_id, "unpacked")
 
 
 def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None, int]:

@@ -1,0 +1,294 @@
+"""FSDP2 (trainer/distributed/fsdp.py) against DDP on real gloo ranks, and its DCP checkpoints resharded on load.
+
+The same logical batches, split unevenly over two ranks into several micro-batches each (a different number per
+rank), AdamW with the project's schedule and clipping active: FSDP2 must give DDP's per-step losses and gradient
+norms and, after the last step, its parameters (fp32, to 1e-6), packed and unpacked, with reshard_after_forward
+on and off, and at DP 2 x CP 2 on four ranks; bf16 (FSDP2's MixedPrecisionPolicy) within a stated tolerance of
+DDP's bf16 autocast. DDP is itself checked against plain PyTorch elsewhere; here the loss of a resumed step is
+also checked against a plain-PyTorch forward of the writer's weights (tests.helpers.plain_document_loss).
+
+Resume: a checkpoint written through the store on 2 ranks (DCP: each rank its shards) is loaded on 1, 2, 3 and 4
+ranks into an engine built from other weights: the weights and every AdamW moment and step equal the writer's
+(gathered whole on both sides with torch's own get_optimizer_state_dict), and the next step's loss equals the
+uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, plain_document_loss, split
+from trainer.checkpoint import store
+from trainer.config import OptimConfig
+from trainer.data.config import PackingConfig
+from trainer.data.packing import OnlinePacker
+from trainer.data.pipeline import micro_batches
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.context import shard_inputs
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo, init_distributed
+from trainer.model import AttentionConfig, build_model
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.step import train_step
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+ADAMW = OptimConfig(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
+CLIP = 0.05  # below these steps' gradient norms (~0.4-0.7): clipping acts
+UNEVEN = [0.3, 0.7]
+BF16_LOSS_RTOL = 2e-2
+"""bf16: FSDP2 computes in bf16 weights (MixedPrecisionPolicy), DDP in bf16 autocast over fp32 weights; both keep
+fp32 master weights and an fp32 loss, so their losses differ by bf16 rounding only."""
+
+
+def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32"):
+    torch.manual_seed(seed)
+    model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
+    opt = build_optimizer(model, ADAMW)
+    return parallelize(model, opt, build_scheduler(opt, ADAMW, STEPS), info, cfg, grad_clip=CLIP, dtype=dtype)
+
+
+def run_steps(engine, info: DistInfo, shares, layout: str = "packed") -> list[dict]:
+    """One optimizer step per logical batch; `shares[step][data rank]` are this rank's documents."""
+    shard = None if info.context is None else functools.partial(shard_inputs, cp=info.context,
+                                                                isolate_documents=True)
+    out = []
+    for step_docs in shares:
+        docs = step_docs[info.data_rank]
+        rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs)) if layout == "packed" else [[d] for d in docs]
+        mbs = micro_batches(rows, PackingConfig(layout=layout), SEQ_LEN, SEQ_LEN, PAD)
+        lr = engine.lr()
+        stats = train_step(engine, mbs, info, PAD, shard=shard)
+        out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "micro_batches": len(mbs)})
+    return out
+
+
+def gathered(engine) -> dict:
+    """Collective: the whole weights and AdamW state per parameter name, on every rank, through torch's own
+    state-dict helpers (for the DDP engine too, whose model and optimizer are plain)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(engine.module, options=options)
+    optim = get_optimizer_state_dict(engine.module, engine.optimizer, options=options)
+    return {"params": {k: v.detach().clone() for k, v in model.items()},
+            "moments": {name: {k: torch.as_tensor(v).detach().clone() for k, v in state.items()}
+                        for name, state in optim["state"].items()},
+            "lr": engine.lr()}
+
+
+def even(steps, world: int):
+    return split(steps, [1 / world] * world)
+
+
+FSDP2 = DistributedConfig(engine="fsdp2", device="cpu")
+DDP = DistributedConfig(device="cpu")
+
+
+def two_ranks(rank: int, world: int, steps, root: str) -> dict:
+    out = {}
+    for layout in ("packed", "unpacked"):
+        for name, cfg in (("ddp", DDP), ("fsdp2", FSDP2)):
+            info = init_distributed(cfg)
+            engine = build(info, cfg)
+            out[(layout, name)] = {"steps": run_steps(engine, info, split(steps, UNEVEN), layout),
+                                   "params": gathered(engine)["params"]}
+    cfg = DistributedConfig(engine="fsdp2", device="cpu", reshard_after_forward=False)
+    info = init_distributed(cfg)
+    engine = build(info, cfg)
+    out[("packed", "fsdp2_keep")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                                     "params": gathered(engine)["params"]}
+    for name, cfg in (("ddp", DDP), ("fsdp2", FSDP2)):
+        info = init_distributed(cfg)
+        engine = build(info, cfg, dtype="bf16")
+        out[("bf16", name)] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                               "params": gathered(engine)["params"]}
+    # The writer: STEPS - 1 steps, a checkpoint through the store, then the last step uninterrupted.
+    info = init_distributed(FSDP2)
+    engine = build(info, FSDP2)
+    run_steps(engine, info, even(steps, 2)[:-1])
+    tokenizer = Path(root) / "tokenizer"
+    if info.is_main:
+        tokenizer.mkdir(parents=True, exist_ok=True)
+    path = store.save_checkpoint(Path(root) / "run", STEPS - 1, info, engine, rank_state={},
+                                 meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
+                                 keep_last=1)
+    out["writer"] = gathered(engine)
+    out["uninterrupted"] = run_steps(engine, info, even(steps, 2)[-1:])[0]
+    out["uninterrupted_params"] = gathered(engine)["params"]
+    out["files"] = sorted(p.name for p in path.iterdir())
+    out["dcp_files"] = sorted(p.name for p in (path / store.DCP_DIR).iterdir())
+    out.update(resumed(rank, world, steps, str(path)))
+    return out
+
+
+def resumed(rank: int, world: int, steps, path: str) -> dict:
+    """A fresh FSDP2 engine from other weights on `world` ranks, the checkpoint loaded, the last step run."""
+    info = init_distributed(FSDP2)
+    engine = build(info, FSDP2, seed=1)
+    store.load_checkpoint(path, info, engine)
+    loaded = gathered(engine)
+    step = run_steps(engine, info, even(steps, world)[-1:])[0]
+    return {"loaded": loaded, "next": step, "next_params": gathered(engine)["params"]}
+
+
+def dp2_cp2(rank: int, world: int, steps) -> dict:
+    """DP 2 x CP 2: FSDP2 shards over the flattened (data, context) mesh; DDP over the same world."""
+    out = {}
+    for name, engine_name in (("ddp", "ddp"), ("fsdp2", "fsdp2")):
+        cfg = DistributedConfig(engine=engine_name, device="cpu", context_parallel=2)
+        info = init_distributed(cfg)
+        engine = build(info, cfg)
+        out[name] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": gathered(engine)["params"],
+                     "shard_ranks": engine.module.wte.weight.device_mesh.size() if name == "fsdp2" else None}
+    return out
+
+
+def four_ranks(rank: int, world: int, steps, path: str) -> dict:
+    return {**resumed(rank, world, steps, path), "cp": dp2_cp2(rank, world, steps)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    steps = make_steps(num_steps=STEPS, docs_per_step=16)
+    root = tmp_path_factory.mktemp("fsdp")
+    two = run_distributed(two_ranks, 2, args=(steps, str(root)))
+    path = str(store.checkpoint_dir(root / "run", STEPS - 1))
+    return {"steps": steps, "path": path, 2: two, 1: run_distributed(resumed, 1, args=(steps, path)),
+            3: run_distributed(resumed, 3, args=(steps, path)),
+            4: run_distributed(four_ranks, 4, args=(steps, path))}
+
+
+def assert_same_steps(a: list[dict], b: list[dict], loss_rtol: float = 1e-6, norm_rtol: float = 1e-5) -> None:
+    np.testing.assert_allclose([s["loss"] for s in a], [s["loss"] for s in b], rtol=loss_rtol)
+    np.testing.assert_allclose([s["grad_norm"] for s in a], [s["grad_norm"] for s in b], rtol=norm_rtol)
+    assert [s["lr"] for s in a] == [s["lr"] for s in b]
+
+
+def test_the_split_is_uneven_with_several_micro_batches_per_rank(results):
+    counts = [[s["micro_batches"] for s in r[("packed", "ddp")]["steps"]] for r in results[2]]
+    assert min(min(c) for c in counts) >= 3, counts
+    assert all(c0 != c1 for c0, c1 in zip(*counts, strict=True)), counts
+
+
+@pytest.mark.parametrize("layout", ["packed", "unpacked"])
+def test_fsdp2_gives_ddps_losses_norms_and_parameters(results, layout):
+    for r in results[2]:
+        ddp, fsdp = r[(layout, "ddp")], r[(layout, "fsdp2")]
+        assert_same_steps(fsdp["steps"], ddp["steps"])
+        assert all(s["grad_norm"] > CLIP for s in ddp["steps"])  # clipping acted on every step
+        assert_same_params(fsdp["params"], ddp["params"], tol=1e-6)
+
+
+def test_reshard_after_forward_off_changes_nothing(results):
+    for r in results[2]:
+        assert_same_steps(r[("packed", "fsdp2_keep")]["steps"], r[("packed", "ddp")]["steps"])
+        assert_same_params(r[("packed", "fsdp2_keep")]["params"], r[("packed", "ddp")]["params"], tol=1e-6)
+
+
+def test_bf16_mixed_precision_is_within_bf16_rounding_of_ddp_autocast(results):
+    for r in results[2]:
+        fsdp, ddp, fp32 = r[("bf16", "fsdp2")], r[("bf16", "ddp")], r[("packed", "ddp")]
+        assert_same_steps(fsdp["steps"], ddp["steps"], loss_rtol=BF16_LOSS_RTOL, norm_rtol=0.1)
+        assert fsdp["params"]["wte.weight"].dtype == torch.float32  # fp32 master weights
+        # bf16 did run: the losses are not fp32's to the digit
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fsdp["steps"], fp32["steps"], strict=True)) > 1e-6
+
+
+def test_fsdp2_at_dp2_cp2_gives_ddps_losses_and_parameters(results):
+    for r in results[4]:
+        ddp, fsdp = r["cp"]["ddp"], r["cp"]["fsdp2"]
+        assert fsdp["shard_ranks"] == 4  # sharded over data x context, flattened
+        assert_same_steps(fsdp["steps"], ddp["steps"])
+        assert_same_params(fsdp["params"], ddp["params"], tol=1e-6)
+
+
+def test_a_checkpoint_holds_dcp_shards_of_every_rank_and_the_whole_weights(results):
+    r = results[2][0]
+    assert store.DCP_DIR in r["files"] and store.WEIGHTS_FILE in r["files"] and store.ENGINE_FILE not in r["files"]
+    assert r["dcp_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    from safetensors.torch import load_file
+
+    weights = load_file(Path(results["path"]) / store.WEIGHTS_FILE)  # gathered from the shards
+    assert_same_params(weights, r["writer"]["params"], tol=0.0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_two_rank_checkpoint_loads_on_any_number_of_ranks(results, world):
+    writer = results[2][0]["writer"]
+    for r in results[world]:
+        loaded = r["loaded"]
+        assert_same_params(loaded["params"], writer["params"], tol=0.0)
+        assert sorted(loaded["moments"]) == sorted(writer["moments"])
+        for name, state in writer["moments"].items():
+            assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+            for key, value in state.items():
+                assert torch.equal(loaded["moments"][name][key], value), (name, key)
+        assert loaded["lr"] == writer["lr"]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_next_step_after_a_resume_equals_the_uninterrupted_run_and_the_plain_objective(results, world):
+    """Its loss is the uninterrupted 2-rank run's (1e-6; the global batch is the same, split over `world`) and the
+    plain-PyTorch loss of the writer's weights over that batch; the weights after it the uninterrupted run's."""
+    two = results[2][0]
+    params = two["writer"]["params"]
+    docs = results["steps"][-1]
+    with torch.no_grad():
+        total = sum(plain_document_loss(params, MODEL, d.tokens).item() for d in docs)
+    reference = total / sum(len(d.tokens) - 1 for d in docs)
+    for r in results[world]:
+        assert r["next"]["loss"] == pytest.approx(two["uninterrupted"]["loss"], rel=1e-6, abs=0)
+        assert r["next"]["loss"] == pytest.approx(reference, rel=1e-5, abs=0)
+        assert_same_params(r["next_params"], two["uninterrupted_params"], tol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DCP's files are read without running code
+# ---------------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_metadata_file_that_would_run_code_is_refused_naming_it(tmp_path):
+    from trainer.distributed.fsdp import SafeReader, UnsafeDCPFileError
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(UnsafeDCPFileError, match=r"\.metadata: refused to load: it names builtins\.print"):
+        SafeReader(tmp_path).read_metadata()
+
+
+def test_a_non_tensor_entry_that_would_run_code_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from trainer.distributed.fsdp import SafePlanner, UnsafeDCPFileError
+
+    buffer = io.BytesIO()
+    torch.save(_RunsCode(), buffer)
+    buffer.seek(0)
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="scheduler.last_epoch"))
+    with pytest.raises(UnsafeDCPFileError, match="'scheduler.last_epoch'.*refused"):
+        SafePlanner().load_bytes(item, buffer)
+    plain = io.BytesIO()
+    torch.save({"lr": 0.5}, plain)
+    plain.seek(0)
+    planner = SafePlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    planner.load_bytes(item, plain)  # plain data goes through
+    assert planner.state_dict == {"scheduler.last_epoch": {"lr": 0.5}}

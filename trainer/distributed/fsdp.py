@@ -1,0 +1,274 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) behind the `Engine` interface (trainer.distributed.engine).
+
+The model is sharded over the run's DeviceMesh (trainer.distributed.groups.DistInfo.mesh), one `fully_shard`
+per transformer block and one on the root (the embeddings, the tied head, the final norm), as torchtitan does:
+every parameter becomes a DTensor holding 1/W of its rows, a block's weights are all-gathered for its forward
+and again for its backward, and its gradients are reduce-scattered. The shard dimension is the whole world: the
+mesh's `data` dimension, flattened with `context` when context parallelism is on (torchtitan's dp_shard_cp), so
+context parallelism adds a mesh dimension, not a code path.
+
+The objective is DDP's: FSDP2 averages gradients over the mesh (W ranks), so `grad_average_factor` is W, as
+for DDP, and what remains is sum(token losses) / global valid targets. Every forward is collective (the
+all-gather), so all ranks run the same number of micro-batches (`equal_micro_batches`: the step pads the
+shorter ranks with empty ones, as for ZeRO); gradients are reduce-scattered on the last micro-batch alone
+(`set_requires_gradient_sync`), so accumulation costs no communication.
+
+bf16 (train.dtype): FSDP2's MixedPrecisionPolicy, bf16 parameters for the compute (all-gathered in bf16) and
+fp32 gradient reduction, fp32 master weights and optimizer state; the loss is computed in fp32 by the model.
+The root does not cast its inputs (`cast_forward_inputs=False`): the loss weights (1/3, ...) stay fp32.
+
+The optimizer and LR schedule are the client's, built on the model before it is sharded: `fully_shard` replaces
+every parameter by a DTensor, and the engine puts those into the optimizer's parameter groups in place (by
+name; the optimizer has no state yet), so the schedule keeps its optimizer (accelerate does the same).
+
+Checkpoints: torch.distributed.checkpoint (DCP), every rank writing its shards in parallel into the directory
+the checkpoint store names (`save_shards`); DCP reshards on load, so a checkpoint written on W ranks loads on
+any number (`reshards_on_load`: no conversion step). Loading never runs code: DCP's reader unpickles its
+`.metadata` file with plain pickle and its non-tensor entries with `torch.load(weights_only=False)`;
+`SafeReader` and `SafePlanner` read them with an allow-list of DCP's own metadata classes and with
+`weights_only=True` instead, in the same read (nothing to re-check between a check and the load).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.groups import DistInfo
+
+
+class FSDP2Engine:
+    """Model + client optimizer + client LR schedule, sharded by `fully_shard` over the run's mesh."""
+
+    name = "fsdp2"
+    equal_micro_batches = True  # each forward all-gathers a block's weights: a collective on every rank
+    can_discard = True  # clip and step are separate calls: a non-finite step can be dropped
+    sharded = True
+    shard_format = "dcp"
+    """What the checkpoint store writes the shards as (it names the directory)."""
+    reshards_on_load = True
+    """DCP loads a checkpoint written on any number of ranks: no convert_shards step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
+                 cfg: DistributedConfig, grad_clip: float, dtype: str):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if info.mesh is None:
+            raise RuntimeError("FSDP2 shards over the run's DeviceMesh: call trainer.distributed.groups."
+                               "init_distributed(cfg) with distributed.engine=fsdp2 first")
+        if optimizer.state:
+            raise ValueError("FSDP2Engine takes a fresh optimizer (it has state): fully_shard replaces the "
+                             "parameters it was built on")
+        if cfg.offload and info.device.type == "cpu":
+            raise ValueError("distributed.offload=true keeps FSDP2's shards on the CPU between uses; this run's "
+                             "device is the CPU already: drop it (or run on CUDA)")
+        self.module = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+        self.is_main = info.is_main
+        self.mesh = shard_mesh(info.mesh)
+        bf16 = dtype == "bf16"
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                         reduce_dtype=torch.float32 if bf16 else None)
+        root_precision = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                                              cast_forward_inputs=False)
+        offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cfg.offload else OffloadPolicy()
+        names = {id(p): name for name, p in model.named_parameters()}
+        for block in model.blocks:
+            fully_shard(block, mesh=self.mesh, mp_policy=precision, offload_policy=offload,
+                        reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, mp_policy=root_precision, offload_policy=offload,
+                    reshard_after_forward=cfg.reshard_after_forward)
+        sharded = dict(model.named_parameters())
+        for group in optimizer.param_groups:  # the DTensors into the client's optimizer, in place
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        self.grad_average_factor = self.mesh.size()
+
+    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Forward + backward of one micro-batch; gradients are reduce-scattered only when `sync` (the step's last
+        micro-batch), accumulated unsharded before it."""
+        self.module.set_requires_gradient_sync(sync)
+        out = self.module(**inputs)
+        objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
+        (objective * loss_scale).backward()
+        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+
+    @torch.no_grad()
+    def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Summed token loss, target count and per-group sums; collective (each block's weights are gathered)."""
+        out = self.module(**inputs, return_logits=False)
+        return out.loss_sum, out.num_targets, out.group_loss_sums
+
+    def optimizer_step(self) -> float:
+        norm = self.clip_gradients()
+        self.apply_gradients()
+        return norm
+
+    def clip_gradients(self) -> float:
+        """The global gradient norm before clipping (the shards' norms combined over the mesh); clips in place."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):  # a partial sum of squares per rank: reduced here
+            norm = norm.full_tensor()
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        return float(norm)
+
+    def apply_gradients(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError(_SHARDED)
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError(_SHARDED)
+
+    def convert_shards(self, directory: Path, out: Path) -> None:
+        raise NotImplementedError("DCP reshards on load (reshards_on_load): there is nothing to convert")
+
+    def _dcp_state(self) -> dict:
+        """Model and optimizer as DCP's state-dict helpers give them (DTensor shards keyed by parameter name,
+        the optimizer's state created if it has none yet), and the schedule."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def save_shards(self, directory: Path) -> None:
+        """Collective: every rank writes its shards into `directory` (DCP: one .distcp file per rank, and rank
+        0 the `.metadata`). A write that fails on this rank (a full disk) is raised after DCP's save has ended on
+        every rank (DCP gathers the ranks' outcomes before it raises); one that failed on another rank alone is
+        not raised here: the store's agreement over the ranks reports it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.save(self._dcp_state(), storage_writer=FileSystemWriter(directory))
+        except CheckpointException as e:  # a BaseException: the store catches OSError / RuntimeError
+            own = e.failures.get(dist.get_rank())
+            if own is not None:
+                failure = own[0] if isinstance(own, tuple) else own
+                raise failure if isinstance(failure, (OSError, RuntimeError)) else RuntimeError(str(failure)) from e
+
+    def load_shards(self, directory: Path, converted: bool = False) -> None:
+        """Collective: the shards DCP wrote into `directory`, on any number of ranks, resharded for this run's;
+        read without running code (SafeReader, SafePlanner)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's weights on the CPU, on rank 0 ({} elsewhere), gathered from the shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.is_main:
+            return {}
+        return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+_SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); sharded is True"
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards over: `mesh` itself if it is 1-D, else its dimensions flattened into one
+    (data x context: torchtitan's dp_shard_cp, with DeviceMesh._flatten, which torchtitan uses too)."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    return mesh[names]._flatten("_".join(names))
+
+
+# ---------------------------------------------------------------------------------------------------
+# DCP's files, read without running code
+# ---------------------------------------------------------------------------------------------------
+
+DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"},
+    "torch.serialization": {"_get_layout"},  # a layout by its name ("torch.strided"), as weights_only=True allows
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id
+    "collections": {"OrderedDict"},
+}
+"""The only globals a DCP `.metadata` pickle may name (what torch 2.13's DCP writes for packtrain's states)."""
+
+
+class UnsafeDCPFileError(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeDCPFileError(f"it names {module}.{name}, which is not one of DCP's metadata types")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, but its `.metadata` is unpickled with an allow-list (`DCP_METADATA_CLASSES`) instead
+    of plain pickle. Tensors it reads with weights_only=True already."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.filesystem import _metadata_fn
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = Path(self.path) / _metadata_fn
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise UnsafeDCPFileError(f"{path}: refused to load: {e}; packtrain never unpickles a checkpoint's "
+                                     "files beyond plain data, tensors and DCP's own metadata types") from e
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, but the non-tensor entries (optimizer hyperparameters, the schedule) are read with
+    `torch.load(weights_only=True)` (DefaultLoadPlanner uses weights_only=False)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UnsafeDCPFileError(f"the entry {read_item.dest_index.fqn!r} of a DCP checkpoint needs more than "
+                                     f"plain data to unpickle ({first}): refused") from e
+        if self.flatten_state_dict:  # what DefaultLoadPlanner.load_bytes does with the object it unpickled
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
