@@ -2,6 +2,7 @@
 # One node, NPROC processes under torchrun (one per GPU; on CPU, a few). Every argument is a Hydra override:
 #   launch/torchrun.sh data.path=data/demo train.max_steps=1000
 #   NPROC=2 launch/torchrun.sh distributed=deepspeed_zero2 model=small      # ZeRO under torchrun works too
+#   NPROC=2 launch/torchrun.sh distributed=fsdp2 model=small                # FSDP2 (fully_shard) likewise
 # Several nodes: launch/slurm.sbatch (or torchrun --nnodes with a c10d rendezvous, as it does).
 set -euo pipefail
 

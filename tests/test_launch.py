@@ -19,10 +19,10 @@ STEPS = 3
 pytestmark = pytest.mark.slow
 
 
-def launch(script: str, run_dir: Path, data: Path, **env: str) -> subprocess.CompletedProcess:
+def launch(script: str, run_dir: Path, data: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     """`NPROC=2 launch/<script> <overrides>` with this interpreter's bin/ (torchrun, deepspeed) first on PATH."""
     cmd = [str(ROOT / "launch" / script), f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL,
-           f"train.max_steps={STEPS}"]
+           f"train.max_steps={STEPS}", *overrides]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     full_env = {**os.environ, "NPROC": "2", "PATH": path, "PYTHONPATH": str(ROOT), **env}
     full_env.pop("OMP_NUM_THREADS", None)  # the scripts set it
@@ -50,6 +50,15 @@ def torchrun_run(demo_data, tmp_path_factory) -> Path:
 
 def test_torchrun_sh_two_processes(torchrun_run):
     check_run(torchrun_run, "ddp")
+
+
+def test_torchrun_sh_runs_fsdp2_unchanged_and_matches_ddp(demo_data, tmp_path, torchrun_run):
+    run_dir = tmp_path / "fsdp2"
+    launch("torchrun.sh", run_dir, demo_data, "distributed=fsdp2")
+    fsdp, ddp = check_run(run_dir, "fsdp2"), metrics(torchrun_run)
+    assert [m["valid_tokens"] for m in fsdp] == [m["valid_tokens"] for m in ddp]
+    for a, b in zip(fsdp, ddp, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
 
 
 def test_deepspeed_sh_two_processes_matches_torchrun_ddp(demo_data, tmp_path, torchrun_run):

@@ -23,7 +23,8 @@ from trainer.run.metrics import MetricsLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSITIONS = [
-    [], ["experiment=demo"], ["distributed=deepspeed_zero2"], ["model=gpt2-124m"], ["experiment=sft"],
+    [], ["experiment=demo"], ["distributed=deepspeed_zero2"], ["distributed=fsdp2"], ["model=gpt2-124m"],
+    ["experiment=sft"],
     ["experiment=positions_ablation"], ["packing=unpacked", "attention=dense"],
 ]
 """Overrides composed as `python -m trainer.train` would (config.json is the resolved result)."""
@@ -70,6 +71,7 @@ def test_every_config_key_is_registered_explicitly(overrides):
 def test_no_stale_config_key_is_registered():
     keys = all_composed_keys()
     assert {"distributed.zero_stage", "distributed.offload"} <= keys  # only under deepspeed
+    assert "distributed.reshard_after_forward" in keys  # only under fsdp2
     assert stale(CONFIG_KEYS, keys) == []
     assert stale({**CONFIG_KEYS, "train.gone": ("other", "")}, keys) == ["train.gone"]  # the check can fail
     assert FROM_SUMMARY <= SUMMARY_KEYS.keys() and FROM_SUMMARY <= CONFIG_KEYS.keys()

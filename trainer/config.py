@@ -281,6 +281,10 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     if cfg.train.on_nonfinite == "skip" and deepspeed:
         problems.append("train.on_nonfinite=skip needs distributed.engine=ddp (DeepSpeed clips and applies the update "
                         "in one call, so a non-finite step cannot be dropped); use train.on_nonfinite=stop")
+    on_cpu = cfg.distributed.device == "cpu" or (cfg.distributed.device == "auto" and not torch.cuda.is_available())
+    if cfg.distributed.engine == "fsdp2" and cfg.distributed.offload and on_cpu:
+        problems.append("distributed.offload=true keeps FSDP2's shards on the CPU between uses, and this run's device "
+                        "is the CPU already: drop it (or run on CUDA)")
     if cfg.model.max_seq_len < cfg.train.seq_len:
         problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")

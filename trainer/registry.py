@@ -120,11 +120,12 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "optim.min_lr_ratio": (OTHER, "schedule hyperparameter"),
     "optim.fused": (SAME_OBJECTIVE, "one kernel for the same update"),
     # distributed
-    "distributed.engine": (SAME_OBJECTIVE, "DDP and DeepSpeed apply the same update"),
+    "distributed.engine": (SAME_OBJECTIVE, "DDP, DeepSpeed and FSDP2 apply the same update"),
     "distributed.backend": (SAME_OBJECTIVE, "the same reductions"),
     "distributed.device": (SAME_OBJECTIVE, "the same computation (fp32)"),
     "distributed.zero_stage": (SAME_OBJECTIVE, "shards state, not the update"),
     "distributed.offload": (SAME_OBJECTIVE, "where the optimizer state lives"),
+    "distributed.reshard_after_forward": (SAME_OBJECTIVE, "when gathered weights are freed, not what is computed"),
     "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss and "
                                      "gradients"),
     "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, not what it computes"),

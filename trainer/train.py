@@ -64,9 +64,16 @@ SAME_ON_EVERY_RANK = (ConfigError, *HYDRA_ERRORS)
 """Mistakes every rank of a launch makes alike (the config, an override, a refusal rank 0 decided and broadcast):
 rank 0 alone prints them (trainer.errors.run_command)."""
 
-_DEEPSPEED_ONLY = ("{key} exists only with distributed.engine=deepspeed, which distributed=ddp (the default) is not: "
-                   "choose distributed=deepspeed_zero1, deepspeed_zero2 or deepspeed_zero3, then override {key}")
-GROUP_ONLY_KEYS = {key: _DEEPSPEED_ONLY.format(key=key) for key in ("distributed.zero_stage", "distributed.offload")}
+_GROUP_ONLY = "{key} exists only with {engines}, which the chosen distributed= option is not: choose {options}, then override {key}"
+GROUP_ONLY_KEYS = {
+    "distributed.zero_stage": _GROUP_ONLY.format(key="distributed.zero_stage", engines="distributed.engine=deepspeed",
+                                                 options="distributed=deepspeed_zero1, deepspeed_zero2 or deepspeed_zero3"),
+    "distributed.offload": _GROUP_ONLY.format(key="distributed.offload", engines="distributed.engine=deepspeed or fsdp2",
+                                              options="distributed=deepspeed_zero1, deepspeed_zero2, deepspeed_zero3 "
+                                                      "or fsdp2"),
+    "distributed.reshard_after_forward": _GROUP_ONLY.format(key="distributed.reshard_after_forward",
+                                                            engines="distributed.engine=fsdp2", options="distributed=fsdp2"),
+}
 """Keys that only some options of a config group set: an override of one under another option says so."""
 
 _user_full_error: bool | None = None

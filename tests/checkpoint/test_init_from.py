@@ -210,7 +210,8 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
 @pytest.mark.slow
 def test_init_from_under_zero3_on_two_ranks_loads_before_partitioning(pretrained, demo_data, tmp_path):
     """DeepSpeed ZeRO-3 partitions the weights as it wraps the model: init_from loads them before that, so with
-    lr = 0 the weights gathered from both ranks' partitions equal the (DDP) checkpoint's."""
+    lr = 0 the weights gathered from both ranks' partitions equal the (DDP) checkpoint's; an FSDP2 run started from
+    the ZeRO-3 run's checkpoint holds them too."""
     require_module("deepspeed", "pip install deepspeed (the `deepspeed` extra)")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                 str(free_port()), "-m"]
@@ -221,3 +222,12 @@ def test_init_from_under_zero3_on_two_ranks_loads_before_partitioning(pretrained
     assert loaded.keys() == original.keys()
     for k in original:
         assert torch.equal(loaded[k], original[k]), k
+    # That DeepSpeed-written checkpoint starts an FSDP2 run (its weights loaded before fully_shard): equal again.
+    fsdp = tmp_path / "fsdp2"
+    launcher[-2] = str(free_port())
+    run_train(fsdp, demo_data, "distributed=fsdp2", f"train.init_from={ckpt(run_dir, 1)}", "optim.lr=0",
+              "train.max_steps=1", "train.checkpoint_every=1", launcher=launcher)
+    again = load_file(ckpt(fsdp, 1) / WEIGHTS)
+    assert again.keys() == original.keys()
+    for k in original:
+        assert torch.equal(again[k], original[k]), k

@@ -220,6 +220,8 @@ class ShardedEngine:
 
     name = "fake_sharded"
     sharded = True
+    shard_format = "deepspeed"
+    reshards_on_load = False
 
     def __init__(self, engine: DDPEngine):
         self.inner, self.module, self.calls = engine, engine.module, []

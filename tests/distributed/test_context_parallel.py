@@ -119,9 +119,34 @@ CASES = [  # (world, CP size, strategy, layout, pos_emb, split)
 ]
 
 
+PLAIN = [("allgather", "zigzag"), ("ulysses", "zigzag")]
+"""(strategy, split) of the comparisons with the plain-PyTorch reference (packed, learned positions, CP = 2)."""
+PROBES = [("allgather", "balanced"), ("ulysses", "zigzag")]
+"""(strategy, split) of the leakage probe."""
+
+
+def _all_runs(rank, world, cases, plain, probes):
+    """Every run of one world size in one spawn (a spawn costs seconds; each run makes its own groups)."""
+    out = {("case", c): _cp_rank(rank, world, *c[1:5], True, "sdpa_docs", None, c[5]) for c in cases}
+    for strategy, split in plain:
+        out[("plain", strategy)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs", None, split)
+    for strategy, split in probes:
+        for isolate in (True, False):
+            for change in (None, (0, 3)):
+                run = _cp_rank(rank, world, 2, strategy, "packed", "learned", isolate, "sdpa_docs", change, split)
+                out[("probe", strategy, split, isolate, change)] = run[3:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_runs() -> dict[int, list[dict]]:
+    return {2: run_distributed(_all_runs, 2, ([c for c in CASES if c[0] == 2], PLAIN, PROBES)),
+            4: run_distributed(_all_runs, 4, ([c for c in CASES if c[0] == 4], [], []))}
+
+
 @pytest.mark.parametrize("world, size, strategy, layout, pos_emb, split", CASES)
-def test_loss_and_every_gradient_equal_cp1(world, size, strategy, layout, pos_emb, split):
-    results = run_distributed(_cp_rank, world, (size, strategy, layout, pos_emb, True, "sdpa_docs", None, split))
+def test_loss_and_every_gradient_equal_cp1(cp_runs, world, size, strategy, layout, pos_emb, split):
+    results = [r[("case", (world, size, strategy, layout, pos_emb, split))] for r in cp_runs[world]]
     ref_loss, ref_count, ref_grads = reference_sums(world, size, layout, pos_emb, True, "sdpa_docs")
     for loss, count, g, _, _ in results:
         assert count == ref_count  # every target counted once over the group
@@ -145,9 +170,9 @@ def test_the_cp1_model_equals_the_plain_pytorch_reference():
         torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
-def test_cp_equals_the_plain_pytorch_reference(strategy):
-    (loss, count, g, _, _), _ = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", True, "sdpa_docs"))
+@pytest.mark.parametrize("strategy", [strategy for strategy, _ in PLAIN])
+def test_cp_equals_the_plain_pytorch_reference(cp_runs, strategy):
+    loss, count, g, _, _ = cp_runs[2][0][("plain", strategy)]
     ref_model = model()
     ref = reference_loss(ref_model, make_batch())
     ref.backward()
@@ -156,14 +181,14 @@ def test_cp_equals_the_plain_pytorch_reference(strategy):
         torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("strategy, split", [("allgather", "balanced"), ("ulysses", "zigzag")])
-def test_no_logit_of_another_document_changes_on_any_rank(strategy, split):
+@pytest.mark.parametrize("strategy, split", PROBES)
+def test_no_logit_of_another_document_changes_on_any_rank(cp_runs, strategy, split):
     """Leakage probe: one token of document 0 changed; on every rank, every logit of every other document is
     unchanged (and with document isolation off, some do change: the probe can see leakage)."""
     def logits_by_position(isolate, change):
-        out = run_distributed(_cp_rank, 2, (2, strategy, "packed", "learned", isolate, "sdpa_docs", change, split))
         full = torch.zeros(2 * L, VOCAB)
-        for _, _, _, logits, local in out:
+        for r in cp_runs[2]:
+            logits, local = r[("probe", strategy, split, isolate, change)]
             full[torch.as_tensor(local)] = logits.reshape(-1, VOCAB)
         return full
 

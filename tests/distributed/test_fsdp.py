@@ -35,7 +35,8 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import shard_inputs
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
-from trainer.model import AttentionConfig, build_model
+from trainer.model import AttentionConfig, apply_activation_checkpointing, build_model
+from trainer.model.compile import compile_blocks
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.step import train_step
 
@@ -50,9 +51,15 @@ BF16_LOSS_RTOL = 2e-2
 fp32 master weights and an fp32 loss, so their losses differ by bf16 rounding only."""
 
 
-def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32"):
+def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32", checkpointing: str = "none",
+          compiled: bool = False):
+    """The tiny model (weights from `seed`), AdamW and its schedule under `cfg`'s engine. `compiled`: each block's
+    body through torch.compile's eager backend (dynamo traces it; no C++ compiler), before the engine wraps it."""
     torch.manual_seed(seed)
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
+    apply_activation_checkpointing(model, checkpointing)
+    if compiled:
+        compile_blocks(model, backend="eager")
     opt = build_optimizer(model, ADAMW)
     return parallelize(model, opt, build_scheduler(opt, ADAMW, STEPS), info, cfg, grad_clip=CLIP, dtype=dtype)
 
@@ -111,6 +118,11 @@ def two_ranks(rank: int, world: int, steps, root: str) -> dict:
     engine = build(info, cfg)
     out[("packed", "fsdp2_keep")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
                                      "params": gathered(engine)["params"]}
+    info = init_distributed(FSDP2)
+    for variant, options in (("checkpointing", {"checkpointing": "full"}), ("compiled", {"compiled": True})):
+        engine = build(info, FSDP2, **options)
+        out[("packed", f"fsdp2_{variant}")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                                               "params": gathered(engine)["params"]}
     for name, cfg in (("ddp", DDP), ("fsdp2", FSDP2)):
         info = init_distributed(cfg)
         engine = build(info, cfg, dtype="bf16")
@@ -193,10 +205,13 @@ def test_fsdp2_gives_ddps_losses_norms_and_parameters(results, layout):
         assert_same_params(fsdp["params"], ddp["params"], tol=1e-6)
 
 
-def test_reshard_after_forward_off_changes_nothing(results):
+@pytest.mark.parametrize("variant", ["keep", "checkpointing", "compiled"])
+def test_reshard_after_forward_off_activation_checkpointing_and_compile_change_nothing(results, variant):
+    """reshard_after_forward=false, train.activation_checkpointing=full (the blocks' forward rerun in backward while
+    FSDP2 has gathered their weights again) and compiled block bodies: DDP's steps and parameters."""
     for r in results[2]:
-        assert_same_steps(r[("packed", "fsdp2_keep")]["steps"], r[("packed", "ddp")]["steps"])
-        assert_same_params(r[("packed", "fsdp2_keep")]["params"], r[("packed", "ddp")]["params"], tol=1e-6)
+        assert_same_steps(r[("packed", f"fsdp2_{variant}")]["steps"], r[("packed", "ddp")]["steps"])
+        assert_same_params(r[("packed", f"fsdp2_{variant}")]["params"], r[("packed", "ddp")]["params"], tol=1e-6)
 
 
 def test_bf16_mixed_precision_is_within_bf16_rounding_of_ddp_autocast(results):

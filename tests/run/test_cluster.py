@@ -162,6 +162,34 @@ def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(demo_data, tmp_pa
     assert_same_losses_from(run_dir, uninterrupted[2], step + 1)
 
 
+def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(demo_data, tmp_path, uninterrupted):
+    """distributed=fsdp2 on 2 ranks, SIGTERM to rank 0 mid-run: both ranks stop at one step and write a DCP
+    checkpoint; resumed, every step's loss (dropout on, before and after the preemption) equals the uninterrupted DDP
+    run's. The last checkpoint exports to the Hugging Face format without a GPU (its weights are the whole model's)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_export
+
+    run_dir = tmp_path / "fsdp2"
+    proc = start(run_dir, demo_data, "distributed=fsdp2", launcher=torchrun())
+    wait_for_step(run_dir, 5, proc)
+    os.kill(trainer_ranks(proc.pid)[0], signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, output(run_dir)[1][-3000:]
+    assert "preempted (SIGTERM) after step" in output(run_dir)[0]
+    step = json.loads((run_dir / "summary.json").read_text())["final_step"]
+    ckpt = store.checkpoint_dir(run_dir, step)
+    assert sorted(p.name for p in (ckpt / store.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert json.loads((ckpt / store.META_FILE).read_text())["engine"] == "fsdp2"
+    run_train(run_dir, demo_data, *CLUSTER, "distributed=fsdp2", "train.resume=true", launcher=torchrun())
+    assert_same_losses_from(run_dir, uninterrupted[2], 1)
+    last = store.latest_checkpoint(run_dir)
+    out = tmp_path / "hf"
+    proc = run_export(last, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = load_file(out / "model.safetensors")
+    assert torch.equal(exported["transformer.wte.weight"], load_file(last / store.WEIGHTS_FILE)["wte.weight"])
+
+
 def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_them(demo_data, tmp_path):
     """The agent killed with SIGKILL: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG, set at its start),
     so the ranks checkpoint the step they reached together and exit, their DataLoader workers with them (without
@@ -183,9 +211,14 @@ def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_th
     assert [m["step"] for m in metrics(run_dir)][-2:] == [step + 1, step + 2]
 
 
-def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(demo_data, tmp_path, uninterrupted):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(demo_data, tmp_path, uninterrupted,
+                                                                            engine):
+    """FSDP2 (DCP's files, written by the engine into the save's .tmp- directory) as DDP; on one process both
+    train the same losses, so the uninterrupted DDP run is the reference for both."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, demo_data)
+    engine_args = (f"distributed={engine}",)
+    proc = start(run_dir, demo_data, *engine_args)
     wait_for_step(run_dir, 6, proc)
     children = descendants(proc.pid)
     deadline = time.time() + 60
@@ -199,7 +232,7 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(dem
     partial.mkdir(parents=True, exist_ok=True)
     (partial / "rank_00000.pt").write_bytes(b"\x80half a pickle")
     done = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*"))
-    proc = run_train(run_dir, demo_data, *CLUSTER, "train.resume=true")
+    proc = run_train(run_dir, demo_data, *CLUSTER, *engine_args, "train.resume=true")
     assert f"ignoring incomplete checkpoint {partial}" in proc.stdout
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{done[-1]:06d}'}" in proc.stdout
     assert_same_losses_from(run_dir, uninterrupted[1], done[-1] + 1)
