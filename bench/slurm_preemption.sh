@@ -3,6 +3,7 @@
 #   bench/slurm_preemption.sh                      # both variants, ~5 min on 2 cores
 #   VARIANTS=usr1 bench/slurm_preemption.sh        # one of: requeue usr1
 #   bench/slurm_preemption.sh setup                # only install and start Slurm (then: sinfo, sbatch ...)
+#   EXTRA_OVERRIDES="distributed=fsdp2" VARIANTS=requeue bench/slurm_preemption.sh   # another engine, unchanged
 #
 # 1. Installs and starts a one-node Slurm (slurm-wlm, munge) unless it is running: idempotent.
 # 2. Trains a reference run (torchrun, no Slurm) and, per variant, `sbatch launch/slurm.sbatch` of the same
@@ -32,6 +33,8 @@ JOB_NAME=packtrain-preempt
 OVERRIDES=(data.path="$DATA" model=tiny attention=sdpa_docs train.seq_len=128 train.tokens_per_step=1024
            train.micro_batch_tokens=512 train.max_steps=$MAX_STEPS train.checkpoint_every=10
            logging.wandb.mode=disabled logging.progress=false distributed.device=cpu train.eval_every=0)
+read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"      # e.g. distributed=fsdp2: the reference and the Slurm job alike
+OVERRIDES+=("${EXTRA[@]}")
 
 log() { echo "[$(date +%T)] $*"; }
 die() { log "FAIL: $*"; exit 1; }

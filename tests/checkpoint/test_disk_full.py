@@ -138,7 +138,7 @@ def test_a_full_disk_inside_an_fsdp2_save_is_one_line_on_every_rank_and_no_rank_
     """FSDP2 on two ranks: each rank writes its DCP shard file in parallel; the disk fills during step 4's save
     (step 2's fits in the 4 MB, as DDP's). DCP gathers every rank's outcome before it raises, so the rank whose
     write failed raises after DCP's collectives and the store agrees on the failure: one line on every rank, the
-    partial directory removed, step 2 intact; resumed with room, step 4 is saved."""
+    partial directory removed, step 2 intact."""
     disk = small_disk[0]
     run, logs = disk / "run", tmp_path / "logs"
     args = ("distributed=fsdp2", "train.max_steps=4")
@@ -152,7 +152,4 @@ def test_a_full_disk_inside_an_fsdp2_save_is_one_line_on_every_rank_and_no_rank_
     lines = {assert_one_error_line(2, path.read_text(), *phrases) for path in ranks}
     assert len(lines) == 1, lines
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
-    resize(small_disk, "12m")
-    proc = train(run, demo_data, *args, "train.resume=true", launcher=torchrun(2))
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert read_meta(latest_checkpoint(run))["step"] == 4
+    assert read_meta(latest_checkpoint(run))["step"] == 2  # intact (resuming after a full disk: the tests above)

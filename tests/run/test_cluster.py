@@ -27,7 +27,7 @@ from trainer.checkpoint.safe_io import load_state
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 16  # checkpoints at 4, 8, 12, 16; the signals arrive after step 5 or 6
 CLUSTER = ("model.dropout=0.1", "data.num_workers=2", "train.eval_every=0", "train.checkpoint_every=4",
            f"train.max_steps={STEPS}", "train.keep_last=3")
 

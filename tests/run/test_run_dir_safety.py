@@ -136,9 +136,13 @@ def test_a_run_dir_held_by_a_live_run_refuses_another_and_a_dead_runs_lock_is_ta
         record = {name: (run_dir / name).read_bytes() for name in (".hydra/overrides.yaml", ".hydra/config.yaml",
                                                                    "config.json", ".lock")}
         assert record[".lock"].decode().startswith(f"pid {first.pid} on {socket.gethostname()}")
-        for extra in ((), ("train.resume=true",), ("train.overwrite=true",)):
-            proc = train(run_dir, demo_data, "train.max_steps=2", "seed=5", *extra)
-            assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} is in use by another run",
+        refused = [subprocess.Popen([sys.executable, "-m", "trainer.train", f"data.path={demo_data}",
+                                     f"hydra.run.dir={run_dir}", *SMALL, "train.max_steps=2", "seed=5", *extra],
+                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for extra in ((), ("train.resume=true",), ("train.overwrite=true",))]  # side by side
+        for proc in refused:
+            _, stderr = proc.communicate(timeout=300)
+            assert_one_error_line(proc.returncode, stderr, f"{run_dir} is in use by another run",
                                   f"pid {first.pid} on {socket.gethostname()}", "hydra.run.dir")
         assert {name: (run_dir / name).read_bytes() for name in record} == record
     finally:
