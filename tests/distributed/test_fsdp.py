@@ -46,9 +46,10 @@ STEPS = 3
 ADAMW = OptimConfig(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
 CLIP = 0.05  # below these steps' gradient norms (~0.4-0.7): clipping acts
 UNEVEN = [0.3, 0.7]
-BF16_LOSS_RTOL = 2e-2
+BF16_LOSS_RTOL, BF16_NORM_RTOL = 1e-3, 1e-2
 """bf16: FSDP2 computes in bf16 weights (MixedPrecisionPolicy), DDP in bf16 autocast over fp32 weights; both keep
-fp32 master weights and an fp32 loss, so their losses differ by bf16 rounding only."""
+fp32 master weights and an fp32 loss, so they differ by bf16 rounding only: measured <= 5.6e-5 (loss) and
+<= 1.4e-3 (gradient norm), relative, on these steps; a wrong scale of the objective moves the norm by 2x."""
 
 
 def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32", checkpointing: str = "none",
@@ -217,7 +218,7 @@ def test_reshard_after_forward_off_activation_checkpointing_and_compile_change_n
 def test_bf16_mixed_precision_is_within_bf16_rounding_of_ddp_autocast(results):
     for r in results[2]:
         fsdp, ddp, fp32 = r[("bf16", "fsdp2")], r[("bf16", "ddp")], r[("packed", "ddp")]
-        assert_same_steps(fsdp["steps"], ddp["steps"], loss_rtol=BF16_LOSS_RTOL, norm_rtol=0.1)
+        assert_same_steps(fsdp["steps"], ddp["steps"], loss_rtol=BF16_LOSS_RTOL, norm_rtol=BF16_NORM_RTOL)
         assert fsdp["params"]["wte.weight"].dtype == torch.float32  # fp32 master weights
         # bf16 did run: the losses are not fp32's to the digit
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fsdp["steps"], fp32["steps"], strict=True)) > 1e-6
