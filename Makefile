@@ -59,7 +59,8 @@ sft: install
 	@echo "fine-tuned model (Hugging Face format): $(SFT_RUN)/hf"
 
 # Two pytest workers, each given whole test files (module fixtures are built once), one thread per process:
-# ~12-15 min on 2 cores (clean clones, bash .ci/run: 1,206-1,207 passed, 35 skipped in 11m55s-14m47s; +1.5 min install).
+# ~14-20 min on 2 shared cores (clean clones, bash .ci/run, 2026-12-02: 1,233 passed, 35 skipped in 14m30s and
+# 19m38s for the same tree, the machine's speed varying; +2-3 min install).
 # TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 test: install
