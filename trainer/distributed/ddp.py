@@ -23,7 +23,31 @@ from trainer.model import compute_dtype
 _REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); sharded is False"
 
 
-class DDPEngine:
+class ClientOptimizerSteps:
+    """The optimizer half of an engine that steps the client's optimizer and LR schedule itself (`self.optimizer`,
+    `self.scheduler`) after its own `clip_gradients`: DDP and FSDP2 (DeepSpeed steps them inside its engine)."""
+
+    def optimizer_step(self) -> float:
+        """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""
+        norm = self.clip_gradients()
+        self.apply_gradients()
+        return norm
+
+    def apply_gradients(self) -> None:
+        """Optimizer step, schedule step, gradients zeroed."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients: parameters, optimizer state and schedule stay as they are."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class DDPEngine(ClientOptimizerSteps):
     """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).
 
     DDP averages gradients over ranks; `grad_average_factor` tells the step to multiply the loss by
@@ -77,30 +101,11 @@ class DDPEngine:
             out = self.module(**inputs, return_logits=False)
         return out.loss_sum, out.num_targets, out.group_loss_sums
 
-    def optimizer_step(self) -> float:
-        """Clip, step, advance the schedule, zero the gradients; returns the global grad norm."""
-        norm = self.clip_gradients()
-        self.apply_gradients()
-        return norm
-
     def clip_gradients(self) -> float:
         """The global gradient norm (before clipping); clips in place. Gradients are already all-reduced, so
         every rank computes the same norm."""
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit))
-
-    def apply_gradients(self) -> None:
-        """Optimizer step, schedule step, gradients zeroed."""
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def discard_gradients(self) -> None:
-        """Drop this step's gradients: parameters, optimizer state and schedule stay as they are."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def _autocast(self):
         if self.autocast_dtype is None:

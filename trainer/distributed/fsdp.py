@@ -43,10 +43,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.distributed.config import DistributedConfig
+from trainer.distributed.ddp import ClientOptimizerSteps
 from trainer.distributed.groups import DistInfo
 
 
-class FSDP2Engine:
+class FSDP2Engine(ClientOptimizerSteps):
     """Model + client optimizer + client LR schedule, sharded by `fully_shard` over the run's mesh."""
 
     name = "fsdp2"
@@ -109,11 +110,6 @@ class FSDP2Engine:
         out = self.module(**inputs, return_logits=False)
         return out.loss_sum, out.num_targets, out.group_loss_sums
 
-    def optimizer_step(self) -> float:
-        norm = self.clip_gradients()
-        self.apply_gradients()
-        return norm
-
     def clip_gradients(self) -> float:
         """The global gradient norm before clipping (the shards' norms combined over the mesh); clips in place."""
         from torch.distributed.tensor import DTensor
@@ -125,17 +121,6 @@ class FSDP2Engine:
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         return float(norm)
-
-    def apply_gradients(self) -> None:
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def discard_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def state_dict(self) -> dict:
         raise NotImplementedError(_SHARDED)
