@@ -308,3 +308,39 @@ def test_a_non_tensor_entry_that_would_run_code_is_refused_naming_it():
     planner.state_dict = {}
     planner.load_bytes(item, plain)  # plain data goes through
     assert planner.state_dict == {"scheduler.last_epoch": {"lr": 0.5}}
+
+
+def _damaged_loads(rank: int, world: int, root: str) -> list[tuple[str, bool, str]]:
+    """A 1-rank FSDP2 checkpoint, then loaded with its .metadata replaced by a pickle that would run code, and
+    with it missing: (error type, a UserError, message) each."""
+    from trainer.errors import UserError
+
+    info = init_distributed(FSDP2)
+    engine = build(info, FSDP2)
+    tokenizer = Path(root) / "tokenizer"
+    tokenizer.mkdir(parents=True, exist_ok=True)
+    path = store.save_checkpoint(Path(root) / "run", 1, info, engine, rank_state={},
+                                 meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
+                                 keep_last=1)
+    metadata = path / store.DCP_DIR / ".metadata"
+    out = []
+    for damage in (lambda: metadata.write_bytes(pickle.dumps(_RunsCode())), metadata.unlink):
+        damage()
+        try:
+            store.load_checkpoint(path, info, build(info, FSDP2, seed=1))
+            out.append(("none", False, ""))
+        except Exception as e:
+            out.append((type(e).__name__, isinstance(e, UserError), str(e)))
+    return out
+
+
+def test_a_damaged_or_crafted_dcp_checkpoint_is_one_error_line_naming_it(tmp_path):
+    """Loaded through the store as a resume does: a crafted .metadata is refused (never unpickled with pickle),
+    a missing one is named; each a UserError of one line (the command prints `error: ...`), not DCP's
+    CheckpointException traceback."""
+    crafted, missing = run_distributed(_damaged_loads, 1, args=(str(tmp_path),))[0]
+    for kind, is_user_error, message in (crafted, missing):
+        assert kind == "DCPLoadError" and is_user_error and "\n" not in message, (kind, message)
+        assert message.startswith("cannot load the FSDP2 checkpoint ") and "resume from another checkpoint" in message
+    assert "refused to load: it names builtins.print" in crafted[2], crafted[2]
+    assert ".metadata" in missing[2], missing[2]

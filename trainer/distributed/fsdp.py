@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import ClientOptimizerSteps
 from trainer.distributed.groups import DistInfo
+from trainer.errors import UserError
 
 
 class FSDP2Engine(ClientOptimizerSteps):
@@ -159,10 +160,15 @@ class FSDP2Engine(ClientOptimizerSteps):
         """Collective: the shards DCP wrote into `directory`, on any number of ranks, resharded for this run's;
         read without running code (SafeReader, SafePlanner)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         state = self._dcp_state()
-        dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
+        try:
+            dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
+        except CheckpointException as e:  # a BaseException, raised on every rank once DCP gathered the failures
+            raise DCPLoadError(f"cannot load the FSDP2 checkpoint {directory}: {_first_failure(e)}; resume from "
+                               "another checkpoint") from None
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -206,8 +212,24 @@ DCP_METADATA_CLASSES = {
 """The only globals a DCP `.metadata` pickle may name (what torch 2.13's DCP writes for packtrain's states)."""
 
 
-class UnsafeDCPFileError(pickle.UnpicklingError):
-    pass
+class UnsafeDCPFileError(UserError, pickle.UnpicklingError):
+    """A DCP file that would need more than plain data, tensors and DCP's metadata types to unpickle."""
+
+
+class DCPLoadError(UserError):
+    """A DCP checkpoint that cannot be loaded (damaged, or refused by SafeReader / SafePlanner): one line."""
+
+
+def _first_failure(e: BaseException) -> str:
+    """The first line of the first rank's failure inside DCP's CheckpointException (its own text otherwise)."""
+    failures = getattr(e, "failures", None) or {}
+    for rank in sorted(failures):
+        failure = failures[rank]
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        text = str(failure).strip()
+        if text:
+            return text.splitlines()[0]
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class _MetadataUnpickler(pickle.Unpickler):
