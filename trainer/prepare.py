@@ -53,6 +53,9 @@ def format_report(manifest: dict, out: str | Path) -> str:
     tok = manifest["tokenizer"]
     lines.append(f"  tokenizer: {Path(out) / tok['path']} (vocab {tok['vocab_size']}, "
                  f"{'trained' if tok['trained'] else 'copied'}, sha256 {tok['sha256'][:16]}...)")
+    ids = manifest.get("ids")
+    lines.append(f"  token ids: stored beside the text ({'uint16' if ids['dtype'] == '<u2' else 'uint32'}; read instead "
+                 "of tokenizing by runs with this tokenizer)" if ids else "  token ids: not stored (--text-only)")
     return "\n".join(lines)
 
 
@@ -89,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parts", type=int, default=1, help="the number of parts the input is split into (default 1)")
     p.add_argument("--unit-mb", type=float, default=None,
                    help="input per unit, the piece one worker prepares (default: the corpus / 64, 1 to 64 MB)")
+    p.add_argument("--text-only", action="store_true",
+                   help="write only each document's text, not its token ids beside it (the trainer then tokenizes "
+                        "the text as it reads; it always does for a run with another tokenizer)")
     p.add_argument("--resume", action="store_true",
                    help="insist on continuing an interrupted prepare (the same command resumes anyway)")
     args = p.parse_args(argv)
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         add_tokens=args.add_tokens, workers=usable_cores() if args.workers is None else args.workers, part=args.part,
         parts=args.parts,
         unit_mb=args.unit_mb, tokenizer_sample_mb=args.tokenizer_sample_mb, resume=args.resume,
+        text_only=args.text_only,
     )
     if manifest is not None:
         print(format_report(manifest, args.out))

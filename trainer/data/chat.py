@@ -339,3 +339,31 @@ def assistant_token_mask(text: str, offsets: list[Span] | np.ndarray) -> np.ndar
     has = first_S < len(spans)
     mask_N[has] = starts_S[first_S[has]] < offsets_N2[has, 1]
     return mask_N
+
+
+def mask_ranges(mask_N: np.ndarray) -> np.ndarray:
+    """(k, 2) uint32 little-endian: the [start, end) index ranges of a bool mask's runs of True (what prepare stores
+    as a chat document's `assistant` field). Example: [0, 1, 1, 0, 1] -> [[1, 3], [4, 5]]."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask_N.astype(np.int8), [0]))))
+    return edges.astype("<u4").reshape(-1, 2)
+
+
+def ranges_mask(ranges: bytes, n: int) -> np.ndarray:
+    """(n,) bool from stored [start, end) ranges (`mask_ranges`' bytes; valid by `ranges_problem`): the inverse.
+    Example: [[1, 3]], 4 -> [0, 1, 1, 0]."""
+    pairs = np.frombuffer(ranges, dtype="<u4").astype(np.int64)
+    mask_N = np.zeros(n + 1, dtype=np.int32)
+    np.add.at(mask_N, pairs[0::2], 1)
+    np.add.at(mask_N, pairs[1::2], -1)
+    return np.cumsum(mask_N[:-1]) > 0
+
+
+def ranges_problem(ranges: bytes, n: int) -> str | None:
+    """What is wrong with stored ranges for a document of `n` tokens, or None: whole uint32 pairs, each within
+    [0, n] and start <= end. Example: 12 bytes -> "12 bytes are not uint32 pairs"."""
+    if len(ranges) % 8:
+        return f"{len(ranges)} bytes are not uint32 pairs"
+    pairs = np.frombuffer(ranges, dtype="<u4")
+    if len(pairs) and (pairs.max() > n or np.any(pairs[0::2] > pairs[1::2])):
+        return f"ranges {pairs.reshape(-1, 2).tolist()[:4]} are not [start, end) within the {n} tokens"
+    return None

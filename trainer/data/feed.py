@@ -35,7 +35,7 @@ from trainer.data.loader import DocumentLoader
 from trainer.data.mixture import Mixture
 from trainer.data.packing import OnlinePacker, PackingStats, split_long
 from trainer.data.pipeline import RowPrefetcher, RowSource, RowStream, micro_batches
-from trainer.data.shards import MANIFEST_FILE, load_manifest
+from trainer.data.shards import MANIFEST_FILE, StoredIds, load_manifest, stored_ids
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
@@ -95,7 +95,7 @@ def build_data(data: DataConfig, packing: PackingConfig, seq_len: int, seed: int
     streams = []
     for index, (name, source, _) in enumerate(parts):
         stream = _stream(data, rank, world_size, source, tokenizer_dir, ids.eos, seeds[index], index,
-                         name if mixture else None)
+                         name if mixture else None, _stored_ids(source, token_hash, data.loss_on))
         # A mixture's sources are read one pass at a time whatever data.epoch_lockstep: the mixture ends its epochs.
         loader = DocumentLoader(stream, num_workers=data.num_workers, lockstep=data.epoch_lockstep or bool(mixture))
         streams.append(RowStream(loader, seq_len, packing))
@@ -122,8 +122,16 @@ def _source_seeds(seed: int, num_sources: int) -> list[int]:
     return [int(s) for s in np.random.SeedSequence([seed, 1]).generate_state(num_sources)]
 
 
+def _stored_ids(source: ShardSource, token_hash: str, loss_on: str) -> StoredIds | None:
+    """How the source's stream reads stored token ids: those its manifest lists as encoded by the run's tokenizer
+    (`token_hash`); None (tokenize the text) without a manifest, or with ids of another tokenizer or none."""
+    if source.manifest is None:
+        return None
+    return stored_ids(load_manifest(source.manifest.parent), token_hash, loss_on == "assistant")
+
+
 def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, tokenizer_dir: Path, eos_id: int,
-            seed: int, index: int, name: str | None) -> DocumentStream:
+            seed: int, index: int, name: str | None, stored: StoredIds | None) -> DocumentStream:
     return DocumentStream(
         source.train_urls,
         tokenizer_dir,
@@ -141,6 +149,7 @@ def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, t
         shard_tokens=manifest_tokens(source.train_urls, source.manifest),  # the readers are balanced by them
         name=name,
         source=index,
+        stored_ids=stored,
     )
 
 
@@ -208,6 +217,8 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
         read_timeout_s=data.read_timeout_s, name=name, source=index, max_doc_bytes=data.max_doc_bytes,
+        # Held-out shards of data.val_urls may come from another dataset than the manifest's: their text is read.
+        stored_ids=None if data.val_urls is not None else _stored_ids(source, tokenizer_hash(tokenizer_dir), data.loss_on),
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainer.data.shards import TEXT_FIELD, non_sample_members
+from trainer.data.shards import ASSISTANT_FIELD, IDS_FIELD, TEXT_FIELD, StoredIds, non_sample_members
 from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
 from trainer.data.workers import sleep_unless_interrupted
 from trainer.errors import UserError
@@ -48,10 +48,15 @@ class DataStreamError(UserError, RuntimeError):
     RuntimeError too: torch re-raises a DataLoader worker's error as its type, called with one message."""
 
 
-Item = tuple[int, int, str, bytes | list[str] | None]
+Stored = tuple[bytes, int, bytes | None]
+"""A sample's stored token ids as a reader holds them: (the `ids` bytes, the size of its text in bytes, the
+`assistant` ranges' bytes, or None when the stream does not read them). See trainer.data.shards."""
+
+Item = tuple[int, int, str, bytes | Stored | list[str] | None]
 """A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
-key, data). data: the `txt` bytes; the field names of a sample without `txt`; None marks a shard that could not be
-read (member -1). Example: (3, 17, "doc03_017", b"some text")."""
+key, data). data: the `txt` bytes; its `Stored` ids when the stream reads stored ids and the sample has them; the
+field names of a sample without `txt`; None marks a shard that could not be read (member -1). Example:
+(3, 17, "doc03_017", b"some text")."""
 
 
 @dataclass
@@ -156,6 +161,7 @@ class ReadPolicy(Protocol):
     read_timeout_s: float
     expected_docs: dict[str, int]
     shuffle_buffer: int
+    stored_ids: StoredIds | None
     _replaying: bool
 
     def _bad(self, state: SlotState, reason: str, message: str) -> None:
@@ -208,7 +214,7 @@ class ShardCursor:
                 continue
             self.taken += 1
             self.last_key = sample["__key__"]
-            return self.index, self.taken - 1, self.last_key, _data(sample)
+            return self.index, self.taken - 1, self.last_key, _data(sample, self.stream.stored_ids)
 
     def seek(self, wanted: set[int]) -> dict[int, Item]:
         """Open the current shard past the samples taken from it before; return those of them listed in `wanted`
@@ -236,7 +242,7 @@ class ShardCursor:
                     raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
                                          "the shard changed", transient=False)
                 if i in self._wanted:
-                    found[i] = (self.index, i, sample["__key__"], _data(sample))
+                    found[i] = (self.index, i, sample["__key__"], _data(sample, self.stream.stored_ids))
             if self.taken and sample["__key__"] != self.last_key:
                 raise ShardReadError(f"sample {self.taken} is now {sample['__key__']!r}, it was {self.last_key!r}: "
                                      "the shard changed", transient=False)
@@ -428,9 +434,13 @@ class SlotReader:
 
 
 
-def _data(sample: dict) -> bytes | list[str]:
-    """An `Item`'s data: the sample's text bytes, or the names of its fields if it has no text."""
+def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | list[str]:
+    """An `Item`'s data: the sample's stored ids if `stored` says to read them and it has them (all of them: a sample
+    without is read from its text, as if none were stored), else its text bytes, or the names of its fields if it
+    has no text."""
     if TEXT_FIELD in sample:
+        if stored is not None and IDS_FIELD in sample and (not stored.assistant or ASSISTANT_FIELD in sample):
+            return sample[IDS_FIELD], len(sample[TEXT_FIELD]), sample[ASSISTANT_FIELD] if stored.assistant else None
         return sample[TEXT_FIELD]
     return sorted(k for k in sample if not k.startswith("__"))
 

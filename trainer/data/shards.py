@@ -7,9 +7,14 @@ Layout of a prepared directory:
     <out>/train-000000.tar ...   one sample per document
     <out>/val-000000.tar ...
 
-Sample schema (fixed): each document is two tar members, `<key>.txt` holding the UTF-8 text, which
-webdataset reads back as {"__key__": key, "txt": bytes}. Keys hold no dot (webdataset cuts the member
-name into key and field at the first dot) and are unique across the dataset.
+Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text, which webdataset reads back as
+{"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the manifest's
+tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the manifest's "ids"
+entry says which, and the tokenizer's sha256 they were encoded with), and for chat data `<key>.assistant`, the
+assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads the
+ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with (`StoredIds`). Keys
+hold no dot (webdataset cuts the member name into key and field at the first dot) and are unique across the
+dataset.
 
 Every file is written atomically (temp file in the same directory, then `os.replace`), so a reader
 never sees half a shard; `trainer.prepare` stages a new dataset beside the old one and swaps it in at the end,
@@ -39,12 +44,47 @@ class PrepareError(UserError):
 
 
 TEXT_FIELD = "txt"
+IDS_FIELD = "ids"
+ASSISTANT_FIELD = "assistant"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = "packtrain-shards/1"
 SCHEMA = {
     "__key__": "str: unique document id, no dots (webdataset splits a member name at its first dot)",
     TEXT_FIELD: "bytes: the document text, UTF-8, without EOS (the stream appends one EOS per document)",
 }
+IDS_SCHEMA = {
+    IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'",
+}
+ASSISTANT_SCHEMA = {
+    ASSISTANT_FIELD: "bytes: the assistant turns' tokens, [start, end) token index ranges, little-endian uint32 pairs",
+}
+
+
+def ids_dtype(vocab_size: int) -> str:
+    """The numpy dtype stored ids take: "<u2" up to 65,536 token ids, else "<u4"."""
+    return "<u2" if vocab_size <= 1 << 16 else "<u4"
+
+
+@dataclass(frozen=True)
+class StoredIds:
+    """Token ids a prepared dataset stores beside its text (the manifest's "ids" entry), as a stream reads them."""
+
+    dtype: str
+    """numpy dtype of the ids member: "<u2" or "<u4"."""
+    assistant: bool = False
+    """Read the assistant ranges too (data.loss_on=assistant): a sample without them is tokenized from its text."""
+
+
+def stored_ids(manifest: dict, tokenizer_hash: str, assistant: bool) -> StoredIds | None:
+    """How a run whose tokenizer has `tokenizer_hash` reads the shards of `manifest`: their stored ids when they were
+    encoded by that tokenizer (and, if `assistant`, with the assistant ranges stored too); None: tokenize the text
+    (no ids stored, another tokenizer, e.g. one extended by tokenizer.add_tokens)."""
+    ids = manifest.get("ids")
+    if not isinstance(ids, dict) or ids.get("tokenizer_sha256") != tokenizer_hash or ids.get("field") != IDS_FIELD:
+        return None
+    if ids.get("dtype") not in ("<u2", "<u4") or (assistant and ids.get("assistant_field") != ASSISTANT_FIELD):
+        return None
+    return StoredIds(dtype=ids["dtype"], assistant=assistant)
 FILE_MODE = 0o644  # mkstemp creates 0600 files; prepared data is meant to be shared
 
 
@@ -79,10 +119,11 @@ class _OpenShard:
         self.docs = 0
         self.text_bytes = 0
 
-    def write(self, key: str, data: bytes) -> None:
-        info = tarfile.TarInfo(f"{key}.{TEXT_FIELD}")
-        info.size, info.mtime, info.mode, info.uname, info.gname = len(data), 0, 0o444, "bigdata", "bigdata"
-        self.tar.addfile(info, io.BytesIO(data))
+    def write(self, key: str, data: bytes, fields: dict[str, bytes]) -> None:
+        for field_name, value in ((TEXT_FIELD, data), *fields.items()):
+            info = tarfile.TarInfo(f"{key}.{field_name}")
+            info.size, info.mtime, info.mode, info.uname, info.gname = len(value), 0, 0o444, "bigdata", "bigdata"
+            self.tar.addfile(info, io.BytesIO(value))
         self.docs += 1
         self.text_bytes += len(data)
 
@@ -105,8 +146,8 @@ class ShardWriter:
     """Shards written one document at a time: `<out_dir>/<prefix>-000000.tar`, `-000001.tar`, ...
 
     A shard closes after `docs_per_shard` documents, or before the text that would take it past
-    `max_shard_bytes` of text (a single larger document still gets a shard of its own). `tokens` given to
-    `add` are summed per shard. Use as a context manager: an error mid-shard leaves no temp file behind.
+    `max_shard_bytes` of text (a single larger document still gets a shard of its own; other fields do not count,
+    so a dataset with stored ids has the same shards as without). `tokens` given to `add` are summed per shard. Use as a context manager: an error mid-shard leaves no temp file behind.
     Example: 5 documents, docs_per_shard=2 -> shards of 2, 2 and 1 documents; none -> no shards.
     """
 
@@ -124,13 +165,14 @@ class ShardWriter:
         self._open_tokens = 0
         self._keys: set[str] = set()  # of the open shard: keys are unique by construction, this catches a bug
 
-    def add(self, key: str, data: bytes, tokens: int = 0) -> None:
+    def add(self, key: str, data: bytes, tokens: int = 0, fields: dict[str, bytes] | None = None) -> None:
+        """Append a document: its text `data` (`<key>.txt`), then `fields` as `<key>.<field>` members in order."""
         if self._open is not None and _is_full(self._open, len(data), self.docs_per_shard, self.max_shard_bytes):
             self._commit()
         _check_key(key, self._keys)
         if self._open is None:
             self._open = _OpenShard(self.out_dir, self._name(self.prefix, len(self.shards)))
-        self._open.write(key, data)
+        self._open.write(key, data, fields or {})
         self._open_tokens += tokens
 
     def cut(self) -> None:

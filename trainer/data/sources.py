@@ -17,8 +17,8 @@ lists, braces expand, `$WDS_*` variables substitute), then local globs by `glob`
     pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -     any command writing the tar to stdout
 
 `read_shard` opens a shard (`open_shard`: a file, or the command that webdataset's `gopen` would run for the
-scheme, but each command in a process group of its own that dies with the trainer) and cuts it into samples with
-webdataset's tar iterators; a failure comes out as a `ShardReadError` that says whether reading again may help
+scheme, but each command in a process group of its own that dies with the trainer) and cuts it into samples as
+webdataset's tar iterators do (trainer.data.tars: the same samples in one pass, ~10x faster); a failure comes out as a `ShardReadError` that says whether reading again may help
 (`transient`), a command that sends nothing for data.read_timeout_s seconds included. The stream
 (trainer.data.stream, through trainer.data.reader) owns the retries: data.retries, 1 s, 2 s, 4 s ... apart, is
 the only retry policy.
@@ -55,11 +55,11 @@ from urllib.parse import quote, unquote, urlparse
 from urllib.request import url2pathname
 
 import webdataset as wds
-from webdataset import tariterators
 from webdataset.gopen import gopen
 
 from trainer.data.config import VAL_SPLIT
 from trainer.data.shards import MANIFEST_FILE, load_manifest, shard_paths
+from trainer.data.tars import tar_samples
 from trainer.data.workers import INTERRUPT_CHECK_S, PR_SET_PDEATHSIG, ReadInterrupted, check_interrupt
 from trainer.errors import UserError
 
@@ -291,10 +291,16 @@ class _CountedStream:
         self.counter.bytes += len(data)
         return data
 
+    def read1(self, size: int = -1) -> bytes:
+        """Up to `size` bytes, what one read of the underlying stream gives (b"" only at its end)."""
+        data = self.stream.read1(size) if hasattr(self.stream, "read1") else self.stream.read(size)
+        self.counter.bytes += len(data)
+        return data
+
 
 def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = READ_TIMEOUT_S) -> Iterator[dict]:
-    """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut by webdataset's tar
-    iterators.
+    """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut as webdataset's tar
+    iterators cut them (trainer.data.tars, in one pass).
 
     `open_shard` opens the URL (a local file, else its scheme's command: curl, gsutil, ais, a shell for pipe:). At
     the end the stream is read to EOF and the command's exit status checked, so a failed transfer is never
@@ -312,8 +318,7 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     error: Exception | None = None
     finished = False
     try:
-        files = tariterators.tar_file_expander([{"url": url, "stream": counted}])
-        for sample in tariterators.group_by_keys(files):
+        for sample in tar_samples(counted, url):
             counter.samples += 1
             yield sample
         while counted.read(1 << 16):  # the tar's end padding: let the command finish writing
@@ -482,6 +487,15 @@ class CommandStream:
             return data
         while len(self._buffer) < size and not self._eof:
             self._fill(size - len(self._buffer))
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def read1(self, size: int = -1) -> bytes:
+        """Up to `size` bytes of what has arrived, waiting only when nothing has (b"" at EOF): a reader parsing as
+        the bytes come gets every whole sample before a stall, not only once its chunk is full."""
+        if not self._buffer and not self._eof:
+            self._fill(1 << 16)
+        size = len(self._buffer) if size is None or size < 0 else size
         data, self._buffer = self._buffer[:size], self._buffer[size:]
         return data
 

@@ -52,7 +52,18 @@ from trainer.data.prepare.assemble import (
 from trainer.data.prepare.corpus import ErrorPolicy, PrepareError, unique_keys, whole_modules
 from trainer.data.prepare.plan import Piece, Plan, Unit, input_files, inputs_key, is_chat, make_plan
 from trainer.data.prepare.units import Job, load_result, prepare_unit, unit_documents, unit_hash
-from trainer.data.shards import FORMAT_VERSION, MANIFEST_FILE, SCHEMA, atomic_write_bytes, load_manifest
+from trainer.data.shards import (
+    ASSISTANT_FIELD,
+    ASSISTANT_SCHEMA,
+    FORMAT_VERSION,
+    IDS_FIELD,
+    IDS_SCHEMA,
+    MANIFEST_FILE,
+    SCHEMA,
+    atomic_write_bytes,
+    ids_dtype,
+    load_manifest,
+)
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS_MAP_FILE,
@@ -102,6 +113,7 @@ def prepare(
     unit_mb: float | None = None,
     tokenizer_sample_mb: float = DEFAULT_SAMPLE_MB,
     resume: bool = False,
+    text_only: bool = False,
 ) -> dict | None:
     """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json); with
     `parts` > 1, prepare part `part` and return None unless this part was the last to finish (then it merges).
@@ -111,6 +123,7 @@ def prepare(
     `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged. `max_docs` keeps only the first
     documents of the source (for quick, small datasets; read by one process). `workers` processes prepare units
     side by side; `resume` insists on finding earlier work of the same command (without it, it is used if there).
+    `text_only`: shards without the documents' token ids (trainer.data.shards; the stream then tokenizes the text).
     """
     _check_options(val_fraction, docs_per_shard, max_docs, workers, part, parts, unit_mb, tokenizer_sample_mb)
     if not (isinstance(max_doc_mb, (int, float)) and math.isfinite(max_doc_mb) and max_doc_mb > 0):
@@ -131,6 +144,7 @@ def prepare(
         "seed": seed, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
         "max_shard_bytes": max_shard_bytes, "max_docs": max_docs, "text_key": text_key, "on_error": on_error,
         "max_doc_bytes": int(max_doc_mb * MB),
+        "store_ids": not text_only,
         "tokenizer": {"trained": reused is None, "vocab_size": vocab_size if reused is None else None,
                       "sample_bytes": int(tokenizer_sample_mb * MB) if reused is None else None,
                       "base_sha256": tokenizer_hash(tokenizer) if reused is not None else None,
@@ -247,12 +261,16 @@ def _merge_held(out: Path, stage: Path) -> dict:
     return swap_into_place(out, stage, _manifest(plan, stage, splits, totals), moves)
 
 
-def job_of(plan: Plan, stage: Path) -> Job:
+def job_of(plan: Plan, stage: Path, ids: bool = True) -> Job:
+    """The plan's options for its units. `ids=False`: without the ids' dtype (reading only: before the tokenizer is
+    staged)."""
     o = plan.options
+    store_ids = ids and o.get("store_ids", False)  # a plan staged before ids were stored: as its other units, none
+    dtype = ids_dtype(load_tokenizer(stage / TOKENIZER_DIR).get_vocab_size()) if store_ids else None
     return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
                docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
                on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"],
-               max_doc_bytes=o.get("max_doc_bytes"))
+               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype)
 
 
 def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
@@ -268,19 +286,24 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     }
     if o["tokenizer"]["added_tokens"]:
         tokenizer |= {"added_tokens": o["tokenizer"]["added_tokens"], "base_sha256": o["tokenizer"]["base_sha256"]}
+    chat = "chat" in totals
+    schema = SCHEMA | (IDS_SCHEMA | (ASSISTANT_SCHEMA if chat else {}) if o.get("store_ids") else {})
     manifest = {
         "format": FORMAT_VERSION,
-        "schema": SCHEMA,
+        "schema": schema,
         "source": plan.source,
         "options": {k: o[k] for k in ("seed", "val_fraction", "docs_per_shard", "max_shard_bytes", "max_docs",
                                       "text_key", "on_error", "unit_bytes", "max_doc_bytes")}
-                   | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"]},
+                   | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"], "store_ids": bool(o.get("store_ids"))},
         "tokenizer": tokenizer,
         "splits": splits,
         "skipped": totals["skipped"],
         "renamed_duplicate_keys": totals["renamed_duplicate_keys"],
     }
-    if "chat" in totals:  # the trainer's data.loss_on=assistant requires it
+    if o.get("store_ids"):  # the stream reads them when the run's tokenizer is this one (trainer.data.shards)
+        manifest["ids"] = {"field": IDS_FIELD, "dtype": ids_dtype(tok.get_vocab_size()),
+                           "tokenizer_sha256": tokenizer["sha256"], **({"assistant_field": ASSISTANT_FIELD} if chat else {})}
+    if chat:  # the trainer's data.loss_on=assistant requires it
         manifest["chat"] = {"template": TEMPLATE_NAME, **totals["chat"]}
     return manifest
 
@@ -327,7 +350,7 @@ def _stage_tokenizer(stage: Path, plan: Plan, tokenizer: str | Path | None, reus
         _copy_tokenizer(tokenizer, tok_dir)
     else:
         o = plan.options
-        texts = sample_texts(plan, job_of(plan, stage), o["tokenizer"]["sample_bytes"])
+        texts = sample_texts(plan, job_of(plan, stage, ids=False), o["tokenizer"]["sample_bytes"])
         save_tokenizer(train_tokenizer(texts, o["tokenizer"]["vocab_size"]), tok_dir)
 
 

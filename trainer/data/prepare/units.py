@@ -3,7 +3,7 @@
 A unit is read start to end by one process, in windows of a few MB (memory never holds more than one window,
 whatever the corpus or unit size). Each document goes to train or val by a hash of its key (`unit_hash`: a
 key's side never depends on the other documents), in input order (shuffling is the trainer stream's job: shard
-permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards:
+permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards (with its token ids, unless prepared with --text-only):
 
     <stage>/u000003/train-0000.tar, train-0001.tar, ..., val-0000.tar    (final names are given at the merge)
     <stage>/u000003.json                                                  the result, written last
@@ -29,8 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import numpy as np
 
-from trainer.data.chat import TemplateLimitError, assistant_spans, render_conversation
+from trainer.data.chat import (
+    TemplateLimitError,
+    assistant_spans,
+    assistant_token_mask,
+    mask_ranges,
+    render_conversation,
+)
 from trainer.data.config import TRAIN_SPLIT, VAL_SPLIT
 from trainer.data.prepare import formats
 from trainer.data.prepare.conversations import message_problem, module_conversations
@@ -46,8 +53,8 @@ from trainer.data.prepare.corpus import (
     unique_keys,
 )
 from trainer.data.prepare.plan import Piece, Unit
-from trainer.data.shards import PrepareError, ShardWriter, atomic_write_bytes
-from trainer.data.tokenizer import count_tokens
+from trainer.data.shards import ASSISTANT_FIELD, IDS_FIELD, PrepareError, ShardWriter, atomic_write_bytes
+from trainer.data.tokenizer import encode_documents
 
 WINDOW_BYTES = 4 << 20  # text per window (split, count, write)
 WINDOW_DOCS = 8192
@@ -77,6 +84,8 @@ class Job:
     max_docs: int | None = None
     max_doc_bytes: int | None = None
     """One document's largest size in bytes of UTF-8 text; larger: `policy.bad("too_large", ...)`."""
+    ids_dtype: str | None = None
+    """Store each document's token ids beside its text in this dtype ("<u2", "<u4"); None: text only."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -122,9 +131,7 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
                 sides[split].append((key, text))
                 _track(extremes, split, score, key)
             for split, side in sides.items():
-                counts = count_tokens(tok, [text for _, text in side], desc=None)
-                for (key, text), n in zip(side, counts, strict=True):
-                    writers[split].add(key, text.encode("utf-8"), n)
+                counts = _write_side(writers[split], side, tok, job)
                 lengths[split].update(counts)
                 if job.chat_template is not None:
                     turns += sum(len(assistant_spans(text)) for _, text in side)
@@ -156,6 +163,24 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
     }
     atomic_write_bytes(result_path(job.stage, unit.index), (json.dumps(result) + "\n").encode("utf-8"))
     return result
+
+
+def _write_side(writer: ShardWriter, side: list[tuple[str, str]], tok, job: Job) -> list[int]:
+    """Append the documents of one split of a window to its shards: the text, and with `job.ids_dtype` the token ids
+    (and, for chat data, the assistant turns' token ranges, from the offsets as the stream computes them); return
+    their token counts (EOS included)."""
+    chat_ranges = job.ids_dtype is not None and job.chat_template is not None
+    encodings = encode_documents(tok, [text for _, text in side], offsets=chat_ranges)
+    counts = []
+    for (key, text), enc in zip(side, encodings, strict=True):
+        fields = {}
+        if job.ids_dtype is not None:
+            fields[IDS_FIELD] = np.asarray(enc.ids, dtype=job.ids_dtype).tobytes()
+            if chat_ranges:
+                fields[ASSISTANT_FIELD] = mask_ranges(assistant_token_mask(text, enc.offsets)).tobytes()
+        writer.add(key, text.encode("utf-8"), len(enc.ids) + 1, fields)
+        counts.append(len(enc.ids) + 1)
+    return counts
 
 
 def load_result(stage: str | Path, index: int) -> dict | None:
