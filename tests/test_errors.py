@@ -60,15 +60,18 @@ def truncate(shard: Path) -> None:
 
 
 def symlink_second_sample(shard: Path) -> None:
-    """Keep the first 5 samples, the second one's text turned into a symlink to the first's."""
+    """Keep the first 5 samples, the second one's text turned into a symlink to the first's (its other members, the
+    stored ids, dropped: nothing of it is left that webdataset reads)."""
     with tarfile.open(shard) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()[:5]]
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    keys = list(dict.fromkeys(m.name.split(".")[0] for m, _ in members))[:5]
     with tarfile.open(shard, "w") as tar:
-        for i, (member, data) in enumerate(members):
-            if i == 1:
+        for member, data in members:
+            key = member.name.split(".")[0]
+            if key == keys[1] and member.name.endswith(".txt"):
                 member.type, member.linkname, member.size = tarfile.SYMTYPE, members[0][0].name, 0
                 tar.addfile(member)
-            else:
+            elif key in keys and key != keys[1]:
                 tar.addfile(member, io.BytesIO(data))
 
 
