@@ -48,9 +48,10 @@ class DataStreamError(UserError, RuntimeError):
     RuntimeError too: torch re-raises a DataLoader worker's error as its type, called with one message."""
 
 
-Stored = tuple[bytes, int, bytes | None]
+Stored = tuple[bytes, int, bytes | None, str]
 """A sample's stored token ids as a reader holds them: (the `ids` bytes, the size of its text in bytes, the
-`assistant` ranges' bytes, or None when the stream does not read them). See trainer.data.shards."""
+`assistant` ranges' bytes or None when the stream does not read them, the ids' dtype). Self-contained: a
+checkpoint's buffered items resume whatever the next run reads. See trainer.data.shards."""
 
 Item = tuple[int, int, str, bytes | Stored | list[str] | None]
 """A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
@@ -440,7 +441,8 @@ def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | list[str]:
     has no text."""
     if TEXT_FIELD in sample:
         if stored is not None and IDS_FIELD in sample and (not stored.assistant or ASSISTANT_FIELD in sample):
-            return sample[IDS_FIELD], len(sample[TEXT_FIELD]), sample[ASSISTANT_FIELD] if stored.assistant else None
+            ranges = sample[ASSISTANT_FIELD] if stored.assistant else None
+            return sample[IDS_FIELD], len(sample[TEXT_FIELD]), ranges, stored.dtype
         return sample[TEXT_FIELD]
     return sorted(k for k in sample if not k.startswith("__"))
 

@@ -192,11 +192,13 @@ class DocumentStream(IterableDataset):
 
     def _check_stored(self, data: Stored, shard: str, key: str, state: SlotState) -> Stored | None:
         """Stored ids of whole values, and assistant ranges within them; else None, counted (a damaged shard)."""
-        ids, _, ranges = data
-        itemsize = np.dtype(self.stored_ids.dtype).itemsize
+        ids, _, ranges, dtype = data
+        itemsize = np.dtype(dtype).itemsize
         problem = None
         if not ids or len(ids) % itemsize:
-            problem = f"its ids are {len(ids)} bytes, not whole {self.stored_ids.dtype} values"
+            problem = f"its ids are {len(ids)} bytes, not whole {dtype} values"
+        elif self.loss_on == "assistant" and ranges is None:  # buffered by a run with loss_on=all, resumed
+            problem = "its stored ids were read without their assistant ranges (data.loss_on changed on resume?)"
         elif ranges is not None and (why := ranges_problem(ranges, len(ids) // itemsize)) is not None:
             problem = f"its assistant ranges are bad: {why}"
         if problem is None:
@@ -220,7 +222,7 @@ class DocumentStream(IterableDataset):
                 enc = next(encodings)
                 ids, n = enc.ids, len(enc.ids)
             else:
-                ids = np.frombuffer(payload[0], dtype=self.stored_ids.dtype)
+                ids = np.frombuffer(payload[0], dtype=payload[3])
                 n = len(ids)
             tokens = np.empty(n + 1, dtype=np.int32)
             tokens[:-1] = ids
