@@ -406,11 +406,12 @@ LAYERS: list[set[str]] = [
     {"trainer.model"},  # single-device GPT, attention kernels, losses
     {"trainer.distributed"},  # process groups and engines
     {"trainer.checkpoint"},  # the checkpoint store and everything that reads weights
+    {"trainer.tasks"},  # downstream tasks: task files, built-ins, packed scoring, metrics
     {"trainer.config"},  # the typed config, assembled from the rooms' sections
     {"trainer.reporting"},  # runs compared from their files (reads the registry and manifests only)
     {"trainer.run"},  # the loop and its parts
     {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
-     "trainer.generate", "trainer"},  # the commands
+     "trainer.generate", "trainer.evaluate", "trainer"},  # the commands
 ]
 """Each module may import from its own layer and the layers above it in this list (lower = more basic).
 A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""

@@ -250,6 +250,7 @@ COMMANDS = {  # trainer.<command> -> (argv, "{tmp}" for a fresh directory; a phr
     "inspect_mask": (["--lengths", "3,x", "--out", "{tmp}/inspect"], "expected comma-separated integers"),
     "export": (["{tmp}/missing", "--out", "{tmp}/export"], "missing is not a packtrain checkpoint"),
     "generate": (["{tmp}/missing", "--prompt", "x"], "missing is neither a packtrain checkpoint"),
+    "evaluate": (["{tmp}/missing", "--tasks", "cloze"], "missing is neither a packtrain checkpoint"),
 }
 
 

@@ -1,0 +1,173 @@
+"""Score a checkpoint on downstream tasks: `python -m trainer.evaluate CHECKPOINT_OR_EXPORT --tasks TASK...`.
+
+    python -m trainer.evaluate runs/demo/<time>/0_layout=packed/checkpoints/step_000100 \\
+        --tasks continuation4 cloze my_task.jsonl --out scores.json
+    python -m trainer.evaluate exports/demo --tasks my_task.jsonl --packing unpacked
+    torchrun --nproc_per_node=2 -m trainer.evaluate CHECKPOINT --tasks continuation4    # items split over ranks
+
+A task is a jsonl file in llm-foundry's forms (trainer.tasks.tasks: multiple choice {"query", "choices", "gold"},
+language modeling {"context", "continuation"}) or a built-in made from the held-out split (trainer.tasks.builtins:
+continuation4, cloze), read from --data (default: the checkpoint's run's data.path / data.val_urls). Every query +
+choice is scored as a document of the training layouts' rows (--packing packed: several a row, documents
+isolated; unpacked: one a row, padded), its choice's log-likelihood summed from the model's token losses
+(trainer.tasks.scoring). Prints a table; --out writes JSON: per task its metrics (trainer.tasks.metrics) and per
+item `loglikelihoods`, one per choice in the file's order. A user mistake ends as trainer/errors.py says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from trainer.checkpoint.store import META_FILE
+from trainer.checkpoint.weights import checkpoint_meta
+from trainer.data.config import DataConfig
+from trainer.data.tokenizer import load_tokenizer, special_ids
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.groups import init_distributed, shutdown_distributed
+from trainer.errors import UserError, command
+from trainer.generate import check_device, load
+from trainer.model import GPT
+from trainer.model.attention import BACKENDS, resolve_backend
+from trainer.tasks.builtins import BUILTINS, fitting, heldout_texts
+from trainer.tasks.metrics import item_records, task_metrics
+from trainer.tasks.scoring import LAYOUTS, score, task_sequences
+from trainer.tasks.tasks import Task, load_task_file
+
+
+class EvaluateError(UserError):
+    """Tasks that cannot be scored as given: built-ins without held-out data, two tasks of one name."""
+
+
+def builtin_data(path: Path, data: Path | None) -> DataConfig:
+    """Where the built-ins' held-out documents come from: --data, else the checkpoint's run's data config."""
+    if data is not None:
+        return DataConfig(path=str(data))
+    if not (path / META_FILE).is_file():
+        raise EvaluateError(f"{path} is an export: built-in tasks need the held-out data, give --data DIR (the "
+                            "prepared directory the run trained on)")
+    section = checkpoint_meta(path).get("config", {}).get("data", {})
+    if not (section.get("path") or section.get("val_urls")):
+        raise EvaluateError(f"{path / META_FILE} names no data.path or data.val_urls: give --data DIR")
+    return DataConfig(path=section.get("path"), val_urls=section.get("val_urls"),
+                      tokenizer=section.get("tokenizer"))
+
+
+def builtin_task(name: str, texts: list[str], seed: int, max_items: int | None, tok: Tokenizer,
+                 max_tokens: int) -> Task:
+    """Built-in task `name` of the held-out `texts`, without the items that do not fit the model's context."""
+    task = BUILTINS[name](texts, seed, max_items)
+    task = fitting(task, lambda s: len(tok.encode(s, add_special_tokens=False).ids), max_tokens)
+    if not task.items:
+        raise EvaluateError(f"built-in task {name}: the held-out split gave no item (too few or too short "
+                            "documents); give --data DIR with more held-out documents")
+    return task
+
+
+def load_tasks(names: list[str], path: Path, args: argparse.Namespace, tok: Tokenizer, tok_dir: Path,
+               max_tokens: int) -> list[Task]:
+    """The tasks of --tasks in order: built-ins by name (made once from the held-out texts), files by path."""
+    texts = None
+    tasks = []
+    for name in names:
+        if name in BUILTINS:
+            if texts is None:
+                texts = heldout_texts(builtin_data(path, args.data), tok_dir, args.builtin_docs)
+            task = builtin_task(name, texts, args.seed, args.builtin_items, tok, max_tokens)
+        elif not Path(name).exists():
+            raise EvaluateError(f"--tasks {name}: no such task file, nor a built-in task ({', '.join(BUILTINS)})")
+        else:
+            task = load_task_file(name)
+        tasks.append(task)
+    seen = [t.name for t in tasks]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if twice:
+        raise EvaluateError(f"--tasks names the task(s) {twice} twice (a task is named by its file's stem): rename "
+                            "one of the files")
+    return tasks
+
+
+def evaluate(model: GPT, tasks: list[Task], tok: Tokenizer, pad_id: int, layout: str, batch_tokens: int,
+             device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
+    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective across ranks)."""
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    out = {}
+    for task in tasks:
+        sequences = task_sequences(task, encode, model.cfg.max_seq_len)
+        scores = score(model, sequences, layout, pad_id, batch_tokens, device, rank, world_size)
+        records = item_records(task, scores.loglikelihoods, scores.greedy)
+        out[task.name] = {"kind": task.kind, "source": task.source, "metrics": task_metrics(task, records),
+                          "items": records}
+    return out
+
+
+def table(results: dict) -> str:
+    """One line per task: n, acc ± standard error, acc_norm, bits per byte."""
+    def cell(value, stderr=None, digits=3) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.{digits}f}" + (f" ± {stderr:.{digits}f}" if stderr is not None else "")
+
+    rows = [("task", "kind", "n", "acc", "acc_norm", "bits/byte")]
+    for name, result in results.items():
+        m = result["metrics"]
+        rows.append((name, result["kind"].replace("_", " "), str(m["n"]), cell(m["acc"], m["acc_stderr"]),
+                     cell(m.get("acc_norm"), m.get("acc_norm_stderr")), cell(m["bits_per_byte"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("path", type=Path, metavar="CHECKPOINT_OR_EXPORT",
+                   help="<run dir>/checkpoints/step_NNNNNN, or a directory written by python -m trainer.export")
+    p.add_argument("--tasks", nargs="+", required=True, metavar="TASK",
+                   help=f"task files (.jsonl) or built-ins ({', '.join(BUILTINS)})")
+    p.add_argument("--packing", choices=LAYOUTS, default="packed", help="row layout of the scored sequences")
+    p.add_argument("--out", type=Path, default=None, help="write the metrics and per-item log-likelihoods here")
+    p.add_argument("--data", type=Path, default=None,
+                   help="prepared data directory whose val split the built-ins use (default: the checkpoint's)")
+    p.add_argument("--builtin-docs", type=int, default=500, help="held-out documents read for the built-ins")
+    p.add_argument("--builtin-items", type=int, default=None, help="most items of each built-in (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-ins' choice order (default 0)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="positions per forward (default 8192)")
+    p.add_argument("--attention", choices=BACKENDS, default="auto", help="attention backend of packed rows")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; under torchrun cuda = the local GPU)")
+    return p.parse_args(argv)
+
+
+@command(extra_user_errors=(OSError,))  # OSError: --out cannot be written
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.batch_tokens < 1 or args.builtin_docs < 1 or (args.builtin_items is not None and args.builtin_items < 1):
+        raise EvaluateError(f"--batch-tokens, --builtin-docs and --builtin-items must be >= 1, got "
+                            f"{args.batch_tokens}, {args.builtin_docs} and {args.builtin_items}")
+    check_device(args.device)
+    info = init_distributed(DistributedConfig(device=torch.device(args.device).type))
+    try:
+        model, tok_dir = load(args.path, info.device)
+        model.attention.backend = resolve_backend(args.attention, info.device, torch.float32, requires_grad=False)
+        tok = load_tokenizer(tok_dir)
+        tasks = load_tasks(args.tasks, args.path, args, tok, tok_dir, model.cfg.max_seq_len)
+        results = evaluate(model, tasks, tok, special_ids(tok, tok_dir).pad, args.packing, args.batch_tokens,
+                           info.device, info.rank, info.world_size)
+    finally:
+        shutdown_distributed()
+    if info.is_main:
+        print(table(results))
+        if args.out is not None:
+            report = {"checkpoint": str(args.path), "packing": args.packing, "tasks": results}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
