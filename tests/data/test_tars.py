@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
+import subprocess
+import sys
 import tarfile
+import tracemalloc
 
 import pytest
 from webdataset import tariterators
 
-from trainer.data.tars import CHUNK, TarFormatError, tar_samples
+from trainer.data.sources import ShardReadError, read_shard
+from trainer.data.tars import CHUNK, TarFormatError, TooLargeMember, tar_samples
 
 URL = "/d/shard.tar"
 
@@ -133,3 +138,131 @@ def test_sparse_members_are_refused_by_name():
     header[148:156] = f"{sum(header):06o}\0 ".encode()
     with pytest.raises(TarFormatError, match="s.txt: a sparse member"):
         _ours(bytes(header) + b"\0" * 1024)
+
+
+# -- sizes: negative, past the file, over the bound (issue 42; issue 46's 7e9-byte header) ------------------------
+
+
+def _with_size(header: bytes, size: int) -> bytes:
+    """A header block with its size field set to `size` (octal when it fits, else GNU base-256, negative ones
+    too) and its checksum made right again."""
+    block = bytearray(header)
+    if 0 <= size < 8**11:
+        block[124:136] = f"{size:011o}\0".encode()
+    else:
+        block[124:136] = (b"\xff" if size < 0 else b"\x80") + (size % 256**11).to_bytes(11, "big")
+    block[148:156] = b" " * 8
+    block[148:156] = f"{sum(block):06o}\0 ".encode()
+    return bytes(block)
+
+
+def _pax_header_then(member: bytes, size: int) -> bytes:
+    """A pax 'x' header block for the member that follows, with size field `size`, and no data."""
+    return _with_size(_tar([("c" * 120 + ".txt", b"")])[:512], size)  # a long name: the first block is an 'x' header
+
+
+def _read(path) -> list[dict]:
+    """read_shard's samples, at most 50 (a reader that loops would yield the first members forever)."""
+    return list(itertools.islice(read_shard(str(path)), 50))
+
+
+PLAIN = _tar(CASES["plain"])  # a.txt, a.ids, b.txt: a header and a data block each
+NEGATIVE = {
+    "pax header": PLAIN[: 6 * 512] + _pax_header_then(PLAIN, -6 * 512 - 512) + PLAIN[6 * 512 :],  # back to a.txt
+    "member": _with_size(PLAIN[:512], -512) + PLAIN[512:],
+    "member, -1": _with_size(PLAIN[:512], -1) + PLAIN[512:],
+    "GNU long name": _with_size(_tar([("l" * 120 + ".txt", b"x")], tarfile.GNU_FORMAT)[:512], -1024) + PLAIN,
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEGATIVE))
+def test_a_negative_size_is_refused_by_name_and_never_reads_backwards(case, tmp_path):
+    """A negative base-256 size moved the read position backwards: the first members again and again, exit 0 (a
+    pax header), or a negative member read as an empty document."""
+    path = tmp_path / "neg.tar"
+    path.write_bytes(NEGATIVE[case])
+    with pytest.raises(ShardReadError, match=r"TarFormatError: .*: a negative size \(-\d+\) in its header") as info:
+        _read(path)
+    assert not info.value.transient  # the bytes are as they are: not retried
+    with pytest.raises(TarFormatError, match="a negative size"):
+        _ours(NEGATIVE[case], step=7)  # a stream of unknown length: the same
+
+
+def test_a_negative_pax_size_record_is_refused():
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.pax_headers = {"size": "-5"}
+        tar.addfile(info, io.BytesIO(b""))
+    with pytest.raises(TarFormatError, match=r"a.txt: a negative pax size \(-5\)"):
+        _ours(out.getvalue())
+
+
+def test_a_size_past_the_file_is_refused_before_reading(tmp_path):
+    """Issue 46: a header claiming 7e9 bytes in a small file was 'cannot read shard: MemoryError' (the reader
+    allocated what the header said). A local file's length is known: refused at once, naming the member."""
+    path = tmp_path / "huge.tar"
+    path.write_bytes(_with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
+    with pytest.raises(ShardReadError, match=r"a\.txt: its header says 7,000,000,000 bytes but the file has "
+                                             r"9,728 left: a truncated or damaged shard"):
+        _read(path)
+    tracemalloc.start()
+    try:  # a stream of unknown length (a pipe): read in bounded reads to its end, then the same kind of error
+        with pytest.raises(TarFormatError, match=r"a\.txt: unexpected end of data \(9728 of its 7000000000 bytes"):
+            _ours(path.read_bytes(), step=4096)
+        assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_claim_past_the_file_is_no_memory_error_under_an_address_space_cap(tmp_path):
+    """The 7e9 claim read under a 2 GiB address-space cap (as the issue's run had): one TarFormatError line."""
+    path = tmp_path / "huge.tar"
+    path.write_bytes(_with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+              "from trainer.data.sources import read_shard\n"
+              "try:\n    list(read_shard(sys.argv[1]))\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("ShardReadError TarFormatError: a.txt: its header says 7,000,000,000"), out
+
+
+BIG = 300 * 2**20
+
+
+def _sparse_shard(path, size: int = BIG):
+    """big.txt of `size` zero bytes (a hole: nothing on disk), then small.txt, as a tar file."""
+    head = _with_size(_tar([("big.txt", b"")])[:512], size)
+    tail = _tar([("small.txt", b"after the big one")])
+    with open(path, "wb") as f:
+        f.write(head)
+        f.seek(512 + size + -size % 512)
+        f.write(tail)
+    return path
+
+
+def test_a_member_over_the_bound_is_skipped_unread_and_named(tmp_path):
+    """max_member_bytes: a member's data past the bound is never held (memory stays far below its 300 MB), and
+    its field names it (a TooLargeMember) so the stream can refuse or count that one sample; the shard reads on."""
+    path = _sparse_shard(tmp_path / "big.tar")
+    tracemalloc.start()
+    try:
+        samples = list(read_shard(str(path), max_member_bytes=2**20))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak:,} bytes"
+    big, small = samples
+    assert small == {"__key__": "small", "__url__": str(path), "txt": b"after the big one"}
+    marker = big["txt"]
+    assert isinstance(marker, TooLargeMember) and isinstance(marker, TarFormatError)
+    assert (marker.url, marker.name, marker.key, marker.field, marker.size, marker.limit) == (
+        str(path), "big.txt", "big", "txt", BIG, 2**20)
+    assert str(marker) == "member 'big.txt' is 314,572,800 bytes, over the bound of 1,048,576 bytes (refused from " \
+                          "its header, not read)"
+
+
+def test_members_within_the_bound_are_read_as_before():
+    data = _tar(CASES["members across chunks"])
+    assert _ours(data) == list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK)) == _reference(data)
+    over = list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK - 1))
+    assert isinstance(over[1]["txt"], TooLargeMember) and over[0] == _reference(data)[0]

@@ -280,27 +280,40 @@ class ReadCounter:
 
 
 class _CountedStream:
-    """A shard's byte stream that adds what is read from it to a ReadCounter."""
+    """A shard's byte stream that adds what is read from it to a ReadCounter, and gives way to a preemption signal:
+    each read first checks for one (trainer.data.workers.check_interrupt), so a local file, which never blocks, is
+    left within one read too (a CommandStream also checks while it waits)."""
 
     def __init__(self, stream, counter: ReadCounter) -> None:
         self.stream = stream
         self.counter = counter
 
     def read(self, size: int = -1) -> bytes:
+        check_interrupt()
         data = self.stream.read(size)
         self.counter.bytes += len(data)
         return data
 
     def read1(self, size: int = -1) -> bytes:
         """Up to `size` bytes, what one read of the underlying stream gives (b"" only at its end)."""
+        check_interrupt()
         data = self.stream.read1(size) if hasattr(self.stream, "read1") else self.stream.read(size)
         self.counter.bytes += len(data)
         return data
 
+    def fileno(self) -> int:
+        """The file's descriptor (a local file: the tar reader checks each member's size against the file's)."""
+        return self.stream.fileno()
 
-def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = READ_TIMEOUT_S) -> Iterator[dict]:
+    def tell(self) -> int:
+        return self.stream.tell()
+
+
+def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = READ_TIMEOUT_S,
+               max_member_bytes: int | None = None) -> Iterator[dict]:
     """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut as webdataset's tar
-    iterators cut them (trainer.data.tars, in one pass).
+    iterators cut them (trainer.data.tars, in one pass). `max_member_bytes`: a member larger is not read; its field
+    holds a trainer.data.tars.TooLargeMember instead of bytes (`tar_samples`).
 
     `open_shard` opens the URL (a local file, else its scheme's command: curl, gsutil, ais, a shell for pipe:). At
     the end the stream is read to EOF and the command's exit status checked, so a failed transfer is never
@@ -318,7 +331,7 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     error: Exception | None = None
     finished = False
     try:
-        for sample in tar_samples(counted, url):
+        for sample in tar_samples(counted, url, max_member_bytes):
             counter.samples += 1
             yield sample
         while counted.read(1 << 16):  # the tar's end padding: let the command finish writing
@@ -331,6 +344,8 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     failure = getattr(stream, "failure", None)
     if failure is not None:  # a preemption signal, or no data in time: the command was killed
         raise failure from None
+    if isinstance(error, ReadInterrupted):  # a preemption signal between two reads (_CountedStream)
+        raise error
     if status is None or status in STOPPED_BY_READER:
         if error is None:
             return

@@ -16,19 +16,37 @@ the same rules, at a few µs per member:
     the end     a zero block, or the end of the stream at a member boundary (a shard cut there is caught by the
                 manifest's count); a stream that ends inside a member is an error ("unexpected end of data")
 
+    sizes       a size (ustar octal, GNU base-256 or pax "size") that is negative, or that runs past the end of a
+                file whose length is known (a local file), is an error naming the member, before any of its data is
+                read; the read position only ever moves forward. A member's data is gathered in reads of at most
+                MAX_READ bytes, never one allocation of the size its header claims; a pax header or GNU long name
+                over META_MAX is an error
+    the bound   `max_member_bytes`: a regular member larger is not read (its data is skipped in small reads); its
+                field holds a `TooLargeMember` (not raised) that names it, so that a reader can refuse or count that
+                one sample and go on with the shard
+
 Anything else is a `TarFormatError` naming the member: a bad header checksum, a sparse member. A compressed shard
-(gzip, bzip2, xz, zstd magic) is handed to webdataset's iterators whole (`tarfile` decompresses it).
+(gzip, bzip2, xz, zstd magic) is handed to webdataset's iterators whole (`tarfile` decompresses it; no bound).
 
 Example: members a.txt, a.ids, b.txt -> {"__key__": "a", "txt": ..., "ids": ...}, {"__key__": "b", "txt": ...}.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Iterator
 
 BLOCK = 512
 CHUNK = 1 << 16
+MAX_READ = 1 << 24
+"""The largest single read: a header's claimed size is never allocated at once (issue 46: a 7e9-byte claim in a 2 KB
+file was a MemoryError)."""
+META_MAX = 1 << 20
+"""The largest pax header or GNU long name accepted: real ones hold a few records (tarfile has no bound)."""
+META_KINDS = frozenset({b"x", b"g", b"X", b"L", b"K"})
+"""Members whose data is about the next member (pax headers, GNU long names)."""
 REGULAR = frozenset({b"0", b"\0", b"7"})
 """tarfile's REGULAR_TYPES but its sparse type, which `tar_samples` refuses."""
 SUPPORTED = frozenset({b"0", b"\0", b"7", b"1", b"2", b"3", b"4", b"5", b"6", b"L", b"K", b"S", b"x", b"g", b"X"})
@@ -45,14 +63,31 @@ class TarFormatError(Exception):
     """A shard that is not a readable tar: the message names the member (or says where) and what is wrong."""
 
 
+class TooLargeMember(TarFormatError):
+    """A regular member over `max_member_bytes`, refused from its header: its data was skipped, never held.
+
+    `tar_samples` puts it in the sample as that field's value instead of the bytes (it does not raise it), so that
+    the reader decides: raise it (or its own error from its facts), or count the sample as too large and go on.
+    """
+
+    def __init__(self, url: str, name: str, key: str, field: str, size: int, limit: int) -> None:
+        super().__init__(f"member {name!r} is {size:,} bytes, over the bound of {limit:,} bytes (refused from its "
+                         "header, not read)")
+        self.url, self.name, self.key, self.field, self.size, self.limit = url, name, key, field, size, limit
+
+
 class _Chunks:
-    """A byte stream read in reads of up to CHUNK bytes (or what has arrived: `read1`), handed out in exact sizes."""
+    """A byte stream read in reads of up to CHUNK bytes (or what has arrived: `read1`), handed out in exact sizes,
+    only ever forward: `offset` counts the bytes handed out or skipped."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.read = getattr(stream, "read1", stream.read)  # what has arrived: a pipe's samples before a stall
         self.buf = b""
         self.pos = 0
+        self.offset = 0
+        self.size = _bytes_left(stream)
+        """The stream's length from where it stood, if known (a regular file), else None."""
 
     def take(self, n: int) -> bytes:
         """The next `n` bytes; fewer only at the end of the stream."""
@@ -60,7 +95,7 @@ class _Chunks:
         if end > len(self.buf):
             parts, have = [self.buf[self.pos :]], len(self.buf) - self.pos
             while have < n:
-                chunk = self.read(max(CHUNK, n - have))
+                chunk = self.read(min(max(CHUNK, n - have), MAX_READ))
                 if not chunk:
                     break
                 parts.append(chunk)
@@ -68,18 +103,53 @@ class _Chunks:
             self.buf, self.pos, end = b"".join(parts), 0, n
         out = self.buf[self.pos : end]
         self.pos = min(end, len(self.buf))
+        self.offset += len(out)
         return out
 
+    def skip(self, n: int) -> int:
+        """Pass the next `n` bytes without keeping them (reads of at most CHUNK); how many there were (fewer only at
+        the end of the stream)."""
+        held = min(n, len(self.buf) - self.pos)
+        self.pos += held
+        left = n - held
+        while left:
+            chunk = self.read(min(left, CHUNK))
+            if not chunk:
+                break
+            left -= len(chunk)
+        self.offset += n - left
+        return n - left
 
-def tar_samples(stream, url: str) -> Iterator[dict]:
-    """The samples of the tar on `stream` (a binary stream with `read`), in order; see the module docstring."""
+    def past_end(self, n: int) -> int | None:
+        """The bytes left in the file if the next `n` run past its end (its length known), else None."""
+        if self.size is not None and self.offset + n > self.size:
+            return self.size - self.offset
+        return None
+
+
+def _bytes_left(stream) -> int | None:
+    """The bytes from `stream`'s position to its end if it is a regular file; None for a pipe, a socket, memory."""
+    try:
+        info = os.fstat(stream.fileno())
+        return info.st_size - stream.tell() if stat.S_ISREG(info.st_mode) else None
+    except (AttributeError, OSError, ValueError):  # no fileno (BytesIO: io.UnsupportedOperation), a closed file
+        return None
+
+
+def tar_samples(stream, url: str, max_member_bytes: int | None = None) -> Iterator[dict]:
+    """The samples of the tar on `stream` (a binary stream with `read`), in order; see the module docstring.
+
+    `max_member_bytes`: a regular member larger than this is skipped unread, and its field holds a `TooLargeMember`
+    instead of bytes. Example: bound 100, members a.txt (10 bytes), a.ids (400 bytes) -> {"__key__": "a",
+    "txt": b"...", "ids": TooLargeMember(size=400)}.
+    """
     chunks = _Chunks(stream)
     first = chunks.take(BLOCK)
     if first.startswith(COMPRESSED):
         yield from _webdataset_samples(_Replayed(first, chunks), url)
         return
     sample: dict | None = None
-    for name, data in _members(chunks, first):
+    for name, size, data in _members(chunks, first, max_member_bytes):
         if "/" not in name and name.startswith("__") and name.endswith("__") or META.match(name):
             continue
         match = KEY_FIELD.match(name)
@@ -92,13 +162,14 @@ def tar_samples(stream, url: str) -> Iterator[dict]:
             sample = {"__key__": key, "__url__": url}
         if field in sample:
             raise TarFormatError(f"{name}: duplicate file name in tar file {field} {sample.keys()}")
-        sample[field] = data
+        sample[field] = data if data is not None else TooLargeMember(url, name, key, field, size, max_member_bytes)
     if sample is not None:
         yield sample
 
 
-def _members(chunks: _Chunks, header: bytes) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of each regular member, starting at `header` (the first block)."""
+def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> Iterator[tuple[str, int, bytes | None]]:
+    """(name, size, data) of each regular member, starting at `header` (the first block); data None for a member
+    over `max_member_bytes` (skipped unread)."""
     global_pax: dict[str, str] = {}
     pending: dict[str, str] | None = None  # pax records for the next member
     long_name: str | None = None
@@ -113,8 +184,12 @@ def _members(chunks: _Chunks, header: bytes) -> Iterator[tuple[str, bytes]]:
         if header.count(0) == BLOCK:
             return  # the end-of-archive zero block
         name, size, kind = _parse(header, index)
-        if kind in (b"x", b"g", b"X", b"L", b"K"):  # about the next member
-            data = _data(chunks, size, -size % BLOCK + size, name)[:size]
+        if kind in META_KINDS:  # about the next member
+            if size > META_MAX:
+                raise TarFormatError(f"{name}: a {kind.decode()!r} header of {size:,} bytes, over the {META_MAX:,} "
+                                     "any real one needs: a damaged or crafted shard")
+            data = _data(chunks, size, name)
+            _skip_padding(chunks, size, name)
             if kind == b"g":
                 global_pax.update(_pax_records(data, name))
                 pending = dict(global_pax)
@@ -132,30 +207,57 @@ def _members(chunks: _Chunks, header: bytes) -> Iterator[tuple[str, bytes]]:
             pending = None
         if long_name is not None:
             name, long_name = long_name, None
-        padded = -size % BLOCK + size
         if sparse:
             raise TarFormatError(f"{name}: a sparse member; write the shard without sparse files")
-        data = b""
         if kind in REGULAR:
-            data = _data(chunks, size, padded, name)
-            yield name, data[:size]
-        elif kind not in SUPPORTED:
-            data = _data(chunks, size, padded, name)  # an unknown type's data is skipped, as tarfile does
-        else:
-            padded = 0  # links, directories, devices: no data, whatever their size field says (as tarfile)
-        if len(data) < padded:  # the data is whole, its padding is not (tarfile too raises only after the member)
-            raise TarFormatError(f"{name}: unexpected end of data after its {size} bytes (the padding to 512 is "
-                                 f"cut short): a truncated shard")
+            if max_member_bytes is not None and size > max_member_bytes:
+                _skip_data(chunks, size, name)
+                yield name, size, None
+            else:
+                yield name, size, _data(chunks, size, name)
+            _skip_padding(chunks, size, name)  # tarfile too raises only after the member
+        elif kind not in SUPPORTED:  # an unknown type's data is skipped, as tarfile does
+            _skip_data(chunks, size, name)
+            _skip_padding(chunks, size, name)
+        # links, directories, devices: no data, whatever their size field says (as tarfile)
         index += 1
         header = chunks.take(BLOCK)
 
 
-def _data(chunks: _Chunks, size: int, padded: int, name: str) -> bytes:
-    """The member's data block(s), padding included; cut short only in its padding (else an error)."""
-    block = chunks.take(padded)
-    if len(block) < size:
-        raise TarFormatError(f"{name}: unexpected end of data ({len(block)} of its {size} bytes): a truncated shard")
-    return block
+def _check_size(chunks: _Chunks, size: int, name: str) -> None:
+    """A TarFormatError if the member's `size` bytes of data run past the end of a file of known length."""
+    left = chunks.past_end(size)
+    if left is not None:
+        raise TarFormatError(f"{name}: its header says {size:,} bytes but the file has {max(left, 0):,} left: a "
+                             "truncated or damaged shard")
+
+
+def _data(chunks: _Chunks, size: int, name: str) -> bytes:
+    """The member's `size` bytes of data (without the padding); an error if they are cut short."""
+    _check_size(chunks, size, name)
+    try:
+        data = chunks.take(size)
+    except MemoryError:
+        raise TarFormatError(f"{name}: its {size:,} bytes do not fit in memory (bound the member size)") from None
+    if len(data) < size:
+        raise TarFormatError(f"{name}: unexpected end of data ({len(data)} of its {size} bytes): a truncated shard")
+    return data
+
+
+def _skip_data(chunks: _Chunks, size: int, name: str) -> None:
+    """Pass the member's `size` bytes of data unread; an error if they are cut short."""
+    _check_size(chunks, size, name)
+    skipped = chunks.skip(size)
+    if skipped < size:
+        raise TarFormatError(f"{name}: unexpected end of data ({skipped} of its {size} bytes): a truncated shard")
+
+
+def _skip_padding(chunks: _Chunks, size: int, name: str) -> None:
+    """Pass the zeros that pad the member's data to a whole block; an error if they are cut short."""
+    padding = -size % BLOCK
+    if chunks.skip(padding) < padding:
+        raise TarFormatError(f"{name}: unexpected end of data after its {size} bytes (the padding to 512 is "
+                             f"cut short): a truncated shard")
 
 
 def _parse(header: bytes, index: int) -> tuple[str, int, bytes]:
@@ -175,14 +277,21 @@ def _parse(header: bytes, index: int) -> tuple[str, int, bytes]:
     prefix = _nts(header[345:500])
     if prefix and kind not in GNU_TYPES:
         name = prefix + "/" + name
-    return name, _nti(header[124:136], index, "size"), kind
+    size = _nti(header[124:136], index, "size")
+    if size < 0:
+        raise TarFormatError(f"{name}: a negative size ({size}) in its header: a damaged or crafted shard")
+    return name, size, kind
 
 
 def _pax_size(records: dict[str, str], size: int, name: str) -> int:
+    """The member's size: its pax "size" record if it has one (as tarfile), else its header's."""
     try:
-        return int(records.get("size", size))
+        size = int(records.get("size", size))
     except ValueError:
         raise TarFormatError(f"{name}: bad pax size {records['size']!r}") from None
+    if size < 0:
+        raise TarFormatError(f"{name}: a negative pax size ({size}): a damaged or crafted shard")
+    return size
 
 
 def _nts(field: bytes) -> str:
