@@ -12,4 +12,6 @@ NPROC=${NPROC:-8}   # <- processes on this node: the number of GPUs (edit here o
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 # --standalone: a rendezvous on a free local port, so two jobs on one machine do not fight over 29500.
-exec torchrun --standalone --nproc_per_node="$NPROC" -m trainer.train "$@"
+# trainer.launcher is torchrun (the same options) ending as its ranks end: a rank's mistake is its one line
+# `error: ...` and exit status 2, not torchrun's ChildFailedError traceback and status 1 (launch/README.md).
+exec python -m trainer.launcher --standalone --nproc_per_node="$NPROC" -m trainer.train "$@"

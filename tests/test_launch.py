@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,13 +78,46 @@ def test_deepspeed_sh_two_processes_matches_torchrun_ddp(demo_data, tmp_path, to
                                             ("trian.seq_len=1", "unknown config key 'trian'")])
 def test_a_mistake_under_torchrun_is_printed_once_not_once_per_rank(demo_data, tmp_path, mistake, words):
     """Every rank makes a config mistake alike; each used to print it (N lines for N ranks). Rank 0 alone prints it
-    now; the others exit 2 in silence. What torchrun prints after it (its ChildFailedError report) is its own:
-    launch/README.md says so."""
+    now; the others exit 2 in silence; and the launcher (trainer.launcher) ends with that status instead of
+    torchrun's ChildFailedError traceback and status 1: stderr is the one line."""
     cmd = [str(ROOT / "launch" / "torchrun.sh"), f"data.path={demo_data}", f"hydra.run.dir={tmp_path / 'run'}",
            *SMALL, mistake]
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "NPROC": "2", "PATH": path, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and words in errors[0], proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: "), proc.stderr[-3000:]
+    assert words in proc.stderr
+
+
+RANK_ENDS = {
+    "mistake": ("import sys, time\nif RANK == '1':\n    sys.stderr.write('error: a mistake\\n'); sys.exit(2)\n"
+                "time.sleep(60)", 2, ["error: a mistake"]),
+    "killed": ("import os, signal, time\nif RANK == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)",
+               128 + 9, [r"error: rank 1 \(pid \d+\) was killed by SIGKILL \(the kernel's out-of-memory killer"]),
+    "bug": ("import time\nif RANK == '1':\n    raise ValueError('a bug')\ntime.sleep(60)", 1,
+            ["Traceback", "ValueError: a bug", r"error: rank 1 \(pid \d+\) failed with exit status 1 \(its traceback "
+             r"is above\); the other ranks were stopped"]),
+}
+
+
+@pytest.mark.parametrize("end", RANK_ENDS)
+def test_the_launcher_ends_as_the_first_failed_rank_ended(tmp_path, end):
+    """trainer.launcher under torchrun's options, on two ranks whose rank 1 ends (a mistake's line and status 2, a
+    SIGKILL, a bug's traceback) while rank 0 waits: the launcher's status is rank 1's (as a shell reports it), the
+    peer it stopped is not the cause, and torchrun's own report (its log lines, its ChildFailedError traceback) is
+    gone: stderr is rank 1's output and, where rank 1 did not say why, one line naming it."""
+    code, status, expected = RANK_ENDS[end]
+    script = tmp_path / "rank.py"
+    script.write_text("import os\nRANK = os.environ['RANK']\n" + code + "\n")
+    proc = subprocess.run([sys.executable, "-m", "trainer.launcher", "--standalone", "--nproc_per_node=2",
+                           str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert not any(word in proc.stderr for word in ("ChildFailedError", "closing signal", "failed (exitcode")), \
+        proc.stderr
+    assert re.match(expected[-1], lines[-1]) and all(any(re.search(e, line) for line in lines) for e in expected), \
+        proc.stderr
+    if end == "mistake":
+        assert lines == ["error: a mistake"]

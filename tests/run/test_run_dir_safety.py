@@ -18,15 +18,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, make_trainer, metrics, run_train, torchrun
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import WeightsError, checkpoint_tokenizer_hash
+from trainer.distributed.groups import DistInfo
 from trainer.errors import ConfigError
+from trainer.run.run_dir import claim_run_dir, unlock_run_dir
 
 EARLIER = ("train.max_steps=8", "train.checkpoint_every=2", "train.keep_last=4", "train.eval_every=0")
 """The earlier run: 8 steps, checkpoints at 2, 4, 6 and 8 all kept, a metrics line per step."""
 
+
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 SEEDED = "replaced-20260101T000000Z"
 """What an earlier train.overwrite=true set aside, put into `earlier`'s run dir before its run."""
@@ -324,3 +329,34 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
     shutil.rmtree(ckpt / "tokenizer")
     with pytest.raises(WeightsError, match="the tokenizer its weights were trained with is unknown"):
         checkpoint_tokenizer_hash(ckpt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A directory of someone's own files
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_directory_of_the_users_own_files_is_refused_unless_overwrite_allows_it(tmp_path):
+    """hydra.run.dir naming a directory that holds files no run wrote (here: notes and a source tree) is refused
+    before a byte is written; train.overwrite=true lets the run write beside them, and they stay as they were.
+    What packtrain itself leaves in a run dir (Hydra's record, the job log, a set-aside run) is not the user's."""
+    mine = tmp_path / "mine"
+    (mine / "src").mkdir(parents=True)
+    (mine / "notes.txt").write_text("my notes")
+    (mine / "src" / "a.py").write_text("x = 1")
+    before = snapshot(mine)
+    with pytest.raises(ConfigError, match=r"hydra.run.dir .*/mine holds files that no run wrote \(notes.txt, src/\): "
+                                          r".*or write into it anyway with train.overwrite=true"):
+        claim_run_dir(mine, False, False, CPU)
+    assert snapshot(mine) == before  # not even the lock file
+    claim_run_dir(mine, False, True, CPU)
+    try:
+        assert (mine / ".lock").is_file() and snapshot(mine, record=False) == before
+    finally:
+        unlock_run_dir(mine)
+    ours = tmp_path / "ours"
+    for name in (".hydra/config.yaml", "train.log", "replaced-20260101T000000Z/metrics.jsonl"):
+        (ours / name).parent.mkdir(parents=True, exist_ok=True)
+        (ours / name).write_text("")
+    claim_run_dir(ours, False, False, CPU)
+    unlock_run_dir(ours)

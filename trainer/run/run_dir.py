@@ -12,7 +12,9 @@
 
 A run dir is used when it holds one of RUN_FILES (what a run writes); Hydra's `.hydra/` and job log, which
 Hydra writes into every run dir (a fresh timestamped one, a sweep's job dir) before the job starts, never
-count. What is set aside stays inside the run dir: a rename on the run's own file system (no copy of
+count. A directory that holds anything else and no run (someone's own files: `hydra.run.dir=.` from a source
+tree, a typo naming a home directory) is refused before a byte is written, unless train.overwrite=true allows
+it (the run's files go beside the user's, which are never moved). What is set aside stays inside the run dir: a rename on the run's own file system (no copy of
 checkpoints), where neither `train.resume=true` (the run dir's checkpoints/) nor a report of a sweep dir (run
 dirs one level down) looks, and nothing is deleted.
 """
@@ -71,11 +73,26 @@ def own_checkpoint(run_dir: Path, checkpoint: str | Path) -> bool:
     return Path(checkpoint).resolve().parent == store.checkpoint_root(run_dir).resolve()
 
 
-OVERWRITE = "train.overwrite=true (the run dir's files are moved into <run dir>/replaced-<UTC time>/, not deleted)"
-
-
 LOCK_FILE = ".lock"
 """In the run dir: locked (flock) by rank 0 of the run that holds it, for the run's life; it names the holder."""
+
+OURS = (LOCK_FILE, ".hydra")
+"""Besides RUN_FILES, what packtrain writes into a run dir (the lock, Hydra's record) and the job log `*.log`, the
+directories a run sets aside (`replaced-*`, `abandoned-after-*`): none of them is a user's file."""
+SET_ASIDE_PREFIXES = ("replaced-", "abandoned-after-")
+
+
+def foreign_files(run_dir: Path) -> list[str]:
+    """The entries of `run_dir` that no packtrain run wrote (empty for a new or a run's directory), sorted.
+    A directory holding a run (one of RUN_FILES, or the lock) is the run's: whatever else is in it is too."""
+    if not run_dir.is_dir() or used_by(run_dir) or (run_dir / LOCK_FILE).exists():
+        return []
+    return sorted(p.name + "/" * p.is_dir() for p in run_dir.iterdir()
+                  if not (p.name in OURS or p.name.endswith(".log") or p.name.startswith(SET_ASIDE_PREFIXES)))
+
+
+OVERWRITE = "train.overwrite=true (the run dir's files are moved into <run dir>/replaced-<UTC time>/, not deleted)"
+
 
 _held: dict[Path, tuple[int, bool, bool]] = {}
 """Run dirs whose lock this process holds: resolved path -> (the locked file's descriptor, whether this process
@@ -99,7 +116,7 @@ def claim_run_dir(run_dir: Path, resume: bool | str, overwrite: bool, info: Dist
     dead run is free: the next run takes it over. Taking it again in the same process is a no-op. The lock is as
     good as the file system's flock: local file systems and NFSv4 honour it across hosts. A run dir that is one
     of the run's `inputs` (`input_dirs`), or inside a dataset, tokenizer or checkpoint it reads, is refused."""
-    refusal = _take_lock(run_dir.resolve(), inputs) if info.is_main else None
+    refusal = _take_lock(run_dir.resolve(), inputs, overwrite) if info.is_main else None
     refusal = broadcast_object(refusal)
     if refusal:
         raise RunDirInUse(refusal)
@@ -170,8 +187,9 @@ def _input_refusal(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]]) -> s
     return None
 
 
-def _take_lock(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]] = ()) -> str | None:
-    """Lock `run_dir` for this process (rank 0); why not, if another process holds it or the run reads from it."""
+def _take_lock(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]] = (), overwrite: bool = False) -> str | None:
+    """Lock `run_dir` for this process (rank 0); why not, if another process holds it, the run reads from it, or
+    it holds someone's own files (`foreign_files`, allowed by `overwrite`)."""
     if run_dir in _held:
         return None
     if (refusal := _input_refusal(run_dir, inputs)) is not None:
@@ -181,6 +199,11 @@ def _take_lock(run_dir: Path, inputs: Sequence[tuple[str, Path, bool]] = ()) -> 
                 "another hydra.run.dir")
     if (run_dir / store.META_FILE).is_file():
         return f"{run_dir} is a checkpoint: a run writes into a directory of its own; choose another hydra.run.dir"
+    if not overwrite and (foreign := foreign_files(run_dir)):
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (f"hydra.run.dir {run_dir} holds files that no run wrote ({shown}): a run writes into a new directory "
+                "or one of its own; choose another hydra.run.dir, or write into it anyway with train.overwrite=true "
+                "(your files are left as they are)")
     made_dir = not run_dir.exists()
     path = run_dir / LOCK_FILE
     created = not path.exists()
