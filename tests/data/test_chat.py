@@ -510,6 +510,22 @@ HOSTILE_TEMPLATES = {  # a chat template received with a tokenizer -> what bound
     "huge_power": ("{{ 7 ** 100000000 }}", "to the power"),
     "format_width": ("{{ '%1000000000s' % 'a' }}", "width"),
     "center_width": ("{{ 'a'|center(1000000000) }}", "width"),
+    # issue 46: what the first bounds left open
+    "ljust_width": ("{{ 'a'.ljust(10**9) }}", "str.ljust with a width"),
+    "zfill_width": ("{{ 'a'.zfill(10**9) }}", "str.zfill with a width"),
+    "expandtabs_width": ("{{ '\t'.expandtabs(10**9) }}", "str.expandtabs with a width"),
+    "str_format_width": ("{{ '{:>1000000000}'.format('a') }}", "str.format with a width"),
+    "nested_format_width": ("{{ '{0:{1}}'.format('a', 10**9) }}", "str.format with a width"),
+    "format_map_width": ("{{ '{a:{w}}'.format_map({'a': 'x', 'w': 10**9}) }}", "str.format_map with a width"),
+    "format_filter_width": ("{{ '%1000000000s'|format('a') }}", "formats with a width"),
+    "chained_power": ("{{ ((2 ** 256) ** 256) ** 256 }}", "to the power"),
+    "concat_doubling": ("{% set s = 'a' * 1000 %}" + "{% set s = s ~ s %}" * 20 + "{{ s|length }}", "joins"),
+    "plus_doubling": ("{% set s = 'a' * 1000 %}" + "{% set s = s + s %}" * 20 + "{{ s|length }}", "adds up to"),
+    "namespace_doubling": ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                           "{% endfor %}{{ ns.s|length }}", "joins"),
+    "replace_squaring": ("{% set s = 'a' * 1000 %}" + "{% set s = s.replace('a', s) %}" * 4 + "{{ s|length }}",
+                         "replaces into"),
+    "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed deeper"),
 }
 
 
@@ -531,6 +547,20 @@ def test_a_hostile_chat_template_is_bounded_in_output_steps_and_time(case):
         render(messages, template)
     assert time.monotonic() - t0 < RENDER_MAX_SECONDS + 1
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024  # kB
+
+
+@pytest.mark.parametrize("template, words", [("{{ 2.0 ** 100000 }}", "OverflowError"),
+                                             ("{{ 1 // 0 }}", "ZeroDivisionError"),
+                                             ("{{ 'a' + 1 }}", "TypeError")])
+def test_a_template_whose_own_code_fails_is_a_template_error(template, words):
+    """Python's errors inside the template's expressions are the template's failure (a TemplateError the commands
+    turn into one line), not a traceback from deep inside jinja."""
+    import jinja2
+
+    from trainer.data.chat import render
+
+    with pytest.raises(jinja2.TemplateError, match=f"the chat template failed: {words}"):
+        render([{"role": "user", "content": "hi"}], template)
 
 
 def test_the_bounds_leave_real_templates_alone(merged_dir):

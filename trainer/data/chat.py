@@ -29,8 +29,10 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import numpy as np
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from trainer.data.shards import PrepareError
@@ -174,43 +176,121 @@ class _CountedRange:
 
 
 _FORMAT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")
+"""The widths of a printf-style format ("%0999999999d")."""
+_BRACE_WIDTH = re.compile(r"\{[^{}]*:[^{}\d]*(\d+)")
+"""The widths of a str.format spec ("{:>999999999}")."""
+_WIDTH_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
+"""str methods whose integer argument is the width (or tab size) of what they build."""
+
+
+def _limit() -> int:
+    budget = _budget.get()
+    return budget.max_chars if budget is not None else RENDER_MAX_CHARS
+
+
+def _check_width(width, what: str) -> None:
+    if isinstance(width, int) and width > (limit := _limit()):
+        raise TemplateLimitError(f"the chat template {what} with a width of {width:,}, past the {limit:,} characters "
+                                 "one rendering may write")
+
+
+def _check_format(spec, what: str) -> None:
+    if isinstance(spec, str):
+        for width in _FORMAT_WIDTH.findall(spec) + _BRACE_WIDTH.findall(spec):
+            _check_width(int(width), what)
+
+
+def _check_size(n: int, what: str) -> None:
+    if n > (limit := _limit()):
+        raise TemplateLimitError(f"the chat template {what} {n:,} characters or items, past the {limit:,} one "
+                                 "rendering may write")
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """jinja's code generator, but `a ~ b` (a Concat) joins through the environment's `bounded_join`, which
+    measures the parts before it builds the string: repeated `{% set s = s ~ s %}` doubles a string per line."""
+
+    def visit_Concat(self, node: nodes.Concat, frame) -> None:
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with `*`, `**` and `%` checked before they allocate: a string or list repeated, a power, a format
-    width past the rendering's bounds raise TemplateLimitError."""
+    """The sandbox with everything that builds a large value from a small template checked before it allocates,
+    against the rendering's bound (RENDER_MAX_CHARS): `*` (a string or list repeated), `+` and `~` (joined), `**`
+    (a power's digits), `%` and str.format / the format filter (a width), str.ljust, rjust, center, zfill,
+    expandtabs (a width) and replace (the result's length at most)."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _BoundedCodeGenerator
 
     def call_binop(self, context, operator, left, right):
-        budget = _budget.get()
-        limit = budget.max_chars if budget is not None else RENDER_MAX_CHARS
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > limit:
-                    raise TemplateLimitError(f"the chat template repeats a {type(seq).__name__} of {len(seq):,} "
-                                             f"{n:,} times, past the {limit:,} characters one rendering may write")
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    _check_size(len(seq) * n, f"repeats a {type(seq).__name__} of {len(seq):,} {n:,} times:")
+        elif operator == "+":
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                _check_size(len(left) + len(right), "adds up to")
         elif operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 256:
-                raise TemplateLimitError(f"the chat template raises {left} to the power {right}: a number of more "
-                                         "than 256 digits' worth is not a template's business")
-        elif operator == "%" and isinstance(left, str):
-            if any(int(w) > limit for w in _FORMAT_WIDTH.findall(left)):
-                raise TemplateLimitError(f"the chat template formats with a width past the {limit:,} characters one "
-                                         "rendering may write")
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and (
+                    right > 256 or abs(left).bit_length() * right > 4096):
+                raise TemplateLimitError(f"the chat template raises a number of {abs(left).bit_length()} bits to the "
+                                         f"power {right}: a number of more than 4096 bits is not a template's business")
+        elif operator == "%":
+            _check_format(left, "formats")
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+        if isinstance(owner, str):
+            if name in _WIDTH_METHODS and args:
+                _check_width(args[0], f"calls str.{name}")
+            elif name == "replace" and len(args) >= 2 and isinstance(args[1], str):
+                _check_size(len(owner) * max(1, len(args[1])), "replaces into up to")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        """str.format / format_map as the sandbox wraps them, the format's widths checked first."""
+        if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in ("format",
+                                                                                                    "format_map"):
+            what = f"calls str.{value.__name__}"
+            _check_format(value.__self__, what)
+            wrapped = super().wrap_str_format(value)
+            if ":{" not in value.__self__:
+                return wrapped
+
+            def nested_widths_checked(*args, **kwargs):  # "{0:{1}}": a width given as an argument
+                for arg in [*args, *kwargs.values(), *(a for m in args if isinstance(m, dict) for a in m.values())]:
+                    _check_width(arg, what)
+                return wrapped(*args, **kwargs)
+
+            return nested_widths_checked
+        return super().wrap_str_format(value)
+
+    def bounded_join(self, parts) -> str:
+        parts = [str(part) for part in parts]
+        _check_size(sum(map(len, parts)), "joins")
+        return "".join(parts)
 
 
 def _bounded_width(filter_fn):
     """A jinja filter taking a width (center, indent) whose width is checked against the rendering's bound."""
 
     def bounded(value, width=80, *args, **kwargs):
-        budget = _budget.get()
-        if isinstance(width, int) and width > (budget.max_chars if budget is not None else RENDER_MAX_CHARS):
-            raise TemplateLimitError(f"the chat template asks for a width of {width:,} characters")
+        _check_width(width, f"asks {filter_fn.__name__}")
         return filter_fn(value, width, *args, **kwargs)
 
     return bounded
+
+
+def _bounded_format(value, *args, **kwargs):
+    """jinja's `format` filter (printf-style), its widths checked first."""
+    _check_format(value, "formats")
+    return jinja2.filters.do_format(value, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -221,6 +301,7 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["range"] = _CountedRange
     for name in ("center", "indent"):
         env.filters[name] = _bounded_width(env.filters[name])
+    env.filters["format"] = _bounded_format
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     try:
@@ -250,6 +331,11 @@ def render(messages: list[dict], template: str, add_generation_prompt: bool = Fa
                 budget.chars += len(block)
                 budget.size(budget.chars, "wrote")
                 budget.check_time()
+    except RecursionError:
+        raise TemplateLimitError("the chat template recursed deeper than Python's recursion limit (a macro that "
+                                 "calls itself without end)") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError, MemoryError) as e:  # the template's own code failed
+        raise jinja2.exceptions.TemplateRuntimeError(f"the chat template failed: {type(e).__name__}: {e}") from e
     finally:
         _budget.reset(token)
     return "".join(blocks), spans
