@@ -43,6 +43,7 @@ def test_a_crafted_pickle_is_refused_and_never_runs(finished_run, demo_data, tmp
     marker = tmp_path / "pwned"
     target = store.checkpoint_dir(run_dir, 1) / victim
     torch.save({"model": {}, "rng": RunsCode(marker)}, target)
+    store.record_checksums(target.parent)  # as a forger would: the file itself must be refused
     cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
            "train.max_steps=2", "train.resume=true", "train.eval_every=0"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from tests.harness import require_module
 from trainer.checkpoint import store
+from trainer.checkpoint.integrity import DamagedCheckpointError
 from trainer.checkpoint.safe_io import UnsafeCheckpointError, load_state
 from trainer.checkpoint.weights import load_model, tokenizer_dir
 from trainer.distributed.ddp import DDPEngine
@@ -174,7 +175,7 @@ def test_a_ddp_checkpoint_holds_exactly_the_layout_and_loads_back(tmp_path, toke
     draws = (random.random(), torch.rand(2))  # the RNG right after the save: a resume continues from here
 
     assert path == store.checkpoint_dir(tmp_path / "run", 3) == store.latest_checkpoint(tmp_path / "run")
-    assert {p.name for p in path.iterdir()} == LAYOUT
+    assert {p.name for p in path.iterdir()} == LAYOUT | {store.CHECKSUMS_FILE}
     assert [p.name for p in store.checkpoint_root(tmp_path / "run").iterdir()] == [path.name]  # no .tmp- left
     weights = load_file(path / store.WEIGHTS_FILE)
     state = engine.module.state_dict()
@@ -245,7 +246,7 @@ def test_a_sharded_engine_gets_the_deepspeed_directory_and_checked_files(tmp_pat
     path = save(tmp_path / "run", 1, engine, tokenizer)
     tmp = store.checkpoint_root(tmp_path / "run") / f"{store.TMP_PREFIX}{path.name}"
     assert engine.calls == [("save", tmp / store.DEEPSPEED_DIR)]
-    assert {p.name for p in path.iterdir()} == LAYOUT - {store.ENGINE_FILE} | {store.DEEPSPEED_DIR}
+    assert {p.name for p in path.iterdir()} == LAYOUT - {store.ENGINE_FILE} | {store.DEEPSPEED_DIR, store.CHECKSUMS_FILE}
     assert set(load_file(path / store.WEIGHTS_FILE)) == set(engine.module.state_dict()) - {store.TIED_KEY}
 
     fresh = ShardedEngine(ddp_engine(1))
@@ -254,6 +255,9 @@ def test_a_sharded_engine_gets_the_deepspeed_directory_and_checked_files(tmp_pat
     assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in fresh.module.state_dict().items())
 
     torch.save({"x": _RunsCode()}, path / store.DEEPSPEED_DIR / "shard_0.pt")  # the store refuses it first
+    with pytest.raises(DamagedCheckpointError, match=r"shard_0.pt: checksum mismatch: the checkpoint is damaged"):
+        store.load_checkpoint(path, CPU, ShardedEngine(ddp_engine(1)))
+    store.record_checksums(path)  # a forger records the checksums again: the file is still refused
     refused = ShardedEngine(ddp_engine(1))
     with pytest.raises(UnsafeCheckpointError, match="shard_0.pt: refused"):
         store.load_checkpoint(path, CPU, refused)

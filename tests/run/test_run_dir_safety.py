@@ -316,6 +316,7 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
     ckpt = tmp_path / "old" / store.step_name(8)
     shutil.copytree(store.checkpoint_dir(earlier, 8), ckpt)
     (ckpt / store.CONVENTIONS_FILE).unlink()
+    (ckpt / store.CHECKSUMS_FILE).unlink()  # an old checkpoint: neither file
     ours = hashlib.sha256((ckpt / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     theirs = json.loads((other_tokenizer / "manifest.json").read_text())["tokenizer"]["sha256"]
     assert ours != theirs and checkpoint_tokenizer_hash(ckpt) == ours

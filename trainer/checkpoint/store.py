@@ -14,10 +14,16 @@ in packtrain spells these names):
                                           recovery scripts, zero_to_fp32.py, beside it)
     dcp/                DCP_DIR           or, for FSDP2, torch.distributed.checkpoint's files: each rank's shards
                                           (__0_0.distcp, ...) and the .metadata, written by every rank in parallel
+    checksums.json      CHECKSUMS_FILE    the sha256 of every other file above, written last (integrity)
 
 Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io); DeepSpeed's own
 files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them; DCP's are read by the FSDP2
 engine's own reader, which unpickles nothing but plain data, tensors and DCP's metadata types.
+
+Nothing is read before the checkpoint is checked (`verify_checkpoint`, trainer.checkpoint.integrity): no entry
+leads outside its directory (a symlink out, or a name in CHECKSUMS_FILE with `..`; DCP's own names are checked
+by its reader), and every file has the sha256 recorded at save. A checkpoint written before CHECKSUMS_FILE
+existed loads unverified.
 
 On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP reshards
 as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
@@ -47,6 +53,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from trainer.checkpoint import integrity
+from trainer.checkpoint.integrity import DamagedCheckpointError
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, barrier, dist_max
@@ -77,6 +85,7 @@ DEEPSPEED_DIR = "deepspeed"
 DCP_DIR = "dcp"
 SHARD_DIRS = {"deepspeed": DEEPSPEED_DIR, "dcp": DCP_DIR}
 """A sharded engine's directory, by its `shard_format`."""
+CHECKSUMS_FILE = "checksums.json"
 RANK_FILE = "rank_{rank:05d}.pt"
 RANK_GLOB = "rank_*.pt"
 
@@ -211,12 +220,44 @@ def save_checkpoint(
         if info.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(failure, root, step, no_space=agreed == _NO_SPACE)
+    _record_checksums(tmp, info)  # collective; the last file written before the rename
     if info.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _prune(root, keep_last)
     barrier()
     return final
+
+
+def _record_checksums(directory: Path, info: DistInfo) -> None:
+    """Collective: the sha256 of every file of `directory` (the ranks share the hashing), into its
+    CHECKSUMS_FILE, written by rank 0 last."""
+    names = integrity.files_of(directory, exclude={CHECKSUMS_FILE})
+    recorded = {}
+    for share in _gathered(integrity.digests(directory, names[info.rank::info.world_size])):
+        recorded.update(share)
+    if info.is_main:
+        record_checksums(directory, recorded)
+
+
+def record_checksums(directory: str | Path, recorded: dict[str, str] | None = None) -> None:
+    """Write `directory`'s CHECKSUMS_FILE: `recorded` ({name: sha256}), or every file's, hashed here."""
+    directory = Path(directory)
+    if recorded is None:
+        recorded = integrity.digests(directory, integrity.files_of(directory, exclude={CHECKSUMS_FILE}))
+    manifest = {"algorithm": integrity.HASH, "files": dict(sorted(recorded.items()))}
+    (directory / CHECKSUMS_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def _gathered(obj) -> list:
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 _WRITTEN, _FAILED, _NO_SPACE = 0, 1, 2
@@ -274,6 +315,51 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
+    """Collective: refuse checkpoint `path` if an entry leads outside it (OutsideCheckpointError) or a file is
+    not what was recorded at save (DamagedCheckpointError, one line naming the file, alike on every rank); the
+    ranks share the hashing. False for a checkpoint without CHECKSUMS_FILE (written before it existed): nothing
+    to compare, loaded unverified; True once every file is verified.
+
+    Example: 64 bytes overwritten in dcp/__0_0.distcp -> "<ckpt>/dcp/__0_0.distcp: checksum mismatch: the
+    checkpoint is damaged; resume from an earlier one".
+    """
+    path = Path(path)
+    integrity.check_confined(path)
+    recorded = _recorded_checksums(path)
+    if recorded is None:
+        return False
+    names = sorted(recorded)
+    share = {name: recorded[name] for name in names[info.rank::info.world_size]}
+    try:
+        problem = integrity.damaged(path, share, f"its {CHECKSUMS_FILE}")
+        found = None if problem is None else (DamagedCheckpointError, problem)
+    except integrity.OutsideCheckpointError as e:
+        found = (integrity.OutsideCheckpointError, str(e))
+    problems = [p for p in _gathered(found) if p is not None]  # the same first one on every rank
+    if problems:
+        kind, message = problems[0]
+        raise kind(message)
+    return True
+
+
+def _recorded_checksums(path: Path) -> dict[str, str] | None:
+    """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE; None without one."""
+    file = path / CHECKSUMS_FILE
+    if not file.exists():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedCheckpointError(f"{file} is not valid JSON ({e}): {integrity.DAMAGED}") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("algorithm") != integrity.HASH or not all(
+            isinstance(v, str) for v in files.values()):
+        raise DamagedCheckpointError(f"{file} is not a {integrity.HASH} manifest of the checkpoint's files: "
+                                     f"{integrity.DAMAGED}")
+    return files
+
+
 def read_meta(path: str | Path) -> dict:
     """The META_FILE of checkpoint `path`: a JSON object with an integer step and world_size, or a CheckpointError.
 
@@ -295,12 +381,16 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine) -> tuple[dict, dict[int, dict]]:
-    """Restore the engine and this rank's RNG; returns (meta, rank states): {rank: its RANK_FILE's state, with
+def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine,
+                    verified: bool = False) -> tuple[dict, dict[int, dict]]:
+    """Collective: check the checkpoint (`verify_checkpoint`, unless already `verified`), restore the engine and
+    this rank's RNG; returns (meta, rank states): {rank: its RANK_FILE's state, with
     'data' etc.}, this rank's alone when the checkpoint was written by this many ranks, else every written rank's
     (a data stream resumed on another shape is dealt from all of them, trainer.data.reshape). The RNG states
     are this rank's, or on another number of ranks old rank `rank % W`'s."""
     path = Path(path)
+    if not verified:
+        verify_checkpoint(path, info)
     meta = read_meta(path)
     load_engine(path, info, engine, meta)
     written = meta["world_size"]

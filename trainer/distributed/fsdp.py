@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed as dist
@@ -239,15 +239,42 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise UnsafeDCPFileError(f"it names {module}.{name}, which is not one of DCP's metadata types")
 
 
+def confined(directory: Path, name: str, what: str) -> Path:
+    """`directory / name`, refused (DCPLoadError) unless it lies inside `directory`: a relative name, no `..`,
+    no symlink leading out. A checkpoint received from elsewhere reads nothing but its own files (the checkpoint
+    store applies the same rule to the other files: trainer.checkpoint.integrity.inside).
+
+    Example: confined(dcp, "../../../../outside/x.distcp", "its .metadata stores 'model.wte.weight' in") ->
+    "its .metadata stores 'model.wte.weight' in '../../../../outside/x.distcp' leaves the checkpoint ('..');
+    ..."."""
+    pure = PurePosixPath(name)
+    why = "an absolute path" if pure.is_absolute() else "'..'" if ".." in pure.parts else None
+    path = directory / name
+    resolved, root = path.resolve(), directory.resolve()
+    if why is None and resolved != root and root not in resolved.parents:
+        why = f"a symlink to {resolved}"
+    if why is not None:
+        raise DCPLoadError(f"{what} {name!r} leaves the checkpoint ({why}); a checkpoint reads only files inside "
+                           "its own directory: refused (it was forged or damaged)")
+    return path
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader, but its `.metadata` is unpickled with an allow-list (`DCP_METADATA_CLASSES`) instead
-    of plain pickle. Tensors it reads with weights_only=True already."""
+    of plain pickle, and every storage file it names must lie inside the checkpoint's directory (`confined`),
+    checked before any is read. Tensors it reads with weights_only=True already."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        directory = Path(self.path)
+        for index, info in (metadata.storage_data or {}).items():
+            confined(directory, str(info.relative_path), f"its .metadata stores {index.fqn!r} in")
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.filesystem import _metadata_fn
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = Path(self.path) / _metadata_fn
+        path = confined(Path(self.path), _metadata_fn, "its entry")
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()

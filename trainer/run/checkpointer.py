@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint import store
+from trainer.checkpoint import integrity, store
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
 
@@ -71,16 +71,49 @@ class Checkpointer:
         return bool(self.every and step % self.every == 0) or step == self.max_steps
 
     def resume_path(self, resume: bool | str) -> Path | None:
-        """The checkpoint train.resume names (true: the run dir's latest), or None: a fresh start."""
+        """Collective: the checkpoint train.resume names, verified (store.verify_checkpoint), or None: a fresh
+        start. true: the run dir's newest intact checkpoint, each newer damaged one skipped with a line saying why;
+        a path: that checkpoint, a damaged one refused."""
         if resume is False or resume in ("false", "False"):
             return None
         if self.info.is_main:
             for partial in store.incomplete_checkpoints(self.run_dir):
                 print(f"resume: ignoring incomplete checkpoint {partial} (its save was interrupted; never loaded)")
-        path = store.latest_checkpoint(self.run_dir) if resume in (True, "true", "True") else Path(resume)
+        if resume in (True, "true", "True"):
+            path = self._newest_intact()
+        else:
+            path = Path(resume)
+            self._verify(path)
         if path is None and self.info.is_main:
             print(f"resume: no checkpoint in {store.checkpoint_root(self.run_dir)}; starting from step 0")
         return path
+
+    def _newest_intact(self) -> Path | None:
+        """The run dir's newest checkpoint that verifies; a CheckpointError if it has some and none does."""
+        candidates = store.checkpoints_after(self.run_dir, -1)[::-1]
+        for path in candidates:
+            try:
+                self._verify(path)
+                return path
+            except (integrity.DamagedCheckpointError, integrity.OutsideCheckpointError) as e:
+                if self.info.is_main:
+                    print(f"resume: skipping {path}: {e}", flush=True)
+        if candidates:
+            raise store.CheckpointError(
+                f"no intact checkpoint in {store.checkpoint_root(self.run_dir)}: all {len(candidates)} are damaged "
+                f"(the lines above say how); start a new run (another hydra.run.dir), or train.init_from for the "
+                "weights of one you trust")
+        return None
+
+    def _verify(self, path: Path) -> None:
+        """Collective: checkpoint `path` checked before anything of it is read; says so if it has no checksums."""
+        if not store.verify_checkpoint(path, self.info) and self.info.is_main and (path / store.META_FILE).is_file():
+            print(f"resume: {path} has no {store.CHECKSUMS_FILE} (written before packtrain recorded checksums): "
+                  "its files are loaded unverified", flush=True)
+        self._verified = path
+
+    _verified: Path | None = None
+    """The checkpoint `resume_path` verified (its load does not hash it again)."""
 
     def save(self, step: int, engine: Engine, rank_state: dict, meta: dict, conventions: dict,
              tokenizer_dir: Path) -> Path:
@@ -93,4 +126,4 @@ class Checkpointer:
     def load(self, path: Path, engine: Engine) -> tuple[dict, dict[int, dict]]:
         """Collective: the engine restored from `path`; returns (meta, {rank: state}: this rank's, or on another
         number of ranks every written rank's; store.load_checkpoint)."""
-        return store.load_checkpoint(path, self.info, engine)
+        return store.load_checkpoint(path, self.info, engine, verified=path == self._verified)

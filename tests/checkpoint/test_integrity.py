@@ -1,0 +1,208 @@
+"""A checkpoint reads nothing outside itself and hides no damage: the FSDP2 reader confines every storage path of
+DCP's `.metadata` to the checkpoint's dcp/ directory, every file of a checkpoint is checksummed at save and
+verified at load, and a refusal is one line on every rank.
+
+The FSDP2 checkpoint is a real one (2 gloo ranks, written through the store); each case copies it into its own
+directory, damages or rewrites it (the `.metadata` with DCP's own classes, through the reader's allow-listed
+unpickler) and loads it on one rank through the store, as a resume does. One spawn per group of cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.helpers import run_train
+from trainer.checkpoint import store
+from trainer.checkpoint.integrity import DamagedCheckpointError, OutsideCheckpointError
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.groups import DistInfo, init_distributed
+from trainer.run.checkpointer import Checkpointer
+
+pytestmark = pytest.mark.slow
+
+FSDP2 = DistributedConfig(engine="fsdp2", device="cpu")
+
+
+def _engine(info, seed: int = 0):
+    from tests.distributed.test_fsdp import build
+
+    return build(info, FSDP2, seed=seed)
+
+
+def _write(rank: int, world: int, root: str) -> str:
+    info = init_distributed(FSDP2)
+    engine = _engine(info)
+    tokenizer = Path(root) / "tokenizer"
+    if info.is_main:
+        tokenizer.mkdir(parents=True, exist_ok=True)
+        (tokenizer / "tokenizer.json").write_text("{}")
+    path = store.save_checkpoint(Path(root) / "run", 2, info, engine, rank_state={"data": {}},
+                                 meta={"counters": {}, "engine": engine.name}, conventions={},
+                                 tokenizer_dir=tokenizer, keep_last=1)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory) -> Path:
+    """A 2-rank FSDP2 checkpoint (DCP shards, rank files, safetensors, meta); read-only: copy it to damage it."""
+    return Path(run_distributed(_write, 2, args=(str(tmp_path_factory.mktemp("fsdp_ckpt")),))[0])
+
+
+def copy_of(checkpoint: Path, root: Path) -> Path:
+    """`checkpoint` copied into `root`'s run dir layout (so that it is a checkpoint of its own)."""
+    out = store.checkpoint_dir(root, store.read_meta(checkpoint)["step"])
+    shutil.copytree(checkpoint, out, symlinks=True)
+    return out
+
+
+def _loads(rank: int, world: int, paths: list[str]) -> list[tuple[str, bool, str]]:
+    """Each checkpoint of `paths` loaded through the store into a fresh engine: (error type, UserError?, message)."""
+    from trainer.errors import UserError
+
+    info = init_distributed(FSDP2)
+    out = []
+    for path in paths:
+        try:
+            store.load_checkpoint(path, info, _engine(info, seed=1))
+            out.append(("none", False, ""))
+        except Exception as e:
+            out.append((type(e).__name__, isinstance(e, UserError), str(e)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# DCP's storage paths stay inside dcp/
+# ---------------------------------------------------------------------------------------------------
+
+
+def rewrite_storage_paths(checkpoint: Path, new_path) -> None:
+    """Rewrite the `.metadata` of `checkpoint`'s DCP shards with DCP's own classes (unpickled by the reader's own
+    allow-list): every item's storage path becomes `new_path(old)`; the checksums are recorded again, as a forger
+    would."""
+    from trainer.distributed.fsdp import _MetadataUnpickler
+
+    file = checkpoint / store.DCP_DIR / ".metadata"
+    with open(file, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    for info in metadata.storage_data.values():
+        info.relative_path = new_path(info.relative_path)
+    file.write_bytes(pickle.dumps(metadata))
+    store.record_checksums(checkpoint)
+
+
+def test_dcp_storage_paths_that_leave_the_checkpoint_are_refused_before_any_read(fsdp_checkpoint, tmp_path):
+    """`../../../../outside/x.distcp`, an absolute path and a symlink leaving dcp/: each refused with one line naming
+    the checkpoint and the path (before: the outside file was loaded and trained on); the untouched copy loads."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for shard in (fsdp_checkpoint / store.DCP_DIR).glob("*.distcp"):
+        shutil.copy(shard, outside / shard.name)
+    climbing = copy_of(fsdp_checkpoint, tmp_path / "climbing")
+    rewrite_storage_paths(climbing, lambda old: os.path.relpath(outside / old, climbing / store.DCP_DIR))
+    absolute = copy_of(fsdp_checkpoint, tmp_path / "absolute")
+    rewrite_storage_paths(absolute, lambda old: str(outside / old))
+    linked = copy_of(fsdp_checkpoint, tmp_path / "linked")
+    shard = linked / store.DCP_DIR / "__0_0.distcp"
+    shard.unlink()
+    shard.symlink_to(outside / "__0_0.distcp")
+    intact = copy_of(fsdp_checkpoint, tmp_path / "intact")
+    results = run_distributed(_loads, 1, args=([str(p) for p in (climbing, absolute, linked, intact)],))[0]
+    for (kind, user_error, message), path in zip(results[:3], (climbing, absolute, linked), strict=True):
+        assert user_error and "\n" not in message, (kind, message)
+        assert str(path) in message and "outside" in message, message
+        assert "leaves the checkpoint" in message, message
+    assert results[3] == ("none", False, ""), results[3]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every file is checksummed at save and verified at load
+# ---------------------------------------------------------------------------------------------------
+
+ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def overwrite(file: Path, offset: int, data: bytes = b"\xff" * 64) -> None:
+    """64 bytes of `file` overwritten in place at `offset` (from the end if negative): a damaged disk block."""
+    with open(file, "r+b") as f:
+        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
+        f.write(data)
+
+
+@pytest.mark.parametrize("victim", ["dcp/__1_0.distcp", "rank_00001.pt", store.WEIGHTS_FILE, "tokenizer/tokenizer.json",
+                                    store.META_FILE])
+def test_a_damaged_file_is_one_line_naming_it(fsdp_checkpoint, tmp_path, victim):
+    """64 bytes overwritten in a DCP shard, a rank file, the safetensors (before: loaded without a word), the
+    tokenizer or the meta: refused before anything is read, naming the file."""
+    path = copy_of(fsdp_checkpoint, tmp_path)
+    assert store.verify_checkpoint(path, ONE) is True  # intact: every file verified
+    file = path / victim
+    overwrite(file, file.stat().st_size // 2)
+    with pytest.raises(DamagedCheckpointError) as e:
+        store.verify_checkpoint(path, ONE)
+    assert str(e.value) == f"{file}: checksum mismatch: the checkpoint is damaged; resume from an earlier one"
+
+
+def test_a_missing_file_or_a_manifest_naming_a_file_outside_is_refused(fsdp_checkpoint, tmp_path):
+    path = copy_of(fsdp_checkpoint, tmp_path / "missing")
+    (path / "rank_00000.pt").unlink()
+    with pytest.raises(DamagedCheckpointError, match=r"rank_00000.pt is missing \(its checksums.json lists it\): "
+                                                     r"the checkpoint is damaged; resume from an earlier one$"):
+        store.verify_checkpoint(path, ONE)
+    path = copy_of(fsdp_checkpoint, tmp_path / "forged")
+    manifest = json.loads((path / store.CHECKSUMS_FILE).read_text())
+    manifest["files"]["../../../../etc/hostname"] = "0" * 64
+    (path / store.CHECKSUMS_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(OutsideCheckpointError, match=r"its checksums.json names '\.\./\.\./\.\./\.\./etc/hostname' "
+                                                     r"leaves the checkpoint \('\.\.'\)"):
+        store.verify_checkpoint(path, ONE)
+    (path / store.CHECKSUMS_FILE).write_text("{not json")
+    with pytest.raises(DamagedCheckpointError, match=r"checksums.json is not valid JSON .*: the checkpoint is damaged"):
+        store.verify_checkpoint(path, ONE)
+
+
+def test_a_checkpoint_without_checksums_loads_unverified_and_says_so(fsdp_checkpoint, tmp_path, capsys):
+    path = copy_of(fsdp_checkpoint, tmp_path / "run")
+    (path / store.CHECKSUMS_FILE).unlink()
+    assert store.verify_checkpoint(path, ONE) is False
+    assert Checkpointer(tmp_path / "run", ONE, 0, 2, 10).resume_path(str(path)) == path
+    assert f"resume: {path} has no checksums.json (written before packtrain recorded checksums): its files are " \
+           "loaded unverified" in capsys.readouterr().out
+
+
+def test_an_explicit_damaged_checkpoint_is_refused(fsdp_checkpoint, tmp_path):
+    path = copy_of(fsdp_checkpoint, tmp_path / "run")
+    overwrite(path / store.WEIGHTS_FILE, 200)
+    with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: checksum mismatch: the checkpoint is damaged"):
+        Checkpointer(tmp_path / "run", ONE, 0, 2, 10).resume_path(str(path))
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(demo_data, tmp_path_factory) -> Path:
+    """A real run dir (`python -m trainer.train`, DDP on one rank) with the checkpoints of steps 1 and 2."""
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    run_train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=1", "train.eval_every=0")
+    return run_dir
+
+
+def test_resume_true_skips_a_damaged_newest_checkpoint_and_says_which(two_checkpoints, demo_data, tmp_path):
+    """The newest checkpoint's rank file damaged: train.resume=true resumes from the one before, saying which it
+    skipped and why, and trains on from there."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    damaged = store.checkpoint_dir(run_dir, 2)
+    overwrite(damaged / store.rank_file(0), 100)
+    proc = run_train(run_dir, demo_data, "train.max_steps=3", "train.checkpoint_every=1", "train.eval_every=0",
+                     "train.resume=true")
+    assert (f"resume: skipping {damaged}: {damaged / store.rank_file(0)}: checksum mismatch: the checkpoint is "
+            "damaged; resume from an earlier one") in proc.stdout, proc.stdout
+    assert f"resumed from {store.checkpoint_dir(run_dir, 1)} at step 1" in proc.stdout, proc.stdout
+    assert store.verify_checkpoint(store.latest_checkpoint(run_dir), ONE) is True
+    assert store.read_meta(store.latest_checkpoint(run_dir))["step"] == 3
