@@ -250,3 +250,22 @@ def test_text_page_in_browser(browser, tokenizer_dir: Path, tmp_path: Path) -> N
     start = max(b for b in data["cu_seqlens"] if b <= last)
     assert highlighted(browser, "grid-isolated") == [(last, k) for k in range(start, last + 1)]
     assert browser.execute_script("return document.getElementById('hover-target').textContent;") == "none"
+
+
+@pytest.mark.parametrize("inside", ["run/checkpoints", "run/.hydra", "data/tokenizer", "link", "link/deeper"])
+def test_out_inside_a_run_a_dataset_or_through_a_link_to_one_is_refused(inside: str, tmp_path: Path) -> None:
+    """Before: only --out naming the run dir or the dataset itself was refused; a directory inside one (a run's
+    checkpoints/ or .hydra/, a dataset's tokenizer/), also reached through a symlink, got mask.png and mask.html."""
+    from trainer.inspect_mask import InspectError, inspect_row, synthetic_documents, write_outputs
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / ".hydra").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "data" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "data" / "manifest.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "data" / "tokenizer")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    what = "a training run's dir" if inside.startswith("run") else "a prepared dataset"
+    with pytest.raises(InspectError, match=rf"--out .*{inside}.* is inside .* which is {what}"):
+        write_outputs(inspect_row(synthetic_documents([3, 2]), 8), tmp_path / inside)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
