@@ -55,6 +55,12 @@ GNU_TYPES = frozenset({b"L", b"K", b"S"})
 COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 """Magic numbers of gzip, bzip2, xz and zstd."""
 META = re.compile(r"__[^/]*__($|/)")
+NUMBER_FIELDS = ((100, 108, "mode"), (108, 116, "uid"), (116, 124, "gid"), (136, 148, "mtime"),
+                 (329, 337, "devmajor"), (337, 345, "devminor"))
+"""The numeric header fields that tarfile reads (and refuses a header over) besides the size and the checksum."""
+PLAIN_NUMBERS = re.compile(rb"(?:[0-7]{7}\0){3}(?s:.{12})[0-7]{11}\0(?s:.{181})(?:[0-7]{7}\0|\0{8}){2}")
+"""Header bytes 100-345 with mode, uid, gid, mtime and the device numbers as tar writers write them: a fast path
+past NUMBER_FIELDS."""
 KEY_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """webdataset's `base_plus_ext`: key = the name up to the first "." of its last part, field = the rest."""
 
@@ -78,14 +84,15 @@ class TooLargeMember(TarFormatError):
 
 class _Chunks:
     """A byte stream read in reads of up to CHUNK bytes (or what has arrived: `read1`), handed out in exact sizes,
-    only ever forward: `offset` counts the bytes handed out or skipped."""
+    only ever forward."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.read = getattr(stream, "read1", stream.read)  # what has arrived: a pipe's samples before a stall
         self.buf = b""
         self.pos = 0
-        self.offset = 0
+        self.base = 0
+        """Where `buf` starts in the stream: base + pos bytes have been handed out or skipped."""
         self.size = _bytes_left(stream)
         """The stream's length from where it stood, if known (a regular file), else None."""
 
@@ -100,30 +107,33 @@ class _Chunks:
                     break
                 parts.append(chunk)
                 have += len(chunk)
+            self.base += self.pos
             self.buf, self.pos, end = b"".join(parts), 0, n
         out = self.buf[self.pos : end]
         self.pos = min(end, len(self.buf))
-        self.offset += len(out)
         return out
 
     def skip(self, n: int) -> int:
         """Pass the next `n` bytes without keeping them (reads of at most CHUNK); how many there were (fewer only at
         the end of the stream)."""
-        held = min(n, len(self.buf) - self.pos)
-        self.pos += held
-        left = n - held
+        if self.pos + n <= len(self.buf):  # the usual case: a member's padding, already read
+            self.pos += n
+            return n
+        left = n - (len(self.buf) - self.pos)
+        self.base += len(self.buf)
+        self.buf, self.pos = b"", 0
         while left:
             chunk = self.read(min(left, CHUNK))
             if not chunk:
                 break
             left -= len(chunk)
-        self.offset += n - left
+            self.base += len(chunk)
         return n - left
 
     def past_end(self, n: int) -> int | None:
         """The bytes left in the file if the next `n` run past its end (its length known), else None."""
-        if self.size is not None and self.offset + n > self.size:
-            return self.size - self.offset
+        if self.size is not None and self.base + self.pos + n > self.size:
+            return self.size - self.base - self.pos
         return None
 
 
@@ -175,14 +185,9 @@ def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> It
     long_name: str | None = None
     index = 0
     while True:
-        if len(header) < BLOCK:
-            if index == 0 and not header:
-                raise TarFormatError("empty file: not a tar")
-            if not header.strip(b"\0"):
-                return  # ended at a member boundary: a short shard is the manifest count's to catch
-            raise TarFormatError(f"unexpected end of data in the header of member {index + 1}")
-        if header.count(0) == BLOCK:
-            return  # the end-of-archive zero block
+        if len(header) < BLOCK or header.count(0) == BLOCK:
+            _check_end(header, index, dangling=pending is not None or long_name is not None)
+            return
         name, size, kind = _parse(header, index)
         if kind in META_KINDS:  # about the next member
             if size > META_MAX:
@@ -215,13 +220,28 @@ def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> It
                 yield name, size, None
             else:
                 yield name, size, _data(chunks, size, name)
-            _skip_padding(chunks, size, name)  # tarfile too raises only after the member
+            padding = -size % BLOCK  # tarfile too raises a cut padding only after the member
+            if chunks.skip(padding) < padding:
+                raise _cut_padding(name, size)
         elif kind not in SUPPORTED:  # an unknown type's data is skipped, as tarfile does
             _skip_data(chunks, size, name)
             _skip_padding(chunks, size, name)
         # links, directories, devices: no data, whatever their size field says (as tarfile)
         index += 1
         header = chunks.take(BLOCK)
+
+
+def _check_end(header: bytes, index: int, dangling: bool) -> None:
+    """At a short or zero block where member `index` would start: the tar's end (a zero block, or the end of the
+    stream at a member boundary: a short shard is the manifest count's to catch), else a TarFormatError."""
+    if index == 0 and len(header) < BLOCK:
+        raise TarFormatError(f"the file is {len(header)} bytes, not even one tar header: not a tar" if header else
+                             "empty file: not a tar")
+    if header.strip(b"\0"):
+        raise TarFormatError(f"unexpected end of data in the header of member {index + 1}")
+    if dangling:  # tarfile: "end of file header"
+        raise TarFormatError(f"the tar ends after the pax header or long name of member {index + 1}, before the "
+                             "member: a truncated shard")
 
 
 def _check_size(chunks: _Chunks, size: int, name: str) -> None:
@@ -234,7 +254,8 @@ def _check_size(chunks: _Chunks, size: int, name: str) -> None:
 
 def _data(chunks: _Chunks, size: int, name: str) -> bytes:
     """The member's `size` bytes of data (without the padding); an error if they are cut short."""
-    _check_size(chunks, size, name)
+    if chunks.size is not None:
+        _check_size(chunks, size, name)
     try:
         data = chunks.take(size)
     except MemoryError:
@@ -256,16 +277,22 @@ def _skip_padding(chunks: _Chunks, size: int, name: str) -> None:
     """Pass the zeros that pad the member's data to a whole block; an error if they are cut short."""
     padding = -size % BLOCK
     if chunks.skip(padding) < padding:
-        raise TarFormatError(f"{name}: unexpected end of data after its {size} bytes (the padding to 512 is "
-                             f"cut short): a truncated shard")
+        raise _cut_padding(name, size)
+
+
+def _cut_padding(name: str, size: int) -> TarFormatError:
+    return TarFormatError(f"{name}: unexpected end of data after its {size} bytes (the padding to 512 is cut short): "
+                          "a truncated shard")
 
 
 def _parse(header: bytes, index: int) -> tuple[str, int, bytes]:
     """(name, size, type) of a header block, checked against its checksum, as tarfile reads them."""
     chksum = _nti(header[148:156], index, "checksum")
-    rest = header[:148] + header[156:]
-    unsigned = 256 + sum(rest)  # the checksum field counts as 8 spaces
-    if chksum != unsigned and chksum != unsigned - 256 * sum(1 for b in rest if b > 127):  # or signed chars (old tars)
+    if not PLAIN_NUMBERS.fullmatch(header, 100, 345):
+        for start, end, what in NUMBER_FIELDS:  # as tarfile: a field that is not a number is a bad header
+            _nti(header[start:end], index, what)
+    unsigned = 256 + sum(header) - sum(header[148:156])  # the checksum field counts as 8 spaces
+    if chksum != unsigned and chksum != unsigned - 256 * _high_bytes(header):  # or of signed chars (old tars)
         where = "the first member" if index == 0 else f"member {index + 1}"
         raise TarFormatError(f"bad header checksum at {where}: not a tar, or a damaged shard")
     kind = header[156:157]
@@ -281,6 +308,11 @@ def _parse(header: bytes, index: int) -> tuple[str, int, bytes]:
     if size < 0:
         raise TarFormatError(f"{name}: a negative size ({size}) in its header: a damaged or crafted shard")
     return name, size, kind
+
+
+def _high_bytes(header: bytes) -> int:
+    """How many bytes of the header, its checksum field aside, are over 127 (negative as signed chars)."""
+    return sum(1 for b in header[:148] + header[156:] if b > 127)
 
 
 def _pax_size(records: dict[str, str], size: int, name: str) -> int:
@@ -305,9 +337,8 @@ def _nti(field: bytes, index: int, what: str) -> int:
         n = int.from_bytes(field[1:], "big")
         return n - (256 ** (len(field) - 1)) if field[0] == 0xFF else n
     end = field.find(b"\0")
-    text = (field if end == -1 else field[:end]).strip()
-    try:
-        return int(text or b"0", 8)
+    try:  # str's strip, as tarfile's (it also strips \x1c-\x1f); a byte over 127 is a bad field (UnicodeDecodeError)
+        return int((field if end == -1 else field[:end]).decode("ascii").strip() or "0", 8)
     except ValueError:
         where = "the first member" if index == 0 else f"member {index + 1}"
         raise TarFormatError(f"bad {what} field {field!r} at {where}: not a tar, or a damaged shard") from None
