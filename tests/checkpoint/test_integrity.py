@@ -13,15 +13,18 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.helpers import run_train
+from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, run_train
 from trainer.checkpoint import store
 from trainer.checkpoint.integrity import DamagedCheckpointError, OutsideCheckpointError
+from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.run.checkpointer import Checkpointer
@@ -206,3 +209,28 @@ def test_resume_true_skips_a_damaged_newest_checkpoint_and_says_which(two_checkp
     assert f"resumed from {store.checkpoint_dir(run_dir, 1)} at step 1" in proc.stdout, proc.stdout
     assert store.verify_checkpoint(store.latest_checkpoint(run_dir), ONE) is True
     assert store.read_meta(store.latest_checkpoint(run_dir))["step"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# A non-finite first step after a resume names the checkpoint
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_non_finite_first_step_after_a_resume_names_the_checkpoint_as_the_suspect(two_checkpoints, demo_data,
+                                                                                      tmp_path):
+    """Weights that were inf when saved (so their checksums agree: damaged before the save, e.g. in memory): the
+    first step after the resume is non-finite, and the line names the checkpoint, not the learning rate (before:
+    "lower optim.lr")."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    path = store.checkpoint_dir(run_dir, 1)
+    state = load_state(path / store.ENGINE_FILE)
+    state["model"]["wte.weight"].fill_(float("inf"))
+    save_state(state, path / store.ENGINE_FILE)
+    store.record_checksums(path)
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
+                           *SMALL, "train.max_steps=3", "train.eval_every=0", f"train.resume={path}"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    line = assert_one_error_line(proc.returncode, proc.stderr, "step 2: non-finite loss",
+                                 f"on the first step after resuming from {path}: that checkpoint is the suspect")
+    assert "optim.lr" not in line, line

@@ -287,18 +287,24 @@ class Trainer:
         t0 = time.perf_counter()
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
-        stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
-                           shard=self.shard)
+        try:
+            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
+                               shard=self.shard)
+        except NonFiniteError as e:  # DeepSpeed's: stopped before its step
+            if not self._first_after_resume(self.step + 1):
+                raise
+            raise NonFiniteError(self._nonfinite_message(self.step + 1, str(e))) from None
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         step_time = time.perf_counter() - t0
         self.step += 1
         if not stats.finite:
+            message = self._nonfinite_message(self.step, f"non-finite loss ({stats.loss}) or gradient norm "
+                                                         f"({stats.grad_norm})")
             if cfg.train.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"step {self.step}: non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}); the "
-                    f"update was not applied and no checkpoint of it was written (last good checkpoint: "
-                    f"{self.checkpointer.last}); lower optim.lr, or set train.on_nonfinite=skip to drop such steps")
+                raise NonFiniteError(message)
+            if self._first_after_resume(self.step):
+                log.warning("%s (train.on_nonfinite=skip: the step was dropped)", message)
             self.counters["skipped_steps"] += 1
         self.counters["valid_tokens"] += stats.valid_tokens
         self.counters["allocated_tokens"] += stats.allocated_tokens
@@ -316,6 +322,20 @@ class Trainer:
             flops = self._step_flops(rows, mbs, step_time)
             self._log(stats, lr, step_time, t_data, {**evaluation, **resumed, **flops})
         return stats, step_time
+
+    def _first_after_resume(self, step: int) -> bool:
+        return self.resumed_at is not None and step == self.resumed_at + 1
+
+    def _nonfinite_message(self, step: int, what: str) -> str:
+        """The line for a non-finite step `step`. On the first step after a resume, the checkpoint is the
+        suspect (damaged weights or optimizer state train to NaN at once), not the learning rate."""
+        if self._first_after_resume(step):
+            return (f"step {step}: {what} on the first step after resuming from {self.resume_path}: that checkpoint "
+                    "is the suspect (damaged weights or optimizer state?); resume from an earlier one (or start "
+                    "from it with train.init_from to reset the optimizer)")
+        return (f"step {step}: {what}; the update was not applied and no checkpoint of it was written (last good "
+                f"checkpoint: {self.checkpointer.last}); lower optim.lr, or set train.on_nonfinite=skip to drop "
+                "such steps")
 
     _last_loss: float | None = None
     resumed_at: int | None = None
