@@ -179,9 +179,9 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"train.compile=true does not run under ZeRO-3"),
     ("distributed.context_parallel", ("distributed.context_parallel=0",),
      r"distributed.context_parallel must be an integer >= 1, got 0"),
-    ("distributed.context_parallel", ("distributed.context_parallel=3",),
-     r"distributed.context_parallel=3 with the balanced split cuts each row into 24 equal chunks: train.seq_len "
-     r"\(128\) must be a multiple of 24"),
+    ("distributed.context_parallel", ("distributed.context_parallel=3",),  # the ranks first (issue 46), then the rows
+     r"error: distributed.context_parallel=3 must divide the number of ranks \(1\): .*; distributed.context_parallel=3 "
+     r"with the balanced split cuts each row into 24 equal chunks: train.seq_len \(128\) must be a multiple of 24"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
      r"distributed.context_parallel_split must be one of \('balanced', 'zigzag'\), got 'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),

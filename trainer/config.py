@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from trainer.data.config import DataConfig, PackingConfig
-from trainer.distributed.config import ALLGATHER_KERNELS, DistributedConfig
+from trainer.distributed.config import (ALLGATHER_KERNELS, DistributedConfig, context_world_problem,
+                                        launched_world_size)
 from trainer.distributed.context import split_chunks
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
@@ -290,6 +291,8 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")
     cp, strategy = cfg.distributed.context_parallel, cfg.distributed.context_parallel_strategy
     if cp > 1:
+        if (problem := context_world_problem(cp, launched_world_size())) is not None:
+            problems.insert(0, problem)
         split = cfg.distributed.context_parallel_split
         chunks = split_chunks(split, cp)
         if cfg.train.seq_len % chunks:

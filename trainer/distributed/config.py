@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 ENGINES = ("ddp", "deepspeed", "fsdp2")
@@ -72,6 +73,24 @@ class DistributedConfig:
         if self.context_parallel_strategy not in CP_STRATEGIES:
             raise ValueError(f"distributed.context_parallel_strategy must be one of {CP_STRATEGIES}, got "
                              f"{self.context_parallel_strategy!r}")
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (WORLD_SIZE, as torchrun, the deepspeed launcher and Slurm's torchrun
+    set it); 1 for a plain process."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def context_world_problem(context_parallel: int, world_size: int) -> str | None:
+    """Why `context_parallel` ranks per group cannot tile `world_size` ranks, or None: checked first, before the
+    rules about rows and heads, which are moot while the groups cannot be formed."""
+    if world_size % context_parallel == 0:
+        return None
+    return (f"distributed.context_parallel={context_parallel} must divide the number of ranks ({world_size}): launch "
+            f"a multiple of {context_parallel} processes, or choose a divisor of {world_size}")
 
 
 def missing_engine_package(cfg: DistributedConfig) -> str | None:

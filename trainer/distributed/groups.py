@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.distributed.config import DistributedConfig
+from trainer.distributed.config import DistributedConfig, context_world_problem
 from trainer.distributed.context import ContextGroup
 from trainer.errors import ConfigError
 
@@ -99,9 +99,8 @@ def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
     from torch.distributed.device_mesh import init_device_mesh
 
     size = cfg.context_parallel
-    if info.world_size % size:
-        raise ConfigError(f"distributed.context_parallel={size} must divide the number of ranks ({info.world_size}): "
-                          f"launch a multiple of {size} processes, or choose a divisor of {info.world_size}")
+    if (problem := context_world_problem(size, info.world_size)) is not None:
+        raise ConfigError(problem)
     mesh = init_device_mesh(info.device.type, (info.world_size // size, size), mesh_dim_names=("data", "context"))
     context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy,
                            cfg.context_parallel_split)
