@@ -8,6 +8,9 @@ generate are thin shells; inspect_mask still holds its own rendering):
     inspect_mask  an HTML view of a packed row's attention mask, positions and labels
     export        a checkpoint -> a GPT-2 Hugging Face directory
     generate      sample from a checkpoint or an export
+    evaluate      downstream scores of a checkpoint or an export on multiple-choice and continuation tasks
+                  (trainer.tasks: every query+choice a document of a packed row)
+    launcher      torchrun, ending as its first failed rank ended (its one line and exit status)
     config        the typed config (RunConfig) and the rules that span sections
     errors        UserError and the one way a command prints a user's mistake
     registry      which config keys preserve the loss; every metric and summary key, with its meaning
@@ -17,6 +20,7 @@ The rooms, from the bottom up (each imports only from rooms listed before it; te
     model/        the single-device GPT, its attention backends and losses
     distributed/  process groups and the engines (DDP, DeepSpeed) that wrap a model
     checkpoint/   the checkpoint store, safe loading, weights, the Hugging Face mapping
+    tasks/        downstream tasks: task files, built-ins from the held-out split, packed scoring, metrics
     reporting/    runs compared from their files: verdicts, tables, plots, HTML
     run/          the training loop, the step, eval, metrics, optimizer, preemption
 """
