@@ -465,6 +465,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"written with train.seq_len=128, model.max_seq_len=128 and this run has train.seq_len=256, "
      r"model.max_seq_len=256"),
     ("data.shuffle_buffer", resumed_with("data.shuffle_buffer=8"), r"data.shuffle_buffer=64 and this run has "),
+    ("data.loss_on", resumed_with("data.loss_on=assistant"), r"it was written with data.loss_on=all and this run has "
+                                                              r"data.loss_on=assistant"),  # issue 46: was ignored
     ("model.n_layer", resumed_with("model=small", "model.max_seq_len=128"),
      r"model.n_layer=2, model.n_head=4, model.n_embd=64 and this run has model.n_layer=6, model.n_head=6, "
      r"model.n_embd=384; resume with the checkpoint's values"),

@@ -13,12 +13,13 @@ from trainer.checkpoint import integrity, store
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
 
-RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "model.vocab_size", "model.n_layer", "model.n_head",
-               "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
+RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "data.loss_on", "model.vocab_size", "model.n_layer",
+               "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
 """Config keys a resumed run must share with its checkpoint: the model's shapes (the weights and the optimizer
 state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
-cuts it into rows). The shape is not among them: the model and optimizer load on any number of ranks
-(trainer.checkpoint.store.load_engine), and the data stream is dealt over other ranks and DataLoader workers
+cuts it into rows, data.loss_on chose the targets: a resume that changed it went on training the old targets, step
+for step, while config.json said the new ones). The shape is not among them: the model and optimizer load on any
+number of ranks (trainer.checkpoint.store.load_engine), and the data stream is dealt over other ranks and DataLoader workers
 (trainer.data.reshape)."""
 
 
