@@ -234,3 +234,54 @@ def test_a_non_finite_first_step_after_a_resume_names_the_checkpoint_as_the_susp
     line = assert_one_error_line(proc.returncode, proc.stderr, "step 2: non-finite loss",
                                  f"on the first step after resuming from {path}: that checkpoint is the suspect")
     assert "optim.lr" not in line, line
+
+
+# ---------------------------------------------------------------------------------------------------
+# One line per mistake, on every rank
+# ---------------------------------------------------------------------------------------------------
+
+
+def _agreed_refusals(rank: int, world: int, paths: list[str]) -> list[tuple[str, bool, str]]:
+    """Each checkpoint of `paths` loaded on every rank, then a collective (as the trainer's next step would be):
+    (error type, UserError?, message) per checkpoint on this rank."""
+    from trainer.distributed.groups import dist_max
+
+    out = _loads(rank, world, paths)
+    dist_max(1.0, torch.device("cpu"))  # a rank that went on alone would wait here for one that stopped
+    return out
+
+
+def test_damaged_dcp_metadata_and_a_crafted_rank_file_are_one_line_on_every_rank_without_tracebacks(
+        fsdp_checkpoint, tmp_path, capfd):
+    """On 2 gloo ranks: a `.metadata` that is empty, cut short or missing (in a checkpoint without checksums, so
+    that DCP itself reads it; before: DCP's logger printed its tracebacks on every rank), and a crafted
+    rank_00001.pt (checksums recorded again; before: refused on rank 1 alone, while rank 0 went on into a
+    collective and died with gloo's "Connection closed by peer" traceback): each the same one-line UserError on
+    both ranks, and no "Traceback" on stderr."""
+    cases = []
+    for name, damage in (("empty", lambda f: f.write_bytes(b"")), ("cut", lambda f: f.write_bytes(f.read_bytes()[:50])),
+                         ("missing", lambda f: f.unlink())):
+        path = copy_of(fsdp_checkpoint, tmp_path / name)
+        (path / store.CHECKSUMS_FILE).unlink()
+        damage(path / store.DCP_DIR / ".metadata")
+        cases.append(path)
+    crafted = copy_of(fsdp_checkpoint, tmp_path / "crafted")
+    torch.save({"data": {}, "rng": _RunsCode()}, crafted / store.rank_file(1))
+    store.record_checksums(crafted)
+    cases.append(crafted)
+    capfd.readouterr()
+    ranks = run_distributed(_agreed_refusals, 2, args=([str(p) for p in cases],))
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[-5000:]
+    for i, path in enumerate(cases):
+        (kind0, user0, message0), (kind1, user1, message1) = ranks[0][i], ranks[1][i]
+        assert user0 and user1 and (kind0, message0) == (kind1, message1), (path, ranks[0][i], ranks[1][i])
+        assert "\n" not in message0, message0
+        assert str(path) in message0, message0
+    assert ".metadata" in ranks[0][2][2]
+    assert f"{crafted / store.rank_file(1)}: refused to load" in ranks[0][3][2], ranks[0][3][2]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this ran",))

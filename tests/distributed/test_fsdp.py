@@ -326,6 +326,7 @@ def _damaged_loads(rank: int, world: int, root: str) -> list[tuple[str, bool, st
     out = []
     for damage in (lambda: metadata.write_bytes(pickle.dumps(_RunsCode())), metadata.unlink):
         damage()
+        store.record_checksums(path)  # as a forger would: DCP's reader itself must refuse it
         try:
             store.load_checkpoint(path, info, build(info, FSDP2, seed=1))
             out.append(("none", False, ""))

@@ -331,16 +331,31 @@ def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
         return False
     names = sorted(recorded)
     share = {name: recorded[name] for name in names[info.rank::info.world_size]}
-    try:
+
+    def check_share() -> None:
         problem = integrity.damaged(path, share, f"its {CHECKSUMS_FILE}")
-        found = None if problem is None else (DamagedCheckpointError, problem)
-    except integrity.OutsideCheckpointError as e:
-        found = (integrity.OutsideCheckpointError, str(e))
-    problems = [p for p in _gathered(found) if p is not None]  # the same first one on every rank
-    if problems:
-        kind, message = problems[0]
-        raise kind(message)
+        if problem is not None:
+            raise DamagedCheckpointError(problem)
+
+    on_every_rank(check_share)
     return True
+
+
+def on_every_rank(read):
+    """Collective: `read()` on this rank, its refusal agreed over the ranks. If it raised a UserError on any
+    rank, every rank raises the first such error (its type and message, lowest rank first), so that no rank goes
+    on alone into a collective that the refusing one never reaches (gloo's "Connection closed by peer"
+    traceback). Returns what `read` returned."""
+    failure, result = None, None
+    try:
+        result = read()
+    except UserError as e:
+        failure = (type(e), str(e))
+    failures = [f for f in _gathered(failure) if f is not None]
+    if failures:
+        kind, message = failures[0]
+        raise kind(message)
+    return result
 
 
 def _recorded_checksums(path: Path) -> dict[str, str] | None:
@@ -394,7 +409,8 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine,
     meta = read_meta(path)
     load_engine(path, info, engine, meta)
     written = meta["world_size"]
-    states = load_rank_states(path, [info.rank] if written == info.world_size else range(written))
+    states = on_every_rank(lambda: load_rank_states(path, [info.rank] if written == info.world_size
+                                                    else range(written)))
     set_rng_state(states[info.rank % written]["rng"])
     for state in states.values():
         state.pop("rng")

@@ -31,12 +31,16 @@ any number (`reshards_on_load`: no conversion step). Loading never runs code: DC
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
+import os
 import pickle
 from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -165,7 +169,8 @@ class FSDP2Engine(ClientOptimizerSteps):
 
         state = self._dcp_state()
         try:
-            dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
+            with dcp_logs_silenced():
+                dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
         except CheckpointException as e:  # a BaseException, raised on every rank once DCP gathered the failures
             raise DCPLoadError(f"cannot load the FSDP2 checkpoint {directory}: {_first_failure(e)}; resume from "
                                "another checkpoint") from None
@@ -230,6 +235,33 @@ def _first_failure(e: BaseException) -> str:
         if text:
             return text.splitlines()[0]
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+class _NotFromDCP(logging.Filter):
+    """Drops the records that DCP's own modules log (through the root logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(_DCP_SOURCE)
+
+
+_DCP_SOURCE = os.path.dirname(torch.distributed.checkpoint.__file__)
+_DCP_LOGGER = "torch.distributed.checkpoint"
+
+
+@contextlib.contextmanager
+def dcp_logs_silenced():
+    """DCP's own log records dropped while it loads. Its loader logs a failure to read the `.metadata` as a
+    warning with the traceback, through the root logger, on every rank, before it raises; the error it raises
+    then is ours to report (DCPLoadError: one line)."""
+    root, package = logging.getLogger(), logging.getLogger(_DCP_LOGGER)
+    own, level = _NotFromDCP(), package.level
+    root.addFilter(own)
+    package.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        root.removeFilter(own)
+        package.setLevel(level)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
