@@ -39,7 +39,7 @@ from trainer.data.shards import MANIFEST_FILE, StoredIds, load_manifest, stored_
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream, manifest_tokens
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
-from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
+from trainer.data.workers import ReadInterrupted, allow_reads, check_interrupt, interrupt_reads
 from trainer.errors import ConfigError
 
 __all__ = [
@@ -178,7 +178,8 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
 
     With data.sources: the first `max_docs` documents of each source (its val_urls, else its manifest's val split),
     source after source, tagged with its index. A source without held-out shards is left out (one warning names
-    them); an error if no source has any.
+    them); an error if no source has any. Raises ReadInterrupted once a preemption signal's handler has called
+    trainer.data.workers.interrupt_reads (within one read or chunk), as the training stream's reads do.
     """
     if data is None:
         raise ShardSourceError("load_eval_docs needs the data config (cfg.data) when data.urls is used")
@@ -212,7 +213,9 @@ def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: i
 def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, eos_id: int, seq_len: int,
                     max_docs: int | None, on_error: str, name: str | None = None, index: int = 0) -> list[Document]:
     """`load_eval_docs` of one source whose held-out shards are `source.val_urls`; a mixture's source `index`
-    named `name`, whose documents the stream tags and keys as in training."""
+    named `name`, whose documents the stream tags and keys as in training. Bounded as the training stream is (a
+    shard's damage is one error, a document over data.max_doc_mb is refused from its tar header), and it gives way
+    to a preemption signal (trainer.data.workers.interrupt_reads: ReadInterrupted) between reads and chunks."""
     stream = DocumentStream(
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
@@ -222,6 +225,7 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split
+        check_interrupt()  # a preemption signal ends the start here, as it ends a step's reads (ReadInterrupted)
         docs.extend(chunk)
         if max_docs is not None and len(docs) >= max_docs:
             break
