@@ -11,6 +11,7 @@ import io
 import itertools
 import json
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -86,14 +87,16 @@ def test_stored_ids_are_the_tokenizers_encoding_of_the_text(which, demo_data, ch
     tok_file = data / "tokenizer" / "tokenizer.json"
     assert manifest["ids"]["tokenizer_sha256"] == hashlib.sha256(tok_file.read_bytes()).hexdigest()
     assert manifest["ids"]["dtype"] == "<u2"  # a 512-token vocabulary
+    assert manifest["ids"]["check"] == "crc32"
     tok = load_tokenizer(tok_file)
     checked = 0
     for split in ("train", "val"):
         for shard in shard_paths(data, split):
             for key, fields in _members(shard).items():
                 text = fields["txt"].decode()
-                ids = np.frombuffer(fields["ids"], dtype="<u2")
-                assert ids.tolist() == tok.encode(text, add_special_tokens=False).ids, key
+                ids, check = fields["ids"][:-4], fields["ids"][-4:]  # the ids, then crc32(text bytes + ids bytes)
+                assert np.frombuffer(ids, dtype="<u2").tolist() == tok.encode(text, add_special_tokens=False).ids, key
+                assert int.from_bytes(check, "little") == zlib.crc32(ids, zlib.crc32(fields["txt"])), key
                 assert ("assistant" in fields) == (which == "chat")
                 checked += 1
     assert checked == sum(s["docs"] for s in manifest["splits"].values())
@@ -117,12 +120,13 @@ def test_chat_rows_and_assistant_masks_from_stored_ids_equal_those_from_the_text
 
 def test_which_runs_read_stored_ids(demo_data, chat_data):
     manifest, sha = load_manifest(demo_data), tokenizer_hash(demo_data / "tokenizer")
-    assert stored_ids(manifest, sha, assistant=False) == StoredIds(dtype="<u2")
+    assert stored_ids(manifest, sha, assistant=False) == StoredIds(dtype="<u2", checked=True, vocab_size=512)
     assert stored_ids(manifest, "0" * 64, assistant=False) is None  # another tokenizer (tokenizer.add_tokens)
     assert stored_ids(manifest, sha, assistant=True) is None  # no assistant ranges in plain text data
     assert stored_ids({k: v for k, v in manifest.items() if k != "ids"}, sha, assistant=False) is None
     chat = load_manifest(chat_data)
-    assert stored_ids(chat, tokenizer_hash(chat_data / "tokenizer"), True) == StoredIds(dtype="<u2", assistant=True)
+    assert stored_ids(chat, tokenizer_hash(chat_data / "tokenizer"), True) == StoredIds(
+        dtype="<u2", assistant=True, checked=True, vocab_size=chat["tokenizer"]["vocab_size"])
 
 
 def _rewrite(src: str, dst: Path, change) -> None:

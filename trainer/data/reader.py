@@ -34,8 +34,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trainer.data.shards import ASSISTANT_FIELD, IDS_FIELD, TEXT_FIELD, StoredIds, non_sample_members
+import numpy as np
+
+from trainer.data.shards import (
+    ASSISTANT_FIELD,
+    CHECK_BYTES,
+    IDS_FIELD,
+    TEXT_FIELD,
+    StoredIds,
+    non_sample_members,
+    split_ids_member,
+    wide_ids,
+)
 from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
+from trainer.data.tars import TooLargeMember
 from trainer.data.workers import sleep_unless_interrupted
 from trainer.errors import UserError
 
@@ -53,11 +65,16 @@ Stored = tuple[bytes, int, bytes | None, str]
 `assistant` ranges' bytes or None when the stream does not read them, the ids' dtype). Self-contained: a
 checkpoint's buffered items resume whatever the next run reads. See trainer.data.shards."""
 
-Item = tuple[int, int, str, bytes | Stored | list[str] | None]
+Refused = str
+"""A sample refused as it was read, "<skip reason>: <what is wrong>", e.g. "too_large: is 30,000 bytes of text" or
+"bad_ids: its ids are not ...": the stream reports it when it is drawn, as it reports a bad text then (plain data: it
+may sit in a checkpoint's buffer)."""
+
+Item = tuple[int, int, str, bytes | Stored | Refused | list[str] | None]
 """A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
-key, data). data: the `txt` bytes; its `Stored` ids when the stream reads stored ids and the sample has them; the
-field names of a sample without `txt`; None marks a shard that could not be read (member -1). Example:
-(3, 17, "doc03_017", b"some text")."""
+key, data). data: the `txt` bytes; its `Stored` ids when the stream reads stored ids and the sample has them; a
+`Refused` sample; the field names of a sample without `txt`; None marks a shard that could not be read (member -1).
+Example: (3, 17, "doc03_017", b"some text")."""
 
 
 @dataclass
@@ -163,6 +180,9 @@ class ReadPolicy(Protocol):
     expected_docs: dict[str, int]
     shuffle_buffer: int
     stored_ids: StoredIds | None
+    expected_bytes: dict[str, int]
+    expected_tokens: dict[str, int]
+    max_member_bytes: int | None
     _replaying: bool
 
     def _bad(self, state: SlotState, reason: str, message: str) -> None:
@@ -193,6 +213,11 @@ class ShardCursor:
         self._samples: Iterator[dict] | None = None  # the open shard, past its `taken` samples
         self._failed: Item | None = None  # the marker of a shard that could not be read, next to pull
         self._wanted: dict[int, Item] = {}
+        self._opened_at = 0  # self.read.bytes when the open shard was opened
+        self._tokens: int | None = None  # of the open shard's stored ids so far (EOS included); None: not all stored
+        stored = stream.stored_ids
+        self._itemsize = np.dtype(stored.dtype).itemsize if stored is not None else 1
+        self._check_bytes = CHECK_BYTES if stored is not None and stored.checked else 0
 
     def pull(self) -> Item | None:
         """The next sample of the epoch, or None once every shard is read."""
@@ -210,11 +235,12 @@ class ShardCursor:
                 self._retry_or_fail(exn)
                 continue
             if sample is None:
-                self._check_count()
+                self._check_shard()
                 self._next_shard()
                 continue
             self.taken += 1
             self.last_key = sample["__key__"]
+            self._count(sample)
             return self.index, self.taken - 1, self.last_key, _data(sample, self.stream.stored_ids)
 
     def seek(self, wanted: set[int]) -> dict[int, Item]:
@@ -234,7 +260,8 @@ class ShardCursor:
         """The current shard, read past its first `taken` samples (the last one's key must be `last_key`)."""
         url = self.shards[self.index]
         self.state.shard = url
-        samples = read_shard(url, self.read, self.stream.read_timeout_s)
+        self._opened_at, self._tokens = self.read.bytes, 0 if self.stream.stored_ids is not None else None
+        samples = read_shard(url, self.read, self.stream.read_timeout_s, self.stream.max_member_bytes)
         found = {}
         try:
             for i in range(self.taken):
@@ -242,6 +269,7 @@ class ShardCursor:
                 if sample is None:
                     raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
                                          "the shard changed", transient=False)
+                self._count(sample)
                 if i in self._wanted:
                     found[i] = (self.index, i, sample["__key__"], _data(sample, self.stream.stored_ids))
             if self.taken and sample["__key__"] != self.last_key:
@@ -271,10 +299,23 @@ class ShardCursor:
                     url, where, exn, self._attempt, self.stream.retries, delay, again)
         sleep_unless_interrupted(delay)  # a preemption signal ends the wait (ReadInterrupted)
 
-    def _check_count(self) -> None:
-        """A shard read to its end must hold as many samples as the manifest lists."""
+    def _count(self, sample: dict) -> None:
+        """Add a sample's stored ids to the shard's tokens (+1: its EOS, as the manifest counts); a sample without
+        them (read from its text) leaves the shard's tokens unknown."""
+        if self._tokens is None:
+            return
+        ids = sample.get(IDS_FIELD)
+        if not isinstance(ids, bytes):
+            self._tokens = None
+            return
+        self._tokens += (len(ids) - self._check_bytes) // self._itemsize + 1
+
+    def _check_shard(self) -> None:
+        """A shard read to its end must be the one the manifest lists: as many samples, as many bytes, and from stored
+        ids as many tokens (ids of another tokenizer or dtype, a shard of another dataset copied in)."""
         url = self.shards[self.index]
-        expected = self.stream.expected_docs.get(url_file_name(url))
+        name = url_file_name(url)
+        expected = self.stream.expected_docs.get(name)
         if expected is not None and self.taken != expected:
             self.stream._bad(
                 self.state,
@@ -283,6 +324,18 @@ class ShardCursor:
                 "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
                 "or set data.on_error=skip",
             )
+            return
+        found = None
+        size, tokens = self.stream.expected_bytes.get(name), self.stream.expected_tokens.get(name)
+        if size is not None and self.read.bytes - self._opened_at != size:
+            found = f"it is {self.read.bytes - self._opened_at:,} bytes, the manifest lists {size:,}"
+        elif tokens is not None and self._tokens is not None and self._tokens != tokens:
+            found = (f"its stored ids are {self._tokens:,} tokens (EOS included), the manifest lists {tokens:,}: ids "
+                     f"of another tokenizer or dtype than the manifest's {self.stream.stored_ids.dtype}")
+        if found is not None:
+            self.stream._bad(self.state, "shard_mismatch", f"{url}: not the shard the manifest lists: {found} (a "
+                             "shard of another dataset or tokenizer copied in, or damaged); copy the dataset's own "
+                             "shard again or prepare the dataset again, or set data.on_error=skip")
 
     def _next_shard(self) -> None:
         self._close()
@@ -435,16 +488,50 @@ class SlotReader:
 
 
 
-def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | list[str]:
+def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | Refused | list[str]:
     """An `Item`'s data: the sample's stored ids if `stored` says to read them and it has them (all of them: a sample
     without is read from its text, as if none were stored), else its text bytes, or the names of its fields if it
-    has no text."""
-    if TEXT_FIELD in sample:
-        if stored is not None and IDS_FIELD in sample and (not stored.assistant or ASSISTANT_FIELD in sample):
-            ranges = sample[ASSISTANT_FIELD] if stored.assistant else None
-            return sample[IDS_FIELD], len(sample[TEXT_FIELD]), ranges, stored.dtype
-        return sample[TEXT_FIELD]
-    return sorted(k for k in sample if not k.startswith("__"))
+    has no text; `Refused` if a member it needs was over the bound (trainer.data.tars.TooLargeMember)."""
+    if TEXT_FIELD not in sample:
+        return sorted(k for k in sample if not k.startswith("__"))
+    text = sample[TEXT_FIELD]
+    if isinstance(text, TooLargeMember):
+        return _too_large(text)
+    if stored is None or IDS_FIELD not in sample or (stored.assistant and ASSISTANT_FIELD not in sample):
+        return text
+    return _stored(sample, text, stored)
+
+
+def _stored(sample: dict, text: bytes, stored: StoredIds) -> bytes | Stored | Refused:
+    """A sample's stored ids, after the checks that need its text (the buffer keeps only the ids): a text the text
+    path refuses (empty, not UTF-8) is handed on as its text, to be refused alike (the same documents either way);
+    ids that are not those prepare wrote for this text (their crc32, `StoredIds.checked`) are refused (bad_ids)."""
+    member = sample[IDS_FIELD]
+    ranges = sample[ASSISTANT_FIELD] if stored.assistant else None
+    for value in (member, ranges):
+        if isinstance(value, TooLargeMember):
+            return _too_large(value)
+    try:
+        if not text.decode("utf-8").strip():
+            return text
+    except UnicodeDecodeError:
+        return text
+    if not stored.checked:
+        return member, len(text), ranges, stored.dtype
+    ids = split_ids_member(member, text)
+    if ids is None:
+        wide = wide_ids(member, stored.dtype) or wide_ids(member[:-CHECK_BYTES], stored.dtype)
+        why = (f"they read as <u4 values, every second {stored.dtype} value 0 (written as uint32; the manifest says "
+               f"{stored.dtype})" if wide else "the ids of another sample or text, or damaged bytes")
+        return f"bad_ids: its ids are not those prepare stored for its text (their crc32 differs: {why})"
+    return ids, len(text), ranges, stored.dtype
+
+
+def _too_large(member: TooLargeMember) -> Refused:
+    """A sample with a member over the bound, which was not read. Example: "too_large: is 30,000 bytes of text"."""
+    if member.field == TEXT_FIELD:
+        return f"too_large: is {member.size:,} bytes of text"
+    return f"too_large: has a {member.field!r} member of {member.size:,} bytes (not read)"
 
 
 def _why_short(shard: str) -> str:

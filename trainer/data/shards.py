@@ -10,7 +10,9 @@ Layout of a prepared directory:
 Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text, which webdataset reads back as
 {"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the manifest's
 tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the manifest's "ids"
-entry says which, and the tokenizer's sha256 they were encoded with), and for chat data `<key>.assistant`, the
+entry says which, and the tokenizer's sha256 they were encoded with; under the entry's "check": "crc32" the member ends with
+4 more bytes, the little-endian crc32 of the text's bytes then the ids' bytes, which ties the ids to their text:
+`ids_member`, `split_ids_member`), and for chat data `<key>.assistant`, the
 assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads the
 ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with (`StoredIds`). Keys
 hold no dot (webdataset cuts the member name into key and field at the first dot) and are unique across the
@@ -29,11 +31,13 @@ import json
 import os
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 from tqdm import tqdm
 
 from trainer.errors import UserError
@@ -53,7 +57,8 @@ SCHEMA = {
     TEXT_FIELD: "bytes: the document text, UTF-8, without EOS (the stream appends one EOS per document)",
 }
 IDS_SCHEMA = {
-    IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'",
+    IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'; with its "
+               "check 'crc32', then the little-endian crc32 of the text's bytes and the ids' bytes (4 bytes)",
 }
 ASSISTANT_SCHEMA = {
     ASSISTANT_FIELD: "bytes: the assistant turns' tokens, [start, end) token index ranges, little-endian uint32 pairs",
@@ -65,6 +70,33 @@ def ids_dtype(vocab_size: int) -> str:
     return "<u2" if vocab_size <= 1 << 16 else "<u4"
 
 
+IDS_CHECK = "crc32"
+"""The manifest's "ids" "check": each ids member ends with the crc32 of its text and ids (`ids_member`)."""
+CHECK_BYTES = 4
+
+
+def ids_member(ids: bytes, text: bytes) -> bytes:
+    """The `ids` member prepare writes: the ids' bytes, then the little-endian crc32 of `text` then `ids`.
+    Example: ids_member(b"\x01\x00", b"a") -> b"\x01\x00" + zlib.crc32(b"\x01\x00", zlib.crc32(b"a")) as 4 bytes."""
+    return ids + zlib.crc32(ids, zlib.crc32(text)).to_bytes(CHECK_BYTES, "little")
+
+
+def split_ids_member(member: bytes, text: bytes) -> bytes | None:
+    """The ids of an `ids_member` written for `text`, or None when its crc32 is not that of this text and ids (the ids
+    of another sample, another text, or damaged bytes)."""
+    ids, check = member[:-CHECK_BYTES], member[-CHECK_BYTES:]
+    ok = len(member) >= CHECK_BYTES and zlib.crc32(ids, zlib.crc32(text)).to_bytes(CHECK_BYTES, "little") == check
+    return ids if ok else None
+
+
+def wide_ids(ids: bytes, dtype: str) -> bool:
+    """Whether <u2 ids look like <u4 ones read as <u2: at least two values, every second one 0 (the high halves of
+    ids under 65,536). Examples: [7, 0, 9, 0] -> True; [7, 0, 9, 4] -> False. O(1) unless the last value is 0."""
+    if dtype != "<u2" or len(ids) < 8 or len(ids) % 4 or ids[-2:] != b"\0\0":
+        return False
+    return not np.frombuffer(ids, dtype="<u2")[1::2].any()
+
+
 @dataclass(frozen=True)
 class StoredIds:
     """Token ids a prepared dataset stores beside its text (the manifest's "ids" entry), as a stream reads them."""
@@ -73,6 +105,11 @@ class StoredIds:
     """numpy dtype of the ids member: "<u2" or "<u4"."""
     assistant: bool = False
     """Read the assistant ranges too (data.loss_on=assistant): a sample without them is tokenized from its text."""
+    checked: bool = False
+    """Each ids member ends with its crc32 (`ids_member`): verified against the sample's text as it is read. False for
+    shards prepared before the check was written: their ids are read whole."""
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary (the manifest's): a stored id at or over it is a damaged sample (bad_ids)."""
 
 
 def stored_ids(manifest: dict, tokenizer_hash: str, assistant: bool) -> StoredIds | None:
@@ -84,7 +121,9 @@ def stored_ids(manifest: dict, tokenizer_hash: str, assistant: bool) -> StoredId
         return None
     if ids.get("dtype") not in ("<u2", "<u4") or (assistant and ids.get("assistant_field") != ASSISTANT_FIELD):
         return None
-    return StoredIds(dtype=ids["dtype"], assistant=assistant)
+    vocab = manifest.get("tokenizer", {}).get("vocab_size")
+    return StoredIds(dtype=ids["dtype"], assistant=assistant, checked=ids.get("check") == IDS_CHECK,
+                     vocab_size=vocab if isinstance(vocab, int) else None)
 FILE_MODE = 0o644  # mkstemp creates 0600 files; prepared data is meant to be shared
 
 

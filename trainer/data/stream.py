@@ -28,7 +28,7 @@ from trainer.data.batch import Document
 from trainer.data.chat import assistant_token_mask, ranges_mask, ranges_problem
 from trainer.data.config import LOSS_ON, ON_ERROR
 from trainer.data.reader import DataStreamError, Item, ReadPosition, SlotReader, SlotState, Stored
-from trainer.data.shards import TEXT_FIELD, StoredIds, load_manifest
+from trainer.data.shards import TEXT_FIELD, StoredIds, load_manifest, wide_ids
 from trainer.data.sources import READ_TIMEOUT_S, url_file_name
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class DocumentStream(IterableDataset):
         source: int = 0,
         max_doc_bytes: int | None = None,
         stored_ids: StoredIds | None = None,
+        manifest: str | Path | None = None,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -107,6 +108,15 @@ class DocumentStream(IterableDataset):
         self.stored_ids = stored_ids
         """Read the token ids the shards store (trainer.data.shards.stored_ids: the run's tokenizer encoded them)
         instead of tokenizing the text; the same documents either way. None: tokenize every text."""
+        entries = manifest_entries(manifest)
+        self.expected_bytes = {name: entry["bytes"] for name, entry in entries.items() if "bytes" in entry}
+        """Bytes per shard file name, from `manifest` (the one these shards are listed in: ShardSource.manifest),
+        checked when a shard is read through."""
+        self.expected_tokens = {name: entry["tokens"] for name, entry in entries.items() if "tokens" in entry}
+        """Tokens per shard file name (EOS included), from `manifest`, else from `shard_tokens` when known; checked
+        against the stored ids of a shard read through them."""
+        if not entries and self.tokens_known:
+            self.expected_tokens = {url_file_name(s): n for s, n in zip(self.shards, self.shard_tokens, strict=True)}
         self.name = name
         """The source's name in a mixture (data.sources), for errors and the documents' keys (`source_key`); None
         for the one source."""
@@ -120,6 +130,14 @@ class DocumentStream(IterableDataset):
         """Set by DocumentLoader after loading a state: every slot's first message reports what it read to restore."""
         self._tokenizer = None
         self._replaying = False
+
+    @property
+    def max_member_bytes(self) -> int | None:
+        """The largest shard member read (trainer.data.tars): data.max_doc_mb, times the ids' item size when they are
+        read (a token covers one byte of text at least); a larger member is refused from its header, unread."""
+        if self.max_doc_bytes is None:
+            return None
+        return self.max_doc_bytes * (np.dtype(self.stored_ids.dtype).itemsize if self.stored_ids else 1)
 
     # -- which shards a slot reads --------------------------------------------------------------
 
@@ -171,12 +189,16 @@ class DocumentStream(IterableDataset):
         if isinstance(data, list):
             self._bad(state, "missing_text", f"{shard}: sample {key!r} has no {TEXT_FIELD!r} field (has {data})")
             return None
+        if isinstance(data, str):  # refused as it was read (trainer.data.reader.Refused)
+            reason, _, why = data.partition(": ")
+            if reason == "too_large":
+                self._too_large(state, shard, key, why)
+            else:
+                self._bad(state, reason, f"{shard}: sample {key!r}: {why}; {BAD_IDS_HINT}")
+            return None
         size = data[1] if isinstance(data, tuple) else len(data)
         if self.max_doc_bytes is not None and size > self.max_doc_bytes:
-            self._bad(state, "too_large", f"{shard}: sample {key!r} is {size:,} bytes of text, over data.max_doc_mb="
-                                          f"{self.max_doc_bytes / 2**20:.3g} (tokenizing one document takes ~200x its "
-                                          "size in memory): raise data.max_doc_mb, or skip such documents with "
-                                          "data.on_error=skip")
+            self._too_large(state, shard, key, f"is {size:,} bytes of text")
             return None
         if isinstance(data, tuple):
             return self._check_stored(data, shard, key, state)
@@ -195,23 +217,62 @@ class DocumentStream(IterableDataset):
         ids, _, ranges, dtype = data
         itemsize = np.dtype(dtype).itemsize
         problem = None
+        if self.max_doc_bytes is not None and len(ids) // itemsize > self.max_doc_bytes:
+            self._too_large(state, shard, key, f"has {len(ids) // itemsize:,} stored ids (a token covers a byte of text "
+                                               "at least)")
+            return None
         if not ids or len(ids) % itemsize:
             problem = f"its ids are {len(ids)} bytes, not whole {dtype} values"
+        elif wide_ids(ids, dtype):
+            problem = (f"its ids read as <u4 values (every second {dtype} value is 0: written as uint32), but the "
+                       f"manifest says {dtype}")
         elif self.loss_on == "assistant" and ranges is None:  # buffered by a run with loss_on=all, resumed
             problem = "its stored ids were read without their assistant ranges (data.loss_on changed on resume?)"
         elif ranges is not None and (why := ranges_problem(ranges, len(ids) // itemsize)) is not None:
             problem = f"its assistant ranges are bad: {why}"
         if problem is None:
             return data
-        self._bad(state, "bad_ids", f"{shard}: sample {key!r}: {problem}; the shard is damaged: prepare it again, or "
-                                    "set data.on_error=skip")
+        self._bad(state, "bad_ids", f"{shard}: sample {key!r}: {problem}; {BAD_IDS_HINT}")
         return None
+
+    def _too_large(self, state: SlotState, shard: str, key: str, what: str) -> None:
+        """A sample over data.max_doc_mb; `what`, e.g. "is 30,000 bytes of text"."""
+        self._bad(state, "too_large", f"{shard}: sample {key!r} {what}, over data.max_doc_mb="
+                                      f"{self.max_doc_bytes / 2**20:.3g} (tokenizing one document takes ~200x its size "
+                                      "in memory): raise data.max_doc_mb, or skip such documents with data.on_error=skip")
+
+    def _in_vocabulary(self, where: list[tuple[str, str]], payloads: list[str | Stored], state: SlotState
+                       ) -> list[bool]:
+        """Whether each payload is in the vocabulary: a stored id at or over the tokenizer's vocabulary is a damaged
+        sample (bad_ids, naming shard and key). One max over the chunk's stored ids: ~0.1 us a document."""
+        vocab = self.stored_ids.vocab_size if self.stored_ids is not None else None
+        stored = [p for p in payloads if not isinstance(p, str)]
+        if vocab is None or not stored or vocab >= 1 << 8 * np.dtype(stored[0][3]).itemsize:
+            return [True] * len(payloads)
+        if len({p[3] for p in stored}) == 1 and np.frombuffer(b"".join(p[0] for p in stored), stored[0][3]).max() < vocab:
+            return [True] * len(payloads)
+        ok = []
+        for (shard, key), payload in zip(where, payloads, strict=True):
+            top = None if isinstance(payload, str) else int(np.frombuffer(payload[0], payload[3]).max())
+            ok.append(top is None or top < vocab)
+            if not ok[-1]:
+                self._bad(state, "bad_ids", f"{shard}: sample {key!r}: its stored ids hold {top}, outside the "
+                                            f"vocabulary ({vocab} tokens) of the tokenizer the manifest says encoded "
+                                            f"them; {BAD_IDS_HINT}")
+        return ok
 
     # -- the stream ----------------------------------------------------------------------------
 
-    def _documents(self, keys: list[str], payloads: list[str | Stored]) -> list[Document]:
-        """The chunk's documents, in order: a text tokenized (in one batch with the chunk's other texts), stored ids
-        read as they are; EOS appended to each. Both give the same tokens and loss mask (tests/data/test_stored_ids)."""
+    def _documents(self, where: list[tuple[str, str]], payloads: list[str | Stored], state: SlotState
+                   ) -> list[Document]:
+        """The chunk's documents (`where`: their shards and keys), in order: a text tokenized (in one batch with the
+        chunk's other texts), stored ids read as they are (those outside the vocabulary reported and left out); EOS
+        appended to each. Both give the same tokens and loss mask (tests/data/test_stored_ids)."""
+        ok = self._in_vocabulary(where, payloads, state)
+        if not all(ok):
+            where = [w for w, keep in zip(where, ok, strict=True) if keep]
+            payloads = [p for p, keep in zip(payloads, ok, strict=True) if keep]
+        keys = [key for _, key in where]
         texts = [p for p in payloads if isinstance(p, str)]
         encodings = iter(self._encode(texts) if texts else ())
         docs = []
@@ -255,23 +316,23 @@ class DocumentStream(IterableDataset):
             if self.report_restore:  # before any document: what restoring the position read
                 yield slot, self._snapshot(state, reader, restore_read=reader.restore_read if reader else (0, 0, 0.0)), []
             while reader is not None:
-                keys: list[str] = []
+                where: list[tuple[str, str]] = []  # (shard, key) of each of `texts`
                 texts: list[str | Stored] = []
                 while (item := reader.draw()) is not None:
                     state.drawn += 1
                     text = self._decode(item, reader.shards, state)
                     if text is not None:
-                        keys.append(item[2])
+                        where.append((reader.shards[item[0]], item[2]))
                         texts.append(text)
-                    if len(keys) == self.chunk_docs:
-                        yield self._chunk(slot, state, reader, keys, texts)
-                        keys, texts = [], []
+                    if len(where) == self.chunk_docs:
+                        yield self._chunk(slot, state, reader, where, texts)
+                        where, texts = [], []
                 reader.close()
                 state.epoch = epoch_rules.after(state.epoch)
                 state.drawn = 0
                 state.split, state.shards, state.starts = "by_tokens", None, {}  # the next epoch: this shape's split
                 # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
-                yield self._chunk(slot, state, None, keys, texts)
+                yield self._chunk(slot, state, None, where, texts)
                 reader = self._reader(slot, num_slots, state, None)
         finally:  # also when the consumer stops early: no shard left open (a curl or pipe: command running)
             if reader is not None:
@@ -288,15 +349,28 @@ class DocumentStream(IterableDataset):
         seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
         return SlotReader(self, shards, seed, state, position)
 
-    def _chunk(self, slot: int, state: SlotState, reader: SlotReader | None, keys: list[str],
+    def _chunk(self, slot: int, state: SlotState, reader: SlotReader | None, where: list[tuple[str, str]],
                texts: list[str | Stored]):
-        docs = self._documents(keys, texts)
+        docs = self._documents(where, texts, state)
         state.docs += len(docs)
         return slot, self._snapshot(state, reader), docs
 
     def _snapshot(self, state: SlotState, reader: SlotReader | None, restore_read=None) -> SlotState:
         return dataclasses.replace(state, skipped=dict(state.skipped), restore_read=restore_read,
                                    position=reader.position() if reader is not None else None)
+
+
+BAD_IDS_HINT = "the shard is damaged: prepare it again, or set data.on_error=skip"
+"""The end of a bad_ids message: what to do."""
+
+
+def manifest_entries(manifest: str | Path | None) -> dict[str, dict]:
+    """Each shard's manifest entry ({"name", "docs", "tokens", "bytes"}), by file name, from `manifest` (a
+    manifest.json); {} without one."""
+    if manifest is None:
+        return {}
+    splits = load_manifest(Path(manifest).parent)["splits"].values()
+    return {shard["name"]: shard for split in splits for shard in split["shards"]}
 
 
 def source_key(source: str, key: str) -> str:
@@ -375,9 +449,8 @@ def manifest_tokens(shards: Sequence[str], manifest: str | Path | None) -> list[
     without one, or when it does not list every shard (their sizes are not known).
 
     Example: ["https://h/d/train-000000.tar", "pipe:cat /e/train-000001.tar"], /d/manifest.json -> [38427, 31894]."""
-    if manifest is None:
+    entries = manifest_entries(manifest)
+    if not entries:
         return None
-    splits = load_manifest(Path(manifest).parent)["splits"].values()
-    listed = {shard["name"]: shard.get("tokens") for split in splits for shard in split["shards"]}
-    tokens = [listed.get(url_file_name(s)) for s in shards]
+    tokens = [entries.get(url_file_name(s), {}).get("tokens") for s in shards]
     return None if None in tokens else tokens

@@ -56,6 +56,7 @@ from trainer.data.shards import (
     ASSISTANT_FIELD,
     ASSISTANT_SCHEMA,
     FORMAT_VERSION,
+    IDS_CHECK,
     IDS_FIELD,
     IDS_SCHEMA,
     MANIFEST_FILE,
@@ -145,6 +146,7 @@ def prepare(
         "max_shard_bytes": max_shard_bytes, "max_docs": max_docs, "text_key": text_key, "on_error": on_error,
         "max_doc_bytes": int(max_doc_mb * MB),
         "store_ids": not text_only,
+        "ids_check": not text_only,
         "tokenizer": {"trained": reused is None, "vocab_size": vocab_size if reused is None else None,
                       "sample_bytes": int(tokenizer_sample_mb * MB) if reused is None else None,
                       "base_sha256": tokenizer_hash(tokenizer) if reused is not None else None,
@@ -270,7 +272,7 @@ def job_of(plan: Plan, stage: Path, ids: bool = True) -> Job:
     return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
                docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
                on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"],
-               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype)
+               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype, ids_check=store_ids and o.get("ids_check", False))
 
 
 def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
@@ -302,7 +304,8 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     }
     if o.get("store_ids"):  # the stream reads them when the run's tokenizer is this one (trainer.data.shards)
         manifest["ids"] = {"field": IDS_FIELD, "dtype": ids_dtype(tok.get_vocab_size()),
-                           "tokenizer_sha256": tokenizer["sha256"], **({"assistant_field": ASSISTANT_FIELD} if chat else {})}
+                           "tokenizer_sha256": tokenizer["sha256"], **({"assistant_field": ASSISTANT_FIELD} if chat else {}),
+                           **({"check": IDS_CHECK} if o.get("ids_check") else {})}
     if chat:  # the trainer's data.loss_on=assistant requires it
         manifest["chat"] = {"template": TEMPLATE_NAME, **totals["chat"]}
     return manifest

@@ -53,7 +53,14 @@ from trainer.data.prepare.corpus import (
     unique_keys,
 )
 from trainer.data.prepare.plan import Piece, Unit
-from trainer.data.shards import ASSISTANT_FIELD, IDS_FIELD, PrepareError, ShardWriter, atomic_write_bytes
+from trainer.data.shards import (
+    ASSISTANT_FIELD,
+    IDS_FIELD,
+    PrepareError,
+    ShardWriter,
+    atomic_write_bytes,
+    ids_member,
+)
 from trainer.data.tokenizer import encode_documents
 
 WINDOW_BYTES = 4 << 20  # text per window (split, count, write)
@@ -86,6 +93,9 @@ class Job:
     """One document's largest size in bytes of UTF-8 text; larger: `policy.bad("too_large", ...)`."""
     ids_dtype: str | None = None
     """Store each document's token ids beside its text in this dtype ("<u2", "<u4"); None: text only."""
+    ids_check: bool = False
+    """End each ids member with the crc32 of its text and ids (trainer.data.shards.ids_member); False in a plan
+    staged before it was written, whose other units have none."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -174,11 +184,13 @@ def _write_side(writer: ShardWriter, side: list[tuple[str, str]], tok, job: Job)
     counts = []
     for (key, text), enc in zip(side, encodings, strict=True):
         fields = {}
+        data = text.encode("utf-8")
         if job.ids_dtype is not None:
-            fields[IDS_FIELD] = np.asarray(enc.ids, dtype=job.ids_dtype).tobytes()
+            ids = np.asarray(enc.ids, dtype=job.ids_dtype).tobytes()
+            fields[IDS_FIELD] = ids_member(ids, data) if job.ids_check else ids
             if chat_ranges:
                 fields[ASSISTANT_FIELD] = mask_ranges(assistant_token_mask(text, enc.offsets)).tobytes()
-        writer.add(key, text.encode("utf-8"), len(enc.ids) + 1, fields)
+        writer.add(key, data, len(enc.ids) + 1, fields)
         counts.append(len(enc.ids) + 1)
     return counts
 
