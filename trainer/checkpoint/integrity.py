@@ -20,6 +20,7 @@ import hashlib
 import os
 from pathlib import Path, PurePosixPath
 
+from trainer.data.workers import check_interrupt
 from trainer.errors import UserError
 
 HASH = "sha256"
@@ -99,6 +100,7 @@ def damaged(root: Path, recorded: dict[str, str], what: str) -> str | None:
     """The first of `recorded`'s files ({name: sha256}, named by `what`) that is missing, unreadable or not what
     was recorded, as its one-line message; None if all are intact. A name leading outside `root` raises."""
     for name, expected in sorted(recorded.items()):
+        check_interrupt()  # a preemption signal stops the hashing between files (ReadInterrupted)
         path = inside(Path(root), name, f"{what} names")
         if not path.is_file():
             return f"{path} is missing ({what} lists it): {DAMAGED}"

@@ -56,6 +56,7 @@ from safetensors.torch import save_file
 from trainer.checkpoint import integrity
 from trainer.checkpoint.integrity import DamagedCheckpointError
 from trainer.checkpoint.safe_io import load_state, save_state
+from trainer.data.workers import ReadInterrupted, check_interrupt
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, barrier, dist_max
 from trainer.errors import UserError
@@ -342,14 +343,14 @@ def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
 
 
 def on_every_rank(read):
-    """Collective: `read()` on this rank, its refusal agreed over the ranks. If it raised a UserError on any
-    rank, every rank raises the first such error (its type and message, lowest rank first), so that no rank goes
-    on alone into a collective that the refusing one never reaches (gloo's "Connection closed by peer"
-    traceback). Returns what `read` returned."""
+    """Collective: `read()` on this rank, its refusal agreed over the ranks. If it raised a UserError (or was
+    stopped by a preemption signal: ReadInterrupted) on any rank, every rank raises the first such error (its type
+    and message, lowest rank first), so that no rank goes on alone into a collective that the refusing one never
+    reaches (gloo's "Connection closed by peer" traceback). Returns what `read` returned."""
     failure, result = None, None
     try:
         result = read()
-    except UserError as e:
+    except (UserError, ReadInterrupted) as e:
         failure = (type(e), str(e))
     failures = [f for f in _gathered(failure) if f is not None]
     if failures:
@@ -418,9 +419,12 @@ def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine,
 
 
 def load_rank_states(path: str | Path, ranks) -> dict[int, dict]:
-    """{rank: the state in its RANK_FILE} for each of `ranks` (weights_only=True, as every .pt)."""
+    """{rank: the state in its RANK_FILE} for each of `ranks` (weights_only=True, as every .pt). A preemption
+    signal stops it between files (ReadInterrupted: trainer.data.workers.interrupt_reads), as it stops a shard
+    read: a resume on another shape reads every old rank's file, thousands of them after a large run."""
     out = {}
     for rank in ranks:
+        check_interrupt()
         file = Path(path) / rank_file(rank)
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint is damaged (it was written by "

@@ -38,6 +38,7 @@ from trainer.data.reader import SlotState
 from trainer.data.sources import url_file_name
 from trainer.data.state import LoaderState, PackerState, RowStreamState
 from trainer.data.stream import lpt
+from trainer.data.workers import check_interrupt
 from trainer.errors import UserError
 
 RESHAPED = "reshaped"
@@ -158,6 +159,7 @@ def _gather(states: Sequence[RowStreamState], stream, rank_epochs: Sequence[int 
     index = {url: i for i, url in enumerate(stream.shards)}
     splits: dict[tuple[str, int], list[list[int]]] = {}
     for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, rank_epochs, strict=True)):
+        check_interrupt()  # a preemption signal ends the deal here (ReadInterrupted), as it ends a step's reads
         left.stats.append(state.stats)
         for slot in range(rank * old_workers, (rank + 1) * old_workers):
             slot_state = loader.slot_states.get(slot) or SlotState(epoch=rank_epoch or 0)
@@ -260,6 +262,7 @@ def _deal(left: _Left, stream, world: int, workers: int, tokenized: list[tuple[i
             slot_parts[rank * workers + worker].append(k)
     states = []
     for s in range(num_slots):
+        check_interrupt()
         # Partly read shards first (their samples are already in the buffer), then the rest in the seeded order.
         ks = sorted(slot_parts[s], key=lambda k: (parts[k].taken == 0, k))
         states.append(_slot_state(left, stream, s, [parts[k] for k in ks], samples[s], num_slots, world, workers))

@@ -50,7 +50,7 @@ from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
-from trainer.run.evaluate import EvalInterrupted, EvalResult, Evaluator
+from trainer.run.evaluate import EvalInterrupted, EvalResult, Evaluator, TaskScorer
 from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics
@@ -58,6 +58,7 @@ from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptedAtStart, PreemptionHandler
 from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlock_run_dir
 from trainer.run.step import NonFiniteError, train_step
+from trainer.tasks.suite import load_suite
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ class Trainer:
         _seed_everything(cfg.seed)
         self.checkpointer = Checkpointer(self.run_dir, info, cfg.train.checkpoint_every, cfg.train.keep_last,
                                          cfg.train.max_steps)
-        self.resume_path = self.checkpointer.resume_path(cfg.train.resume)
+        self.resume_path = self._preemptible("verifying the checkpoint to resume from",
+                                             lambda: self.checkpointer.resume_path(cfg.train.resume))
         if self.resume_path is not None:  # before the data and the model are built from this config
             check_resumable(self.resume_path, cfg.resolved)
         self.data = build_data(cfg, info)
@@ -119,6 +121,7 @@ class Trainer:
         if mixture:
             self.counters["tokens_by_source"] = [0] * len(mixture)
         self.evaluator = self._build_evaluator() if cfg.train.eval_every else None
+        self.task_scorer = self._build_task_scorer() if cfg.train.eval_tasks else None
         self.last_eval: EvalResult | None = None
         self._resume()
         if accepted is not None:  # every check passed: the run writes from here on
@@ -139,6 +142,16 @@ class Trainer:
                               cfg.train.eval_docs, cfg.data.on_error)
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
                          self.data.pad_id, every=cfg.train.eval_every, groups=self.groups)
+
+    def _build_task_scorer(self) -> TaskScorer:
+        """train.eval_tasks, loaded once (built-ins from the run's held-out data) and checked against the model's
+        context before the first step."""
+        cfg = self.cfg
+        tasks, tok = load_suite(cfg.train.eval_tasks, "train.eval_tasks", lambda: cfg.data, self.data.tokenizer_dir,
+                                cfg.model.max_seq_len)
+        every = cfg.train.eval_every if cfg.train.eval_tasks_every is None else cfg.train.eval_tasks_every
+        return TaskScorer(tasks, tok, self.info, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
+                          self.data.pad_id, every)
 
     def _init_from(self, model) -> dict | None:
         """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
@@ -165,10 +178,9 @@ class Trainer:
                                                  "train.resume"))
         if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
             self.init_record = checkpoint_conventions(path).get("init_from")
-        meta, rank_states = self.checkpointer.load(path, self.engine)
-        self._stop_if_preempted(f"loading {path}")
-        self._load_stream_state(path, meta, rank_states)
-        self._stop_if_preempted(f"restoring the data stream of {path}")
+        meta, rank_states = self._preemptible(f"loading {path}", lambda: self.checkpointer.load(path, self.engine))
+        self._preemptible(f"restoring the data stream of {path}",
+                          lambda: self._load_stream_state(path, meta, rank_states))
         self.step = meta["step"]
         self.counters = {**self.counters, **meta["counters"]}
         self.inputs.rows.wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
@@ -190,6 +202,19 @@ class Trainer:
                 print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the global batch "
                       f"of every step after {self.step} differs from the checkpoint's run (the learning-rate schedule "
                       "does not change with it)", flush=True)
+
+    def _preemptible(self, phase: str, run: Callable):
+        """Collective: `run()`, one phase of the start, then every rank stops (PreemptedAtStart) if a preemption
+        signal reached any rank meanwhile. A signal cuts the phase short where it reads (the checkpoint's files
+        hashed, every old rank's state read, the reshaped stream dealt: ReadInterrupted on that rank); the other
+        ranks finish it and stop with it. Returns what `run` returned."""
+        try:
+            result = run()
+        except ReadInterrupted:
+            self._stop_if_preempted(phase)
+            raise
+        self._stop_if_preempted(phase)
+        return result
 
     def _stop_if_preempted(self, phase: str) -> None:
         """Collective: every rank raises PreemptedAtStart if a preemption signal reached any rank so far."""
@@ -318,6 +343,8 @@ class Trainer:
         resumed = self.resume_read if self.resumed_at is not None and self.step == self.resumed_at + 1 else {}
         last = self.step == cfg.train.max_steps
         evaluation = self._evaluate() if self.evaluator is not None and self.evaluator.due(self.step, last) else {}
+        if self.task_scorer is not None and self.task_scorer.due(self.step, last) and not self._stop_requested():
+            evaluation = {**evaluation, **self._score_tasks()}
         if self.metrics.due(self.step, last, forced=bool(evaluation or resumed or not stats.finite)):
             flops = self._step_flops(rows, mbs, step_time)
             self._log(stats, lr, step_time, t_data, {**evaluation, **resumed, **flops})
@@ -375,6 +402,15 @@ class Trainer:
                         time.perf_counter() - t0)
             return {}
         return {**self.last_eval.metrics(), "eval_time_s": time.perf_counter() - t0}
+
+    def _stop_requested(self) -> bool:
+        """Collective: whether a preemption signal arrived on any rank (the step is then checkpointed first)."""
+        return self.preemption is not None and self.preemption.requested(self.info.device)
+
+    def _score_tasks(self) -> dict:
+        """The metrics line's `tasks` (each task's metrics) and `tasks_time_s`."""
+        t0 = time.perf_counter()
+        return {"tasks": self.task_scorer.run(self.engine), "tasks_time_s": time.perf_counter() - t0}
 
     def _summary(self, preempted: str | None) -> dict:
         """summary.json: the run's totals and how it ran (trainer.run.metrics.run_summary)."""
