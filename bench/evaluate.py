@@ -49,13 +49,14 @@ def synthetic(num_items: int, vocab: int, seed: int) -> list[Candidate]:
 def from_checkpoint(args: argparse.Namespace) -> tuple[GPT, list[Candidate], int, int]:
     """(model, sequences, pad id, items) of --checkpoint and --tasks, as trainer.evaluate builds them."""
     from trainer.data.tokenizer import load_tokenizer, special_ids
-    from trainer.evaluate import load_tasks
+    from trainer.evaluate import tasks_of
     from trainer.generate import load
 
     model, tok_dir = load(args.checkpoint, args.device)
     tok = load_tokenizer(tok_dir)
-    ns = argparse.Namespace(data=args.data, builtin_docs=args.builtin_docs, builtin_items=None, seed=0)
-    tasks = load_tasks(args.tasks, args.checkpoint, ns, tok, tok_dir, model.cfg.max_seq_len)
+    ns = argparse.Namespace(path=args.checkpoint, tasks=args.tasks, data=args.data, builtin_docs=args.builtin_docs,
+                            builtin_items=None, seed=0)
+    tasks = tasks_of(ns, tok, tok_dir, model.cfg.max_seq_len)
     seqs = [s for t in tasks for s in task_sequences(t, lambda x: tok.encode(x, add_special_tokens=False).ids,
                                                      model.cfg.max_seq_len)]
     return model, seqs, special_ids(tok, tok_dir).pad, sum(len(t.items) for t in tasks)

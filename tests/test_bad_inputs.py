@@ -54,6 +54,7 @@ from trainer.reporting import runs as report_runs
 from trainer.reporting import verdicts as report_verdicts
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.inputs import build_data
+from trainer.tasks.suite import load_suite
 from trainer.train import HYDRA_ERRORS, build_config, user_message
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -89,6 +90,14 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("train.eval_every", ("train.eval_every=-1",), r"train.eval_every must be >= 0"),
     ("train.eval_docs", ("train.eval_docs=0",), r"train.eval_docs null or >= 1, got -?\d+ and 0"),
     ("train.eval_layout", ("train.eval_layout=bucketed",), r"train.eval_layout must be 'packed' or 'unpacked'"),
+    ("train.eval_tasks", ("train.eval_tasks=3",), r"train.eval_tasks must be a list of task files or built-in names, "
+                                                 r"got 3"),
+    ("train.eval_tasks", ("train.eval_tasks=['']",), r"train.eval_tasks must be a list of task files or built-in "
+                                                   r"names, got \[''\]"),
+    ("train.eval_tasks", ("train.eval_tasks=[cloze]", "distributed=fsdp2"),
+     r"train.eval_tasks scores through the unwrapped model, which distributed.engine=fsdp2 shards: use "
+     r"distributed=ddp, or score the run's checkpoints with python -m trainer.evaluate"),
+    ("train.eval_tasks_every", ("train.eval_tasks_every=-2",), r"train.eval_tasks_every must be null or >= 0, got -2"),
     ("train.on_nonfinite", ("train.on_nonfinite=ignore",), r"train.on_nonfinite must be 'stop' or 'skip'"),
     ("train.on_nonfinite", ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"),
      r"train.on_nonfinite=skip needs distributed.engine=ddp"),
@@ -458,7 +467,18 @@ def unreadable_val_shard(tmp: Path, fixture) -> None:
 unreadable_val_shard.fixtures = ("demo_data",)  # made before the row runs: its output is not the row's
 
 
+def unknown_eval_task(tmp: Path, fixture) -> None:
+    """train.eval_tasks naming neither a file nor a built-in: what the Trainer loads before the first step."""
+    demo = fixture("demo_data")
+    load_suite(["cloze", str(tmp / "missing.jsonl")], "train.eval_tasks", lambda: demo, demo / "tokenizer", 128)
+
+
+unknown_eval_task.fixtures = ("demo_data",)
+
+
 CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of the error line)
+    ("train.eval_tasks", unknown_eval_task, r"train.eval_tasks .*/missing.jsonl: no such task file, nor a built-in "
+                                            r"task \(continuation4, cloze\)"),
     ("seed", resumed_with("seed=1"), r"cannot resume from .*step_000003: it was written with seed=0 and this run "
                                      r"has seed=1"),
     ("train.seq_len", resumed_with("train.seq_len=256", "train.tokens_per_step=1024"),

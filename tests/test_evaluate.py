@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tests.harness import require_module
 from tests.helpers import CHECKPOINT_SEQ_LEN
 from trainer.data.tokenizer import load_tokenizer
-from trainer.evaluate import builtin_task, main
+from trainer.evaluate import main
+from trainer.tasks.suite import builtin_task
 from trainer.tasks.builtins import heldout_texts
 
 FILE_TASK = [{"query": "def parse(", "choices": ["self):", "x", "self, text):"], "gold": 0},

@@ -70,6 +70,12 @@ class TrainConfig:
     """Evaluate only the first N held-out documents (None = all of them); with data.sources, N of each source."""
     eval_layout: str = "packed"
     """Layout of the eval batches: 'packed' (isolated documents, fast) or 'unpacked'; the same val_loss either way."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """Downstream tasks scored in the loop (trainer.tasks): task files (.jsonl) or built-ins made from the held-out
+    split (continuation4, cloze); their acc, acc_norm and bits per byte go into metrics.jsonl and W&B as `tasks`."""
+    eval_tasks_every: int | None = None
+    """Score train.eval_tasks every N steps and at the end; None: at the held-out eval's cadence (train.eval_every),
+    0: at the end only."""
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: 'stop' (exit with the step number, nothing applied, no
     checkpoint of it) or 'skip' (no update on any rank; optimizer and schedule untouched; counted)."""
@@ -93,6 +99,10 @@ class TrainConfig:
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if self.eval_layout not in ("packed", "unpacked"):
             raise ValueError(f"train.eval_layout must be 'packed' or 'unpacked', got {self.eval_layout!r}")
+        if not isinstance(self.eval_tasks, list) or not all(isinstance(t, str) and t for t in self.eval_tasks):
+            raise ValueError(f"train.eval_tasks must be a list of task files or built-in names, got {self.eval_tasks!r}")
+        if self.eval_tasks_every is not None and self.eval_tasks_every < 0:
+            raise ValueError(f"train.eval_tasks_every must be null or >= 0, got {self.eval_tasks_every}")
         if self.eval_every < 0 or (self.eval_docs is not None and self.eval_docs < 1):
             raise ValueError(f"train.eval_every must be >= 0 and train.eval_docs null or >= 1, "
                              f"got {self.eval_every} and {self.eval_docs}")
@@ -309,6 +319,14 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
         if cfg.train.compile:
             problems.append("train.compile=true is not supported with distributed.context_parallel > 1 yet: use "
                             "train.compile=false")
+    if cfg.train.eval_tasks and cfg.distributed.engine != "ddp":
+        problems.append(f"train.eval_tasks scores through the unwrapped model, which distributed.engine="
+                        f"{cfg.distributed.engine} shards: use distributed=ddp, or score the run's checkpoints with "
+                        "python -m trainer.evaluate")
+    if cfg.train.eval_tasks and cfg.distributed.context_parallel > 1:
+        problems.append("train.eval_tasks scores whole sequences on each rank, not rows split over a context-parallel "
+                        "group: drop distributed.context_parallel, or score the run's checkpoints with "
+                        "python -m trainer.evaluate")
     if cfg.tokenizer.add_tokens and not cfg.train.init_from:
         problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} extends the tokenizer of train.init_from's "
                         "checkpoint: set train.init_from=CHECKPOINT too")

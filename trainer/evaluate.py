@@ -32,16 +32,15 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import init_distributed, shutdown_distributed
 from trainer.errors import UserError, command
 from trainer.generate import check_device, load
-from trainer.model import GPT
 from trainer.model.attention import BACKENDS, resolve_backend
-from trainer.tasks.builtins import BUILTINS, fitting, heldout_texts
-from trainer.tasks.metrics import item_records, task_metrics
-from trainer.tasks.scoring import LAYOUTS, score, task_sequences
-from trainer.tasks.tasks import Task, load_task_file
+from trainer.tasks.builtins import BUILTINS
+from trainer.tasks.scoring import LAYOUTS
+from trainer.tasks.suite import BuiltinOptions, load_tasks, score_tasks
+from trainer.tasks.tasks import Task
 
 
 class EvaluateError(UserError):
-    """Tasks that cannot be scored as given: built-ins without held-out data, two tasks of one name."""
+    """Built-in tasks without held-out data to make them from (an export, a checkpoint that names no data)."""
 
 
 def builtin_data(path: Path, data: Path | None) -> DataConfig:
@@ -58,54 +57,10 @@ def builtin_data(path: Path, data: Path | None) -> DataConfig:
                       tokenizer=section.get("tokenizer"))
 
 
-def builtin_task(name: str, texts: list[str], seed: int, max_items: int | None, tok: Tokenizer,
-                 max_tokens: int) -> Task:
-    """Built-in task `name` of the held-out `texts`, without the items that do not fit the model's context."""
-    task = BUILTINS[name](texts, seed, max_items)
-    task = fitting(task, lambda s: len(tok.encode(s, add_special_tokens=False).ids), max_tokens)
-    if not task.items:
-        raise EvaluateError(f"built-in task {name}: the held-out split gave no item (too few or too short "
-                            "documents); give --data DIR with more held-out documents")
-    return task
-
-
-def load_tasks(names: list[str], path: Path, args: argparse.Namespace, tok: Tokenizer, tok_dir: Path,
-               max_tokens: int) -> list[Task]:
-    """The tasks of --tasks in order: built-ins by name (made once from the held-out texts), files by path."""
-    texts = None
-    tasks = []
-    for name in names:
-        if name in BUILTINS:
-            if texts is None:
-                texts = heldout_texts(builtin_data(path, args.data), tok_dir, args.builtin_docs)
-            task = builtin_task(name, texts, args.seed, args.builtin_items, tok, max_tokens)
-        elif not Path(name).exists():
-            raise EvaluateError(f"--tasks {name}: no such task file, nor a built-in task ({', '.join(BUILTINS)})")
-        else:
-            task = load_task_file(name)
-        tasks.append(task)
-    seen = [t.name for t in tasks]
-    twice = sorted({n for n in seen if seen.count(n) > 1})
-    if twice:
-        raise EvaluateError(f"--tasks names the task(s) {twice} twice (a task is named by its file's stem): rename "
-                            "one of the files")
-    return tasks
-
-
-def evaluate(model: GPT, tasks: list[Task], tok: Tokenizer, pad_id: int, layout: str, batch_tokens: int,
-             device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
-    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective across ranks)."""
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
-
-    out = {}
-    for task in tasks:
-        sequences = task_sequences(task, encode, model.cfg.max_seq_len)
-        scores = score(model, sequences, layout, pad_id, batch_tokens, device, rank, world_size)
-        records = item_records(task, scores.loglikelihoods, scores.greedy)
-        out[task.name] = {"kind": task.kind, "source": task.source, "metrics": task_metrics(task, records),
-                          "items": records}
-    return out
+def tasks_of(args: argparse.Namespace, tok: Tokenizer, tok_dir: Path, max_tokens: int) -> list[Task]:
+    """The tasks of --tasks (trainer.tasks.suite), the built-ins from --data or the checkpoint's held-out data."""
+    return load_tasks(args.tasks, "--tasks", lambda: builtin_data(args.path, args.data), tok, tok_dir, max_tokens,
+                      BuiltinOptions(docs=args.builtin_docs, items=args.builtin_items, seed=args.seed))
 
 
 def table(results: dict) -> str:
@@ -155,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tok_dir = load(args.path, info.device)
         model.attention.backend = resolve_backend(args.attention, info.device, torch.float32, requires_grad=False)
         tok = load_tokenizer(tok_dir)
-        tasks = load_tasks(args.tasks, args.path, args, tok, tok_dir, model.cfg.max_seq_len)
-        results = evaluate(model, tasks, tok, special_ids(tok, tok_dir).pad, args.packing, args.batch_tokens,
-                           info.device, info.rank, info.world_size)
+        tasks = tasks_of(args, tok, tok_dir, model.cfg.max_seq_len)
+        results = score_tasks(model, tasks, tok, special_ids(tok, tok_dir).pad, args.packing, args.batch_tokens,
+                              info.device, info.rank, info.world_size)
     finally:
         shutdown_distributed()
     if info.is_main:

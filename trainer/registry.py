@@ -65,6 +65,9 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "train.eval_every": (SAME_OBJECTIVE, "eval cadence: eval draws no random number and reads no training document"),
     "train.eval_docs": (OTHER, "a different held-out set: val_loss not comparable"),
     "train.eval_layout": (SAME_OBJECTIVE, "the same val_loss in either layout"),
+    "train.eval_tasks": (SAME_OBJECTIVE, "downstream scores: the model in eval mode, no random number drawn, no "
+                                         "training document read"),
+    "train.eval_tasks_every": (SAME_OBJECTIVE, "the downstream scores' cadence, like train.eval_every"),
     "train.on_nonfinite": (SAME_OBJECTIVE, "decides only what a non-finite step does; finite steps are the same"),
     "train.activation_checkpointing": (SAME_OBJECTIVE, "recomputes activations: same loss and gradients"),
     "tokenizer.add_tokens": (OTHER, "a larger vocabulary"),
@@ -235,6 +238,9 @@ METRIC_KEYS: dict[str, str] = {
                                 "of a mixture only; null for a source without held-out shards)",
     "val_targets_by_source": "eval targets per source (eval steps of a mixture only)",
     "eval_time_s": "wall time of the evaluation (eval steps only)",
+    "tasks": "train.eval_tasks' downstream scores, per task: n, acc, acc_stderr, bits_per_byte, and acc_norm (multiple "
+             "choice) or loglikelihood (language modeling) with their standard errors (task steps only)",
+    "tasks_time_s": "wall time of scoring train.eval_tasks (task steps only)",
     "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an epoch at "
              "the same step)",
     "lockstep_wait_steps": "steps so far in which some rank had fewer rows than its share because its readers had "

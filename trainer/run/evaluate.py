@@ -13,6 +13,10 @@ so, as with the training objective, the number does not depend on the layout, th
 the world size (tested). Evaluation reads its own stream (the training stream and its position are
 untouched), runs the model in eval mode without gradients (no dropout, no RNG drawn), and is rebuilt
 identically after a resume.
+
+Downstream tasks (train.eval_tasks, `TaskScorer`) are scored the way `python -m trainer.evaluate` scores a
+checkpoint (trainer.tasks.suite: the same tasks, rows and numbers), in train.eval_layout, items split over the
+ranks, on the unwrapped model: the metrics line's `tasks` holds each task's metrics.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenizers import Tokenizer
+
 from trainer.data.feed import NO_GROUPS, Batch, Document, LossGroups, ShardSourceError, eval_batches
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
 from trainer.run.metrics import by_group
 from trainer.run.step import empty_batch, with_group_targets
+from trainer.tasks.suite import score_tasks
+from trainer.tasks.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +120,24 @@ class Evaluator:
         val_loss = total_loss / tokens
         return EvalResult(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=int(tokens),
                           val_docs=int(docs), **by)
+
+
+class TaskScorer:
+    """train.eval_tasks scored in the loop: `run(engine)` gives {task name: its metrics} (collective)."""
+
+    def __init__(self, tasks: list[Task], tok: Tokenizer, info: DistInfo, layout: str, batch_tokens: int,
+                 pad_id: int, every: int) -> None:
+        self.tasks, self.tok, self.info = tasks, tok, info
+        self.layout, self.batch_tokens, self.pad_id = layout, batch_tokens, pad_id
+        self.every = every
+        """Score every `every` steps (0: only after the last step)."""
+
+    def due(self, step: int, last: bool) -> bool:
+        return last or (self.every > 0 and step % self.every == 0)
+
+    def run(self, engine: Engine) -> dict[str, dict]:
+        """Each task's metrics (trainer.tasks.metrics), scored on `engine.module` (the model as built: a
+        replicated engine's, which every rank holds whole)."""
+        results = score_tasks(engine.module, self.tasks, self.tok, self.pad_id, self.layout, self.batch_tokens,
+                              self.info.device, self.info.rank, self.info.world_size)
+        return {name: result["metrics"] for name, result in results.items()}
