@@ -13,20 +13,27 @@ the same rules, at a few µs per member:
     samples     consecutive members with the same key (the name up to the first "." of its last part) make one
                 sample {"__key__": key, "__url__": url, field: bytes, ...}; fields are lowercased; a field twice in
                 one sample is an error, as in webdataset
-    the end     a zero block, or the end of the stream at a member boundary (a shard cut there is caught by the
-                manifest's count); a stream that ends inside a member is an error ("unexpected end of data")
-
+    headers     read as `tarfile` reads them: the checksum (unsigned, or signed as old tars), and the numeric
+                fields (mode, uid, gid, size, mtime, device numbers) octal text or GNU base-256, else a bad header
     sizes       a size (ustar octal, GNU base-256 or pax "size") that is negative, or that runs past the end of a
                 file whose length is known (a local file), is an error naming the member, before any of its data is
-                read; the read position only ever moves forward. A member's data is gathered in reads of at most
+                read: the read position only ever moves forward. A member's data is gathered in reads of at most
                 MAX_READ bytes, never one allocation of the size its header claims; a pax header or GNU long name
                 over META_MAX is an error
     the bound   `max_member_bytes`: a regular member larger is not read (its data is skipped in small reads); its
                 field holds a `TooLargeMember` (not raised) that names it, so that a reader can refuse or count that
                 one sample and go on with the shard
+    the end     a zero block, or the end of the stream at a member boundary (a shard cut there is caught by the
+                manifest's count); a stream that ends inside a member, or after a pax header or long name before
+                its member, or a file shorter than one header, is an error ("unexpected end of data", ...)
 
-Anything else is a `TarFormatError` naming the member: a bad header checksum, a sparse member. A compressed shard
-(gzip, bzip2, xz, zstd magic) is handed to webdataset's iterators whole (`tarfile` decompresses it; no bound).
+Stricter than `tarfile` on purpose (tests/data/test_tars_fuzz.py compares the two on generated tars): a negative
+size, a sparse member, a damaged header after the first (tarfile takes it for the end of the archive) and a pax
+record that does not parse (tarfile 3.11 drops it) are errors.
+
+Anything else is a `TarFormatError` naming the member (or where). A compressed shard (gzip, bzip2, xz, zstd magic)
+is read as webdataset's iterators read it, by `tarfile` in stream mode (it decompresses): the same samples and the
+bound, but tarfile's own checks and errors.
 
 Example: members a.txt, a.ids, b.txt -> {"__key__": "a", "txt": ..., "ids": ...}, {"__key__": "b", "txt": ...}.
 """
@@ -36,6 +43,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import tarfile
 from collections.abc import Iterator
 
 BLOCK = 512
@@ -156,10 +164,11 @@ def tar_samples(stream, url: str, max_member_bytes: int | None = None) -> Iterat
     chunks = _Chunks(stream)
     first = chunks.take(BLOCK)
     if first.startswith(COMPRESSED):
-        yield from _webdataset_samples(_Replayed(first, chunks), url)
-        return
+        members = _compressed_members(_Replayed(first, chunks), max_member_bytes)
+    else:
+        members = _members(chunks, first, max_member_bytes)
     sample: dict | None = None
-    for name, size, data in _members(chunks, first, max_member_bytes):
+    for name, size, data in members:
         if "/" not in name and name.startswith("__") and name.endswith("__") or META.match(name):
             continue
         match = KEY_FIELD.match(name)
@@ -379,7 +388,16 @@ class _Replayed:
         return self.stream.read(size)
 
 
-def _webdataset_samples(stream, url: str) -> Iterator[dict]:
-    from webdataset import tariterators
-
-    yield from tariterators.group_by_keys(tariterators.tar_file_expander([{"url": url, "stream": stream}]))
+def _compressed_members(stream, max_member_bytes: int | None) -> Iterator[tuple[str, int, bytes | None]]:
+    """(name, size, data) of each regular member of a compressed tar, as webdataset's `tar_file_expander` reads them
+    (`tarfile` in stream mode decompresses it); data None for a member over `max_member_bytes`: tarfile passes over
+    its data in small reads when it moves to the next member."""
+    with tarfile.open(fileobj=stream, mode="r|*") as tar:
+        for info in tar:
+            tar.members = []  # tarfile keeps every member's TarInfo otherwise (as webdataset: memory)
+            if not info.isreg():
+                continue
+            if max_member_bytes is not None and info.size > max_member_bytes:
+                yield info.name, info.size, None
+            else:
+                yield info.name, info.size, tar.extractfile(info).read()
