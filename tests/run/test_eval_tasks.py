@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,18 @@ def test_the_loops_scores_are_trainer_evaluates_on_the_checkpoint(sweep, tmp_pat
         assert ours.keys() == theirs.keys() and ours["n"] == theirs["n"] and ours["acc"] == theirs["acc"]
         for key, value in theirs.items():
             assert value is None and ours[key] is None or math.isclose(ours[key], value, rel_tol=0, abs_tol=1e-6), key
+
+
+def test_the_report_shows_each_arms_scores_with_an_interval_and_a_plot(sweep, tmp_path):
+    """trainer.report on the sweep: a "Downstream tasks" table holding the run with tasks (the one without has no
+    row), each accuracy with its 95 % interval, and the accuracy-over-steps plot."""
+    from trainer.reporting.html import make_report
+
+    written = make_report([sweep[0]], out=tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    section = text.split("## Downstream tasks\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| 1 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["continuation4", "snippets"]
+    assert all(re.search(r"\| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", row) for row in rows), rows
+    assert not any(line.startswith("| 0 |") for line in section.splitlines())
+    assert tmp_path / "report" / "task_accuracy.png" in written

@@ -28,6 +28,7 @@ from trainer.reporting.tables import (
     share_verdicts,
     table_rows,
 )
+from trainer.reporting.tasks import TASK_COLUMNS, task_rows, task_verdicts
 from trainer.reporting.verdicts import fmt_num, layout_verdicts, verdict
 
 
@@ -46,6 +47,8 @@ class Report:
     flops_columns: list[str]
     flops_rows: list[list[str]]
     """flops_table's (empty: no run logged FLOPs)."""
+    task_rows: list[list[str]]
+    """TASK_COLUMNS rows (empty: no run scored train.eval_tasks)."""
     images: list[tuple[str, str]]
     """(PNG file name, caption)."""
     notes: list[str]
@@ -58,6 +61,9 @@ class Report:
              "last eval's; both as Δ against the reference over the steps both logged; each source's share of "
              "the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
              self.source_rows),
+            ("Downstream tasks", "Each run's last scores of train.eval_tasks (trainer.reporting.tasks): accuracy with "
+             "its 95 % Wilson interval, acc_norm, the gold answers' bits per byte, and the accuracy's difference "
+             "from the reference's.", TASK_COLUMNS, self.task_rows),
             ("FLOPs both ways", "Mean over the non-warm-up steps. Model FLOPs: what the documents need, as if each "
              "ran alone (MFU); hardware FLOPs: what the kernels computed, padding and masked attention included "
              "(HFU). MFU and HFU only where the device's peak is known.", self.flops_columns, self.flops_rows),
@@ -76,11 +82,12 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
                                                                                                      tolerance)
         + group_verdicts(runs, ref, tolerance, BY_LENGTH) + group_verdicts(runs, ref, tolerance, BY_SOURCE)
-        + share_verdicts(runs),
+        + share_verdicts(runs) + task_verdicts(runs, ref),
         length_rows=group_rows(runs, ref, BY_LENGTH),
         source_rows=group_rows(runs, ref, BY_SOURCE),
         flops_columns=flops_columns,
         flops_rows=flops_rows,
+        task_rows=task_rows(runs, ref),
         images=images,
         notes=notes,
     )

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from trainer.data.shards import MANIFEST_FILE, PrepareError, load_manifest  # noqa: E402
 from trainer.reporting.runs import Run, Series, elapsed, series, throughput, train_loss
+from trainer.reporting.tasks import task_accuracy, task_names
 from trainer.reporting.tables import (
     BY_LENGTH,
     BY_SOURCE,
@@ -137,6 +138,22 @@ def plot_loss_by_source(runs: Sequence[Run]) -> plt.Figure:
     return fig
 
 
+def plot_task_accuracy(runs: Sequence[Run]) -> plt.Figure:
+    """One panel per task of train.eval_tasks: each run's accuracy over its task steps."""
+    names = task_names(runs)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for i, run in enumerate(runs):
+            acc = task_accuracy(run, name)
+            if acc:
+                steps = sorted(acc)
+                ax.plot(steps, [acc[s] for s in steps], label=plain(run.name), **_style(i, len(steps)))
+        ax.set(xlabel="step", ylabel="acc", title=plain(name), ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
 def plot_throughput(runs: Sequence[Run]) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     values = [throughput(r) or 0.0 for r in runs]
@@ -236,6 +253,8 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
           if group_names(runs, BY_LENGTH) else []),
         *([("loss_by_source.png", "Train token loss by source vs step", lambda: plot_loss_by_source(runs))]
           if group_names(runs, BY_SOURCE) else []),
+        *([("task_accuracy.png", "Downstream accuracy vs step, per task of train.eval_tasks",
+            lambda: plot_task_accuracy(runs))] if task_names(runs) else []),
         *([("doc_lengths.png", "Document lengths of the training corpus, train.seq_len marked",
             lambda: plot_doc_lengths(corpora))] if corpora else []),
     ]
