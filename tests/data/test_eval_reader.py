@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 
 import pytest
 
-from tests.data.test_tars import NEGATIVE
+from tests.data.test_tars import NEGATIVE, _sparse_shard
 from trainer.data.config import DataConfig
 from trainer.data.feed import load_eval_docs
+from trainer.data.reader import DataStreamError
 from trainer.data.workers import ReadInterrupted, allow_reads, interrupt_reads
 
 EVAL_START = """
@@ -98,3 +100,18 @@ def test_the_held_out_reader_gives_way_to_a_preemption_signal_on_local_shards(de
     finally:
         allow_reads()
     assert load_eval_docs(DataConfig(path=str(demo_data)), demo_data / "tokenizer", 0, 64, 3)  # and reads after
+
+
+def test_a_held_out_member_over_the_document_bound_is_refused_unread(demo_data, tmp_path):
+    """The held-out reader has the training stream's document bound (data.max_doc_mb), judged from the tar header:
+    a 300 MB member is refused by name and size without being read (memory stays far below it)."""
+    shard = _sparse_shard(tmp_path / "big.tar")
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataStreamError, match=r"big\.tar: sample 'big' is 314,572,800 bytes of text, over "
+                                                  r"data\.max_doc_mb=8"):
+            load_eval_docs(DataConfig(path=str(demo_data), val_urls=str(shard)), demo_data / "tokenizer", 0, 64, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"peak {peak:,} bytes"

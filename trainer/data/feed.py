@@ -150,6 +150,7 @@ def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, t
         name=name,
         source=index,
         stored_ids=stored,
+        manifest=source.manifest,  # each shard read through is checked against its entry (samples, bytes, tokens)
     )
 
 
@@ -220,8 +221,10 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
         source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
         read_timeout_s=data.read_timeout_s, name=name, source=index, max_doc_bytes=data.max_doc_bytes,
-        # Held-out shards of data.val_urls may come from another dataset than the manifest's: their text is read.
+        # Held-out shards of data.val_urls may come from another dataset than the manifest's: their text is read,
+        # and they are not checked against its entries.
         stored_ids=None if data.val_urls is not None else _stored_ids(source, tokenizer_hash(tokenizer_dir), data.loss_on),
+        manifest=None if data.val_urls is not None else source.manifest,
     )
     docs: list[Document] = []
     for _slot, _state, chunk in stream:  # one reader, in this process: no DataLoader, no rank split
