@@ -138,8 +138,9 @@ class Trainer:
 
     def _build_evaluator(self) -> Evaluator:
         cfg = self.cfg
-        docs = load_eval_docs(cfg.data, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len,
-                              cfg.train.eval_docs, cfg.data.on_error)
+        docs = self._preemptible("reading the held-out documents", lambda: load_eval_docs(
+            cfg.data, self.data.tokenizer_dir, self.data.eos_id, cfg.train.seq_len, cfg.train.eval_docs,
+            cfg.data.on_error))
         return Evaluator(docs, self.info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
                          self.data.pad_id, every=cfg.train.eval_every, groups=self.groups)
 
