@@ -35,9 +35,18 @@ FSDP2 = DistributedConfig(engine="fsdp2", device="cpu")
 
 
 def _engine(info, seed: int = 0):
-    from tests.distributed.test_fsdp import build
+    """The tiny model (weights from `seed`), AdamW and its schedule, sharded by FSDP2."""
+    from tests.helpers import MODEL
+    from trainer.config import OptimConfig
+    from trainer.distributed.engine import parallelize
+    from trainer.model import AttentionConfig, build_model
+    from trainer.run.optim import build_optimizer, build_scheduler
 
-    return build(info, FSDP2, seed=seed)
+    torch.manual_seed(seed)
+    model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
+    optim = OptimConfig(lr=1e-2, warmup_steps=2)
+    opt = build_optimizer(model, optim)
+    return parallelize(model, opt, build_scheduler(opt, optim, 3), info, FSDP2, grad_clip=1.0, dtype="fp32")
 
 
 def _write(rank: int, world: int, root: str) -> str:
@@ -285,3 +294,28 @@ def test_damaged_dcp_metadata_and_a_crafted_rank_file_are_one_line_on_every_rank
 class _RunsCode:
     def __reduce__(self):
         return (print, ("this ran",))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The weights readers (train.init_from, export, generate) check the file they read
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_the_weights_readers_refuse_damaged_or_outside_weights(checkpoint, tmp_path):
+    """model.safetensors with 64 bytes overwritten (before: read without a word) or a symlink leaving the
+    checkpoint: refused by load_weights, which init_from, export and generate read the weights with."""
+    from trainer.checkpoint.weights import load_weights
+
+    damaged = copy_of(checkpoint, tmp_path / "damaged")
+    assert load_weights(damaged).keys()  # intact
+    overwrite(damaged / store.WEIGHTS_FILE, (damaged / store.WEIGHTS_FILE).stat().st_size // 2)
+    with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: checksum mismatch: the checkpoint is "
+                                                     r"damaged; resume from an earlier one$"):
+        load_weights(damaged)
+    linked = copy_of(checkpoint, tmp_path / "linked")
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(linked / store.WEIGHTS_FILE, outside)
+    (linked / store.WEIGHTS_FILE).symlink_to(outside)
+    with pytest.raises(OutsideCheckpointError, match=r"its entry 'model.safetensors' leaves the checkpoint \(a "
+                                                     r"symlink to .*outside.safetensors\)"):
+        load_weights(linked)

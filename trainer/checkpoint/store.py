@@ -359,6 +359,18 @@ def on_every_rank(read):
     return result
 
 
+def verify_file(path: str | Path, name: str) -> Path:
+    """`path / name`, one file of checkpoint `path`, checked as `verify_checkpoint` checks them all (inside the
+    checkpoint; its sha256 the one recorded, when the checkpoint has CHECKSUMS_FILE): for the readers of one
+    file (the weights readers, trainer.checkpoint.weights). Not collective."""
+    path = Path(path)
+    file = integrity.inside(path, name, "its entry")
+    recorded = _recorded_checksums(path) or {}
+    if name in recorded and (problem := integrity.damaged(path, {name: recorded[name]}, f"its {CHECKSUMS_FILE}")):
+        raise DamagedCheckpointError(problem)
+    return file
+
+
 def _recorded_checksums(path: Path) -> dict[str, str] | None:
     """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE; None without one."""
     file = path / CHECKSUMS_FILE

@@ -24,6 +24,7 @@ from trainer.checkpoint.store import (
     TIED_KEY,
     TOKENIZER_DIR,
     WEIGHTS_FILE,
+    verify_file,
 )
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
@@ -75,7 +76,8 @@ def model_config(path: str | Path) -> GPTConfig:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict in the checkpoint's WEIGHTS_FILE (safetensors: loading never runs code), tied key omitted."""
+    """The state dict in the checkpoint's WEIGHTS_FILE (safetensors: loading never runs code), tied key omitted;
+    the file checked first (inside the checkpoint, its recorded sha256: store.verify_file)."""
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
         engine_file = Path(path) / ENGINE_FILE
@@ -84,9 +86,11 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
                 load_state,  # weights_only=True: refuses anything but data and tensors
             )
 
+            verify_file(path, ENGINE_FILE)
             return {k: v for k, v in load_state(engine_file, map_location="cpu")["model"].items() if k != TIED_KEY}
         raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one "
                            "written before the weights were saved on their own)")
+    verify_file(path, WEIGHTS_FILE)
     try:
         return load_file(str(file))
     except Exception as e:  # safetensors raises its own SafetensorError for a corrupt or truncated file
