@@ -15,6 +15,7 @@ import tracemalloc
 import pytest
 
 from tests.data.test_tars import NEGATIVE, _sparse_shard
+from tests.data.test_tars_fuzz import _at_most
 from trainer.data.config import DataConfig
 from trainer.data.feed import load_eval_docs
 from trainer.data.reader import DataStreamError
@@ -115,3 +116,17 @@ def test_a_held_out_member_over_the_document_bound_is_refused_unread(demo_data, 
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20, f"peak {peak:,} bytes"
+
+
+def test_under_on_error_skip_a_crafted_held_out_shard_is_one_counted_skip(demo_data, tmp_path, caplog):
+    """data.on_error=skip over the issue's tar: it was the same endless loop with thousands of warnings (its first
+    samples read again and again); now the samples before the bad header are read once (b, whose sample the header
+    would have continued, is not whole), the shard is skipped once (unreadable_shard)."""
+    shard = tmp_path / "neg.tar"
+    shard.write_bytes(NEGATIVE["pax header"])
+    data = DataConfig(path=str(demo_data), val_urls=str(shard), on_error="skip")
+    with _at_most(30):
+        docs = load_eval_docs(data, demo_data / "tokenizer", 0, 2**20, None, "skip")
+    assert [d.key for d in docs] == ["a"]
+    skips = [r.getMessage() for r in caplog.records if "skipped (" in r.getMessage()]
+    assert len(skips) == 1 and "skipped (unreadable_shard)" in skips[0] and "a negative size" in skips[0], skips
