@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from webdataset import tariterators
 
-from trainer.data.tars import TarFormatError, tar_samples
+from trainer.data.tars import TarFormatError, TooLargeMember, tar_samples
 
 URL = "/d/fuzz.tar"
 SECONDS_PER_EXAMPLE = 2.0
@@ -163,3 +163,23 @@ def test_valid_tars_give_the_same_samples_as_tarfile(data):
 @given(damaged_tars())
 def test_damaged_tars_give_the_same_samples_or_a_tar_format_error(data):
     _check(data)
+
+
+@settings(max_examples=100, deadline=2000, derandomize=True, print_blob=False,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(valid_tars(), st.integers(0, 1300))
+def test_the_member_bound_replaces_exactly_the_members_over_it(data, bound):
+    """With max_member_bytes, every field over the bound is a TooLargeMember of its size, every other one the
+    reference's bytes: skipping a member's data keeps the reader on the next header."""
+    expected = _reference(data)
+    if isinstance(expected, Exception):
+        return
+    with _at_most(SECONDS_PER_EXAMPLE):
+        ours = list(tar_samples(io.BytesIO(data), URL, max_member_bytes=bound))
+    assert [s.keys() for s in ours] == [s.keys() for s in expected]
+    for mine, theirs in zip(ours, expected, strict=True):
+        for field, value in theirs.items():
+            if isinstance(value, bytes) and len(value) > bound:
+                assert isinstance(mine[field], TooLargeMember) and mine[field].size == len(value)
+            else:
+                assert mine[field] == value
