@@ -25,9 +25,9 @@ noise hits all layouts alike; the first --warmup steps are run but not counted.
                         /proc/self/clear_refs) minus the resident set before the step, over --mem-steps steps
                         after one unmeasured step, glibc returning large blocks at once (MALLOC_MMAP_THRESHOLD_).
 
-Every variant runs the step as the trainer does by default, with its loss groups (`logging.length_buckets`,
-[64, 256, 1024]; with --sources N as a mixture of N sources: each bucket per source, and tokens and documents per
-source). --metrics-off adds each variant again without them (`logging.length_buckets=[]`, one source: the
+Every variant runs the step as the trainer does by default, with its loss groups (`logging.length_buckets` x
+`logging.position_buckets`, [64, 256, 1024] each; with --sources N as a mixture of N sources: each bucket per source,
+and tokens and documents per source). --metrics-off adds each variant again without them (no buckets, one source: the
 step's plain path), --chunk-tokens N each layout again with loss.chunk_tokens=N; a table then gives what the
 metrics cost per layout and loss: "paired" is the median over the measured steps of (seconds on / seconds off of
 the same step) - 1. It also times the FLOP model the loop evaluates on every logged step (model and hardware
@@ -207,11 +207,12 @@ def lay_out(rows: list[list[Document]], layout: str, cfg: RunConfig, pad_id: int
 
 def loss_groups(cfg: RunConfig, sources: int, metrics: bool = True) -> LossGroups:
     """The loss groups the trainer's step would sum: logging.length_buckets x `sources` mixture sources (0 or 1:
-    no mixture); none with metrics=False. Every document counts as the first source (the cost is the same)."""
+    no mixture) x logging.position_buckets; none with metrics=False. Every document counts as the first source
+    (the cost is the same)."""
     if not metrics:
         return LossGroups()
     names = tuple(f"source{i}" for i in range(sources)) if sources > 1 else ()
-    return LossGroups(tuple(cfg.logging.length_buckets), names)
+    return LossGroups(tuple(cfg.logging.length_buckets), names, tuple(cfg.logging.position_buckets))
 
 
 def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False, chunk_tokens: int = 0):

@@ -216,6 +216,8 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("logging.log_every", ("logging.log_every=0",), r"logging.log_every must be >= 1, got 0"),
     ("logging.length_buckets", ("logging.length_buckets=[256,64]",), r"logging.length_buckets must be increasing "
                                                                       r"positive integers, e.g. \[64, 256, 1024\], got \[256, 64\]"),
+    ("logging.position_buckets", ("logging.position_buckets=[0]",), r"logging.position_buckets must be increasing "
+                                                                   r"positive integers, e.g. \[64, 256, 1024\], got \[0\]"),
     ("logging.progress", ("logging.progress=maybe",), r"logging.progress must be true or false"),
     ("logging.record_doc_keys", ("logging.record_doc_keys=2",), r"logging.record_doc_keys must be true or false"),
     ("logging.wandb.mode", ("logging.wandb.mode=bogus",),

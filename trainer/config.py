@@ -235,14 +235,21 @@ class LoggingConfig:
     """Edges of the document-length buckets whose token loss is logged per step and per eval
     (`token_loss_by_length`: <=64, <=256, <=1024, >1024 tokens by default; a chunk of a split document counts by
     its own length). Empty: not logged."""
+    position_buckets: list[int] = field(default_factory=lambda: [64, 256, 1024])
+    """Edges of the buckets of a target's position in its document whose token loss is logged per step and per
+    eval (`token_loss_by_position`: the targets at positions 1..64, 65..256, ... of their document; a chunk of a
+    split document counts from its own start, as attention sees it): where cross-document attention or continuous
+    positions show. Empty: not logged."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         require_range("logging.log_every", self.log_every, 1)
-        edges = self.length_buckets
-        if not isinstance(edges, list) or not all(_fits(e, int) and e >= 1 for e in edges) or edges != sorted(set(edges)):
-            raise ValueError(f"logging.length_buckets must be increasing positive integers, e.g. [64, 256, 1024], "
-                             f"got {edges!r}")
+        for key in ("length_buckets", "position_buckets"):
+            edges = getattr(self, key)
+            if (not isinstance(edges, list) or not all(_fits(e, int) and e >= 1 for e in edges)
+                    or edges != sorted(set(edges))):
+                raise ValueError(f"logging.{key} must be increasing positive integers, e.g. [64, 256, 1024], "
+                                 f"got {edges!r}")
 
 
 @dataclass

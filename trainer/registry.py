@@ -138,6 +138,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "logging.progress": (IGNORED, "the progress bar"),
     "logging.record_doc_keys": (IGNORED, "an audit file"),
     "logging.length_buckets": (IGNORED, "which per-length token losses are logged"),
+    "logging.position_buckets": (IGNORED, "which per-position token losses are logged"),
     "logging.wandb.mode": (IGNORED, "W&B"),
     "logging.wandb.project": (IGNORED, "W&B"),
     "logging.wandb.entity": (IGNORED, "W&B"),
@@ -191,6 +192,10 @@ METRIC_KEYS: dict[str, str] = {
                             "its own length): sum of its token losses / its targets in the step, all ranks (null: "
                             "no target in that bucket)",
     "targets_by_length": "targets of the step per document-length bucket, all ranks",
+    "token_loss_by_position": "per bucket of the target's position in its document (logging.position_buckets; a "
+                              "chunk of a split document counts from its start): sum of its token losses / its "
+                              "targets in the step, all ranks (null: no target there)",
+    "targets_by_position": "targets of the step per position bucket, all ranks",
     "token_loss_by_source": "per source of the mixture (data.sources only): sum of its token losses / its targets in "
                             "the step, all ranks (null: no target from that source)",
     "targets_by_source": "targets of the step per source of the mixture, all ranks (data.sources only)",
@@ -234,6 +239,8 @@ METRIC_KEYS: dict[str, str] = {
     "val_docs": "eval documents, chunks of split ones counted once each, all ranks (eval steps only)",
     "val_token_loss_by_length": "token_loss_by_length of the eval set (eval steps only)",
     "val_targets_by_length": "eval targets per document-length bucket (eval steps only)",
+    "val_token_loss_by_position": "token_loss_by_position of the eval set (eval steps only)",
+    "val_targets_by_position": "eval targets per position bucket (eval steps only)",
     "val_token_loss_by_source": "token_loss_by_source of the eval set, each source's held-out documents (eval steps "
                                 "of a mixture only; null for a source without held-out shards)",
     "val_targets_by_source": "eval targets per source (eval steps of a mixture only)",
@@ -271,6 +278,7 @@ SUMMARY_KEYS: dict[str, str] = {
     "final_val_loss": "val_loss of the last evaluation (null without eval)",
     "final_val_ppl": "val_ppl of the last evaluation (null without eval)",
     "final_val_token_loss_by_length": "val_token_loss_by_length of the last evaluation (null without eval)",
+    "final_val_token_loss_by_position": "val_token_loss_by_position of the last evaluation (null without eval)",
     "final_val_token_loss_by_source": "val_token_loss_by_source of the last evaluation (data.sources only; null "
                                       "without eval)",
     "token_share_by_source": "each source's document tokens over all steps / all document tokens of the run "

@@ -456,7 +456,8 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     manifest = json.loads((demo_data / "manifest.json").read_text())
     has_histogram = "histogram" in manifest["splits"]["train"]["lengths"]
     pngs = [p for p in PNGS if has_histogram or p != "doc_lengths.png"]
-    pngs.insert(pngs.index("token_utilization.png") + 1, "loss_by_length.png")  # real runs log the buckets
+    at = pngs.index("token_utilization.png") + 1
+    pngs[at:at] = ["loss_by_length.png", "loss_by_position.png"]  # real runs log both kinds of buckets
     md = check_files(out, paths, pngs)
     verdicts = dict(line[4:].split("**: ", 1) for line in md.splitlines() if line.startswith("- **"))
     assert verdicts["seed1"] == "not comparable: different seed (0 vs 1)"
@@ -464,6 +465,8 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     assert verdicts["packed by document length"].startswith("every length bucket within 0.0001 of unpacked")
     assert "seed1 by document length" not in verdicts  # not comparable: no per-bucket judgement
     assert "## Token loss by document length" in md and "| packed | <=64 | " in md
+    assert verdicts["packed by position in document"].startswith("every position bucket within 0.0001 of unpacked")
+    assert "## Token loss by position in the document" in md
     rows = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
             for row in report_tables.table_rows(load_runs([tmp_path / n for n in variants]),
                                          load_runs([tmp_path / "unpacked"])[0])}

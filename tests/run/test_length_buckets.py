@@ -9,6 +9,7 @@ packed documents read their row neighbours, and the buckets show it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,7 +106,84 @@ def test_a_run_logs_them_every_step_and_eval(demo_data, tmp_path):
         known = {b: v for b, v in m["token_loss_by_length"].items() if v is not None}
         mean = sum(v * m["targets_by_length"][b] for b, v in known.items()) / m["valid_tokens"]
         assert mean == pytest.approx(m["token_loss"], rel=1e-5)
+    for m in lines:  # logging.position_buckets' default
+        assert list(m["token_loss_by_position"]) == ["<=64", "<=256", "<=1024", ">1024"]
+        assert sum(m["targets_by_position"].values()) == m["valid_tokens"]
     last = lines[-1]
+    assert sum(last["val_targets_by_position"].values()) == last["val_tokens"]
+    assert summary["final_val_token_loss_by_position"] == last["val_token_loss_by_position"]
     assert sum(last["val_targets_by_length"].values()) == last["val_tokens"]
     assert summary["final_val_token_loss_by_length"] == last["val_token_loss_by_length"]
     assert all(v is not None for v in last["val_token_loss_by_length"].values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# By position in the document (`token_loss_by_position`, logging.position_buckets)
+# ---------------------------------------------------------------------------------------------------
+
+POSITIONS = [2, 8, 16]  # targets at indices 1..2, 3..8, 9..16, 17.. of their document
+
+
+def step_by_position(docs: list[Document], layout: str, isolate: bool = True, reset: bool = True) -> dict:
+    model = model_for(isolate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    engine = parallelize(model, opt, sched, CPU, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
+    rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs))
+    packing = PackingConfig(layout=layout, reset_positions=reset)
+    mbs = micro_batches(rows, packing, SEQ_LEN, 2 * SEQ_LEN, PAD)
+    groups = LossGroups(tuple(EDGES), positions=tuple(POSITIONS))
+    stats = train_step(engine, mbs, CPU, PAD, groups=groups)
+    return {"stats": stats, **by_group(groups, stats.group_loss_sums, stats.group_targets)}
+
+
+def reference_by_position(docs: list[Document]) -> tuple[dict, dict]:
+    """Per position bucket: (mean token loss, targets) of the targets at those indices of their document, each
+    document run alone (plain cross entropy of its logits, written here)."""
+    model = model_for()
+    sums, counts = {}, {}
+    names = length_bucket_names(POSITIONS)
+    with torch.no_grad():
+        for doc in docs:
+            ids = torch.as_tensor(doc.tokens, dtype=torch.long)[None]
+            ce = F.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
+            for index, loss in enumerate(ce.tolist(), start=1):  # the target is the token at `index`
+                bucket = names[sum(index > e for e in POSITIONS)]
+                sums[bucket] = sums.get(bucket, 0.0) + loss
+                counts[bucket] = counts.get(bucket, 0) + 1
+    return {b: sums[b] / counts[b] for b in sums}, counts
+
+
+def test_loss_groups_place_each_position_by_its_index_in_its_segment():
+    """The docstring's row, by hand: [a0 a1 a2 | b0 b1 | pad], a of source 1 (length 3 > 2), b of source 0."""
+    from trainer.data.batch import collate_rows
+
+    a = Document("a", np.arange(3), source=1)
+    b = Document("b", np.arange(3, 5), source=0)
+    batch = collate_rows([[a, b]], 6, PAD, "packed")
+    groups = LossGroups((2,), ("x", "y"), positions=(1,))
+    assert groups.size == 8
+    assert groups.ids(batch).tolist() == [[6, 6, 7, 0, 0, -1]]
+
+
+def test_per_position_token_loss_equals_each_document_alone(docs):
+    got = step_by_position(docs, "packed")
+    expected, targets = reference_by_position(docs)
+    assert len(expected) == len(POSITIONS) + 1
+    assert got["targets_by_position"] == targets
+    for bucket, loss in expected.items():
+        assert got["token_loss_by_position"][bucket] == pytest.approx(loss, abs=1e-5), bucket
+    # Length and position are two marginals of one table: each partitions the step's targets.
+    assert got["targets_by_length"] == step_by_length(docs, "packed")["targets_by_length"]
+    assert sum(targets.values()) == sum(got["targets_by_length"].values())
+
+
+def test_continuous_positions_show_at_the_documents_later_positions(docs):
+    """packing.reset_positions=false gives each packed document the positions of its place in the row: its early
+    targets are read at positions the model gives other weights, and the position buckets show the change (the
+    unpacked layout, each document at the start of its row, is the reference)."""
+    unpacked = step_by_position(docs, "unpacked")["token_loss_by_position"]
+    reset = step_by_position(docs, "packed")["token_loss_by_position"]
+    continuous = step_by_position(docs, "packed", reset=False)["token_loss_by_position"]
+    assert max(abs(reset[b] - unpacked[b]) for b in unpacked) <= 1e-5
+    assert max(abs(continuous[b] - unpacked[b]) for b in unpacked) > 1e-3

@@ -149,17 +149,22 @@ def length_bucket_names(edges: Sequence[int]) -> list[str]:
 @dataclass(frozen=True)
 class LossGroups:
     """The groups whose token losses a run sums, a metric: a target's group is its segment's source x length
-    bucket, id = source * num_buckets + bucket. Without a mixture and without length buckets there are none (0
-    groups: no per-group sums at all).
+    bucket x the bucket of its position in the segment, id = (source * num_buckets + bucket) * num_positions +
+    position bucket. Without a mixture, length buckets and position buckets there are none (0 groups: no per-group
+    sums at all).
 
     Example: sources ("code", "prose"), edges (64,) -> 4 groups: 0 code <=64, 1 code >64, 2 prose <=64,
-    3 prose >64. Sources () and edges (64,) -> 2 groups, one per bucket (every document is source 0).
+    3 prose >64. Sources () and edges (64,) -> 2 groups, one per bucket (every document is source 0). Edges ()
+    and positions (8,) -> 2 groups: the targets at positions 1..8 of their document, and those after.
     """
 
     edges: tuple[int, ...] = ()
     """logging.length_buckets; () = one bucket."""
     sources: tuple[str, ...] = ()
     """The names of data.sources; () without a mixture."""
+    positions: tuple[int, ...] = ()
+    """logging.position_buckets: edges of a target's position in its segment (its token's index from the
+    segment's first, which is never a target); () = one bucket."""
 
     @property
     def num_buckets(self) -> int:
@@ -170,23 +175,37 @@ class LossGroups:
         return max(1, len(self.sources))
 
     @property
+    def num_positions(self) -> int:
+        return len(self.positions) + 1
+
+    @property
     def size(self) -> int:
         """G, the number of groups (0: nothing measured)."""
-        return self.num_sources * self.num_buckets if self.edges or self.sources else 0
+        if not (self.edges or self.sources or self.positions):
+            return 0
+        return self.num_sources * self.num_buckets * self.num_positions
 
     def ids(self, batch: Batch) -> torch.Tensor:
-        """(B, L) int64: the group of each position's segment (its document, or a chunk of a split one, as trained:
-        the unit attention isolates), bucket k = the first edge >= the segment's length, len(edges) above them
-        all; -1 on padding segments (they hold no target).
+        """(B, L) int64: the group of each position: its segment's (its document, or a chunk of a split one, as
+        trained: the unit attention isolates) source and length bucket k = the first edge >= the segment's length
+        (len(edges) above them all), and the bucket of its index in the segment the same way; -1 on padding
+        segments (they hold no target).
 
         Example: one row [a0 a1 a2 | b0 b1 | pad], sources of a, b = 1, 0, edges (2,), 2 sources ->
-        [[3 3 3 0 0 -1]] (a: source 1, bucket >2; b: source 0, bucket <=2).
+        [[3 3 3 0 0 -1]] (a: source 1, bucket >2; b: source 0, bucket <=2). With positions (1,) as well: 8
+        groups, [[6 6 7 0 0 -1]] (a0 and a1 at indices 0 and 1 <= 1, a2 at index 2 > 1; b0 and b1 <= 1).
         """
         seg_lens_S = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().cpu()
         source_S = _segment_sources(batch, self.num_sources)
         bucket_S = torch.bucketize(seg_lens_S, torch.tensor(self.edges, dtype=torch.long))  # first edge >= length
         group_S = torch.where(source_S >= 0, source_S * self.num_buckets + bucket_S, -1)
-        return torch.repeat_interleave(group_S, seg_lens_S).view(batch.shape)
+        group_N = torch.repeat_interleave(group_S, seg_lens_S)
+        if self.positions:
+            start_N = torch.repeat_interleave(batch.cu_seqlens[:-1].long().cpu(), seg_lens_S)
+            index_N = torch.arange(len(group_N)) - start_N
+            position_N = torch.bucketize(index_N, torch.tensor(self.positions, dtype=torch.long))
+            group_N = torch.where(group_N >= 0, group_N * self.num_positions + position_N, -1)
+        return group_N.view(batch.shape)
 
 
 NO_GROUPS = LossGroups()

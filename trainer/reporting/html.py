@@ -18,8 +18,10 @@ from trainer.reporting.plots import write_plots
 from trainer.reporting.runs import DEFAULT_TOLERANCE, Run, choose_reference, is_run_dir, load_runs
 from trainer.reporting.tables import (
     BY_LENGTH,
+    BY_POSITION,
     BY_SOURCE,
     LENGTH_COLUMNS,
+    POSITION_COLUMNS,
     SOURCE_COLUMNS,
     TABLE_COLUMNS,
     flops_table,
@@ -44,6 +46,8 @@ class Report:
     """LENGTH_COLUMNS rows (empty: no run logged token_loss_by_length)."""
     source_rows: list[list[str]]
     """SOURCE_COLUMNS rows (empty: no run logged token_loss_by_source)."""
+    position_rows: list[list[str]]
+    """POSITION_COLUMNS rows (empty: no run logged token_loss_by_position)."""
     flops_columns: list[str]
     flops_rows: list[list[str]]
     """flops_table's (empty: no run logged FLOPs)."""
@@ -57,6 +61,9 @@ class Report:
         """(title, intro line, columns, rows) of each table after the verdicts that has rows."""
         tables = [
             ("Token loss by document length", "", LENGTH_COLUMNS, self.length_rows),
+            ("Token loss by position in the document", "Targets grouped by their index in their document (a chunk "
+             "of a split one from its own start): cross-document attention and continuous positions show at the "
+             "early positions.", POSITION_COLUMNS, self.position_rows),
             ("Token loss by source", "Train token loss over all logged steps, each weighted by its targets; the "
              "last eval's; both as Δ against the reference over the steps both logged; each source's share of "
              "the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
@@ -81,10 +88,12 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         rows=table_rows(runs, ref, tolerance),
         verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
                                                                                                      tolerance)
-        + group_verdicts(runs, ref, tolerance, BY_LENGTH) + group_verdicts(runs, ref, tolerance, BY_SOURCE)
+        + group_verdicts(runs, ref, tolerance, BY_LENGTH) + group_verdicts(runs, ref, tolerance, BY_POSITION)
+        + group_verdicts(runs, ref, tolerance, BY_SOURCE)
         + share_verdicts(runs) + task_verdicts(runs, ref),
         length_rows=group_rows(runs, ref, BY_LENGTH),
         source_rows=group_rows(runs, ref, BY_SOURCE),
+        position_rows=group_rows(runs, ref, BY_POSITION),
         flops_columns=flops_columns,
         flops_rows=flops_rows,
         task_rows=task_rows(runs, ref),

@@ -19,6 +19,7 @@ from trainer.reporting.runs import Run, Series, elapsed, series, throughput, tra
 from trainer.reporting.tasks import task_accuracy, task_names
 from trainer.reporting.tables import (
     BY_LENGTH,
+    BY_POSITION,
     BY_SOURCE,
     Breakdown,
     group_names,
@@ -82,18 +83,20 @@ def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
     return fig
 
 
-def plot_loss_by_length(runs: Sequence[Run]) -> plt.Figure:
-    """Grouped bars: per length bucket, each run's final val token loss (its train token loss without eval)."""
-    names = group_names(runs, BY_LENGTH)
+def plot_loss_by_length(runs: Sequence[Run], by: Breakdown = BY_LENGTH) -> plt.Figure:
+    """Grouped bars: per length (or position) bucket, each run's final val token loss (its train token loss without
+    eval)."""
+    names = group_names(runs, by)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
-        val, train = val_by_group(run, BY_LENGTH), train_by_group(run, BY_LENGTH)
+        val, train = val_by_group(run, by), train_by_group(run, by)
         values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
         ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
                label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}", hatch=None if val else "//")
-    ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], [f"{n} tokens" for n in names])
-    ax.set(ylabel="token loss", title="Token loss by document length (final eval; train where no eval)")
+    ticks = [f"{n} tokens" if by is BY_LENGTH else f"position {n}" for n in names]
+    ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], ticks)
+    ax.set(ylabel="token loss", title=f"Token loss by {by.column} (final eval; train where no eval)")
     ax.legend(fontsize="small")
     ax.grid(axis="y", alpha=0.3)
     return fig
@@ -251,6 +254,8 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
         ("token_utilization.png", "Token utilization over steps", lambda: plot_utilization(runs)),
         *([("loss_by_length.png", "Token loss by document length", lambda: plot_loss_by_length(runs))]
           if group_names(runs, BY_LENGTH) else []),
+        *([("loss_by_position.png", "Token loss by position in the document",
+            lambda: plot_loss_by_length(runs, BY_POSITION))] if group_names(runs, BY_POSITION) else []),
         *([("loss_by_source.png", "Train token loss by source vs step", lambda: plot_loss_by_source(runs))]
           if group_names(runs, BY_SOURCE) else []),
         *([("task_accuracy.png", "Downstream accuracy vs step, per task of train.eval_tasks",

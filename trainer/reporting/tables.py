@@ -92,6 +92,10 @@ BY_LENGTH = Breakdown("token_loss_by_length", "targets_by_length", "val_token_lo
                       "documents {} tokens", "every length bucket")
 
 
+BY_POSITION = Breakdown("token_loss_by_position", "targets_by_position", "val_token_loss_by_position",
+                        "position in document", "targets at positions {} of their document", "every position bucket")
+
+
 BY_SOURCE = Breakdown("token_loss_by_source", "targets_by_source", "val_token_loss_by_source", "source",
                       "source {}", "every source")
 
@@ -101,6 +105,9 @@ GROUP_COLUMNS = ["run", "{}", "train token loss", "Δ train vs ref.", "final val
 
 
 LENGTH_COLUMNS = [c.format(BY_LENGTH.column) for c in GROUP_COLUMNS]
+
+
+POSITION_COLUMNS = [c.format(BY_POSITION.column) for c in GROUP_COLUMNS]
 
 
 SOURCE_COLUMNS = [c.format(BY_SOURCE.column) for c in GROUP_COLUMNS] + ["token share", "target share"]

@@ -57,6 +57,9 @@ class EvalResult:
     val_token_loss_by_length: dict[str, float | None] = field(default_factory=dict)
     """Per document-length bucket (logging.length_buckets): summed token loss / targets; {} when not measured."""
     val_targets_by_length: dict[str, int] = field(default_factory=dict)
+    val_token_loss_by_position: dict[str, float | None] = field(default_factory=dict)
+    """Per bucket of the target's position in its document (logging.position_buckets); {} when not measured."""
+    val_targets_by_position: dict[str, int] = field(default_factory=dict)
     val_token_loss_by_source: dict[str, float | None] | None = None
     """With a mixture: per source, summed token loss / targets (None for a source left out of the eval)."""
     val_targets_by_source: dict[str, int] | None = None

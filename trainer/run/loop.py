@@ -95,8 +95,10 @@ class Trainer:
             check_resumable(self.resume_path, cfg.resolved)
         self.data = build_data(cfg, info)
         mixture = cfg.data.mixture()
-        self.groups = LossGroups(tuple(cfg.logging.length_buckets), tuple(s.name for s in mixture))
-        """The loss groups of the step's and the eval's metrics: data.sources x logging.length_buckets."""
+        self.groups = LossGroups(tuple(cfg.logging.length_buckets), tuple(s.name for s in mixture),
+                                 tuple(cfg.logging.position_buckets))
+        """The loss groups of the step's and the eval's metrics: data.sources x logging.length_buckets x
+        logging.position_buckets."""
         self.source_weights = [s.weight for s in mixture]
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
                             loss_chunk_tokens=cfg.loss.chunk_tokens)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trainer.config import WandbConfig
@@ -65,10 +66,11 @@ def peak_flops(device: torch.device) -> float | None:
 def by_group(groups: LossGroups, loss_sums: Sequence[float] | None, targets: Sequence[int] | None,
              prefix: str = "") -> dict:
     """The per-group metrics of a step or an eval, from the sums and targets of each loss group (source x length
-    bucket, trainer.data.batch.LossGroups), as two marginal tables: with length buckets prefix +
+    bucket x position bucket, trainer.data.batch.LossGroups), as marginal tables: with length buckets prefix +
     "token_loss_by_length" {bucket: summed token loss / targets over every source, None for a bucket without
     targets} and prefix + "targets_by_length" {bucket: targets}; with a mixture the same by source
-    ("token_loss_by_source", "targets_by_source"); {} when not measured.
+    ("token_loss_by_source", "targets_by_source"); with position buckets by position in the document
+    ("token_loss_by_position", "targets_by_position"); {} when not measured.
 
     Example: sources (a, b), edges (64,), sums [6.0, 0.0, 1.0, 4.0], targets [3, 0, 1, 2] ->
     {"token_loss_by_length": {"<=64": 7 / 4, ">64": 4 / 2}, "targets_by_length": {"<=64": 4, ">64": 2},
@@ -76,16 +78,15 @@ def by_group(groups: LossGroups, loss_sums: Sequence[float] | None, targets: Seq
     """
     if not groups.size or loss_sums is None:
         return {}
-    S, K = groups.num_sources, groups.num_buckets
+    shape = (groups.num_sources, groups.num_buckets, groups.num_positions)
+    sums_SKP, targets_SKP = np.asarray(loss_sums, dtype=float).reshape(shape), np.asarray(targets).reshape(shape)
     out = {}
-    if groups.edges:
-        out |= _loss_table(f"{prefix}{{}}_by_length", length_bucket_names(groups.edges),
-                           [sum(loss_sums[s * K + k] for s in range(S)) for k in range(K)],
-                           [sum(targets[s * K + k] for s in range(S)) for k in range(K)])
-    if groups.sources:
-        out |= _loss_table(f"{prefix}{{}}_by_source", groups.sources,
-                           [sum(loss_sums[s * K:(s + 1) * K]) for s in range(S)],
-                           [sum(targets[s * K:(s + 1) * K]) for s in range(S)])
+    for present, key, names, axes in ((groups.edges, "by_length", length_bucket_names(groups.edges), (0, 2)),
+                                      (groups.sources, "by_source", groups.sources, (1, 2)),
+                                      (groups.positions, "by_position", length_bucket_names(groups.positions), (0, 1))):
+        if present:
+            out |= _loss_table(f"{prefix}{{}}_{key}", names, sums_SKP.sum(axis=axes).tolist(),
+                               targets_SKP.sum(axis=axes).tolist())
     return out
 
 
@@ -172,6 +173,7 @@ def run_summary(*, final_step: int, final_loss: float | None, last_eval, counter
         "final_val_loss": ev.val_loss if ev else None,
         "final_val_ppl": ev.val_ppl if ev else None,
         "final_val_token_loss_by_length": ev.val_token_loss_by_length if ev else None,
+        "final_val_token_loss_by_position": ev.val_token_loss_by_position if ev else None,
         "val_tokens": ev.val_tokens if ev else None,
         "val_docs": ev.val_docs if ev else None,
         "elapsed_s": counters["elapsed_s"],
