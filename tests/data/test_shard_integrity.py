@@ -2,12 +2,11 @@
 
 Each case damages real shards of the demo dataset (tar members rewritten with tarfile) and reads them through the
 real stream: one error naming the shard (and the sample), or under data.on_error=skip a counted skip. "Forged"
-ids carry a crc32 recomputed for their text (trainer.data.shards.ids_member), as a tool that rewrote them would:
+ids carry a check (a crc32) recomputed for their text (trainer.data.shards.ids_member), as a tool that rewrote them would:
 the checks that do not rest on the crc32 (vocabulary, dtype, size, manifest counts) still catch them."""
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import shutil
@@ -47,13 +46,13 @@ def _ids(member: bytes) -> np.ndarray:
     return np.frombuffer(member[:-4], dtype="<u2")
 
 
-def _damaged(demo_data: Path, tmp_path: Path, change) -> str:
-    """The first training shard, copied as tmp_path/train-000000.tar (the manifest's name) through `change`:
-    (key, field, data, fields of the sample) -> new data."""
-    src = shard_paths(demo_data, "train")[0]
+def _damaged(demo_data: Path, tmp_path: Path, change, which: int = 0) -> str:
+    """Training shard `which`, copied under its name (train-000000.tar: the manifest's) into tmp_path through
+    `change`: (key, field, data, fields of the sample) -> new data."""
+    src = shard_paths(demo_data, "train")[which]
     members = _members(src)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / SHARD
+    out = tmp_path / Path(src).name
     _rewrite(src, out, lambda name, data: (name, change(*name.split(".", 1), data, members[name.split(".")[0]])))
     return str(out)
 
@@ -151,7 +150,7 @@ def test_stored_ids_of_another_sample_are_bad_ids_of_that_sample(demo_data, tmp_
     shard = _damaged(demo_data, tmp_path, lambda key, field, data, fields:
                      members[following[key]]["ids"] if field == "ids" else data)
     _raises(demo_data, [shard], rf"{SHARD}: sample '[^']+': its ids are not those prepare stored for its text \(their "
-            r"crc32 differs: the ids of another sample or text, or damaged bytes\); the shard is damaged")
+            r"check differs: the ids of another sample or text, or damaged bytes\); the shard is damaged")
     loader = _read(demo_data, [shard], on_error="skip")
     assert list(loader) == [] and loader.skipped() == {"bad_ids": 200}
 
@@ -194,30 +193,44 @@ def test_a_text_the_text_path_refuses_is_refused_alike_from_its_stored_ids(demo_
     assert loaders[0].skipped() == loaders[1].skipped() == {reason: 1}
 
 
-@pytest.mark.parametrize("tokens,compressed", [(200_000, False), (5_000_000, False), (200_000, True)])
-def test_stored_ids_over_data_max_doc_mb_are_too_large_whatever_their_text(demo_data, tmp_path, tokens, compressed):
-    """A 10-byte text beside a large (forged) ids member: judged on the ids too, under data.max_doc_mb=0.125 (every
-    real document of the shard is under it). Refused from the member's header, never read (5M tokens are 10 MB);
-    in a gzipped shard, which the tar reader does not bound, by the number of ids."""
-    victim = _victim(demo_data)
-    text = b"short text"
+def _large_ids(demo_data: Path, tmp_path: Path, tokens: int, victim: str | None = None, which: int = 0) -> str:
+    """The victim's text made 10 bytes, its ids `tokens` (forged: their check recomputed)."""
+    victim, text = victim or _victim(demo_data), b"short text"
+    return _damaged(demo_data, tmp_path, lambda key, field, data, fields: data if key != victim else
+                    text if field == "txt" else ids_member(np.full(tokens, 7, dtype="<u2").tobytes(), text), which)
 
-    def change(key, field, data, fields):
-        if key == victim:
-            return text if field == "txt" else ids_member(np.full(tokens, 7, dtype="<u2").tobytes(), text)
-        return data
 
-    shard = _damaged(demo_data, tmp_path, change)
-    if compressed:
-        Path(shard).write_bytes(gzip.compress(Path(shard).read_bytes(), compresslevel=1))
-        what = rf"has {tokens:,} stored ids \(a token covers a byte of text at least\)"
-    else:
-        what = rf"has a 'ids' member of {2 * tokens + 4:,} bytes \(not read\)"
-    bound = 1 << 17  # bytes of text; <u2 ids: twice that
-    _raises(demo_data, [shard], rf"{SHARD}: sample '{victim}' {what}, over data.max_doc_mb=0.125 .*: raise "
-            r"data.max_doc_mb", max_doc_bytes=bound)
-    loader = _read(demo_data, [shard], max_doc_bytes=bound, on_error="skip")
+BOUND = 1 << 17
+"""data.max_doc_mb=0.125 in bytes: every real document of the first shard is under it; <u2 ids: twice that."""
+
+
+@pytest.mark.parametrize("tokens", [200_000, 5_000_000])
+def test_stored_ids_over_data_max_doc_mb_are_too_large_whatever_their_text(demo_data, tmp_path, tokens):
+    """A 10-byte text beside a large ids member: judged on the ids too, refused from the member's tar header, never
+    read (5M tokens are 10 MB)."""
+    shard = _large_ids(demo_data, tmp_path, tokens)
+    _raises(demo_data, [shard], rf"{SHARD}: sample '{_victim(demo_data)}' has a 'ids' member of {2 * tokens + 4:,} "
+            r"bytes \(not read\), over data.max_doc_mb=0.125 .*: raise data.max_doc_mb", max_doc_bytes=BOUND)
+    loader = _read(demo_data, [shard], max_doc_bytes=BOUND, on_error="skip")
     assert len(list(loader)) == 199 and loader.skipped() == {"too_large": 1}
+
+
+def test_stored_ids_buffered_in_a_checkpoint_are_judged_by_the_resumed_runs_bound(demo_data, tmp_path):
+    """A sample of an earlier shard sits in the saved shuffle buffer as its ids (not read again): counted by them."""
+    victim = _keys(shard_paths(demo_data, "train")[1])[-1]  # of the shard read first, the last: still buffered
+    shards = [shard_paths(demo_data, "train")[0], _large_ids(demo_data, tmp_path, 200_000, victim, which=1)]
+    first = _read(demo_data, shards, shuffle_buffer=300)
+    list(itertools.islice(first, 1))  # one chunk: 364 samples read, the cursor in the second shard
+    state = first.state_dict()
+    buffered = [item[2] for slot in state["slot_states"].values() for item in slot["position"]["buffer"]
+                if isinstance(item[3], tuple)]
+    assert victim in buffered
+    save_state(state, tmp_path / "state.pt")
+    second = _read(demo_data, shards, shuffle_buffer=300, max_doc_bytes=BOUND)
+    second.load_state_dict(load_state(tmp_path / "state.pt"))
+    with pytest.raises(DataStreamError, match=rf"sample '{victim}' has 200,000 stored ids \(a token covers "
+                       r"a byte of text at least\), over data.max_doc_mb=0.125"):
+        list(second)
 
 
 # -- ids the manifest's tokenizer cannot have written --------------------------------------------------------------
@@ -265,9 +278,15 @@ def test_uint32_ids_under_a_manifest_saying_uint16_are_named(demo_data, tmp_path
     assert list(loader) == [] and loader.skipped() == {"bad_ids": 200}
 
 
-def test_the_crc32_is_of_the_text_then_the_ids(demo_data):
-    """The record prepare writes (what a tool writing shards must write): docs/data.md says so."""
+def test_the_check_is_a_crc32_of_the_texts_length_and_ends_then_the_ids(demo_data, tmp_path):
+    """The record prepare writes (what a tool writing shards must write; docs/data.md says so), and a text changed at
+    an end with its ids kept fails it."""
     fields = _members(shard_paths(demo_data, "train")[0])[_victim(demo_data)]
     member, text = fields["ids"], fields["txt"]
-    assert member[-4:] == zlib.crc32(member[:-4], zlib.crc32(text)).to_bytes(4, "little")
+    ends = len(text).to_bytes(8, "little") + text[:64] + text[-64:]
+    assert member[-4:] == zlib.crc32(member[:-4], zlib.crc32(ends)).to_bytes(4, "little")
     assert ids_member(member[:-4], text) == member
+    victim = _victim(demo_data)
+    shard = _damaged(demo_data, tmp_path, lambda key, field, data, fields:
+                     b"#" + data[1:] if key == victim and field == "txt" else data)
+    _raises(demo_data, [shard], rf"{SHARD}: sample '{victim}': its ids are not those prepare stored for its text")

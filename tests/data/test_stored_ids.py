@@ -94,9 +94,11 @@ def test_stored_ids_are_the_tokenizers_encoding_of_the_text(which, demo_data, ch
         for shard in shard_paths(data, split):
             for key, fields in _members(shard).items():
                 text = fields["txt"].decode()
-                ids, check = fields["ids"][:-4], fields["ids"][-4:]  # the ids, then crc32(text bytes + ids bytes)
+                ids, check = fields["ids"][:-4], fields["ids"][-4:]  # the ids, then their check (ids_check)
                 assert np.frombuffer(ids, dtype="<u2").tolist() == tok.encode(text, add_special_tokens=False).ids, key
-                assert int.from_bytes(check, "little") == zlib.crc32(ids, zlib.crc32(fields["txt"])), key
+                txt = fields["txt"]
+                ends = len(txt).to_bytes(8, "little") + txt[:64] + txt[-64:]
+                assert int.from_bytes(check, "little") == zlib.crc32(ids, zlib.crc32(ends)), key
                 assert ("assistant" in fields) == (which == "chat")
                 checked += 1
     assert checked == sum(s["docs"] for s in manifest["splits"].values())

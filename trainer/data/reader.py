@@ -42,8 +42,8 @@ from trainer.data.shards import (
     IDS_FIELD,
     TEXT_FIELD,
     StoredIds,
+    ids_check,
     non_sample_members,
-    split_ids_member,
     wide_ids,
 )
 from trainer.data.sources import ReadCounter, ShardReadError, read_shard, url_file_name
@@ -260,7 +260,8 @@ class ShardCursor:
         """The current shard, read past its first `taken` samples (the last one's key must be `last_key`)."""
         url = self.shards[self.index]
         self.state.shard = url
-        self._opened_at, self._tokens = self.read.bytes, 0 if self.stream.stored_ids is not None else None
+        counted = self.stream.stored_ids is not None and url_file_name(url) in self.stream.expected_tokens
+        self._opened_at, self._tokens = self.read.bytes, 0 if counted else None  # tokens only where checked
         samples = read_shard(url, self.read, self.stream.read_timeout_s, self.stream.max_member_bytes)
         found = {}
         try:
@@ -495,7 +496,7 @@ def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | Refused | 
     if TEXT_FIELD not in sample:
         return sorted(k for k in sample if not k.startswith("__"))
     text = sample[TEXT_FIELD]
-    if isinstance(text, TooLargeMember):
+    if type(text) is TooLargeMember:
         return _too_large(text)
     if stored is None or IDS_FIELD not in sample or (stored.assistant and ASSISTANT_FIELD not in sample):
         return text
@@ -505,25 +506,26 @@ def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | Refused | 
 def _stored(sample: dict, text: bytes, stored: StoredIds) -> bytes | Stored | Refused:
     """A sample's stored ids, after the checks that need its text (the buffer keeps only the ids): a text the text
     path refuses (empty, not UTF-8) is handed on as its text, to be refused alike (the same documents either way);
-    ids that are not those prepare wrote for this text (their crc32, `StoredIds.checked`) are refused (bad_ids)."""
+    ids that are not those prepare wrote for this text (their check, `StoredIds.checked`) are refused (bad_ids).
+    Every document pays this: plain Python, no call it can do without."""
     member = sample[IDS_FIELD]
     ranges = sample[ASSISTANT_FIELD] if stored.assistant else None
-    for value in (member, ranges):
-        if isinstance(value, TooLargeMember):
-            return _too_large(value)
-    try:
-        if not text.decode("utf-8").strip():
+    if type(member) is TooLargeMember or type(ranges) is TooLargeMember:
+        return _too_large(member if type(member) is TooLargeMember else ranges)
+    if not (text and 33 <= text[0] <= 126 and text.isascii()):  # else ASCII beginning with a visible character
+        try:
+            if not text.decode("utf-8").strip():
+                return text
+        except UnicodeDecodeError:
             return text
-    except UnicodeDecodeError:
-        return text
     if not stored.checked:
         return member, len(text), ranges, stored.dtype
-    ids = split_ids_member(member, text)
-    if ids is None:
-        wide = wide_ids(member, stored.dtype) or wide_ids(member[:-CHECK_BYTES], stored.dtype)
+    ids = member[:-CHECK_BYTES]
+    if len(member) < CHECK_BYTES or ids_check(ids, text) != int.from_bytes(member[-CHECK_BYTES:], "little"):
+        wide = wide_ids(member, stored.dtype) or wide_ids(ids, stored.dtype)
         why = (f"they read as <u4 values, every second {stored.dtype} value 0 (written as uint32; the manifest says "
                f"{stored.dtype})" if wide else "the ids of another sample or text, or damaged bytes")
-        return f"bad_ids: its ids are not those prepare stored for its text (their crc32 differs: {why})"
+        return f"bad_ids: its ids are not those prepare stored for its text (their check differs: {why})"
     return ids, len(text), ranges, stored.dtype
 
 

@@ -11,8 +11,8 @@ Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text,
 {"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the manifest's
 tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the manifest's "ids"
 entry says which, and the tokenizer's sha256 they were encoded with; under the entry's "check": "crc32" the member ends with
-4 more bytes, the little-endian crc32 of the text's bytes then the ids' bytes, which ties the ids to their text:
-`ids_member`, `split_ids_member`), and for chat data `<key>.assistant`, the
+4 more bytes, a little-endian crc32 of the text's length and ends and of the ids, which ties the ids to their text:
+`ids_check`), and for chat data `<key>.assistant`, the
 assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads the
 ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with (`StoredIds`). Keys
 hold no dot (webdataset cuts the member name into key and field at the first dot) and are unique across the
@@ -58,7 +58,8 @@ SCHEMA = {
 }
 IDS_SCHEMA = {
     IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'; with its "
-               "check 'crc32', then the little-endian crc32 of the text's bytes and the ids' bytes (4 bytes)",
+               "check 'crc32', then 4 bytes: trainer.data.shards.ids_check, the little-endian crc32 of the text's "
+               "length (8 bytes, little-endian), its first and last 64 bytes, then the ids' bytes",
 }
 ASSISTANT_SCHEMA = {
     ASSISTANT_FIELD: "bytes: the assistant turns' tokens, [start, end) token index ranges, little-endian uint32 pairs",
@@ -71,28 +72,30 @@ def ids_dtype(vocab_size: int) -> str:
 
 
 IDS_CHECK = "crc32"
-"""The manifest's "ids" "check": each ids member ends with the crc32 of its text and ids (`ids_member`)."""
+"""The manifest's "ids" "check": each ids member ends with a crc32 of its text and ids (`ids_member`)."""
 CHECK_BYTES = 4
+TEXT_ENDS = 64
+"""Bytes of each end of the text the check covers, with the text's length: a text of any size costs the same."""
+
+
+def ids_check(ids: bytes, text: bytes) -> int:
+    """The crc32 that ties `ids` to `text`: of the text's length (8 bytes, little-endian), its first and last TEXT_ENDS
+    bytes, then the ids. Another sample's ids fail it unless that sample's text has the same length and ends; a
+    changed id fails it. Cheap: ~1 KB hashed for a document of a few hundred tokens, whatever its text's size."""
+    ends = len(text).to_bytes(8, "little") + text[:TEXT_ENDS] + text[-TEXT_ENDS:]
+    return zlib.crc32(ids, zlib.crc32(ends))
 
 
 def ids_member(ids: bytes, text: bytes) -> bytes:
-    """The `ids` member prepare writes: the ids' bytes, then the little-endian crc32 of `text` then `ids`.
-    Example: ids_member(b"\x01\x00", b"a") -> b"\x01\x00" + zlib.crc32(b"\x01\x00", zlib.crc32(b"a")) as 4 bytes."""
-    return ids + zlib.crc32(ids, zlib.crc32(text)).to_bytes(CHECK_BYTES, "little")
-
-
-def split_ids_member(member: bytes, text: bytes) -> bytes | None:
-    """The ids of an `ids_member` written for `text`, or None when its crc32 is not that of this text and ids (the ids
-    of another sample, another text, or damaged bytes)."""
-    ids, check = member[:-CHECK_BYTES], member[-CHECK_BYTES:]
-    ok = len(member) >= CHECK_BYTES and zlib.crc32(ids, zlib.crc32(text)).to_bytes(CHECK_BYTES, "little") == check
-    return ids if ok else None
+    """The `ids` member prepare writes: the ids' bytes, then their `ids_check` with `text` (4 bytes, little-endian).
+    Example: ids_member(b"\x01\x00", b"a") -> b"\x01\x00" + ids_check(b"\x01\x00", b"a").to_bytes(4, "little")."""
+    return ids + ids_check(ids, text).to_bytes(CHECK_BYTES, "little")
 
 
 def wide_ids(ids: bytes, dtype: str) -> bool:
     """Whether <u2 ids look like <u4 ones read as <u2: at least two values, every second one 0 (the high halves of
     ids under 65,536). Examples: [7, 0, 9, 0] -> True; [7, 0, 9, 4] -> False. O(1) unless the last value is 0."""
-    if dtype != "<u2" or len(ids) < 8 or len(ids) % 4 or ids[-2:] != b"\0\0":
+    if len(ids) < 8 or ids[-1] or ids[-2] or dtype != "<u2" or len(ids) % 4:
         return False
     return not np.frombuffer(ids, dtype="<u2")[1::2].any()
 
