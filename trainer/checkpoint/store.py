@@ -234,11 +234,29 @@ def _record_checksums(directory: Path, info: DistInfo) -> None:
     """Collective: the sha256 of every file of `directory` (the ranks share the hashing), into its
     CHECKSUMS_FILE, written by rank 0 last."""
     names = integrity.files_of(directory, exclude={CHECKSUMS_FILE})
-    recorded = {}
-    for share in _gathered(integrity.digests(directory, names[info.rank::info.world_size])):
-        recorded.update(share)
+    try:
+        share: dict | str = integrity.digests(directory, names[info.rank::info.world_size])
+    except OSError as e:  # agreed below, so that no rank waits for this one
+        share = f"cannot hash {e.filename or directory} for its {CHECKSUMS_FILE}: {e.strerror or e}"
+    shares = _gathered(share)
+    failures = [s for s in shares if isinstance(s, str)]
+    if failures:
+        if info.is_main:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise CheckpointError(f"{failures[0]}; the partial directory was removed")
+    recorded = {name: digest for share in shares for name, digest in share.items()}
+    failure: OSError | None = None
     if info.is_main:
-        record_checksums(directory, recorded)
+        try:
+            record_checksums(directory, recorded)
+        except OSError as e:
+            failure = e
+    if dist_max(float(failure is not None), info.device) > 0:  # a full disk at the last file: every rank stops
+        if info.is_main:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise CheckpointError(f"cannot write {directory / CHECKSUMS_FILE}"
+                              f"{f': {failure.strerror or failure}' if failure else ' (on rank 0)'}; the partial "
+                              "directory was removed")
 
 
 def record_checksums(directory: str | Path, recorded: dict[str, str] | None = None) -> None:
