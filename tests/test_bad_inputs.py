@@ -478,7 +478,122 @@ def unknown_eval_task(tmp: Path, fixture) -> None:
 unknown_eval_task.fixtures = ("demo_data",)
 
 
+# Issue 42 (nothing lost, round three): checkpoints that reach outside themselves or hide damage, crafted tar
+# headers, shards that are not their manifest entry, stored ids not tied to their text, a run dir of one's own files.
+
+
+def damaged_checkpoint(damage: Callable[[Path], None]) -> Call:
+    """The session's checkpoint copied, damaged by `damage(path)`, resumed by path as the trainer does first."""
+    def call(tmp: Path, fixture) -> None:
+        path = store.checkpoint_dir(tmp / "run", 3)
+        shutil.copytree(fixture("checkpoint"), path)
+        damage(path)
+        Checkpointer(tmp / "run", CPU, 0, 1, 1).resume_path(str(path))
+    call.fixtures = ("checkpoint",)
+    return call
+
+
+def overwrite_middle(name: str) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        with open(path / name, "r+b") as f:
+            f.seek((path / name).stat().st_size // 2)
+            f.write(b"\xff" * 64)
+    return damage
+
+
+def symlinked_out(path: Path) -> None:
+    outside = path.parents[2] / "outside.safetensors"
+    os.replace(path / store.WEIGHTS_FILE, outside)
+    (path / store.WEIGHTS_FILE).symlink_to(outside)
+
+
+def _tars():
+    from tests.data import test_tars
+    return test_tars
+
+
+def crafted_val_shard(name: str, make: Callable[[], bytes]) -> Call:
+    """A crafted tar as the held-out shard (data.val_urls), read as the trainer's start reads it."""
+    def call(tmp: Path, fixture) -> None:
+        demo = fixture("demo_data")
+        (tmp / name).write_bytes(make())
+        load_eval_docs(DataConfig(path=str(demo), val_urls=str(tmp / name)), demo / "tokenizer", 0, 128, None)
+    call.fixtures = ("demo_data",)
+    return call
+
+
+def damaged_ids(change: Callable[[str, str, bytes, dict], bytes]) -> Call:
+    """The demo's first training shard with its members passed through `change(key, field, data, fields)` (the
+    key is VICTIM's for a one-sample case), read from its stored ids as a run reads it."""
+    from tests.data import test_shard_integrity as shards
+
+    def call(tmp: Path, fixture) -> None:
+        demo = fixture("demo_data")
+        list(shards._read(demo, [shards._damaged(demo, tmp, change)]))
+    call.fixtures = ("demo_data",)
+    return call
+
+
+def forged_out_of_vocabulary(key, field, data, fields):
+    from tests.data.test_shard_integrity import _ids
+    from trainer.data.shards import ids_member
+    if field != "ids":
+        return data
+    ids = _ids(data).copy()
+    ids[3] = 60_000
+    return ids_member(ids.tobytes(), fields["txt"])
+
+
+def written_as_uint32(key, field, data, fields):
+    from tests.data.test_shard_integrity import _ids
+    from trainer.data.shards import ids_member
+    return ids_member(_ids(data).astype("<u4").tobytes(), fields["txt"]) if field == "ids" else data
+
+
+def whitespace_text(key, field, data, fields):
+    return b"  \n\t" if field == "txt" else data
+
+
+def users_own_files(tmp: Path, _) -> None:
+    """hydra.run.dir naming a directory of the user's own files: refused before a byte is written."""
+    from trainer.run.run_dir import claim_run_dir
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "thesis.tex").write_text("chapter 1")
+    try:
+        claim_run_dir(tmp / "mine", False, False, CPU)
+    finally:
+        assert sorted(p.name for p in (tmp / "mine").iterdir()) == ["thesis.tex"]
+
+
 CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of the error line)
+    ("train.resume", damaged_checkpoint(overwrite_middle(store.WEIGHTS_FILE)),
+     r"model\.safetensors: checksum mismatch: the checkpoint is damaged; resume from an earlier one$"),
+    ("train.resume", damaged_checkpoint(overwrite_middle(store.rank_file(0))),
+     r"rank_00000\.pt: checksum mismatch: the checkpoint is damaged; resume from an earlier one$"),
+    ("train.resume", damaged_checkpoint(lambda p: (p / store.rank_file(0)).unlink()),
+     r"rank_00000\.pt is missing \(its checksums\.json lists it\): the checkpoint is damaged"),
+    ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).write_text('{"algorithm": "sha256", '
+                                                                                        '"files": {"../../x": "00"}}')),
+     r"its checksums\.json names '\.\./\.\./x' leaves the checkpoint \('\.\.'\); a checkpoint reads only files inside "
+     r"its own directory"),
+    ("train.resume", damaged_checkpoint(symlinked_out),
+     r"its entry 'model\.safetensors' leaves the checkpoint \(a symlink to .*outside\.safetensors\)"),
+    ("data.val_urls", crafted_val_shard("neg.tar", lambda: _tars().NEGATIVE["pax header"]),  # looped for good
+     r"neg\.tar: cannot read shard \(after sample 'a'\): TarFormatError: \./\./@PaxHeader: a negative size \(-3584\) "
+     r"in its header: a damaged or crafted shard"),
+    ("data.val_urls", crafted_val_shard("negm.tar", lambda: _tars().NEGATIVE["member"]),  # an "empty document"
+     r"negm\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: a negative size"),
+    ("data.val_urls", crafted_val_shard("huge.tar", lambda: _tars()._with_size(_tars().PLAIN[:512], 7 * 10**9)
+                                        + _tars().PLAIN[512:]),  # issue 46: a MemoryError
+     r"huge\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: its header says "
+     r"7,000,000,000 bytes but the file has [\d,]+ left: a truncated or damaged shard"),
+    ("data.path", damaged_ids(forged_out_of_vocabulary),
+     r"train-000000\.tar: sample '[^']+': its stored ids hold 60000, outside the vocabulary \(512 tokens\) of the "
+     r"tokenizer the manifest says encoded them; the shard is damaged"),
+    ("data.path", damaged_ids(written_as_uint32),  # issue 46: trained silently
+     r"its ids read as <u4 values \(every second <u2 value is 0: written as uint32\), but the manifest says <u2"),
+    ("data.path", damaged_ids(whitespace_text), r"train-000000\.tar: sample '[^']+' is an empty document"),
+    ("hydra.run.dir", users_own_files, r"hydra.run.dir .*/mine holds files that no run wrote \(thesis.tex\)"),
     ("train.eval_tasks", unknown_eval_task, r"train.eval_tasks .*/missing.jsonl: no such task file, nor a built-in "
                                             r"task \(continuation4, cloze\)"),
     ("seed", resumed_with("seed=1"), r"cannot resume from .*step_000003: it was written with seed=0 and this run "
