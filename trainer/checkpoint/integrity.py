@@ -6,12 +6,12 @@ checkpoint directory: no absolute name, no `..`, no symlink whose target leaves 
 (trainer.distributed.fsdp.SafeReader).
 
 Checksums: at save, the sha256 of every file of the checkpoint is recorded in its manifest, written last
-(`digests`, then the store writes them); at load, the files are hashed again and compared before anything is
-read (`verify`). sha256 runs at ~1.4 GB/s on one core here; the ranks share the files to hash.
+(`digests`; the store names and writes the manifest); at load, the files are hashed again and compared before
+anything is read (`damaged`). sha256 runs at ~1.4 GB/s on one core here; the ranks share the files to hash.
 
-    names = files_of(ckpt, exclude={"checksums.json"})    # ['dcp/.metadata', 'dcp/__0_0.distcp', 'meta.json', ...]
-    digests(ckpt, names)                                    # {'meta.json': '9f2c...', ...}
-    damaged(ckpt, recorded)                                 # None, or "ckpt/dcp/__0_0.distcp: checksum mismatch ..."
+    names = files_of(ckpt, exclude={"checksums.json"})  # ['dcp/.metadata', 'dcp/__0_0.distcp', 'meta.json', ...]
+    recorded = digests(ckpt, names)                      # {'meta.json': '9f2c...', ...}
+    damaged(ckpt, recorded, "its checksums.json")        # None, or "ckpt/dcp/__0_0.distcp: checksum mismatch: ..."
 """
 
 from __future__ import annotations
