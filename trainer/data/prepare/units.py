@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -70,6 +71,7 @@ Progress = Callable[[int, int], None]  # (input bytes advanced, documents finish
 
 
 MB = 1 << 20
+GB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -289,15 +291,54 @@ def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Count
             yield f"{piece.name}--{number}", text, (piece.path, (number - 1) // size)
 
 
+TOKENIZE_BYTES_PER_BYTE = 128
+"""What tokenizing one document holds at its peak, per byte of its text: measured ~110 for the BPE of `tokenizers`
+(1.2 GB for a 10.8 MB document of words, 435 MB for 4 MB without whitespace). A document that needs more than the
+process may still allocate would end the process with the library's abort (SIGABRT, no message)."""
+CHECKED_MB = 4
+"""Documents larger than this are checked against the memory the process may still allocate before tokenizing."""
+
+
 def _fits(size: int, where: str, job: Job, policy: ErrorPolicy) -> bool:
-    """Whether a document of `size` bytes is within job.max_doc_bytes; if not, reported (an error, or a counted
-    skip `too_large`)."""
-    if job.max_doc_bytes is None or size <= job.max_doc_bytes:
-        return True
-    policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb {job.max_doc_bytes / MB:.3g} "
-                                   "(tokenizing one document takes ~200x its size in memory): split it, raise "
-                                   "--max-doc-mb, or skip such documents with --on-error skip")
-    return False
+    """Whether a document of `size` bytes is within job.max_doc_bytes and, if large, within what this process may
+    still allocate to tokenize it; if not, reported (an error, or a counted skip `too_large`)."""
+    if job.max_doc_bytes is not None and size > job.max_doc_bytes:
+        policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb {job.max_doc_bytes / MB:.3g} "
+                                       "(tokenizing one document takes ~200x its size in memory): split it, raise "
+                                       "--max-doc-mb, or skip such documents with --on-error skip")
+        return False
+    if size > CHECKED_MB * MB and (room := allocatable_bytes()) is not None and size * TOKENIZE_BYTES_PER_BYTE > room:
+        policy.bad("too_large", where, f"the document is {size:,} bytes: tokenizing it needs ~"
+                                       f"{size * TOKENIZE_BYTES_PER_BYTE / GB:.1f} GB (~{TOKENIZE_BYTES_PER_BYTE}x its "
+                                       f"size), more than the {room / GB:.1f} GB this process may still allocate (its "
+                                       "address-space limit or the machine's available memory): split it, lower "
+                                       "--max-doc-mb, or skip such documents with --on-error skip")
+        return False
+    return True
+
+
+def allocatable_bytes() -> int | None:
+    """What this process may still allocate: the address-space limit (ulimit -v) less its mapped size, and the
+    machine's available memory (/proc/meminfo), the smaller; None where neither is known."""
+    known = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and (mapped := _status_kb("/proc/self/status", "VmSize")) is not None:
+        known.append(soft - mapped * 1024)
+    if (available := _status_kb("/proc/meminfo", "MemAvailable")) is not None:
+        known.append(available * 1024)
+    return max(0, min(known)) if known else None
+
+
+def _status_kb(path: str, field: str) -> int | None:
+    """A `Field:   N kB` line of a /proc file, in kB; None if unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter) -> Iterator[tuple[str, str]]:
