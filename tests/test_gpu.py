@@ -405,3 +405,32 @@ def test_flash_with_separate_query_and_key_segments_matches_the_per_piece_refere
     ref.backward(grad)
     for got, want in zip(leaves, ref_leaves, strict=True):
         assert relative_error(got.grad.float(), want.grad) < 3e-2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Downstream scoring (trainer.tasks.scoring) on packed rows through the real kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def scored(backend: str, layout: str, dtype: torch.dtype, device: torch.device = CUDA) -> torch.Tensor:
+    """Per-sequence choice log-likelihoods of 64 synthetic (query, choice) pairs, scored in `layout` by the tiny
+    model in `dtype` (weights rounded from the same fp32 init) on `backend`."""
+    from trainer.tasks.scoring import Candidate, score
+
+    rng = np.random.default_rng(0)
+    sequences = [Candidate(tuple(rng.integers(1, VOCAB, int(rng.integers(4, 120))).tolist()),
+                           tuple(rng.integers(1, VOCAB, int(rng.integers(1, 30))).tolist())) for _ in range(64)]
+    model = small_model(device, backend).to(dtype)
+    return torch.tensor(score(model, sequences, layout, 0, 2048, device).loglikelihoods)
+
+
+@pytest.mark.parametrize("backend", VARLEN_KERNELS)
+def test_packed_scoring_in_bf16_is_as_close_to_fp32_as_unpacked(backend):
+    """Every query + choice a document of packed rows through the kernel: the choices' log-likelihoods are as close
+    to the fp32 reference (unpacked, sdpa_docs) as unpacked bf16 rows are (YARDSTICK_FACTOR), and packed scoring
+    does not mix sequences (a leak would move them far past bf16 rounding)."""
+    skip_unless_available(backend, torch.bfloat16)
+    want = scored("sdpa_docs", "unpacked", torch.float32)
+    yardstick = (scored("sdpa_docs", "unpacked", torch.bfloat16) - want).abs().max().item()
+    got = (scored(backend, "packed", torch.bfloat16) - want).abs().max().item()
+    assert got <= YARDSTICK_FACTOR * yardstick + 1e-3, (got, yardstick)
