@@ -53,7 +53,7 @@ def test_each_room_says_what_it_owns_and_what_it_must_not_import(package):
 def test_the_root_holds_only_commands_and_shared_modules():
     root_modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert root_modules == {"train", "prepare", "report", "inspect_mask", "export", "generate", "evaluate",
-                            "config", "errors", "registry"}
+                            "harness", "launcher", "config", "errors", "registry"}
 
 
 SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests.conftest"}

@@ -1,0 +1,104 @@
+"""lm-evaluation-harness on a packtrain checkpoint (trainer.harness): a task YAML whose dataset is a local JSON
+file scores what `python -m trainer.evaluate` scores on the same items, and the rolling log-likelihood is the
+model's own, computed here in plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from tests.harness import require_module
+from trainer.evaluate import main as evaluate_main
+from trainer.generate import load
+
+MC_YAML = """task: packtrain_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: query
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: ""
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+ROLLING_YAML = """task: packtrain_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: text
+metric_list:
+  - metric: word_perplexity
+"""
+
+
+@pytest.fixture(scope="module")
+def tasks(checkpoint, tmp_path_factory):
+    """A multiple-choice file of up to 40 items cut from the checkpoint's held-out split (the built-in continuation4,
+    written out as llm-foundry jsonl), and a rolling file of 3 texts; a YAML for each."""
+    require_module("lm_eval", "pip install -e '.[harness]'")
+    from trainer.data.tokenizer import load_tokenizer
+    from trainer.evaluate import builtin_data
+    from trainer.tasks.builtins import heldout_texts
+    from trainer.tasks.suite import builtin_task
+
+    root = tmp_path_factory.mktemp("harness")
+    model, tok_dir = load(checkpoint)
+    texts = heldout_texts(builtin_data(checkpoint, None), tok_dir, 200)
+    task = builtin_task("continuation4", texts, 0, 40, load_tokenizer(tok_dir), model.cfg.max_seq_len)
+    items = root / "mc.jsonl"
+    items.write_text("".join(json.dumps({"query": i.query, "choices": list(i.choices), "gold": i.gold}) + "\n"
+                             for i in task.items))
+    rolling = root / "rolling.jsonl"
+    rolling.write_text("".join(json.dumps({"text": t[:200]}) + "\n" for t in texts[:3]))
+    (root / "mc.yaml").write_text(MC_YAML.format(items=items))
+    (root / "rolling.yaml").write_text(ROLLING_YAML.format(items=rolling))
+    return root
+
+
+def test_a_local_multiple_choice_task_scores_as_trainer_evaluate(checkpoint, tasks, tmp_path):
+    from trainer.harness import run_harness
+
+    results = run_harness(checkpoint, ["packtrain_mc"], include_path=tasks)["packtrain_mc"]
+    out = tmp_path / "scores.json"
+    assert evaluate_main([str(checkpoint), "--tasks", str(tasks / "mc.jsonl"), "--out", str(out)]) == 0
+    ours = json.loads(out.read_text())["tasks"]["mc"]["metrics"]
+    assert results["sample_len"] == ours["n"] == len((tasks / "mc.jsonl").read_text().splitlines()) >= 20
+    assert results["acc,none"] == pytest.approx(ours["acc"], abs=1e-12)
+    assert results["acc_norm,none"] == pytest.approx(ours["acc_norm"], abs=1e-12)
+    assert 0 < ours["acc"] < 1  # items the model neither always gets nor always misses: the equality says something
+
+
+def test_the_rolling_log_likelihood_is_the_models_own(checkpoint, tasks):
+    """lm-eval's word_perplexity = exp(-sum of log-likelihoods / words); each text here fits one window: its tokens
+    after the EOS token, scored by the model's logits in plain PyTorch."""
+    from trainer.data.tokenizer import load_tokenizer, special_ids
+    from trainer.harness import run_harness
+
+    results = run_harness(checkpoint, ["packtrain_rolling"], include_path=tasks)["packtrain_rolling"]
+    model, tok_dir = load(checkpoint)
+    tok = load_tokenizer(tok_dir)
+    eos = special_ids(tok, tok_dir).eos
+    total, words = 0.0, 0
+    for line in (tasks / "rolling.jsonl").read_text().splitlines():
+        text = json.loads(line)["text"]
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert len(ids) < model.cfg.max_seq_len
+        with torch.no_grad():
+            logits = model(torch.tensor([[eos, *ids[:-1]]])).logits[0].double()
+        total += logits.log_softmax(-1)[torch.arange(len(ids)), torch.tensor(ids)].sum().item()
+        words += len(re.split(r"\s+", text))  # lm-eval's count_words
+    assert results["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)

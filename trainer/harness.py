@@ -1,0 +1,180 @@
+"""lm-evaluation-harness on a packtrain checkpoint: `python -m trainer.harness CHECKPOINT_OR_EXPORT --tasks T...`.
+
+    python -m trainer.harness runs/.../checkpoints/step_000100 --tasks arc_easy hellaswag --out harness.json
+    python -m trainer.harness CHECKPOINT --tasks my_task --include-path my_tasks/     # task YAMLs of your own
+
+`PacktrainLM` is lm-eval's model interface (lm_eval.api.model.LM, registered as "packtrain") over the project's
+own scoring (trainer.tasks.scoring), so a harness task scores the way `python -m trainer.evaluate` does:
+
+    loglikelihood          (context, continuation): tokenized apart and concatenated, nothing before the context
+                           (a training document's framing), every pair a document of packed rows; greedy match
+                           from the same forward
+    loglikelihood_rolling  a text's tokens in lm-eval's disjoint windows of max_seq_len - 1 (the first after the
+                           EOS token as lm-eval's prefix), each window a document whose targets are its tokens
+    generate_until         greedy decoding with the KV cache (trainer.generate), cut at the first `until` string
+
+Tasks come from lm-eval's own registry (they download their datasets: run it where that works, or with
+HF_DATASETS_OFFLINE=1 and a filled cache) or from YAML files under --include-path, whose dataset may be a local
+JSON file (`dataset_path: json`, `dataset_kwargs: {data_files: {test: items.jsonl}}`). With lm-eval's default
+`target_delimiter: " "` a space is put between context and choice; packtrain's own task files use none (the choice
+carries its whitespace): set `target_delimiter: ""` to score them alike. Needs the `harness` extra
+(`pip install -e '.[harness]'`: lm-eval 0.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.data.tokenizer import load_tokenizer, special_ids
+from trainer.errors import UserError, command
+from trainer.generate import check_device, generate, load
+from trainer.model.attention import resolve_backend
+from trainer.tasks.scoring import Candidate, score
+
+
+class HarnessError(UserError):
+    """lm-eval missing, or a task it cannot find."""
+
+
+def _lm_base():
+    try:
+        from lm_eval.api.model import LM
+    except ImportError as e:
+        raise HarnessError(f"lm-evaluation-harness is not installed ({e}): pip install -e '.[harness]'") from None
+    return LM
+
+
+def packtrain_lm_class():
+    """PacktrainLM, defined on lm-eval's LM once lm-eval is importable (it is an optional extra)."""
+    global _PACKTRAIN_LM
+    if _PACKTRAIN_LM is None:
+        _PACKTRAIN_LM = _define(_lm_base())
+    return _PACKTRAIN_LM
+
+
+_PACKTRAIN_LM = None
+
+
+def _define(LM):  # noqa: N803 (lm-eval's class)
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    @register_model("packtrain")
+    class PacktrainLM(LM):
+        """A packtrain checkpoint (or export) as an lm-eval model; `batch_tokens` positions a forward."""
+
+        def __init__(self, checkpoint: str, device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed",
+                     attention: str = "auto") -> None:
+            super().__init__()
+            self.model, tok_dir = load(checkpoint, device)
+            self.model.attention.backend = resolve_backend(attention, torch.device(device), torch.float32,
+                                                           requires_grad=False)
+            self.tok = load_tokenizer(tok_dir)
+            ids = special_ids(self.tok, tok_dir)
+            self.pad_id, self.eos_id = ids.pad, ids.eos
+            self._device, self.batch_tokens, self.layout = torch.device(device), int(batch_tokens), layout
+
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+            args = dict(kv.split("=", 1) for kv in arg_string.split(",") if kv)
+            return cls(**args)
+
+        def encode(self, text: str) -> tuple[int, ...]:
+            return tuple(self.tok.encode(text, add_special_tokens=False).ids)
+
+        def _score(self, pairs: list[Candidate]):
+            longest = max((len(p.query) + len(p.choice) for p in pairs), default=0)
+            if longest > self.model.cfg.max_seq_len:
+                raise HarnessError(f"a request is {longest} tokens, more than the model's context "
+                                   f"({self.model.cfg.max_seq_len})")
+            return score(self.model, pairs, self.layout, self.pad_id, self.batch_tokens, self._device)
+
+        def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+            pairs = [Candidate(self.encode(context), self.encode(continuation))
+                     for context, continuation in (r.args for r in requests)]
+            scores = self._score(pairs)
+            return list(zip(scores.loglikelihoods, scores.greedy, strict=True))
+
+        def loglikelihood_rolling(self, requests) -> list[float]:
+            windows, owner = [], []
+            for n, request in enumerate(requests):
+                tokens = list(self.encode(request.args[0]))
+                for context, predicted in map(make_disjoint_window, get_rolling_token_windows(
+                        tokens, self.eos_id, self.model.cfg.max_seq_len - 1, 1)):
+                    windows.append(Candidate(tuple(context), tuple(predicted)))
+                    owner.append(n)
+            totals = [0.0] * len(requests)
+            for n, ll in zip(owner, self._score(windows).loglikelihoods, strict=True):
+                totals[n] += ll
+            return totals
+
+        def generate_until(self, requests) -> list[str]:
+            out = []
+            for context, kwargs in (r.args for r in requests):
+                until = kwargs.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                prompt = list(self.encode(context))[-(self.model.cfg.max_seq_len - 1):] or [self.eos_id]
+                new = generate(self.model, prompt, int(kwargs.get("max_gen_toks", 256)), stop_ids=(self.eos_id,))
+                text = self.tok.decode([t for t in new if t != self.eos_id])
+                cut = min((i for i in (text.find(u) for u in until) if i >= 0), default=len(text))
+                out.append(text[:cut])
+            return out
+
+    return PacktrainLM
+
+
+def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Path | None = None,
+                device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed", limit: int | None = None,
+                attention: str = "auto") -> dict:
+    """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results')."""
+    lm = packtrain_lm_class()(str(checkpoint), device=device, batch_tokens=batch_tokens, layout=layout,
+                              attention=attention)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = None
+    if include_path:  # indexing lm-eval's own thousands of task files takes tens of seconds: only if needed
+        manager = TaskManager(include_path=str(include_path), include_defaults=False)
+    if manager is None or any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" nor under --include-path {include_path}" if include_path else ""
+        raise HarnessError(f"--tasks {unknown}: not tasks lm-eval knows{where}")
+    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    return results["results"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer.harness", description=__doc__.split("\n")[0])
+    p.add_argument("path", type=Path, metavar="CHECKPOINT_OR_EXPORT")
+    p.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names")
+    p.add_argument("--include-path", type=Path, default=None, help="a directory of task YAMLs of your own")
+    p.add_argument("--limit", type=int, default=None, help="at most this many items per task")
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--packing", choices=("packed", "unpacked"), default="packed")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=None, help="write lm-eval's results as JSON here")
+    return p.parse_args(argv)
+
+
+@command(extra_user_errors=(OSError,))
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_device(args.device)
+    results = run_harness(args.path, args.tasks, args.include_path, args.device, args.batch_tokens, args.packing,
+                          args.limit)
+    print(json.dumps(results, indent=1, default=str))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
