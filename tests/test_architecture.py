@@ -56,7 +56,7 @@ def test_the_root_holds_only_commands_and_shared_modules():
                             "harness", "launcher", "config", "errors", "registry"}
 
 
-SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests.conftest"}
+SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests.conftest", "tests.shards"}
 
 
 def cross_test_imports(test_root: Path) -> list[str]:

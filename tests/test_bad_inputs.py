@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import trainer.distributed.config as distributed_config
 from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
+from tests.shards import NEGATIVE, PLAIN, with_size
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import save_state
@@ -507,11 +508,6 @@ def symlinked_out(path: Path) -> None:
     (path / store.WEIGHTS_FILE).symlink_to(outside)
 
 
-def _tars():
-    from tests.data import test_tars
-    return test_tars
-
-
 def crafted_val_shard(name: str, make: Callable[[], bytes]) -> Call:
     """A crafted tar as the held-out shard (data.val_urls), read as the trainer's start reads it."""
     def call(tmp: Path, fixture) -> None:
@@ -578,13 +574,13 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"its own directory"),
     ("train.resume", damaged_checkpoint(symlinked_out),
      r"its entry 'model\.safetensors' leaves the checkpoint \(a symlink to .*outside\.safetensors\)"),
-    ("data.val_urls", crafted_val_shard("neg.tar", lambda: _tars().NEGATIVE["pax header"]),  # looped for good
+    ("data.val_urls", crafted_val_shard("neg.tar", lambda: NEGATIVE["pax header"]),  # looped for good
      r"neg\.tar: cannot read shard \(after sample 'a'\): TarFormatError: \./\./@PaxHeader: a negative size \(-3584\) "
      r"in its header: a damaged or crafted shard"),
-    ("data.val_urls", crafted_val_shard("negm.tar", lambda: _tars().NEGATIVE["member"]),  # an "empty document"
+    ("data.val_urls", crafted_val_shard("negm.tar", lambda: NEGATIVE["member"]),  # an "empty document"
      r"negm\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: a negative size"),
-    ("data.val_urls", crafted_val_shard("huge.tar", lambda: _tars()._with_size(_tars().PLAIN[:512], 7 * 10**9)
-                                        + _tars().PLAIN[512:]),  # issue 46: a MemoryError
+    ("data.val_urls", crafted_val_shard("huge.tar", lambda: with_size(PLAIN[:512], 7 * 10**9)
+                                        + PLAIN[512:]),  # issue 46: a MemoryError
      r"huge\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: its header says "
      r"7,000,000,000 bytes but the file has [\d,]+ left: a truncated or damaged shard"),
     ("data.path", damaged_ids(forged_out_of_vocabulary),

@@ -14,8 +14,7 @@ import tracemalloc
 
 import pytest
 
-from tests.data.test_tars import NEGATIVE, _sparse_shard
-from tests.data.test_tars_fuzz import _at_most
+from tests.shards import NEGATIVE, at_most, sparse_shard
 from trainer.data.config import DataConfig
 from trainer.data.feed import load_eval_docs
 from trainer.data.reader import DataStreamError
@@ -106,7 +105,7 @@ def test_the_held_out_reader_gives_way_to_a_preemption_signal_on_local_shards(de
 def test_a_held_out_member_over_the_document_bound_is_refused_unread(demo_data, tmp_path):
     """The held-out reader has the training stream's document bound (data.max_doc_mb), judged from the tar header:
     a 300 MB member is refused by name and size without being read (memory stays far below it)."""
-    shard = _sparse_shard(tmp_path / "big.tar")
+    shard = sparse_shard(tmp_path / "big.tar")
     tracemalloc.start()
     try:
         with pytest.raises(DataStreamError, match=r"big\.tar: sample 'big' is 314,572,800 bytes of text, over "
@@ -125,7 +124,7 @@ def test_under_on_error_skip_a_crafted_held_out_shard_is_one_counted_skip(demo_d
     shard = tmp_path / "neg.tar"
     shard.write_bytes(NEGATIVE["pax header"])
     data = DataConfig(path=str(demo_data), val_urls=str(shard), on_error="skip")
-    with _at_most(30):
+    with at_most(30):
         docs = load_eval_docs(data, demo_data / "tokenizer", 0, 2**20, None, "skip")
     assert [d.key for d in docs] == ["a"]
     skips = [r.getMessage() for r in caplog.records if "skipped (" in r.getMessage()]

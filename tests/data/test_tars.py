@@ -14,28 +14,11 @@ import tracemalloc
 import pytest
 from webdataset import tariterators
 
+from tests.shards import BIG, NEGATIVE, PLAIN, PLAIN_MEMBERS, sparse_shard, tar_of, with_size
 from trainer.data.sources import ShardReadError, read_shard
 from trainer.data.tars import CHUNK, TarFormatError, TooLargeMember, tar_samples
 
 URL = "/d/shard.tar"
-
-
-def _tar(members: list[tuple[str, bytes | str]], fmt=tarfile.PAX_FORMAT, pax_global: dict | None = None) -> bytes:
-    """A tar of (name, data) regular files; data given as a str is the kind of a special member: "dir", "symlink",
-    "hardlink", "fifo"."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=fmt, pax_headers=pax_global or {}) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            if isinstance(data, str):
-                info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
-                             "fifo": tarfile.FIFOTYPE}[data]
-                info.linkname = "a.txt" if "link" in data else ""
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
 
 
 class _Trickle(io.RawIOBase):
@@ -65,7 +48,7 @@ def _ours(data: bytes, step: int | None = None) -> list[dict]:
 
 LONG = "d/" + "x" * 150  # past ustar's 100-character name field
 CASES = {
-    "plain": [("a.txt", b"first"), ("a.ids", b"\x01\x00\x02\x00"), ("b.txt", b"second")],
+    "plain": PLAIN_MEMBERS,
     "empty members": [("a.txt", b""), ("b.txt", b"x"), ("c.txt", b"")],
     "fields lowercased, multi-dot fields": [("a.TXT", b"1"), ("a.seg.json", b"{}"), ("b.Jpg.Gz", b"2")],
     "subdirectories and dots in them": [("dir.v2/a.txt", b"1"), ("dir.v2/a.ids", b"2"), ("x/y/b.txt", b"3")],
@@ -86,7 +69,7 @@ def test_same_samples_as_webdataset(case, fmt):
     members = CASES[case]
     if fmt == tarfile.USTAR_FORMAT and case == "long and unicode names":
         members = [(name.replace("x" * 150, "x" * 90), data) for name, data in members]  # ustar: prefix + name
-    data = _tar(members, fmt)
+    data = tar_of(members, fmt)
     expected = _reference(data)
     assert expected, "the reference read no sample: the case tests nothing"
     assert _ours(data) == expected
@@ -94,14 +77,14 @@ def test_same_samples_as_webdataset(case, fmt):
 
 
 def test_pax_global_header_and_compressed_shards():
-    data = _tar([("a.txt", b"1"), ("b.txt", b"2")], pax_global={"comment": "made by hand"})
+    data = tar_of([("a.txt", b"1"), ("b.txt", b"2")], pax_global={"comment": "made by hand"})
     assert _ours(data) == _reference(data) and len(_ours(data)) == 2
-    packed = gzip.compress(_tar(CASES["plain"]), mtime=0)  # handed to webdataset's iterators whole
-    assert _ours(packed) == _reference(packed) == _reference(_tar(CASES["plain"]))
+    packed = gzip.compress(tar_of(CASES["plain"]), mtime=0)  # handed to webdataset's iterators whole
+    assert _ours(packed) == _reference(packed) == _reference(tar_of(CASES["plain"]))
 
 
 def test_a_tar_without_end_blocks_ends_at_the_member_boundary():
-    data = _tar(CASES["plain"])
+    data = tar_of(CASES["plain"])
     cut = data[: 4 * 512]  # a.txt, a.ids, b.txt: a header and a data block each; cut after a.ids
     assert _ours(cut) == _reference(cut) == [{"__key__": "a", "__url__": URL, "txt": b"first",
                                                 "ids": b"\x01\x00\x02\x00"}]
@@ -110,7 +93,7 @@ def test_a_tar_without_end_blocks_ends_at_the_member_boundary():
 @pytest.mark.parametrize("damage", ["truncated data", "truncated padding", "truncated header", "bad checksum", "duplicate field",
                                     "not a tar", "empty"])
 def test_damaged_shards_raise_where_webdataset_raises(damage):
-    data = _tar(CASES["plain"])
+    data = tar_of(CASES["plain"])
     if damage == "truncated data":
         data = data[: 512 + 3]
     elif damage == "truncated padding":
@@ -120,7 +103,7 @@ def test_damaged_shards_raise_where_webdataset_raises(damage):
     elif damage == "bad checksum":
         data = data[:148] + b"0000000\0" + data[156:]
     elif damage == "duplicate field":
-        data = _tar([("a.txt", b"1"), ("a.txt", b"2")])
+        data = tar_of([("a.txt", b"1"), ("a.txt", b"2")])
     elif damage == "not a tar":
         data = b"hello, this is not a tar file at all\n" * 40
     else:
@@ -132,7 +115,7 @@ def test_damaged_shards_raise_where_webdataset_raises(damage):
 
 
 def test_sparse_members_are_refused_by_name():
-    header = bytearray(_tar([("s.txt", b"abc")], tarfile.GNU_FORMAT)[:512])
+    header = bytearray(tar_of([("s.txt", b"abc")], tarfile.GNU_FORMAT)[:512])
     header[156:157] = b"S"
     header[148:156] = b" " * 8
     header[148:156] = f"{sum(header):06o}\0 ".encode()
@@ -143,36 +126,9 @@ def test_sparse_members_are_refused_by_name():
 # -- sizes: negative, past the file, over the bound (issue 42; issue 46's 7e9-byte header) ------------------------
 
 
-def _with_size(header: bytes, size: int) -> bytes:
-    """A header block with its size field set to `size` (octal when it fits, else GNU base-256, negative ones
-    too) and its checksum made right again."""
-    block = bytearray(header)
-    if 0 <= size < 8**11:
-        block[124:136] = f"{size:011o}\0".encode()
-    else:
-        block[124:136] = (b"\xff" if size < 0 else b"\x80") + (size % 256**11).to_bytes(11, "big")
-    block[148:156] = b" " * 8
-    block[148:156] = f"{sum(block):06o}\0 ".encode()
-    return bytes(block)
-
-
-def _pax_header_then(member: bytes, size: int) -> bytes:
-    """A pax 'x' header block for the member that follows, with size field `size`, and no data."""
-    return _with_size(_tar([("c" * 120 + ".txt", b"")])[:512], size)  # a long name: the first block is an 'x' header
-
-
 def _read(path) -> list[dict]:
     """read_shard's samples, at most 50 (a reader that loops would yield the first members forever)."""
     return list(itertools.islice(read_shard(str(path)), 50))
-
-
-PLAIN = _tar(CASES["plain"])  # a.txt, a.ids, b.txt: a header and a data block each
-NEGATIVE = {
-    "pax header": PLAIN[: 6 * 512] + _pax_header_then(PLAIN, -6 * 512 - 512) + PLAIN[6 * 512 :],  # back to a.txt
-    "member": _with_size(PLAIN[:512], -512) + PLAIN[512:],
-    "member, -1": _with_size(PLAIN[:512], -1) + PLAIN[512:],
-    "GNU long name": _with_size(_tar([("l" * 120 + ".txt", b"x")], tarfile.GNU_FORMAT)[:512], -1024) + PLAIN,
-}
 
 
 @pytest.mark.parametrize("case", sorted(NEGATIVE))
@@ -202,7 +158,7 @@ def test_a_size_past_the_file_is_refused_before_reading(tmp_path):
     """Issue 46: a header claiming 7e9 bytes in a small file was 'cannot read shard: MemoryError' (the reader
     allocated what the header said). A local file's length is known: refused at once, naming the member."""
     path = tmp_path / "huge.tar"
-    path.write_bytes(_with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
+    path.write_bytes(with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
     with pytest.raises(ShardReadError, match=r"a\.txt: its header says 7,000,000,000 bytes but the file has "
                                              r"9,728 left: a truncated or damaged shard"):
         _read(path)
@@ -218,7 +174,7 @@ def test_a_size_past_the_file_is_refused_before_reading(tmp_path):
 def test_a_claim_past_the_file_is_no_memory_error_under_an_address_space_cap(tmp_path):
     """The 7e9 claim read under a 2 GiB address-space cap (as the issue's run had): one TarFormatError line."""
     path = tmp_path / "huge.tar"
-    path.write_bytes(_with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
+    path.write_bytes(with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
     script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
               "from trainer.data.sources import read_shard\n"
               "try:\n    list(read_shard(sys.argv[1]))\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
@@ -226,24 +182,10 @@ def test_a_claim_past_the_file_is_no_memory_error_under_an_address_space_cap(tmp
     assert out.stdout.startswith("ShardReadError TarFormatError: a.txt: its header says 7,000,000,000"), out
 
 
-BIG = 300 * 2**20
-
-
-def _sparse_shard(path, size: int = BIG):
-    """big.txt of `size` zero bytes (a hole: nothing on disk), then small.txt, as a tar file."""
-    head = _with_size(_tar([("big.txt", b"")])[:512], size)
-    tail = _tar([("small.txt", b"after the big one")])
-    with open(path, "wb") as f:
-        f.write(head)
-        f.seek(512 + size + -size % 512)
-        f.write(tail)
-    return path
-
-
 def test_a_member_over_the_bound_is_skipped_unread_and_named(tmp_path):
     """max_member_bytes: a member's data past the bound is never held (memory stays far below its 300 MB), and
     its field names it (a TooLargeMember) so the stream can refuse or count that one sample; the shard reads on."""
-    path = _sparse_shard(tmp_path / "big.tar")
+    path = sparse_shard(tmp_path / "big.tar")
     tracemalloc.start()
     try:
         samples = list(read_shard(str(path), max_member_bytes=2**20))
@@ -262,7 +204,7 @@ def test_a_member_over_the_bound_is_skipped_unread_and_named(tmp_path):
 
 
 def test_members_within_the_bound_are_read_as_before():
-    data = _tar(CASES["members across chunks"])
+    data = tar_of(CASES["members across chunks"])
     assert _ours(data) == list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK)) == _reference(data)
     over = list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK - 1))
     assert isinstance(over[1]["txt"], TooLargeMember) and over[0] == _reference(data)[0]
@@ -291,4 +233,4 @@ def test_a_compressed_shard_is_bounded_too():
         tracemalloc.stop()
     assert peak < 16 << 20, f"peak {peak:,} bytes"
     assert isinstance(samples[0]["txt"], TooLargeMember) and samples[0]["txt"].size == big
-    assert samples[1:] == _reference(_tar(CASES["plain"]))
+    assert samples[1:] == _reference(tar_of(CASES["plain"]))

@@ -10,9 +10,7 @@ few places, on purpose: a negative size and a sparse member are refused where `t
 
 from __future__ import annotations
 
-import contextlib
 import io
-import signal
 import tarfile
 import time
 
@@ -20,6 +18,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from webdataset import tariterators
 
+from tests.shards import at_most
 from trainer.data.tars import TarFormatError, TooLargeMember, tar_samples
 
 URL = "/d/fuzz.tar"
@@ -88,20 +87,6 @@ def damaged_tars(draw) -> bytes:
     return bytes(data)
 
 
-@contextlib.contextmanager
-def _at_most(seconds: float):
-    """Raise TimeoutError in the body after `seconds` (a reader that loops forever)."""
-    def expired(_signum, _frame):
-        raise TimeoutError(f"still reading after {seconds} s: a loop")
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _reference(data: bytes) -> list[dict] | Exception:
     try:
         files = tariterators.tar_file_expander([{"url": URL, "stream": io.BytesIO(data)}])
@@ -132,7 +117,7 @@ def _check(data: bytes) -> None:
                                                      for i in range(0, len(data), 512)))
     expected = _reference(data)
     started = time.monotonic()
-    with _at_most(SECONDS_PER_EXAMPLE):
+    with at_most(SECONDS_PER_EXAMPLE):
         try:
             ours: list[dict] | TarFormatError = []
             for sample in tar_samples(io.BytesIO(data), URL):
@@ -174,7 +159,7 @@ def test_the_member_bound_replaces_exactly_the_members_over_it(data, bound):
     expected = _reference(data)
     if isinstance(expected, Exception):
         return
-    with _at_most(SECONDS_PER_EXAMPLE):
+    with at_most(SECONDS_PER_EXAMPLE):
         ours = list(tar_samples(io.BytesIO(data), URL, max_member_bytes=bound))
     assert [s.keys() for s in ours] == [s.keys() for s in expected]
     for mine, theirs in zip(ours, expected, strict=True):
