@@ -240,7 +240,8 @@ class ShardCursor:
                 continue
             self.taken += 1
             self.last_key = sample["__key__"]
-            self._count(sample)
+            if self._tokens is not None:
+                self._count(sample)
             return self.index, self.taken - 1, self.last_key, _data(sample, self.stream.stored_ids)
 
     def seek(self, wanted: set[int]) -> dict[int, Item]:
@@ -270,7 +271,8 @@ class ShardCursor:
                 if sample is None:
                     raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
                                          "the shard changed", transient=False)
-                self._count(sample)
+                if self._tokens is not None:
+                    self._count(sample)
                 if i in self._wanted:
                     found[i] = (self.index, i, sample["__key__"], _data(sample, self.stream.stored_ids))
             if self.taken and sample["__key__"] != self.last_key:
@@ -303,8 +305,6 @@ class ShardCursor:
     def _count(self, sample: dict) -> None:
         """Add a sample's stored ids to the shard's tokens (+1: its EOS, as the manifest counts); a sample without
         them (read from its text) leaves the shard's tokens unknown."""
-        if self._tokens is None:
-            return
         ids = sample.get(IDS_FIELD)
         if not isinstance(ids, bytes):
             self._tokens = None

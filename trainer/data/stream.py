@@ -241,38 +241,38 @@ class DocumentStream(IterableDataset):
                                       f"{self.max_doc_bytes / 2**20:.3g} (tokenizing one document takes ~200x its size "
                                       "in memory): raise data.max_doc_mb, or skip such documents with data.on_error=skip")
 
-    def _in_vocabulary(self, where: list[tuple[str, str]], payloads: list[str | Stored], state: SlotState
-                       ) -> list[bool]:
-        """Whether each payload is in the vocabulary: a stored id at or over the tokenizer's vocabulary is a damaged
-        sample (bad_ids, naming shard and key). One max over the chunk's stored ids: ~0.1 us a document."""
+    def _out_of_vocabulary(self, items: list[Item], payloads: list[str | Stored], shards: list[str],
+                           state: SlotState) -> set[int]:
+        """Which payloads hold a stored id at or over the tokenizer's vocabulary, each reported as a damaged sample
+        (bad_ids, naming shard and key). One max over the chunk's stored ids: ~0.1 us a document."""
         vocab = self.stored_ids.vocab_size if self.stored_ids is not None else None
-        stored = [p for p in payloads if not isinstance(p, str)]
+        stored = [p for p in payloads if p.__class__ is tuple]
         if vocab is None or not stored or vocab >= 1 << 8 * np.dtype(stored[0][3]).itemsize:
-            return [True] * len(payloads)
+            return set()
         if len({p[3] for p in stored}) == 1 and np.frombuffer(b"".join(p[0] for p in stored), stored[0][3]).max() < vocab:
-            return [True] * len(payloads)
-        ok = []
-        for (shard, key), payload in zip(where, payloads, strict=True):
+            return set()
+        bad = set()
+        for i, (item, payload) in enumerate(zip(items, payloads, strict=True)):
             top = None if isinstance(payload, str) else int(np.frombuffer(payload[0], payload[3]).max())
-            ok.append(top is None or top < vocab)
-            if not ok[-1]:
-                self._bad(state, "bad_ids", f"{shard}: sample {key!r}: its stored ids hold {top}, outside the "
-                                            f"vocabulary ({vocab} tokens) of the tokenizer the manifest says encoded "
-                                            f"them; {BAD_IDS_HINT}")
-        return ok
+            if top is not None and top >= vocab:
+                bad.add(i)
+                self._bad(state, "bad_ids", f"{shards[item[0]]}: sample {item[2]!r}: its stored ids hold {top}, "
+                                            f"outside the vocabulary ({vocab} tokens) of the tokenizer the manifest "
+                                            f"says encoded them; {BAD_IDS_HINT}")
+        return bad
 
     # -- the stream ----------------------------------------------------------------------------
 
-    def _documents(self, where: list[tuple[str, str]], payloads: list[str | Stored], state: SlotState
+    def _documents(self, items: list[Item], payloads: list[str | Stored], shards: list[str], state: SlotState
                    ) -> list[Document]:
-        """The chunk's documents (`where`: their shards and keys), in order: a text tokenized (in one batch with the
-        chunk's other texts), stored ids read as they are (those outside the vocabulary reported and left out); EOS
-        appended to each. Both give the same tokens and loss mask (tests/data/test_stored_ids)."""
-        ok = self._in_vocabulary(where, payloads, state)
-        if not all(ok):
-            where = [w for w, keep in zip(where, ok, strict=True) if keep]
-            payloads = [p for p, keep in zip(payloads, ok, strict=True) if keep]
-        keys = [key for _, key in where]
+        """The chunk's documents (`items`: the samples drawn, of `shards`), in order: a text tokenized (in one batch
+        with the chunk's other texts), stored ids read as they are (those outside the vocabulary reported and left
+        out); EOS appended to each. Both give the same tokens and loss mask (tests/data/test_stored_ids)."""
+        bad = self._out_of_vocabulary(items, payloads, shards, state)
+        if bad:
+            items = [item for i, item in enumerate(items) if i not in bad]
+            payloads = [p for i, p in enumerate(payloads) if i not in bad]
+        keys = [item[2] for item in items]
         texts = [p for p in payloads if isinstance(p, str)]
         encodings = iter(self._encode(texts) if texts else ())
         docs = []
@@ -316,23 +316,23 @@ class DocumentStream(IterableDataset):
             if self.report_restore:  # before any document: what restoring the position read
                 yield slot, self._snapshot(state, reader, restore_read=reader.restore_read if reader else (0, 0, 0.0)), []
             while reader is not None:
-                where: list[tuple[str, str]] = []  # (shard, key) of each of `texts`
+                items: list[Item] = []  # the samples of `texts`
                 texts: list[str | Stored] = []
                 while (item := reader.draw()) is not None:
                     state.drawn += 1
                     text = self._decode(item, reader.shards, state)
                     if text is not None:
-                        where.append((reader.shards[item[0]], item[2]))
+                        items.append(item)
                         texts.append(text)
-                    if len(where) == self.chunk_docs:
-                        yield self._chunk(slot, state, reader, where, texts)
-                        where, texts = [], []
+                    if len(items) == self.chunk_docs:
+                        yield self._chunk(slot, state, reader, reader.shards, items, texts)
+                        items, texts = [], []
                 reader.close()
                 state.epoch = epoch_rules.after(state.epoch)
                 state.drawn = 0
                 state.split, state.shards, state.starts = "by_tokens", None, {}  # the next epoch: this shape's split
                 # The epoch's last chunk goes out even when empty: it carries the skip counts and the epoch.
-                yield self._chunk(slot, state, None, where, texts)
+                yield self._chunk(slot, state, None, reader.shards, items, texts)
                 reader = self._reader(slot, num_slots, state, None)
         finally:  # also when the consumer stops early: no shard left open (a curl or pipe: command running)
             if reader is not None:
@@ -349,9 +349,11 @@ class DocumentStream(IterableDataset):
         seed = int(np.random.SeedSequence([self.seed, state.epoch, slot]).generate_state(1)[0])
         return SlotReader(self, shards, seed, state, position)
 
-    def _chunk(self, slot: int, state: SlotState, reader: SlotReader | None, where: list[tuple[str, str]],
+    def _chunk(self, slot: int, state: SlotState, reader: SlotReader | None, shards: list[str], items: list[Item],
                texts: list[str | Stored]):
-        docs = self._documents(where, texts, state)
+        """The chunk of `texts` (of `items`, samples of `shards`), with the state at `reader`'s position (None: the
+        epoch's end)."""
+        docs = self._documents(items, texts, shards, state)
         state.docs += len(docs)
         return slot, self._snapshot(state, reader), docs
 
