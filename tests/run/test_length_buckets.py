@@ -97,7 +97,8 @@ def test_packed_equals_unpacked_per_bucket_with_isolation_and_differs_without(do
 
 def test_a_run_logs_them_every_step_and_eval(demo_data, tmp_path):
     trainer = make_trainer(demo_data, tmp_path / "run", "train.max_steps=3", "train.eval_every=3",
-                           "train.eval_docs=40", "logging.length_buckets=[16,64]")
+                           "train.eval_docs=40", "logging.length_buckets=[16,64]",
+                           "logging.position_buckets=[64,256,1024]")
     summary = trainer.fit()
     lines = metrics(tmp_path / "run")
     names = ["<=16", "<=64", ">64"]
@@ -106,7 +107,7 @@ def test_a_run_logs_them_every_step_and_eval(demo_data, tmp_path):
         known = {b: v for b, v in m["token_loss_by_length"].items() if v is not None}
         mean = sum(v * m["targets_by_length"][b] for b, v in known.items()) / m["valid_tokens"]
         assert mean == pytest.approx(m["token_loss"], rel=1e-5)
-    for m in lines:  # logging.position_buckets' default
+    for m in lines:  # the position buckets, as the isolation and positions ablations set them
         assert list(m["token_loss_by_position"]) == ["<=64", "<=256", "<=1024", ">1024"]
         assert sum(m["targets_by_position"].values()) == m["valid_tokens"]
     last = lines[-1]
