@@ -426,6 +426,16 @@ def over_a_users_page(tmp: Path, _) -> None:
         assert (tmp / "mine" / "mask.html").read_text() == "<html>my notes</html>"
 
 
+def inside_a_runs_checkpoints(tmp: Path, _) -> None:
+    """inspect_mask --out RUN/checkpoints (issue 46: only the run dir itself was refused): refused, nothing written."""
+    (tmp / "run" / "checkpoints").mkdir(parents=True)
+    (tmp / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    try:
+        return inspect_mask.main(["--lengths", "3,2", "--row-len", "8", "--out", str(tmp / "run" / "checkpoints")])
+    finally:
+        assert list((tmp / "run" / "checkpoints").iterdir()) == []
+
+
 def mixture_state_into_one_source(tmp: Path, fixture) -> None:
     """A mixture run's data state loaded by a run of one source (data.path)."""
     demo = fixture("demo_data")
@@ -633,6 +643,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--sep is empty"),
     ("inspect_mask", into_a_dataset, r"--out .*/dataset is a prepared dataset \(manifest.json\)"),
     ("inspect_mask", over_a_users_page, r"--out .*/mine holds a mask.html that inspect_mask did not write"),
+    ("inspect_mask", inside_a_runs_checkpoints, r"--out .*/run/checkpoints is inside .*/run, which is a training "
+                                                r"run's dir \(metrics.jsonl\)"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--add-tokens", ""),
      r"--add-tokens \[''\]: each token must be a non-empty string"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "nan"),
