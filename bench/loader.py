@@ -143,12 +143,13 @@ def disk(data: Path) -> dict:
     return {"shards": total, **fields}
 
 
-def run_one(variant: str, data: Path, workers: int, layout: bool, args: argparse.Namespace) -> dict:
+def run_one(variant: str, data: Path, workers: int, layout: bool, args: argparse.Namespace, root: Path = ROOT) -> dict:
+    """One measurement in a fresh interpreter, of this checkout's code or of `root`'s (--against)."""
     batch = 64 if variant == "tokenizer64" else 512
     variant = "tokenizer" if variant == "tokenizer64" else variant
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--one", variant, "--data", str(data), "--seq-len", str(args.seq_len),
+           "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "loader.py"), "--one", variant, "--data", str(data), "--seq-len", str(args.seq_len),
            "--num-workers", str(workers), "--batch", str(batch)] + (["--layout"] if layout else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -165,6 +166,13 @@ def main() -> int:
     p.add_argument("--gpu-tokens-per-s", type=float, default=600_000, help="one GPU's training speed (124M, H100)")
     p.add_argument("--text-only-dir", default="/tmp/bench_loader_text_only")
     p.add_argument("--json", default=None)
+    p.add_argument("--against", default=None, metavar="ROOT=DATA",
+                   help="also measure another checkout's stream (e.g. `git archive HEAD | tar -x -C /tmp/base` before a "
+                        "change) on a dataset its own prepare wrote, from ids and from text, 0 workers, in the same "
+                        "rounds; prints each round's ratio of this checkout's figure to that one's")
+    p.add_argument("--ab", type=int, default=0, metavar="N",
+                   help="with --against: only N pairs of the stream from ids, 0 workers, this checkout and that one "
+                        "back to back (who goes first alternates); prints the paired ratios of tok/s and tok/CPU-s")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--num-workers", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--layout", action="store_true", help=argparse.SUPPRESS)
@@ -175,22 +183,27 @@ def main() -> int:
         print(json.dumps(measure(args)))
         return 0
     data = Path(args.data)
+    if args.ab:
+        return ab(data, args)
     if "ids" not in json.loads((data / "manifest.json").read_text()):
         raise SystemExit(f"{data}: prepared with --text-only (no token ids stored): prepare it again without it")
     plain = text_only_copy(data, Path(args.text_only_dir))
     workers = [int(w) for w in args.workers.split(",")]
-    variants = [("tokenizer alone, batches of 512", "tokenizer", data, 0, False),
-                ("tokenizer alone, batches of 64", "tokenizer64", data, 0, False)]
+    variants = [("tokenizer alone, batches of 512", "tokenizer", data, 0, False, ROOT),
+                ("tokenizer alone, batches of 64", "tokenizer64", data, 0, False, ROOT)]
     for w in workers:
-        variants += [(f"stream, text, text-only shards, {w} workers", "text", plain, w, False),
-                     (f"stream, text, {w} workers", "text", data, w, False),
-                     (f"stream, ids, {w} workers", "ids", data, w, False),
-                     (f"stream, ids, {w} workers + layout", "ids", data, w, True)]
+        variants += [(f"stream, text, text-only shards, {w} workers", "text", plain, w, False, ROOT),
+                     (f"stream, text, {w} workers", "text", data, w, False, ROOT),
+                     (f"stream, ids, {w} workers", "ids", data, w, False, ROOT),
+                     (f"stream, ids, {w} workers + layout", "ids", data, w, True, ROOT)]
+    if args.against:
+        root, other = (Path(part) for part in args.against.split("=", 1))
+        variants += [(f"stream, {v}, 0 workers [against]", v, other, 0, False, root) for v in ("text", "ids")]
     results: dict[str, list[dict]] = {name: [] for name, *_ in variants}
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotated: no variant always first
-        for name, variant, where, w, layout in order:
-            results[name].append(run_one(variant, where, w, layout, args))
+        for name, variant, where, w, layout, root in order:
+            results[name].append(run_one(variant, where, w, layout, args, root))
             last = results[name][-1]
             print(f"round {r + 1}: {name}: {last['tokens'] / last['seconds']:,.0f} tok/s", file=sys.stderr)
     tokens = {name: rs[0]["tokens"] + rs[0].get("first_row_tokens", 0) for name, rs in results.items()}
@@ -206,6 +219,8 @@ def main() -> int:
               "disk": {"text+ids": disk(data), "text-only": disk(plain)}, "variants": summary,
               "gpu_tokens_per_s": args.gpu_tokens_per_s}
     print(_table(report, base))
+    if args.against:
+        report["against"] = _against(results)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=list))
     ids0 = statistics.median(summary["stream, ids, 0 workers"]["paired"]) if 0 in workers else 0.0
@@ -215,6 +230,43 @@ def main() -> int:
           f"{'PASS' if ids0 >= TARGET_IDS else 'FAIL'}; from text: {text0:.2f}x (target >= {TARGET_TEXT}): "
           f"{'PASS' if text0 >= TARGET_TEXT else 'FAIL'}")
     return 0 if ok else 1
+
+
+def ab(data: Path, args: argparse.Namespace) -> int:
+    """--ab N: the stream from ids (0 workers) of this checkout over that of --against, N pairs back to back: on a
+    shared machine the pairs see the same load, and CPU seconds are less sensitive to it than wall time."""
+    root, other = (Path(part) for part in args.against.split("=", 1))
+    ratios: dict[str, list[float]] = {"tok/s": [], "tok/CPU-s": []}
+    for r in range(args.ab):
+        pair = [(ROOT, data), (root, other)]
+        mine, theirs = (run_one("ids", d, 0, False, args, c) for c, d in (pair if r % 2 == 0 else pair[::-1]))
+        if r % 2:
+            mine, theirs = theirs, mine
+        if mine["tokens"] != theirs["tokens"]:
+            raise SystemExit(f"the two read different tokens: {mine['tokens']} and {theirs['tokens']}")
+        ratios["tok/s"].append(theirs["seconds"] / mine["seconds"])
+        ratios["tok/CPU-s"].append(theirs["cpu_seconds"] / mine["cpu_seconds"])
+        print(f"pair {r + 1}: {mine['tokens'] / mine['seconds']:,.0f} against {theirs['tokens'] / theirs['seconds']:,.0f} "
+              f"tok/s; CPU s {mine['cpu_seconds']:.3f} against {theirs['cpu_seconds']:.3f}", file=sys.stderr)
+    for name, values in ratios.items():
+        values.sort()
+        print(f"stream from ids, 0 workers, this checkout / --against, {name}: median {statistics.median(values):.3f} "
+              f"(quartiles {values[len(values) // 4]:.3f}-{values[3 * len(values) // 4]:.3f}, {len(values)} pairs)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": _machine(), "ab": ratios}, indent=2))
+    return 0
+
+
+def _against(results: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Each round's tokens per second of this checkout's stream (0 workers) over the --against checkout's, printed."""
+    ratios = {}
+    for v in ("text", "ids"):
+        mine, theirs = results[f"stream, {v}, 0 workers"], results[f"stream, {v}, 0 workers [against]"]
+        ratios[v] = sorted((a["tokens"] / a["seconds"]) / (b["tokens"] / b["seconds"])
+                           for a, b in zip(mine, theirs, strict=True))
+        print(f"stream from {v}, 0 workers, this checkout / --against, paired by round: median "
+              f"{statistics.median(ratios[v]):.3f} ({', '.join(f'{r:.3f}' for r in ratios[v])})")
+    return ratios
 
 
 def _median(runs: list[dict]) -> dict:
