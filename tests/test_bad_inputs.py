@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import trainer.distributed.config as distributed_config
 from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
-from tests.shards import NEGATIVE, PLAIN, with_size
+from tests.shards import NEGATIVE, PLAIN, damaged_shard, ids_of, read_stored, with_size
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import save_state
@@ -48,6 +48,7 @@ from trainer.config import from_container
 from trainer.data.config import DataConfig
 from trainer.data.feed import load_eval_docs
 from trainer.data.reshape import reshape_state
+from trainer.data.shards import ids_member
 from trainer.distributed.groups import DistInfo
 from trainer.errors import EXIT_INTERRUPTED, run_command
 from trainer.registry import CONFIG_KEYS
@@ -531,29 +532,23 @@ def crafted_val_shard(name: str, make: Callable[[], bytes]) -> Call:
 def damaged_ids(change: Callable[[str, str, bytes, dict], bytes]) -> Call:
     """The demo's first training shard with its members passed through `change(key, field, data, fields)` (the
     key is VICTIM's for a one-sample case), read from its stored ids as a run reads it."""
-    from tests.data import test_shard_integrity as shards
-
     def call(tmp: Path, fixture) -> None:
         demo = fixture("demo_data")
-        list(shards._read(demo, [shards._damaged(demo, tmp, change)]))
+        list(read_stored(demo, [damaged_shard(demo, tmp, change)]))
     call.fixtures = ("demo_data",)
     return call
 
 
 def forged_out_of_vocabulary(key, field, data, fields):
-    from tests.data.test_shard_integrity import _ids
-    from trainer.data.shards import ids_member
     if field != "ids":
         return data
-    ids = _ids(data).copy()
+    ids = ids_of(data).copy()
     ids[3] = 60_000
     return ids_member(ids.tobytes(), fields["txt"])
 
 
 def written_as_uint32(key, field, data, fields):
-    from tests.data.test_shard_integrity import _ids
-    from trainer.data.shards import ids_member
-    return ids_member(_ids(data).astype("<u4").tobytes(), fields["txt"]) if field == "ids" else data
+    return ids_member(ids_of(data).astype("<u4").tobytes(), fields["txt"]) if field == "ids" else data
 
 
 def whitespace_text(key, field, data, fields):

@@ -16,11 +16,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.data.test_stored_ids import _assert_same_rows, _members, _rewrite, _rows, _stored, _stream
+from tests.shards import (
+    assert_same_rows,
+    damaged_shard,
+    ids_of,
+    members_of,
+    read_stored,
+    rewrite_shard,
+    rows_of,
+    stored_stream,
+)
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.data.config import DataConfig, PackingConfig
 from trainer.data.feed import build_data
-from trainer.data.loader import DocumentLoader
 from trainer.data.reader import DataStreamError
 from trainer.data.shards import ids_member, load_manifest, shard_paths, stored_ids
 from trainer.data.tokenizer import tokenizer_hash
@@ -39,35 +47,16 @@ def other_tokenizer(tmp_path_factory) -> Path:
 
 
 def _keys(shard: str) -> list[str]:
-    return list(_members(shard))
-
-
-def _ids(member: bytes) -> np.ndarray:
-    return np.frombuffer(member[:-4], dtype="<u2")
-
-
-def _damaged(demo_data: Path, tmp_path: Path, change, which: int = 0) -> str:
-    """Training shard `which`, copied under its name (train-000000.tar: the manifest's) into tmp_path through
-    `change`: (key, field, data, fields of the sample) -> new data."""
-    src = shard_paths(demo_data, "train")[which]
-    members = _members(src)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / Path(src).name
-    _rewrite(src, out, lambda name, data: (name, change(*name.split(".", 1), data, members[name.split(".")[0]])))
-    return str(out)
+    return list(members_of(shard))
 
 
 def _victim(demo_data: Path) -> str:
     return _keys(shard_paths(demo_data, "train")[0])[VICTIM]
 
 
-def _read(demo_data: Path, shards: list[str], stored=True, **kw) -> DocumentLoader:
-    return DocumentLoader(_stream(demo_data, _stored(demo_data) if stored else None, shards=shards, **kw))
-
-
 def _raises(demo_data: Path, shards: list[str], pattern: str, stored=True, **kw) -> str:
     with pytest.raises(DataStreamError, match=pattern) as e:
-        list(_read(demo_data, shards, stored, **kw))
+        list(read_stored(demo_data, shards, stored, **kw))
     return str(e.value)
 
 
@@ -101,10 +90,10 @@ def _one_token_short(demo_data: Path, tmp_path: Path) -> str:
     def change(key, field, data, fields):
         if key == victim and field == "ids":
             assert len(data) % 512 not in (1, 2), "the shorter member would change the tar's size"
-            return ids_member(_ids(data)[:-1].tobytes(), fields["txt"])
+            return ids_member(ids_of(data)[:-1].tobytes(), fields["txt"])
         return data
 
-    shard = _damaged(demo_data, tmp_path, change)
+    shard = damaged_shard(demo_data, tmp_path, change)
     assert Path(shard).stat().st_size == Path(shard_paths(demo_data, "train")[0]).stat().st_size
     return shard
 
@@ -118,7 +107,7 @@ def test_a_shard_that_is_not_its_manifest_entry_is_named_or_counted(demo_data, t
     manifest = demo_data / "manifest.json"
     _raises(demo_data, [shard], rf"{SHARD}: not the shard the manifest lists: {found}, the manifest lists [\d,]+",
             manifest=manifest)
-    loader = _read(demo_data, [shard], manifest=manifest, on_error="skip")
+    loader = read_stored(demo_data, [shard], manifest=manifest, on_error="skip")
     assert len(list(loader)) == 200 and loader.skipped() == {"shard_mismatch": 1}
 
 
@@ -127,10 +116,10 @@ def test_a_shard_resumed_midway_is_checked_at_its_end_with_the_samples_read_befo
     manifest = demo_data / "manifest.json"
     good = [str(Path(shutil.copy(shard_paths(demo_data, "train")[0], tmp_path / SHARD)))]
     for shards, fails in ((good, False), ([_one_token_short(demo_data, tmp_path / "short")], True)):
-        first = _read(demo_data, shards, manifest=manifest, shuffle_buffer=20)
+        first = read_stored(demo_data, shards, manifest=manifest, shuffle_buffer=20)
         head = [d.key for d in itertools.islice(first, 30)]  # mid-shard: a chunk of 64 and the buffer's 20 read
         save_state(first.state_dict(), tmp_path / "state.pt")
-        second = _read(demo_data, shards, manifest=manifest, shuffle_buffer=20)
+        second = read_stored(demo_data, shards, manifest=manifest, shuffle_buffer=20)
         second.load_state_dict(load_state(tmp_path / "state.pt"))
         if fails:
             with pytest.raises(DataStreamError, match=r"not the shard the manifest lists: its stored ids are"):
@@ -146,12 +135,12 @@ def test_stored_ids_of_another_sample_are_bad_ids_of_that_sample(demo_data, tmp_
     """Every sample's ids member holds the next sample's (the issue: the model memorized one document)."""
     keys = _keys(shard_paths(demo_data, "train")[0])
     following = dict(zip(keys, keys[1:] + keys[:1], strict=True))
-    members = _members(shard_paths(demo_data, "train")[0])
-    shard = _damaged(demo_data, tmp_path, lambda key, field, data, fields:
+    members = members_of(shard_paths(demo_data, "train")[0])
+    shard = damaged_shard(demo_data, tmp_path, lambda key, field, data, fields:
                      members[following[key]]["ids"] if field == "ids" else data)
     _raises(demo_data, [shard], rf"{SHARD}: sample '[^']+': its ids are not those prepare stored for its text \(their "
             r"check differs: the ids of another sample or text, or damaged bytes\); the shard is damaged")
-    loader = _read(demo_data, [shard], on_error="skip")
+    loader = read_stored(demo_data, [shard], on_error="skip")
     assert list(loader) == [] and loader.skipped() == {"bad_ids": 200}
 
 
@@ -159,7 +148,7 @@ def _without_check(demo_data: Path, out: Path) -> Path:
     """The dataset as prepare wrote it before the crc32: ids members without it, a manifest without "check"."""
     shutil.copytree(demo_data, out)
     for shard in shard_paths(out, "train") + shard_paths(out, "val"):
-        _rewrite(shard, Path(shard + ".new"), lambda name, data: (name, data[:-4] if name.endswith(".ids") else data))
+        rewrite_shard(shard, Path(shard + ".new"), lambda name, data: (name, data[:-4] if name.endswith(".ids") else data))
         Path(shard + ".new").replace(shard)
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["ids"]["check"]
@@ -171,8 +160,8 @@ def test_shards_prepared_before_the_check_still_read_the_same_rows(demo_data, tm
     old = _without_check(demo_data, tmp_path / "old")
     stored = stored_ids(load_manifest(old), tokenizer_hash(old / "tokenizer"), False)
     assert stored is not None and not stored.checked
-    _assert_same_rows(_rows(_stream(old, None)), _rows(_stream(old, stored)))
-    _assert_same_rows(_rows(_stream(demo_data, None)), _rows(_stream(old, stored)))
+    assert_same_rows(rows_of(stored_stream(old, None)), rows_of(stored_stream(old, stored)))
+    assert_same_rows(rows_of(stored_stream(demo_data, None)), rows_of(stored_stream(old, stored)))
 
 
 # -- the text path's document checks on the ids path ---------------------------------------------------------------
@@ -183,11 +172,11 @@ def test_shards_prepared_before_the_check_still_read_the_same_rows(demo_data, tm
 def test_a_text_the_text_path_refuses_is_refused_alike_from_its_stored_ids(demo_data, tmp_path, text, reason):
     """The sample keeps its (valid) ids: the same error, or the same documents and counts under skip, either way."""
     victim = _victim(demo_data)
-    shard = _damaged(demo_data, tmp_path, lambda key, field, data, fields:
+    shard = damaged_shard(demo_data, tmp_path, lambda key, field, data, fields:
                      text if key == victim and field == "txt" else data)
     errors = [_raises(demo_data, [shard], rf"{SHARD}: sample '{victim}'", stored=s) for s in (False, True)]
     assert errors[0] == errors[1]
-    loaders = [_read(demo_data, [shard], stored=s, on_error="skip") for s in (False, True)]
+    loaders = [read_stored(demo_data, [shard], stored=s, on_error="skip") for s in (False, True)]
     keys = [[d.key for d in loader] for loader in loaders]
     assert keys[0] == keys[1] and victim not in keys[1] and len(keys[1]) == 199
     assert loaders[0].skipped() == loaders[1].skipped() == {reason: 1}
@@ -196,7 +185,7 @@ def test_a_text_the_text_path_refuses_is_refused_alike_from_its_stored_ids(demo_
 def _large_ids(demo_data: Path, tmp_path: Path, tokens: int, victim: str | None = None, which: int = 0) -> str:
     """The victim's text made 10 bytes, its ids `tokens` (forged: their check recomputed)."""
     victim, text = victim or _victim(demo_data), b"short text"
-    return _damaged(demo_data, tmp_path, lambda key, field, data, fields: data if key != victim else
+    return damaged_shard(demo_data, tmp_path, lambda key, field, data, fields: data if key != victim else
                     text if field == "txt" else ids_member(np.full(tokens, 7, dtype="<u2").tobytes(), text), which)
 
 
@@ -211,7 +200,7 @@ def test_stored_ids_over_data_max_doc_mb_are_too_large_whatever_their_text(demo_
     shard = _large_ids(demo_data, tmp_path, tokens)
     _raises(demo_data, [shard], rf"{SHARD}: sample '{_victim(demo_data)}' has a 'ids' member of {2 * tokens + 4:,} "
             r"bytes \(not read\), over data.max_doc_mb=0.125 .*: raise data.max_doc_mb", max_doc_bytes=BOUND)
-    loader = _read(demo_data, [shard], max_doc_bytes=BOUND, on_error="skip")
+    loader = read_stored(demo_data, [shard], max_doc_bytes=BOUND, on_error="skip")
     assert len(list(loader)) == 199 and loader.skipped() == {"too_large": 1}
 
 
@@ -219,14 +208,14 @@ def test_stored_ids_buffered_in_a_checkpoint_are_judged_by_the_resumed_runs_boun
     """A sample of an earlier shard sits in the saved shuffle buffer as its ids (not read again): counted by them."""
     victim = _keys(shard_paths(demo_data, "train")[1])[-1]  # of the shard read first, the last: still buffered
     shards = [shard_paths(demo_data, "train")[0], _large_ids(demo_data, tmp_path, 200_000, victim, which=1)]
-    first = _read(demo_data, shards, shuffle_buffer=300)
+    first = read_stored(demo_data, shards, shuffle_buffer=300)
     list(itertools.islice(first, 1))  # one chunk: 364 samples read, the cursor in the second shard
     state = first.state_dict()
     buffered = [item[2] for slot in state["slot_states"].values() for item in slot["position"]["buffer"]
                 if isinstance(item[3], tuple)]
     assert victim in buffered
     save_state(state, tmp_path / "state.pt")
-    second = _read(demo_data, shards, shuffle_buffer=300, max_doc_bytes=BOUND)
+    second = read_stored(demo_data, shards, shuffle_buffer=300, max_doc_bytes=BOUND)
     second.load_state_dict(load_state(tmp_path / "state.pt"))
     with pytest.raises(DataStreamError, match=rf"sample '{victim}' has 200,000 stored ids \(a token covers "
                        r"a byte of text at least\), over data.max_doc_mb=0.125"):
@@ -242,15 +231,15 @@ def test_stored_ids_outside_the_vocabulary_are_bad_ids_of_that_sample(demo_data,
 
     def change(key, field, data, fields):
         if key == victim and field == "ids":
-            ids = _ids(data).copy()
+            ids = ids_of(data).copy()
             ids[3] = 60_000
             return ids_member(ids.tobytes(), fields["txt"])
         return data
 
-    shard = _damaged(demo_data, tmp_path, change)
+    shard = damaged_shard(demo_data, tmp_path, change)
     _raises(demo_data, [shard], rf"{SHARD}: sample '{victim}': its stored ids hold 60000, outside the vocabulary "
             r"\(512 tokens\) of the tokenizer the manifest says encoded them; the shard is damaged")
-    loader = _read(demo_data, [shard], on_error="skip")
+    loader = read_stored(demo_data, [shard], on_error="skip")
     keys = [d.key for d in loader]
     assert len(keys) == 199 and victim not in keys and loader.skipped() == {"bad_ids": 1}
 
@@ -263,30 +252,30 @@ def test_uint32_ids_under_a_manifest_saying_uint16_are_named(demo_data, tmp_path
     def change(key, field, member, fields):
         if field != "ids":
             return member
-        wide = (_ids(member) if data == demo_data else np.frombuffer(member, "<u2")).astype("<u4").tobytes()
+        wide = (ids_of(member) if data == demo_data else np.frombuffer(member, "<u2")).astype("<u4").tobytes()
         return ids_member(wide, fields["txt"]) if written == "forged" else wide
 
     src = shard_paths(data, "train")[0]
-    members = _members(src)
+    members = members_of(src)
     shard = tmp_path / SHARD
-    _rewrite(src, shard, lambda name, m: (name, change(*name.split(".", 1), m, members[name.split(".")[0]])))
+    rewrite_shard(src, shard, lambda name, m: (name, change(*name.split(".", 1), m, members[name.split(".")[0]])))
     pattern = (r"every second <u2 value 0 \(written as uint32; the manifest says <u2\)" if written == "without crc32"
                else r"its ids read as <u4 values \(every second <u2 value is 0: written as uint32\), but the manifest "
                     r"says <u2")
     _raises(data, [str(shard)], rf"{SHARD}: sample '[^']+': .*{pattern}")
-    loader = _read(data, [str(shard)], on_error="skip")
+    loader = read_stored(data, [str(shard)], on_error="skip")
     assert list(loader) == [] and loader.skipped() == {"bad_ids": 200}
 
 
 def test_the_check_is_a_crc32_of_the_texts_length_and_ends_then_the_ids(demo_data, tmp_path):
     """The record prepare writes (what a tool writing shards must write; docs/data.md says so), and a text changed at
     an end with its ids kept fails it."""
-    fields = _members(shard_paths(demo_data, "train")[0])[_victim(demo_data)]
+    fields = members_of(shard_paths(demo_data, "train")[0])[_victim(demo_data)]
     member, text = fields["ids"], fields["txt"]
     ends = len(text).to_bytes(8, "little") + text[:64] + text[-64:]
     assert member[-4:] == zlib.crc32(member[:-4], zlib.crc32(ends)).to_bytes(4, "little")
     assert ids_member(member[:-4], text) == member
     victim = _victim(demo_data)
-    shard = _damaged(demo_data, tmp_path, lambda key, field, data, fields:
+    shard = damaged_shard(demo_data, tmp_path, lambda key, field, data, fields:
                      b"#" + data[1:] if key == victim and field == "txt" else data)
     _raises(demo_data, [shard], rf"{SHARD}: sample '{victim}': its ids are not those prepare stored for its text")

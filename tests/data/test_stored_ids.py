@@ -7,24 +7,20 @@ corpus (loss on the assistant's turns: the stored token ranges against the mask 
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import json
-import tarfile
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.shards import assert_same_rows, members_of, rewrite_shard, rows_of, stored_of, stored_stream
 from trainer.checkpoint.safe_io import load_state, save_state
-from trainer.data.config import PackingConfig
 from trainer.data.loader import DocumentLoader
-from trainer.data.pipeline import RowStream
 from trainer.data.reader import DataStreamError
 from trainer.data.shards import StoredIds, load_manifest, shard_paths, stored_ids
-from trainer.data.stream import DocumentStream
-from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from trainer.data.tokenizer import load_tokenizer, tokenizer_hash
 from trainer.prepare import prepare
 
 SEQ_LEN = 256
@@ -35,49 +31,6 @@ def chat_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("stored") / "chat"
     prepare("demo-chat", out, vocab_size=512, max_docs=120, docs_per_shard=30, val_fraction=0.05)
     return out
-
-
-def _members(shard: str) -> dict[str, dict[str, bytes]]:
-    """{key: {field: bytes}} read with tarfile alone."""
-    out: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(shard) as tar:
-        for member in tar:
-            key, field = member.name.split(".", 1)
-            out.setdefault(key, {})[field] = tar.extractfile(member).read()
-    return out
-
-
-def _stream(data: Path, stored: StoredIds | None, loss_on: str = "all", **kw) -> DocumentStream:
-    eos = special_ids(load_tokenizer(data / "tokenizer")).eos
-    kw.setdefault("shuffle_buffer", 50)
-    kw.setdefault("epochs", 1)
-    return DocumentStream(kw.pop("shards", shard_paths(data, "train")), data / "tokenizer", eos, seed=3,
-                          loss_on=loss_on, stored_ids=stored, **kw)
-
-
-def _rows(stream: DocumentStream, num_workers: int = 0) -> list[list]:
-    rows = RowStream(DocumentLoader(stream, num_workers=num_workers), SEQ_LEN, PackingConfig(buffer_size=32))
-    out = []
-    while batch := rows.take(8):
-        out.extend(batch)
-    return out
-
-
-def _assert_same_rows(a: list[list], b: list[list]) -> None:
-    assert len(a) == len(b) > 0
-    for row_a, row_b in zip(a, b, strict=True):
-        assert [d.key for d in row_a] == [d.key for d in row_b]
-        for x, y in zip(row_a, row_b, strict=True):
-            assert x.tokens.dtype == y.tokens.dtype and np.array_equal(x.tokens, y.tokens)
-            assert (x.loss_mask is None) == (y.loss_mask is None)
-            if x.loss_mask is not None:
-                assert np.array_equal(x.loss_mask, y.loss_mask)
-
-
-def _stored(data: Path, assistant: bool = False) -> StoredIds:
-    stored = stored_ids(load_manifest(data), tokenizer_hash(data / "tokenizer"), assistant)
-    assert stored is not None
-    return stored
 
 
 @pytest.mark.parametrize("which", ["demo", "chat"])
@@ -92,7 +45,7 @@ def test_stored_ids_are_the_tokenizers_encoding_of_the_text(which, demo_data, ch
     checked = 0
     for split in ("train", "val"):
         for shard in shard_paths(data, split):
-            for key, fields in _members(shard).items():
+            for key, fields in members_of(shard).items():
                 text = fields["txt"].decode()
                 ids, check = fields["ids"][:-4], fields["ids"][-4:]  # the ids, then their check (ids_check)
                 assert np.frombuffer(ids, dtype="<u2").tolist() == tok.encode(text, add_special_tokens=False).ids, key
@@ -106,15 +59,15 @@ def test_stored_ids_are_the_tokenizers_encoding_of_the_text(which, demo_data, ch
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_rows_from_stored_ids_equal_rows_from_the_text(demo_data, num_workers):
-    _assert_same_rows(_rows(_stream(demo_data, None), num_workers),
-                      _rows(_stream(demo_data, _stored(demo_data)), num_workers))
+    assert_same_rows(rows_of(stored_stream(demo_data, None), num_workers),
+                      rows_of(stored_stream(demo_data, stored_of(demo_data)), num_workers))
 
 
 @pytest.mark.parametrize("loss_on", ["all", "assistant"])
 def test_chat_rows_and_assistant_masks_from_stored_ids_equal_those_from_the_text(chat_data, loss_on):
-    stored = _stored(chat_data, assistant=loss_on == "assistant")
-    text_rows = _rows(_stream(chat_data, None, loss_on))
-    _assert_same_rows(text_rows, _rows(_stream(chat_data, stored, loss_on)))
+    stored = stored_of(chat_data, assistant=loss_on == "assistant")
+    text_rows = rows_of(stored_stream(chat_data, None, loss_on))
+    assert_same_rows(text_rows, rows_of(stored_stream(chat_data, stored, loss_on)))
     if loss_on == "assistant":  # the masks compared are not empty: some tokens are targets, some not
         masks = np.concatenate([d.loss_mask for row in text_rows for d in row])
         assert 0 < masks.mean() < 1
@@ -131,32 +84,21 @@ def test_which_runs_read_stored_ids(demo_data, chat_data):
         dtype="<u2", assistant=True, checked=True, vocab_size=chat["tokenizer"]["vocab_size"])
 
 
-def _rewrite(src: str, dst: Path, change) -> None:
-    """Copy a shard, passing each member's (name, data) through `change` (None drops the member)."""
-    with tarfile.open(src) as tar_in, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as tar_out:
-        for member in tar_in:
-            changed = change(member.name, tar_in.extractfile(member).read())
-            if changed is not None:
-                info = tarfile.TarInfo(changed[0])
-                info.size = len(changed[1])
-                tar_out.addfile(info, io.BytesIO(changed[1]))
-
-
 def test_a_sample_without_stored_ids_is_read_from_its_text(demo_data, tmp_path):
     shards = shard_paths(demo_data, "train")
-    keys = list(_members(shards[0]))
+    keys = list(members_of(shards[0]))
     mixed = tmp_path / "mixed.tar"  # every other sample of the first shard without its ids
-    _rewrite(shards[0], mixed, lambda name, data: None if name.endswith(".ids") and
+    rewrite_shard(shards[0], mixed, lambda name, data: None if name.endswith(".ids") and
              keys.index(name.split(".")[0]) % 2 else (name, data))
     shards = [str(mixed), *shards[1:]]
-    _assert_same_rows(_rows(_stream(demo_data, None, shards=shards)),
-                      _rows(_stream(demo_data, _stored(demo_data), shards=shards)))
+    assert_same_rows(rows_of(stored_stream(demo_data, None, shards=shards)),
+                      rows_of(stored_stream(demo_data, stored_of(demo_data), shards=shards)))
 
 
 @pytest.mark.parametrize("damage", ["odd ids", "no ids bytes", "ranges past the end"])
 def test_damaged_stored_ids_are_named_or_counted(chat_data, tmp_path, damage):
     shard = shard_paths(chat_data, "train")[0]
-    victim = next(iter(_members(shard)))
+    victim = next(iter(members_of(shard)))
     bad = tmp_path / "bad.tar"
 
     def change(name, data):
@@ -166,14 +108,14 @@ def test_damaged_stored_ids_are_named_or_counted(chat_data, tmp_path, damage):
             return name, np.array([0, 10**6], dtype="<u4").tobytes()
         return name, data
 
-    _rewrite(shard, bad, change)
-    stored = _stored(chat_data, assistant=True)
+    rewrite_shard(shard, bad, change)
+    stored = stored_of(chat_data, assistant=True)
     with pytest.raises(DataStreamError, match=rf"bad\.tar: sample '{victim}': its .*the shard is damaged"):
-        list(DocumentLoader(_stream(chat_data, stored, "assistant", shards=[str(bad)])))
-    loader = DocumentLoader(_stream(chat_data, stored, "assistant", shards=[str(bad)], on_error="skip"))
+        list(DocumentLoader(stored_stream(chat_data, stored, "assistant", shards=[str(bad)])))
+    loader = DocumentLoader(stored_stream(chat_data, stored, "assistant", shards=[str(bad)], on_error="skip"))
     docs = list(loader)
     assert loader.skipped() == {"bad_ids": 1}
-    assert len(docs) == len(_members(shard)) - 1 and victim not in {d.key for d in docs}
+    assert len(docs) == len(members_of(shard)) - 1 and victim not in {d.key for d in docs}
 
 
 @pytest.mark.parametrize("resumed_reads", ["ids", "text"])
@@ -181,17 +123,17 @@ def test_damaged_stored_ids_are_named_or_counted(chat_data, tmp_path, damage):
 def test_resume_from_a_saved_state_holding_stored_ids_continues_exactly(demo_data, tmp_path, stop_after,
                                                                          resumed_reads):
     def make(stored):
-        return DocumentLoader(_stream(demo_data, stored, shuffle_buffer=300))
+        return DocumentLoader(stored_stream(demo_data, stored, shuffle_buffer=300))
 
     uninterrupted = [(d.key, d.tokens.tolist()) for d in make(None)]
-    first = make(_stored(demo_data))
+    first = make(stored_of(demo_data))
     head = [(d.key, d.tokens.tolist()) for d in itertools.islice(iter(first), stop_after)]
     state = first.state_dict()
     buffered = [item[3] for slot in state["slot_states"].values() for item in slot["position"]["buffer"]]
     assert any(isinstance(data, tuple) for data in buffered)  # the buffer (300) reaches past the first shard (200)
     save_state(state, tmp_path / "state.pt")  # the buffer's items of earlier shards hold their stored ids
     # The resumed run may read the text (e.g. shards prepared again with --text-only): the buffered ids still work.
-    second = make(_stored(demo_data) if resumed_reads == "ids" else None)
+    second = make(stored_of(demo_data) if resumed_reads == "ids" else None)
     second.load_state_dict(load_state(tmp_path / "state.pt"))
     assert head + [(d.key, d.tokens.tolist()) for d in second] == uninterrupted
 
@@ -205,6 +147,6 @@ def test_text_only_shards_hold_the_same_documents_without_ids(demo_data, tmp_pat
         assert [(s["name"], s["docs"], s["tokens"]) for s in plain["splits"][split]["shards"]] == \
             [(s["name"], s["docs"], s["tokens"]) for s in with_ids["splits"][split]["shards"]]
         for a, b in zip(shard_paths(tmp_path / "plain", split), shard_paths(demo_data, split), strict=True):
-            text_only, both = _members(a), _members(b)
+            text_only, both = members_of(a), members_of(b)
             assert {k: set(f) for k, f in text_only.items()} == {k: {"txt"} for k in both}
             assert {k: f["txt"] for k, f in text_only.items()} == {k: f["txt"] for k, f in both.items()}
