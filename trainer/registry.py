@@ -305,7 +305,8 @@ SUMMARY_KEYS: dict[str, str] = {
                                     "than this count: counted from the resume)",
     "resume_samples_read": "samples re-read to restore the readers after a resume (null: a fresh start)",
     "resume_bytes_read": "bytes re-read to restore the readers after a resume (null: a fresh start)",
-    "packing_stats": "rank 0's packer counts: documents and tokens in, split, truncated, dropped",
+    "packing_stats": "rank 0's packer counts: documents and tokens in, split, truncated, dropped, and the tokens "
+                     "trained without their document's start (the chunks after a split document's first)",
     "dtype": "train.dtype as run: fp32 or bf16",
     "optimizer_fused": "whether the optimizer ran its fused kernel (optim.fused)",
     "compile": "train.compile",

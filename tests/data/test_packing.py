@@ -56,7 +56,7 @@ def test_split_long_split():
     chunks = split_long(doc("k", [1, 2, 3, 4, 5, 6, 7, 8, 9]), 4, "split", stats)
     assert [c.key for c in chunks] == ["k#0", "k#1", "k#2"]
     assert [c.tokens.tolist() for c in chunks] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
-    assert stats == PackingStats(docs_in=1, tokens_in=9, docs_split=1, chunks_from_splits=3)
+    assert stats == PackingStats(docs_in=1, tokens_in=9, docs_split=1, chunks_from_splits=3, tokens_without_start=5)
 
 
 def test_split_long_split_exact_multiple_and_mask():
@@ -64,7 +64,7 @@ def test_split_long_split_exact_multiple_and_mask():
     chunks = split_long(doc("k", [1, 2, 3, 4], mask=[0, 1, 1, 0]), 2, "split", stats)
     assert [c.tokens.tolist() for c in chunks] == [[1, 2], [3, 4]]
     assert [c.loss_mask.tolist() for c in chunks] == [[False, True], [True, False]]
-    assert (stats.docs_split, stats.chunks_from_splits) == (1, 2)
+    assert (stats.docs_split, stats.chunks_from_splits, stats.tokens_without_start) == (1, 2, 2)
 
 
 def test_split_long_truncate():
@@ -99,7 +99,8 @@ def test_stats_accumulate_over_a_stream_and_round_trip():
     stats = PackingStats()
     for i, n in enumerate([3, 9, 4, 10]):
         split_long(doc(f"k{i}", range(1, n + 1)), 4, "split", stats)
-    assert stats == PackingStats(docs_in=4, tokens_in=26, docs_split=2, chunks_from_splits=6)
+    assert stats == PackingStats(docs_in=4, tokens_in=26, docs_split=2, chunks_from_splits=6,
+                                 tokens_without_start=(9 - 4) + (10 - 4))
     restored = PackingStats()
     restored.load_state_dict(stats.state_dict())
     assert restored == stats

@@ -39,3 +39,22 @@ def test_rows_and_verdicts_name_each_arm_its_interval_and_the_resolution():
     assert "Δ +2.0 points, within noise" in verdicts["unpacked arc"]
     assert "Δ +6.0 points, beyond noise" in verdicts["no_isolation arc"]
     assert "1000 items resolve differences of about 4.3 points" in verdicts["unpacked arc"]
+
+
+def test_the_long_document_table_gives_each_layouts_shares():
+    """The packing papers' ratios from summary.json's packing_stats: split and truncation shares of documents, cut
+    tokens and tokens trained without their start as shares of the tokens in; runs that met no long document give
+    no row."""
+    from trainer.reporting.tables import long_doc_rows
+
+    def run(name, policy, **stats):
+        return Run(name=name, path=None, config={"packing.long_docs": policy}, metrics=[],
+                   summary={"packing_stats": {"docs_in": 100, "tokens_in": 10_000, **stats}}, notes=[])
+
+    runs = [run("split", "split", docs_split=4, chunks_from_splits=10, tokens_without_start=1_200),
+            run("truncate", "truncate", docs_truncated=4, tokens_truncated=1_200),
+            run("short docs", "split")]
+    assert long_doc_rows(runs) == [
+        ["split", "split", "100", "4.0%", "0.0%", "0.0%", "0.0%", "12.0%"],
+        ["truncate", "truncate", "100", "0.0%", "4.0%", "0.0%", "12.0%", "n/a"],
+    ]

@@ -44,6 +44,9 @@ class PackingStats:
     tokens_in: int = 0
     docs_split: int = 0
     chunks_from_splits: int = 0
+    tokens_without_start: int = 0
+    """Tokens of the chunks after a split document's first: trained without their document's start in view (the
+    packing papers' concatenate-and-split cost)."""
     docs_truncated: int = 0
     tokens_truncated: int = 0
     docs_dropped: int = 0
@@ -61,7 +64,8 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
     """Make `doc` fit a row of `max_len`: unchanged if it fits, else split / truncate / drop.
 
     Example, max_len = 4, tokens [1 2 3 4 5 6 7 8 9]:
-        split    -> key#0 [1 2 3 4], key#1 [5 6 7 8], key#2 [9]   (each chunk is its own segment)
+        split    -> key#0 [1 2 3 4], key#1 [5 6 7 8], key#2 [9]   (each chunk is its own segment; 5 tokens
+                                                                    counted as trained without their start)
         truncate -> [1 2 3 4]                                      (5 tokens counted as truncated)
         drop     -> []                                             (9 tokens counted as dropped)
     """
@@ -75,6 +79,7 @@ def split_long(doc: Document, max_len: int, policy: str, stats: PackingStats) ->
         n_chunks = math.ceil(len(doc) / max_len)
         stats.docs_split += 1
         stats.chunks_from_splits += n_chunks
+        stats.tokens_without_start += len(doc) - max_len
         return [
             Document(
                 key=f"{doc.key}#{i}",

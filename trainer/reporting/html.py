@@ -21,11 +21,13 @@ from trainer.reporting.tables import (
     BY_POSITION,
     BY_SOURCE,
     LENGTH_COLUMNS,
+    LONG_DOC_COLUMNS,
     POSITION_COLUMNS,
     SOURCE_COLUMNS,
     TABLE_COLUMNS,
     flops_table,
     group_rows,
+    long_doc_rows,
     group_verdicts,
     share_verdicts,
     table_rows,
@@ -53,6 +55,8 @@ class Report:
     """flops_table's (empty: no run logged FLOPs)."""
     task_rows: list[list[str]]
     """TASK_COLUMNS rows (empty: no run scored train.eval_tasks)."""
+    long_doc_rows: list[list[str]]
+    """LONG_DOC_COLUMNS rows (empty: no run's packer met a document longer than a row)."""
     images: list[tuple[str, str]]
     """(PNG file name, caption)."""
     notes: list[str]
@@ -68,6 +72,10 @@ class Report:
              "last eval's; both as Δ against the reference over the steps both logged; each source's share of "
              "the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
              self.source_rows),
+            ("Long documents", "What each run's layout did to documents longer than a row (summary.json's "
+             "packing_stats, rank 0's packer): the shares of documents split, truncated and dropped, of tokens cut "
+             "off, and of tokens trained without their document's start (the chunks after a split document's "
+             "first).", LONG_DOC_COLUMNS, self.long_doc_rows),
             ("Downstream tasks", "Each run's last scores of train.eval_tasks (trainer.reporting.tasks): accuracy with "
              "its 95 % Wilson interval, acc_norm, the gold answers' bits per byte, and the accuracy's difference "
              "from the reference's.", TASK_COLUMNS, self.task_rows),
@@ -97,6 +105,7 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         flops_columns=flops_columns,
         flops_rows=flops_rows,
         task_rows=task_rows(runs, ref),
+        long_doc_rows=long_doc_rows(runs),
         images=images,
         notes=notes,
     )
