@@ -95,7 +95,8 @@ def test_text_row_matches_collator_and_stream_tokenization(tokenizer_dir: Path, 
     pieces = TEXT.split("|")
     eos = special_ids(load_tokenizer(tokenizer_dir)).eos
     stream = DocumentStream(["unused.tar"], tokenizer_dir, eos_id=eos)
-    for ours, theirs in zip(doc_set.docs, stream._documents(list("abc"), pieces), strict=True):
+    items = [(0, n, key, None) for n, key in enumerate("abc")]  # (shard, sample, key, payload) as the reader draws
+    for ours, theirs in zip(doc_set.docs, stream._documents(items, pieces, ["unused.tar"], None), strict=True):
         assert ours.tokens.tolist() == theirs.tokens.tolist()  # EOS appended, no special tokens added
     total = sum(len(d) for d in doc_set.docs)
     for row_len in (total, total + 3):

@@ -130,7 +130,8 @@ def test_wandb_offline_writes_a_real_run(demo_data, tmp_path):
 
 
 def test_strip_launcher_args_keeps_hydra_overrides(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded as it was (unset), so that it is restored: a LOCAL_RANK left
+    monkeypatch.delenv("LOCAL_RANK")       # behind tells lm-eval this process is not rank 0 (tests/test_harness.py)
     assert strip_launcher_args(["train", "model=tiny", "--local_rank=3"]) == ["train", "model=tiny"]
     assert os.environ["LOCAL_RANK"] == "3"
     monkeypatch.delenv("LOCAL_RANK")

@@ -147,7 +147,7 @@ def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Pa
         where = f" nor under --include-path {include_path}" if include_path else ""
         raise HarnessError(f"--tasks {unknown}: not tasks lm-eval knows{where}")
     results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
-    return results["results"]
+    return results["results"] if results is not None else {}  # None: lm-eval reports on LOCAL_RANK 0 only
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

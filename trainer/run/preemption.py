@@ -53,9 +53,12 @@ class PreemptionHandler:
         return dist_max(float(self.signal_name is not None), device) > 0
 
     def close(self) -> None:
+        """The previous signal handlers back, and shard reads allowed again: what a signal interrupted was this
+        run's; the process may read on (the next job of a sweep, a command after a run in the same process)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+        allow_reads()
 
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
