@@ -24,27 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-YAML = """task: bench_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: query
-doc_to_choice: choices
-doc_to_target: gold
-target_delimiter: ""
-metric_list:
-  - metric: acc
-"""
-
-
 def write_task(args: argparse.Namespace, root: Path) -> int:
     """The items as jsonl + YAML under `root`; returns their number."""
     from trainer.data.tokenizer import load_tokenizer
     from trainer.evaluate import builtin_data
     from trainer.generate import load
+    from trainer.harness import write_task_yaml
     from trainer.tasks.builtins import heldout_texts
     from trainer.tasks.suite import builtin_task
     from trainer.tasks.tasks import load_task_file
@@ -57,7 +42,7 @@ def write_task(args: argparse.Namespace, root: Path) -> int:
         task = builtin_task("continuation4", texts, 0, args.items, load_tokenizer(tok_dir), model.cfg.max_seq_len)
     (root / "items.jsonl").write_text("".join(json.dumps({"query": i.query, "choices": list(i.choices),
                                                            "gold": i.gold}) + "\n" for i in task.items))
-    (root / "bench_mc.yaml").write_text(YAML.format(items=root / "items.jsonl"))
+    write_task_yaml("bench_mc", root / "items.jsonl", root)
     return len(task.items)
 
 

@@ -14,22 +14,7 @@ import torch
 from tests.harness import require_module
 from trainer.evaluate import main as evaluate_main
 from trainer.generate import load
-
-MC_YAML = """task: packtrain_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: query
-doc_to_choice: choices
-doc_to_target: gold
-target_delimiter: ""
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
+from trainer.harness import write_task_yaml
 
 ROLLING_YAML = """task: packtrain_rolling
 dataset_path: json
@@ -64,7 +49,7 @@ def tasks(checkpoint, tmp_path_factory):
                              for i in task.items))
     rolling = root / "rolling.jsonl"
     rolling.write_text("".join(json.dumps({"text": t[:200]}) + "\n" for t in texts[:3]))
-    (root / "mc.yaml").write_text(MC_YAML.format(items=items))
+    write_task_yaml("packtrain_mc", items, root)
     (root / "rolling.yaml").write_text(ROLLING_YAML.format(items=rolling))
     return root
 

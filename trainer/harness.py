@@ -128,6 +128,32 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
     return PacktrainLM
 
 
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: query
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: ""
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+"""lm-eval's task YAML for a multiple-choice task file of llm-foundry's form ({"query", "choices", "gold"} a line),
+scored as packtrain scores it: the choice right after the query (no delimiter added)."""
+
+
+def write_task_yaml(name: str, items: str | Path, directory: str | Path) -> Path:
+    """`directory`/`name`.yaml: task `name` over the task file `items` (an --include-path for run_harness)."""
+    path = Path(directory) / f"{name}.yaml"
+    path.write_text(TASK_YAML.format(name=name, items=Path(items).resolve()))
+    return path
+
+
 def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Path | None = None,
                 device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed", limit: int | None = None,
                 attention: str = "auto") -> dict:
