@@ -27,6 +27,7 @@ from tests.harness import free_port
 from trainer.checkpoint.store import latest_checkpoint
 from trainer.config import from_container
 from trainer.data.batch import Document
+from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.groups import DistInfo
 from trainer.model import GPTConfig
 
@@ -35,8 +36,7 @@ from trainer.model import GPTConfig
 # ---------------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "model=tiny",
+SMALL = [  # model=tiny is the default (configs/config.yaml); not named, so a Hugging Face init_from gives the model
     "train.seq_len=128",
     "train.tokens_per_step=1024",
     "train.micro_batch_tokens=512",
@@ -162,6 +162,15 @@ def make_steps(num_steps: int = 3, docs_per_step: int = 12, seed: int = 0) -> li
             docs.append(Document(key=f"s{s}d{d}", tokens=tokens))
         steps.append(docs)
     return steps
+
+
+class GradientRecorder(DDPEngine):
+    """The real DDP engine (one process) that also keeps the gradients it is about to apply: the step's
+    gradient after every micro-batch, read before the optimizer changes anything."""
+
+    def apply_gradients(self) -> None:
+        self.grads = {name: p.grad.detach().clone() for name, p in self.module.named_parameters()}
+        super().apply_gradients()
 
 
 def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:

@@ -17,16 +17,15 @@ import pytest
 import torch
 
 from tests.harness import require_module
-from tests.helpers import ROOT, run_export, train_checkpoint
+from tests.helpers import ROOT, GradientRecorder, run_export, train_checkpoint
 from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.data.chat import chat_template, render
 from trainer.data.feed import load_eval_docs
 from trainer.data.tokenizer import IM_END, IM_START, load_tokenizer, special_ids
-from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.groups import DistInfo
-from trainer.export import write_gpt2
+from trainer.export import write_hf
 from trainer.model import GPT, AttentionConfig, GPTConfig, model_inputs
 from trainer.run.step import train_step
 
@@ -82,15 +81,6 @@ def relative_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor])
     return {k: float((ours[k] - ref[k]).norm() / ref[k].norm()) for k in ref}
 
 
-class GradientRecorder(DDPEngine):
-    """The real DDP engine (one process) that also keeps the gradients it is about to apply: the step's
-    gradient after every micro-batch, read before the optimizer changes anything."""
-
-    def apply_gradients(self) -> None:
-        self.grads = {name: p.grad.detach().clone() for name, p in self.module.named_parameters()}
-        super().apply_gradients()
-
-
 # ---------------------------------------------------------------------------------------------------
 # The directory
 # ---------------------------------------------------------------------------------------------------
@@ -114,7 +104,7 @@ def test_export_writes_a_gpt2_directory_that_transformers_loads(transformers, ch
     assert (exported / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer" / "tokenizer.json").read_bytes()
     assert json.loads((exported / "tokenizer_config.json").read_text())["model_max_length"] == SEQ_LEN
     # The weights are the checkpoint's, under GPT-2 names: packtrain's GPT read back from the export is identical.
-    ours, back = load_model(checkpoint), hf.load_export(exported)
+    ours, back = load_model(checkpoint), hf.load_hf(exported)
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, back.state_dict()[name]), name
 
@@ -124,15 +114,14 @@ def test_export_and_generate_never_import_transformers():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
-def test_mapping_round_trips_and_transposes_conv1d_weights():
+def test_mapping_transposes_conv1d_weights_and_leaves_the_tied_head_out():
     model = GPT(GPTConfig(vocab_size=40, n_layer=2, n_head=2, n_embd=16, max_seq_len=8))
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    gpt2 = hf.to_gpt2(state)
+    state = model.state_dict()
+    gpt2 = hf.hf_state_dict(model)
     assert gpt2["transformer.h.1.attn.c_attn.weight"].shape == (16, 48)  # Conv1D: (in, out)
     assert torch.equal(gpt2["transformer.h.0.mlp.c_fc.weight"], state["blocks.0.mlp.c_fc.weight"].t())
     assert torch.equal(gpt2["transformer.wpe.weight"], state["wpe.weight"])
-    back = hf.from_gpt2(gpt2)
-    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    assert "lm_head.weight" not in gpt2 and len(gpt2) == len(state) - 1
 
 
 def test_hf_tokenizer_encodes_like_ours_and_renders_chatml(transformers, exported, held_out):
@@ -192,7 +181,7 @@ def test_step_gradient_equals_the_gradient_of_transformers_mean_loss(hf_model, c
     info = DistInfo(0, 1, 0, torch.device("cpu"))
     engine = GradientRecorder(model, optimizer, scheduler, info, grad_clip=0.0, dtype="fp32")
     stats = train_step(engine, micro_batches, info, pad)
-    ours = hf.to_gpt2(engine.grads)
+    ours = hf.to_hf(engine.grads, model.cfg)
 
     hf_model.train().zero_grad(set_to_none=True)
     ref_loss = hf_model(**hf_batch(held_out, pad)).loss
@@ -222,14 +211,14 @@ def test_step_gradient_equals_the_gradient_of_transformers_mean_loss(hf_model, c
 
 def test_rope_models_are_refused_with_one_line(demo_data, tmp_path):
     ids = special_ids(load_tokenizer(demo_data / "tokenizer"))
-    with pytest.raises(hf.ExportError, match="only learned positions export to GPT-2"):
-        hf.gpt2_config(GPTConfig(vocab_size=512, n_layer=1, n_head=2, n_embd=16, pos_emb="rope"), ids)
+    with pytest.raises(hf.ExportError, match="no Hugging Face class computes this model"):
+        hf.hf_config(GPTConfig(vocab_size=512, n_layer=1, n_head=2, n_embd=16, pos_emb="rope"), ids)
     rope = train_checkpoint(tmp_path / "run", demo_data, "model.pos_emb=rope", "train.max_steps=1",
                             "train.eval_every=0")
     proc = run_export(rope, tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
-    assert "only learned positions export to GPT-2" in proc.stderr and "Traceback" not in proc.stderr
+    assert "no Hugging Face class computes this model" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -237,7 +226,7 @@ def test_a_bias_free_model_exports_zero_biases(transformers, demo_data, tmp_path
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, n_layer=2, n_head=2, n_embd=32, max_seq_len=32, bias=False)
     model = GPT(cfg).eval()
-    write_gpt2(model, demo_data / "tokenizer", tmp_path)
+    write_hf(model, demo_data / "tokenizer", tmp_path)
     ref = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert not ref.transformer.h[1].mlp.c_fc.bias.detach().any()
     ids = torch.randint(0, 512, (2, 32))

@@ -17,7 +17,7 @@ from trainer.checkpoint import hf
 from trainer.checkpoint.weights import load_model
 from trainer.data.chat import chat_template
 from trainer.data.tokenizer import load_tokenizer, special_ids
-from trainer.export import write_gpt2
+from trainer.export import write_hf
 from trainer.model import GPT, GPTConfig, KVCache
 
 PROMPT = "def parse_header(line):\n    "
@@ -30,7 +30,7 @@ def varied(demo_data, tmp_path_factory) -> tuple[GPT, Path]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, max_seq_len=128, init_std=0.5)).eval()
     out = tmp_path_factory.mktemp("varied")
-    write_gpt2(model, demo_data / "tokenizer", out)
+    write_hf(model, demo_data / "tokenizer", out)
     return model, out
 
 
@@ -106,8 +106,8 @@ def test_greedy_decoding_equals_transformers_generate(checkpoint, exported, vari
                              eos_token_id=eos, pad_token_id=pad)
         return out[0, len(prompt):].tolist()
 
-    trained = (load_model(checkpoint), hf.load_export(exported), exported)
-    for *ours_models, export_dir in (trained, (varied[0], hf.load_export(varied[1]), varied[1])):
+    trained = (load_model(checkpoint), hf.load_hf(exported), exported)
+    for *ours_models, export_dir in (trained, (varied[0], hf.load_hf(varied[1]), varied[1])):
         ref_model = transformers.GPT2LMHeadModel.from_pretrained(export_dir, attn_implementation="eager").eval()
         for model in ours_models:
             ours = gen.generate(model, prompt, 80, stops)

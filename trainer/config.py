@@ -16,6 +16,7 @@ import importlib
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -341,6 +342,37 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     return problems
 
 
+TRAINING_ONLY_MODEL_KEYS = ("dropout", "init_std")
+"""Model keys a run may set over a Hugging Face config.json (how it trains, not what the weights compute)."""
+
+
+def model_from_hf(path: str, section: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """The model section of a run whose train.init_from is Hugging Face model directory `path`: every key from its
+    config.json, except dropout and init_std, which stay the run's. A model key set in `overrides` (`model=NAME`:
+    all of that preset's; `model.KEY=VALUE`: KEY) that says otherwise than config.json is a ConfigError naming both.
+    model.max_seq_len of a RoPE model is a bound, not a weight: an override of it is taken."""
+    from trainer.checkpoint import hf
+    from trainer.checkpoint.weights import SHAPE_KEYS
+
+    theirs = dataclasses.asdict(hf.read_config(path))
+    rope = theirs["pos_emb"] == "rope"
+    named = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    preset = any(n == "model" or n.startswith("model@") for n in named)
+    explicit = {n.removeprefix("model.") for n in named if n.startswith("model.")}
+    checked = {k for k in (*SHAPE_KEYS, "vocab_size") if (preset and k in SHAPE_KEYS) or k in explicit}
+    if rope:
+        checked.discard("max_seq_len")
+        if "max_seq_len" in explicit:
+            theirs["max_seq_len"] = section["max_seq_len"]
+    differ = [f"model.{k}={section.get(k)!r} (config.json: {theirs[k]!r})" for k in sorted(checked)
+              if k in section and section.get(k) != theirs[k]]
+    if differ:
+        raise ConfigError(f"train.init_from={path} is a Hugging Face model whose {hf.CONFIG_FILE} gives the model, "
+                          f"and the command line says otherwise: {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; leave model= out (or set only "
+                          f"{' and '.join(f'model.{k}' for k in TRAINING_ONLY_MODEL_KEYS)})")
+    return {**theirs, **{k: section[k] for k in TRAINING_ONLY_MODEL_KEYS if k in section}}
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> str:
     """train.dtype as the run computes: 'auto' is bf16 autocast on a CUDA device that supports bf16, else fp32
     (so CPU runs stay fp32); 'fp32' and 'bf16' are kept. Example: resolve_dtype("auto", cpu) -> "fp32"."""
@@ -403,8 +435,19 @@ def _describe(hint: Any) -> str:
     return _SCALARS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def from_container(cfg: dict[str, Any], run_dir: str) -> RunConfig:
-    """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig; a ConfigError for unknown keys and bad values."""
+def from_container(cfg: dict[str, Any], run_dir: str, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Plain dict (OmegaConf.to_container(resolve=True)) -> RunConfig; a ConfigError for unknown keys and bad values.
+
+    `overrides`: the command line's (Hydra's task overrides), to tell which model keys the user set: a
+    train.init_from that is a Hugging Face model directory gives the model section (`model_from_hf`), and an
+    override that contradicts its config.json is refused."""
+    init_from = (cfg.get("train") or {}).get("init_from")
+    if isinstance(init_from, str) and init_from and isinstance(cfg.get("model"), dict):
+        from trainer.checkpoint import hf
+        from trainer.checkpoint.store import META_FILE
+
+        if hf.is_hf_dir(init_from) and not (Path(init_from) / META_FILE).is_file():
+            cfg["model"] = model_from_hf(init_from, cfg["model"], overrides)
     if not _fits(cfg.get("seed"), int):
         raise ConfigError(f"seed must be an integer, got {cfg.get('seed')!r}")
     require_range("seed", cfg["seed"], 0, 2**32 - 1)  # numpy's seeds

@@ -5,7 +5,7 @@
     python -m trainer.generate exports/demo --chat --prompt "Write a haiku" --top-k 40 --seed 1
 
 The path is a packtrain checkpoint (meta.json; weights from its model.safetensors, never engine.pt) or a
-directory written by `python -m trainer.export` (config.json + model.safetensors under GPT-2 names). `--chat`
+Hugging Face model directory (GPT-2, Llama, Qwen2: config.json + safetensors; what `python -m trainer.export` writes). `--chat`
 renders the prompt as one user message through the tokenizer's chat template (ChatML) with the assistant's
 generation prompt. Decoding uses a KV cache and stops at <|endoftext|> or <|im_end|>, after --max-new-tokens,
 or when the model's context (max_seq_len) is full. --temperature 0 is greedy; --top-k K samples among the K
@@ -43,15 +43,15 @@ class GenerateError(UserError):
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Path]:
-    """(model in eval mode, its tokenizer directory) of a packtrain checkpoint or a GPT-2 export."""
+    """(model in eval mode, its tokenizer directory) of a packtrain checkpoint or a Hugging Face model directory."""
     path = Path(path)
     if (path / META_FILE).is_file():
         return load_model(path, device=device), tokenizer_dir(path)
-    if hf.is_export(path):
-        return hf.load_export(path, device=device), path
-    raise GenerateError(f"{path} is neither a packtrain checkpoint (no {META_FILE}) nor an export of one (no "
-                        f"{hf.CONFIG_FILE} + {hf.WEIGHTS_FILE}): give {PATH_HINT} or the "
-                        "--out directory of python -m trainer.export")
+    if hf.is_hf_dir(path):
+        return hf.load_hf(path, device=device), path
+    raise GenerateError(f"{path} is neither a packtrain checkpoint (no {META_FILE}) nor a Hugging Face model (no "
+                        f"{hf.CONFIG_FILE} + {hf.WEIGHTS_FILE}): give {PATH_HINT}, the "
+                        "--out directory of python -m trainer.export, or a transformers model directory")
 
 
 # ---------------------------------------------------------------------------------------------------

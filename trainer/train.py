@@ -128,6 +128,14 @@ def main(raw: DictConfig) -> None:
         raise SystemExit(status)  # passes through Hydra: under -m it ends the sweep
 
 
+def _task_overrides() -> list[str]:
+    """The command line's overrides (Hydra's task overrides), or none outside a Hydra job (tests compose configs)."""
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # HydraConfig is not set
+        return []
+
+
 def build_config(raw: DictConfig, run_dir: str) -> RunConfig:
     """The composed Hydra config -> the typed RunConfig, every value and rule checked, and the engine's package
     installed (a ConfigError if not)."""
@@ -135,7 +143,7 @@ def build_config(raw: DictConfig, run_dir: str) -> RunConfig:
         container = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:  # e.g. an override `model.n_layer=${oops}`
         raise ConfigError(f"cannot resolve {e.full_key}: {str(e).splitlines()[0]}") from e
-    cfg = from_container(container, run_dir)
+    cfg = from_container(container, run_dir, overrides=_task_overrides())
     missing = missing_engine_package(cfg.distributed)
     if missing:
         raise ConfigError(missing)

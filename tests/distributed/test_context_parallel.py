@@ -45,9 +45,15 @@ def make_batch(layout: str = "packed", rows=ROWS, seed: int = 0, change: tuple[i
     return collate_rows(docs, L, 0, layout)
 
 
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, n_kv_head=1, tie_embeddings=False)
+"""pos_emb="llama" in the cases: the Llama family with ONE kv head, fewer than the CP degree (replicated per query
+head before attention, so ulysses splits 4 heads over 4 ranks)."""
+
+
 def model(pos_emb: str = "learned", isolate: bool = True, backend: str = "sdpa_docs"):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, max_seq_len=L, pos_emb=pos_emb)
+    shape = LLAMA if pos_emb == "llama" else dict(pos_emb=pos_emb)
+    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, max_seq_len=L, **shape)
     return build_model(cfg, AttentionConfig(backend=backend, isolate_documents=isolate))
 
 
@@ -116,6 +122,8 @@ CASES = [  # (world, CP size, strategy, layout, pos_emb, split)
     (4, 2, "allgather", "packed", "learned", "balanced"),  # DP 2 x CP 2
     (2, 2, "allgather", "unpacked", "learned", "balanced"),
     (2, 2, "ulysses", "bucketed", "learned", "zigzag"),
+    (2, 2, "allgather", "packed", "llama", "balanced"),
+    (4, 4, "ulysses", "packed", "llama", "zigzag"),
 ]
 
 

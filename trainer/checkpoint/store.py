@@ -92,7 +92,13 @@ RANK_GLOB = "rank_*.pt"
 
 TIED_KEY = "lm_head.weight"
 """The output head, tied to `wte.weight` (the model's own tying restores it): left out of WEIGHTS_FILE, since
-safetensors refuses two names for one storage, and never expected by the readers of weights."""
+safetensors refuses two names for one storage, and never expected by the readers of weights. An untied head
+(model.tie_embeddings=false) is a weight of its own and is written."""
+
+
+def head_is_tied(meta: dict) -> bool:
+    """Whether the run config in `meta` ties the head to the embedding (model.tie_embeddings, true when absent)."""
+    return ((meta.get("config") or {}).get("model") or {}).get("tie_embeddings", True) is not False
 
 PATH_HINT = f"<run dir>/{ROOT_DIR}/{STEP_PREFIX}NNNNNN"
 """How messages name a checkpoint directory to the user."""
@@ -207,7 +213,8 @@ def save_checkpoint(
     weights = engine.full_weights()  # collective (ZeRO-3 gathers the partitions); empty off rank 0
     if info.is_main and failure is None:
         try:
-            save_file({k: v for k, v in weights.items() if k != TIED_KEY}, tmp / WEIGHTS_FILE)
+            tied = head_is_tied(meta)
+            save_file({k: v for k, v in weights.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
             (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
             (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)

@@ -26,6 +26,7 @@ from trainer.checkpoint.store import (
     WEIGHTS_FILE,
     verify_file,
 )
+from trainer.checkpoint import hf
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
 
@@ -87,7 +88,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
             )
 
             verify_file(path, ENGINE_FILE)
-            return {k: v for k, v in load_state(engine_file, map_location="cpu")["model"].items() if k != TIED_KEY}
+            state = load_state(engine_file, map_location="cpu")["model"]
+            tied = checkpoint_meta(path).get("config", {}).get("model", {}).get("tie_embeddings", True)
+            return {k: v for k, v in state.items() if not (tied and k == TIED_KEY)}
         raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one "
                            "written before the weights were saved on their own)")
     verify_file(path, WEIGHTS_FILE)
@@ -115,7 +118,8 @@ def load_model(path: str | Path, attention: AttentionConfig | None = None,
 
 def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str | Path) -> None:
     """Copy `weights` into `model`: the same keys (but the tied head) and shapes, or an error naming the differences."""
-    own = {k: v for k, v in model.state_dict().items() if k != TIED_KEY}
+    tied = getattr(model, "tied_keys", (TIED_KEY,))
+    own = {k: v for k, v in model.state_dict().items() if k not in tied}
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     wrong = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
     if missing or unexpected or wrong:
@@ -131,7 +135,8 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: s
 # Starting a run from a checkpoint's weights (train.init_from), and the tokenizer that must go with them
 # ---------------------------------------------------------------------------------------------------
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "max_seq_len", "bias", "pos_emb", "rope_theta")
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "max_seq_len", "bias", "pos_emb", "rope_theta", "norm", "norm_eps", "mlp",
+              "mlp_hidden", "n_kv_head", "qkv_bias", "tie_embeddings", "rope_scaling")
 """GPTConfig fields that must match between a checkpoint and the model it initializes (dropout, init may differ)."""
 
 
@@ -174,6 +179,8 @@ def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Pat
     from trainer.data.tokenizer import extension_problem, load_tokenizer, tokenizer_hash
 
     path = Path(path)
+    if not (path / META_FILE).is_file() and hf.is_hf_dir(path):
+        return init_from_hf(model, path, data_tokenizer, data_hash, add_tokens)
     ckpt_cfg, meta = model_config(path), checkpoint_meta(path)
     differ = [f"{k}: checkpoint {getattr(ckpt_cfg, k)!r}, this run {getattr(model.cfg, k)!r}"
               for k in SHAPE_KEYS if getattr(ckpt_cfg, k) != getattr(model.cfg, k)]
@@ -194,13 +201,42 @@ def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Pat
                                f"{data_hash}) is not the checkpoint's (sha256 {ckpt_hash}) extended by them: "
                                f"{problem}. Prepare the data with --tokenizer {ckpt_tok_dir} --add-tokens "
                                f"{' '.join(add_tokens)}")
-        weights["wte.weight"] = grow_rows(weights["wte.weight"], model.wte.weight.shape[0], base.get_vocab_size(),
-                                          len(add_tokens))
+        for key in ("wte.weight", TIED_KEY):  # the head too, where it is its own (model.tie_embeddings=false)
+            if key in weights:
+                weights[key] = grow_rows(weights[key], model.wte.weight.shape[0], base.get_vocab_size(), len(add_tokens))
         record["extension"] = {"base_sha256": ckpt_hash, "added_tokens": list(add_tokens),
                                "new_ids": [base.get_vocab_size() + i for i in range(len(add_tokens))],
                                "new_rows": "mean of the checkpoint's token embedding rows (tied head alike)"}
     load_into(model, weights, where=path / WEIGHTS_FILE)
     return record
+
+
+def init_from_hf(model: GPT, path: Path, data_tokenizer: str | Path, data_hash: str, add_tokens: list[str]) -> dict:
+    """train.init_from=DIR for a Hugging Face model directory: its weights streamed into `model` (built from DIR's
+    config.json: trainer.config takes the model section from there); the data must be prepared with DIR's own
+    tokenizer (the same tokenizer.json bytes). Returns the record for the new run's conventions."""
+    from trainer.data.tokenizer import TOKENIZER_FILE, tokenizer_hash
+
+    cfg = hf.read_config(path)
+    differ = [f"{k}: {path / hf.CONFIG_FILE} says {getattr(cfg, k)!r}, this run {getattr(model.cfg, k)!r}"
+              for k in SHAPE_KEYS if getattr(cfg, k) != getattr(model.cfg, k)]
+    if differ:
+        raise WeightsError(f"train.init_from: {path} is another model ({'; '.join(differ)}): leave model= out, the "
+                           "architecture comes from its config.json")
+    if not (path / TOKENIZER_FILE).is_file():
+        raise WeightsError(f"train.init_from: {path} holds no {TOKENIZER_FILE}: the tokenizer its weights were trained "
+                           "with is unknown; copy the model's tokenizer files into it")
+    own_hash = tokenizer_hash(path)
+    if own_hash != data_hash:
+        raise WeightsError(f"train.init_from: {path}'s tokenizer is sha256 {own_hash}, but the data's ({data_tokenizer}) "
+                           f"is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with the "
+                           f"model's tokenizer (python -m trainer.prepare ... --tokenizer {path})")
+    if add_tokens:
+        raise WeightsError(f"tokenizer.add_tokens={add_tokens} with a Hugging Face train.init_from ({path}) is not "
+                           "supported: add them to the model first (transformers: resize_token_embeddings)")
+    hf.load_hf_into(model, path)
+    return {"hf_model": str(path.resolve()), "architecture": hf.CLASSES[hf.family(cfg)], "step": None,
+            "tokenizer_sha256": own_hash}
 
 
 def grow_rows(table_VC: torch.Tensor, rows: int, base_vocab: int, added: int) -> torch.Tensor:

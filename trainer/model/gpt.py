@@ -1,4 +1,10 @@
-"""A GPT-2-style decoder that takes padded rows or packed rows with document boundaries.
+"""A decoder-only transformer, GPT-2 or Llama family, that takes padded rows or packed rows with document boundaries.
+
+One model class, two families chosen by GPTConfig's fields (presets in configs/model/):
+    GPT-2   LayerNorm, GELU MLP, learned positions, biases, multi-head attention, head tied to the embedding
+    Llama   RMSNorm, SwiGLU MLP, rotary positions (HF's rotate-half layout, the config's theta and scaling),
+            grouped-query attention (n_kv_head < n_head), untied head; Qwen2 adds q/k/v biases (qkv_bias)
+The parameter names are the same in both (trainer.checkpoint.hf maps them to each family's Hugging Face names).
 
 Single-device code: no ranks, no process groups. Parallel wrapping happens after `build_model`.
 
@@ -35,6 +41,10 @@ from trainer.model.attention import AttentionConfig, Segments, segment_attention
 from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
 
 POS_EMBS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+ROPE_SCALINGS = ("default", "linear", "llama3")
+"""rope_scaling types computed here (transformers' rope_type names); any other is refused."""
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """train.dtype as run ('auto' resolved) -> the dtype matmuls and attention compute in: bf16 is autocast over
 fp32 weights and optimizer state. The one place that mapping is written."""
@@ -65,10 +75,30 @@ class GPTConfig:
     """RoPE base: frequencies are theta^(-2i / head_dim). Unused with learned embeddings."""
     init_std: float = 0.02
     """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layer)."""
+    norm: str = "layernorm"
+    """'layernorm' (GPT-2; its bias follows `bias`) or 'rmsnorm' (Llama; no bias), before each sub-block and the head."""
+    norm_eps: float = 1e-5
+    """The norms' epsilon (GPT-2 1e-5; Llama-family configs say theirs: rms_norm_eps)."""
+    mlp: str = "gelu"
+    """'gelu' (GPT-2: c_proj(gelu_tanh(c_fc(x)))) or 'swiglu' (Llama: down(silu(gate(x)) * up(x)), gate and up
+    fused in c_fc)."""
+    mlp_hidden: int | None = None
+    """The MLP's inner width (Llama's intermediate_size); None = 4 * n_embd."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention: each serves n_head / n_kv_head query heads); None = n_head."""
+    qkv_bias: bool | None = None
+    """Biases on the q/k/v projection alone (Qwen2: true with bias false); None = `bias`."""
+    tie_embeddings: bool = True
+    """The output head shares the token embedding's weights (GPT-2, SmolLM2, Qwen2.5-0.5B); false = its own
+    (Llama-2/3 at 7B+, and what `lm_head.weight` in a checkpoint then holds)."""
+    rope_scaling: dict | None = None
+    """RoPE frequency scaling as transformers' config states it ({"rope_type": "llama3", "factor": 32.0, ...},
+    or "linear"); None = plain RoPE. Only with pos_emb=rope."""
 
     def __post_init__(self) -> None:
-        if self.pos_emb not in POS_EMBS:
-            raise ValueError(f"model.pos_emb must be one of {POS_EMBS}, got {self.pos_emb!r}")
+        for key, allowed in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if self.vocab_size is not None:
             require_range("model.vocab_size", self.vocab_size, 1)
         for key in ("n_layer", "n_head", "n_embd", "max_seq_len"):
@@ -81,10 +111,32 @@ class GPTConfig:
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"model.pos_emb=rope needs an even head dimension, got model.n_embd / model.n_head = "
                              f"{self.n_embd // self.n_head}")
+        require_range("model.norm_eps", self.norm_eps, 0, low_open=True)
+        if self.mlp_hidden is not None:
+            require_range("model.mlp_hidden", self.mlp_hidden, 1)
+        if self.n_kv_head is not None:
+            require_range("model.n_kv_head", self.n_kv_head, 1)
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
+        if self.rope_scaling is not None:
+            if self.pos_emb != "rope":
+                raise ValueError(f"model.rope_scaling scales rotary positions: it needs model.pos_emb=rope, got "
+                                 f"{self.pos_emb!r}")
+            rope_inv_freq(self)  # the scaling's own checks, one line each
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head without grouped-query attention."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's inner width."""
+        return self.mlp_hidden or 4 * self.n_embd
 
 
 @dataclass
@@ -106,13 +158,49 @@ class ModelOutput:
 # ---------------------------------------------------------------------------------------------------
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(cfg: GPTConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """The (head_dim / 2,) fp32 rotation frequencies theta^(-2i / head_dim), scaled as cfg.rope_scaling says.
+
+    'linear' divides every frequency by `factor`; 'llama3' (Llama-3.1/3.2) divides the low frequencies (wavelength
+    above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones (wavelength below
+    .../ high_freq_factor) and interpolates between: transformers' _compute_llama3_parameters, written again.
+    Computed where it is used (`device`), in each forward: D / 2 numbers, never a buffer that model.to(bf16) rounds.
+    """
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    scaling = dict(cfg.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"model.rope_scaling: rope_type {kind!r} is not supported; supported: {ROPE_SCALINGS}")
+    if kind == "default":
+        return inv_freq
+
+    def number(key: str) -> float:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"model.rope_scaling: rope_type {kind!r} needs a positive number {key}, got {value!r}")
+        return float(value)
+
+    factor = number("factor")
+    if kind == "linear":
+        return inv_freq / factor
+    low, high, old = number("low_freq_factor"), number("high_freq_factor"), number("original_max_position_embeddings")
+    if high <= low:
+        raise ValueError(f"model.rope_scaling: high_freq_factor ({high}) must exceed low_freq_factor ({low})")
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each (B, L, 1, head_dim / 2) in fp32, from (B, L) positions.
 
     Positions may reset at each document: with isolated attention only differences of positions within
     one document enter q . k, so a constant offset per document changes nothing (up to rounding).
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     angles_BLF = position_ids.to(torch.float32)[..., None] * inv_freq  # (B, L, D/2)
     return angles_BLF.cos()[:, :, None, :], angles_BLF.sin()[:, :, None, :]
 
@@ -188,9 +276,11 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig, attention: AttentionConfig) -> None:
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.attention = attention
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # q | k | v fused, in that order, each head-major: (n_head + 2 n_kv_head) * head_dim outputs.
+        qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
+        self.c_attn = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=qkv_bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
@@ -199,21 +289,28 @@ class CausalSelfAttention(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, L, C = x.shape
-        q, k, v = self.c_attn(x).view(B, L, 3, self.n_head, self.head_dim).unbind(2)  # (B, L, H, D) each
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.c_attn(x).split([H * D, KV * D, KV * D], dim=-1)
+        q, k, v = q.view(B, L, H, D), k.view(B, L, KV, D), v.view(B, L, KV, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:  # decoding: attend to the cached positions too (padded path only)
-            y = cached_attention(q, *cache.append(k, v))
+            k, v = cache.append(k, v)  # the cache holds the KV heads, not their copies
+        # Grouped-query attention: query head h reads kv head h // (H / KV), as transformers' repeat_kv. The copies
+        # let every backend and context-parallel strategy run unchanged (ulysses then splits H heads, never KV).
+        k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)
+        if cache is not None:
+            y = cached_attention(q, k, v)
         elif segments is None:
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
         elif not isinstance(segments, Segments):  # a context-parallel shard: joins the group's shares of the rows
-            flat = (B * L, self.n_head, self.head_dim)
+            flat = (B * L, H, D)
             y = segments.attend(q.reshape(flat), k.reshape(flat), v.reshape(flat), self.attention.backend,
                                 self.attention.flex_compile)
         else:
-            flat = (B * L, self.n_head, self.head_dim)
+            flat = (B * L, H, D)
             y = self.attend(
                 q.reshape(flat), k.reshape(flat), v.reshape(flat), segments,
                 self.attention.backend, self.attention.flex_compile,
@@ -221,15 +318,48 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y.reshape(B, L, C)))
 
 
+def repeat_kv(x_BLKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, L, KV, D) -> (B, L, KV * n_rep, D), each kv head repeated n_rep times in place (head h <- h // n_rep)."""
+    return x_BLKD if n_rep == 1 else x_BLKD.repeat_interleave(n_rep, dim=2)
+
+
 class MLP(nn.Module):
+    """'gelu': c_proj(gelu_tanh(c_fc(x))). 'swiglu': c_fc holds gate | up (2 * hidden outputs, gate first);
+    c_proj(silu(gate) * up)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back before the weight (transformers'
+    LlamaRMSNorm, so bf16 rounds where it does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.n_embd, cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class Block(nn.Module):
@@ -237,9 +367,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig, attention: AttentionConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg)
         self.attn = CausalSelfAttention(cfg, attention)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.recompute = "none"
         """What backward recomputes instead of storing: 'none', 'full' (the block) or 'selective' (ln_2 + MLP);
@@ -281,9 +411,10 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, self.attention) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # tied input and output embeddings
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
@@ -300,6 +431,13 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
+
+    @property
+    def tied_keys(self) -> tuple[str, ...]:
+        """Parameter names that name another one's tensor (the tied head, under tie_embeddings), left out of saved
+        weights."""
+        first = {name for name, _ in self.named_parameters()}
+        return tuple(name for name, _ in self.named_parameters(remove_duplicate=False) if name not in first)
 
     def forward(
         self,
@@ -355,7 +493,7 @@ class GPT(nn.Module):
             x = x + self.wpe(position_ids)
         rope = None
         if self.cfg.pos_emb == "rope":
-            rope = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+            rope = rope_cos_sin(position_ids, rope_inv_freq(self.cfg, input_ids.device))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, segments, None if cache is None else cache.layers[i])

@@ -14,7 +14,8 @@ from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
 
 RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "data.loss_on", "model.vocab_size", "model.n_layer",
-               "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb")
+               "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb", "model.norm",
+               "model.mlp", "model.mlp_hidden", "model.n_kv_head", "model.qkv_bias", "model.tie_embeddings")
 """Config keys a resumed run must share with its checkpoint: the model's shapes (the weights and the optimizer
 state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
 cuts it into rows, data.loss_on chose the targets: a resume that changed it went on training the old targets, step

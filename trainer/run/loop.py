@@ -166,8 +166,8 @@ class Trainer:
         record = init_from_checkpoint(model, source, self.data.tokenizer_dir, self.data.tokenizer_hash, list(add))
         if self.info.is_main:
             grown = f"; tokenizer extended by {add} (new rows = mean of the old)" if add else ""
-            print(f"init_from: weights of {source} (its step {record['step']}){grown}; optimizer, schedule, step "
-                  "and data start fresh")
+            origin = record.get("architecture") or f"its step {record['step']}"
+            print(f"init_from: weights of {source} ({origin}){grown}; optimizer, schedule, step and data start fresh")
         return record
 
     def _resume(self) -> None:
