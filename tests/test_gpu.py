@@ -169,9 +169,16 @@ ROW_LENGTHS = [[100, 37, 1, 90], [256], [3, 200, 40]]
 VOCAB = 512
 
 
-def small_model(device: torch.device, backend: str, isolate_documents: bool = True, seed: int = 0):
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=512, bias=False, n_kv_head=2,
+             tie_embeddings=False)
+"""The Llama family (RMSNorm, SwiGLU, RoPE, GQA with 2 kv heads for 4 query heads, untied head) at the same size."""
+
+
+def small_model(device: torch.device, backend: str, isolate_documents: bool = True, seed: int = 0,
+                family: str = "gpt2"):
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=256, max_seq_len=256)  # head_dim 64
+    shape = LLAMA if family == "llama" else {}
+    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=256, max_seq_len=256, **shape)  # head_dim 64
     return build_model(cfg, AttentionConfig(backend=backend, isolate_documents=isolate_documents)).to(device)
 
 
@@ -277,7 +284,7 @@ def document_logits(logits: torch.Tensor, where: list[tuple[int, int, int]]) -> 
 
 
 def reference_check(device: torch.device, backend: str, leak: str | None = None,
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[list[str], Deviation, Deviation]:
+                    dtype: torch.dtype = torch.bfloat16, family: str = "gpt2") -> tuple[list[str], Deviation, Deviation]:
     """(problems, packed, yardstick): packed rows on `backend` in `dtype` against the fp32 reference, with
     unpacked rows in `dtype` (the same weights, no packing) as the yardstick: packed may be at most
     YARDSTICK_FACTOR times further (the loss at least 1e-4 relative, as its rounding can cancel by chance).
@@ -292,8 +299,8 @@ def reference_check(device: torch.device, backend: str, leak: str | None = None,
     where_packed = spans(rows)
     where_unpacked = [(i, 0, len(d)) for i, d in enumerate(docs)]
 
-    reference = small_model(device, "sdpa_docs")  # the padded path: plain causal SDPA per row, fp32
-    model = small_model(device, backend, isolate_documents=leak != "one_mask_per_row")
+    reference = small_model(device, "sdpa_docs", family=family)  # the padded path: plain causal SDPA per row, fp32
+    model = small_model(device, backend, isolate_documents=leak != "one_mask_per_row", family=family)
     model.load_state_dict(reference.state_dict())
     cu = None
     if leak == "boundary_off_by_one":
@@ -318,10 +325,12 @@ def reference_check(device: torch.device, backend: str, leak: str | None = None,
     return problems, got, yardstick
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("backend", VARLEN_KERNELS)
-def test_packed_bf16_is_as_close_to_the_fp32_reference_as_unpacked(backend):
+def test_packed_bf16_is_as_close_to_the_fp32_reference_as_unpacked(backend, family):
+    """Also the Llama family: RoPE, RMSNorm, SwiGLU and GQA's repeated kv heads through each varlen kernel."""
     skip_unless_available(backend, torch.bfloat16)
-    problems, got, yardstick = reference_check(CUDA, backend)
+    problems, got, yardstick = reference_check(CUDA, backend, family=family)
     assert not problems, f"{'; '.join(problems)} (packed {got}, unpacked {yardstick})"
 
 

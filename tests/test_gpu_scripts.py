@@ -317,7 +317,7 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
 
     table = (out / "gpu_tests.md").read_text()
     for kernel in ("flash", "torch_varlen"):
-        assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 9 | not run | not run | SKIPPED |" in table  # 9 tests each
+        assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 10 | not run | not run | SKIPPED |" in table  # 10 tests each
     assert "GPU CHECK: FAIL" in table
     assert json.loads((out / "gpu_train.json").read_text())["measured_steps"] == 2
     assert sorted(p.name for p in out.iterdir()) == [
