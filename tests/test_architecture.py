@@ -50,6 +50,27 @@ def test_each_room_says_what_it_owns_and_what_it_must_not_import(package):
     assert "must not import" in " ".join(doc.lower().split()), f"trainer/{package}/__init__.py: say what the room must not import"
 
 
+MAP_ENTRY = re.compile(r"^\s+((?:[\w/]+,\s*)*[\w/]+)\s{2,}\S", re.M)
+"""A line of a room's map: indented names (`stream, loader`, `prepare/`), two spaces, what they are."""
+
+
+def map_names(doc: str) -> set[str]:
+    """The module names a room's docstring map lists, and any `name.py` it mentions."""
+    names = {n.strip().rstrip("/") for m in MAP_ENTRY.finditer(doc) for n in m.group(1).split(",")}
+    return names | set(re.findall(r"\b(\w+)\.py\b", doc))
+
+
+@pytest.mark.parametrize("init", sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")))
+def test_every_module_is_named_in_its_rooms_map(init):
+    """Each package's __init__ docstring is the map of its folder: every module and subpackage in it has a line."""
+    folder = (ROOT / init).parent
+    present = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    present |= {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+    missing = sorted(present - map_names(ast.get_docstring(ast.parse((ROOT / init).read_text())) or ""))
+    assert missing == [], f"{init}: its docstring's map does not name {missing}"
+    assert map_names("Map:\n    stream, loader    the split\n    prepare/  offline\n") == {"stream", "loader", "prepare"}
+
+
 def test_the_root_holds_only_commands_and_shared_modules():
     root_modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert root_modules == {"train", "prepare", "report", "inspect_mask", "export", "generate", "evaluate",

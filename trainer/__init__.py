@@ -6,7 +6,7 @@ generate are thin shells; inspect_mask still holds its own rendering):
     prepare       text -> tokenizer + WebDataset shards + manifest.json (trainer.data.prepare)
     report        compare run directories (trainer.reporting)
     inspect_mask  an HTML view of a packed row's attention mask, positions and labels
-    export        a checkpoint -> a GPT-2 Hugging Face directory
+    export        a checkpoint -> a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM)
     generate      sample from a checkpoint or an export
     evaluate      downstream scores of a checkpoint or an export on multiple-choice and continuation tasks
                   (trainer.tasks: every query+choice a document of a packed row)
@@ -18,8 +18,8 @@ generate are thin shells; inspect_mask still holds its own rendering):
 
 The rooms, from the bottom up (each imports only from rooms listed before it; tests/test_architecture.py):
     data/         shards -> documents -> packed rows -> batches; data/prepare/: the offline preparation
-    model/        the single-device GPT, its attention backends and losses
-    distributed/  process groups and the engines (DDP, DeepSpeed) that wrap a model
+    model/        the single-device GPT (GPT-2 and Llama families), its attention backends and losses
+    distributed/  process groups and the engines (DDP, FSDP2, DeepSpeed) that wrap a model
     checkpoint/   the checkpoint store, safe loading, weights, the Hugging Face mapping
     tasks/        downstream tasks: task files, built-ins from the held-out split, packed scoring, metrics
     reporting/    runs compared from their files: verdicts, tables, plots, HTML

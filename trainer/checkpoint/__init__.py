@@ -5,7 +5,8 @@
                engines hand it their state, and it does all the file I/O but DeepSpeed's own shards
     safe_io    plain-data + tensor files written by torch.save and read with weights_only=True
     weights    a checkpoint's model alone (shape, safetensors weights, tokenizer): init_from, export, generate
-    hf         the mapping to and from a GPT-2 Hugging Face directory
+    integrity  confinement (a checkpoint reads nothing outside itself) and the sha256 of every file it holds
+    hf         Hugging Face model directories both ways: GPT-2, Llama, Qwen2 (config, names, streamed safetensors)
 
 Must not import: the run or config modules, or any command (it may import distributed, model and data).
 """

@@ -17,6 +17,7 @@ The training stream:
     feed              what a training run takes from this room (trainer.run imports no other module of it)
     reader            one slot's reader: shard cursor, shuffle buffer, resumable read position
     stream, loader    the rank x worker split of the shards, tokenization, DataLoader workers (workers.py)
+    tars              a tar shard's samples in one pass over its bytes (webdataset's layout, bounded headers)
     packing           the online packer (and offline BFD), long-document policies
     pipeline          `RowSource`, the interface every row source implements; documents -> rows -> micro-batches
                       for each layout (`RowStream`), the prefetch thread

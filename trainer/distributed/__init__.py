@@ -3,8 +3,10 @@
     groups     `init_distributed` (the only place a process group is made), `DistInfo`, the named
                collectives (`dist_sum`, `dist_max`, `barrier`, `broadcast_object`)
     engine     the `Engine` protocol the step, eval and checkpoint store talk to, and `parallelize`, the one
-               function that wraps a model (compile first, then DDP or DeepSpeed)
+               function that wraps a model (compile first, then DDP, FSDP2 or DeepSpeed)
     ddp        `DDPEngine` (torch DistributedDataParallel)
+    fsdp       `FSDP2Engine` (torch fully_shard over the run's mesh; DCP checkpoints, confined reads)
+    context    context parallelism: a packed row split over a group's ranks, documents exact (allgather, ulysses)
     deepspeed  `DeepSpeedEngine` (ZeRO 1/2/3), imported only when configured
     config     the `distributed` config section
 

@@ -1,6 +1,7 @@
 """The model: a single-device GPT that takes packed or padded rows and knows nothing about ranks.
 
-    gpt        the GPT (learned or RoPE positions, KV cache for decoding), activation checkpointing
+    gpt        the GPT, GPT-2 or Llama family (LayerNorm/RMSNorm, GELU/SwiGLU, learned/RoPE positions, GQA, tied
+               or untied head), KV cache for decoding, activation checkpointing
     attention  the one attention interface over every backend (flash, torch varlen, flex, per-document SDPA,
                dense masks); `resolve_backend` says which runs here and why not
     flash      the flash-attn adapter, the only place flash_attn is imported

@@ -3,6 +3,7 @@
     runs        a run dir read (config.json, metrics.jsonl, summary.json), a run's numbers, the configs' differences
     verdicts    a run against the reference: same objective, layout-dependent, ablation, not comparable
     tables      one line per run; loss by document length and by source; a mixture's shares; FLOPs both ways
+    tasks       downstream scores per arm: accuracy with a 95 % interval, differences beyond noise, the plot
     plots       the PNGs (matplotlib, Agg), the corpora's document lengths from their manifests
     html        report.md and a self-contained report.html (`make_report`)
 
