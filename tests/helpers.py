@@ -254,6 +254,41 @@ def short_docs_corpus(out: Path, docs_per_shard: int = 100) -> Path:
     return out
 
 
+HF_TEXTS = ("def parse(text): return text.split()", "the cat sat on the mat", "Ωμέγα ∑ tab\tend",
+            " leading space")
+"""Texts a tiny Hugging Face tokenizer is trained on and checked with."""
+LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>")
+"""Llama-3's BOS and EOS."""
+
+
+def hf_tokenizer_dir(out: Path, specials: tuple[str, ...], *, eos: str, bos: str | None = None,
+                     pad: str | None = None, post_processor: str | None = None, **config) -> Path:
+    """A tiny byte-level BPE saved as transformers saves a model's tokenizer (tokenizer.json and
+    tokenizer_config.json), `specials` its first ids. `post_processor`: a TemplateProcessing single template such as "<s> $A" (Llama-3's
+    adds BOS so); `config`: keys written into tokenizer_config.json afterwards (None removes one), e.g.
+    add_bos_token=True, chat_template=... Example: ("<|endoftext|>",), eos="<|endoftext|>": GPT-2's layout."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(list(HF_TEXTS) * 10, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if post_processor is not None:
+        names = [t for t in post_processor.split() if t in specials]
+        tok.post_processor = processors.TemplateProcessing(
+            single=post_processor, pair=f"{post_processor} {post_processor.replace('$A', '$B:1')}",
+            special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(names)])
+    named = {k: v for k, v in (("eos_token", eos), ("bos_token", bos), ("pad_token", pad)) if v is not None}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **named).save_pretrained(out)
+    file = out / "tokenizer_config.json"
+    saved = json.loads(file.read_text()) | config
+    file.write_text(json.dumps({k: v for k, v in saved.items() if v is not None}))
+    return out
+
+
 def sources_override(*sources: tuple[str, Path, float]) -> str:
     """The data.sources override of (name, prepared dir, weight) triples.
     Example: ("short", /d/s, 0.7) -> "data.sources=[{name:short,path:'/d/s',weight:0.7}]"."""

@@ -38,7 +38,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 import trainer.distributed.config as distributed_config
-from tests.helpers import ENV, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line
+from tests.helpers import ENV, LLAMA3, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line, hf_tokenizer_dir
 from tests.shards import NEGATIVE, PLAIN, damaged_shard, ids_of, read_stored, with_size
 from trainer import generate, inspect_mask, prepare, report
 from trainer.checkpoint import store
@@ -478,6 +478,19 @@ def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str 
     return call
 
 
+def hf_tokenizer_prepare(source: str = "demo", post_processor: str | None = f"{LLAMA3[0]} $A",
+                         config_text: str | None = None, **config) -> Call:
+    """trainer.prepare --tokenizer a Llama-3-like Hugging Face directory (tests.helpers.hf_tokenizer_dir), its
+    tokenizer_config.json given `config` keys (or replaced by `config_text`)."""
+    def call(tmp: Path, _) -> int:
+        tok = hf_tokenizer_dir(tmp / "tok", LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0], post_processor=post_processor,
+                               **config)
+        if config_text is not None:
+            (tok / "tokenizer_config.json").write_text(config_text)
+        return prepare.main(["--source", source, "--out", str(tmp / "out"), "--tokenizer", str(tok)])
+    return call
+
+
 def report_of(config_json: str, *flags: str) -> Call:
     return command_main(report.main, "{tmp}/runs", "--out", "{tmp}/report", *flags, config_json=config_json)
 
@@ -661,6 +674,21 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--unit-mb must be a finite number > 0, got inf"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--tokenizer-sample-mb", "nan"),
      r"--tokenizer-sample-mb must be a finite number > 0, got nan"),
+    ("prepare", hf_tokenizer_prepare(config_text="{"), r"tok/tokenizer_config\.json: not a readable JSON file"),
+    ("prepare", hf_tokenizer_prepare(config_text="[]"), r"tok/tokenizer_config\.json: holds a JSON list, expected an"),
+    ("prepare", hf_tokenizer_prepare(eos_token="<|nope|>"),
+     r"tok/tokenizer_config\.json: eos_token '<\|nope\|>' is not in the vocabulary of tokenizer\.json"),
+    ("prepare", hf_tokenizer_prepare(eos_token=5), r"tokenizer_config\.json: eos_token is 5, expected a token string"),
+    ("prepare", hf_tokenizer_prepare(add_bos_token="yes"), r"add_bos_token is 'yes', expected true or false"),
+    ("prepare", hf_tokenizer_prepare(post_processor=f"$A {LLAMA3[1]}"),
+     r"tok/tokenizer\.json: its post-processor adds special tokens other than a BOS at the start"),
+    ("prepare", hf_tokenizer_prepare(add_bos_token=False),
+     r"tokenizer_config\.json: add_bos_token is false, but the post-processor of tokenizer\.json adds "
+     r"'<\|begin_of_text\|>' at the start"),
+    ("prepare", hf_tokenizer_prepare(post_processor=None, bos_token=None, add_bos_token=True),
+     r"tokenizer_config\.json: add_bos_token is true but no bos_token is set"),
+    ("prepare", hf_tokenizer_prepare("demo-chat"), r"tok/tokenizer\.json: chat data needs the ChatML tokens "
+                                                   r"\['<\|im_start\|>', '<\|im_end\|>'\], which this tokenizer lacks"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--workers", "0"),
      r"--workers must be >= 1, got 0"),
     ("prepare", command_main(prepare.main, "--merge", "{tmp}/out", "--source", "demo", "--out", "{tmp}/other"),

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from trainer.checkpoint.store import META_FILE
 from trainer.checkpoint.weights import checkpoint_meta
 from trainer.data.config import DataConfig
-from trainer.data.tokenizer import load_tokenizer, special_ids
+from trainer.data.tokenizer import FramedTokenizer
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.groups import init_distributed, shutdown_distributed
 from trainer.errors import UserError, command
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tok_dir = load(args.path, info.device)
         model.attention.backend = resolve_backend(args.attention, info.device, torch.float32, requires_grad=False)
-        tok = load_tokenizer(tok_dir)
-        tasks = tasks_of(args, tok, tok_dir, model.cfg.max_seq_len)
-        results = score_tasks(model, tasks, tok, special_ids(tok, tok_dir).pad, args.packing, args.batch_tokens,
-                              info.device, info.rank, info.world_size)
+        tok = FramedTokenizer.load(tok_dir)
+        tasks = tasks_of(args, tok.tok, tok_dir, model.cfg.max_seq_len)
+        results = score_tasks(model, tasks, tok, tok.ids.pad, args.packing, args.batch_tokens, info.device, info.rank,
+                              info.world_size)
     finally:
         shutdown_distributed()
     if info.is_main:

@@ -7,10 +7,11 @@
 own scoring (trainer.tasks.scoring), so a harness task scores the way `python -m trainer.evaluate` does:
 
     loglikelihood          (context, continuation): tokenized apart and concatenated, nothing before the context
-                           (a training document's framing), every pair a document of packed rows; greedy match
-                           from the same forward
-    loglikelihood_rolling  a text's tokens in lm-eval's disjoint windows of max_seq_len - 1 (the first after the
-                           EOS token as lm-eval's prefix), each window a document whose targets are its tokens
+                           but what a training document's framing puts there (the BOS of a tokenizer that adds
+                           one), every pair a document of packed rows; greedy match from the same forward
+    loglikelihood_rolling  a text's tokens in lm-eval's disjoint windows of max_seq_len - 1 (the first after lm-eval's
+                           prefix token: the BOS of such a tokenizer, else EOS), each window a document whose
+                           targets are its tokens
     generate_until         greedy decoding with the KV cache (trainer.generate), cut at the first `until` string
 
 Tasks come from lm-eval's own registry (they download their datasets: run it where that works, or with
@@ -76,7 +77,9 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
                                                            requires_grad=False)
             self.tok = load_tokenizer(tok_dir)
             ids = special_ids(self.tok, tok_dir)
-            self.pad_id, self.eos_id = ids.pad, ids.eos
+            self.pad_id, self.eos_id, self.head = ids.pad, ids.eos, ids.head
+            # lm-eval's rolling windows start after this token (its HF backend's prefix: BOS when there is one)
+            self.prefix_id = ids.head[0] if ids.head else ids.eos
             self._device, self.batch_tokens, self.layout = torch.device(device), int(batch_tokens), layout
 
         @classmethod
@@ -95,7 +98,7 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
             return score(self.model, pairs, self.layout, self.pad_id, self.batch_tokens, self._device)
 
         def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-            pairs = [Candidate(self.encode(context), self.encode(continuation))
+            pairs = [Candidate((*self.head, *self.encode(context)), self.encode(continuation))
                      for context, continuation in (r.args for r in requests)]
             scores = self._score(pairs)
             return list(zip(scores.loglikelihoods, scores.greedy, strict=True))
@@ -105,7 +108,7 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
             for n, request in enumerate(requests):
                 tokens = list(self.encode(request.args[0]))
                 for context, predicted in map(make_disjoint_window, get_rolling_token_windows(
-                        tokens, self.eos_id, self.model.cfg.max_seq_len - 1, 1)):
+                        tokens, self.prefix_id, self.model.cfg.max_seq_len - 1, 1)):
                     windows.append(Candidate(tuple(context), tuple(predicted)))
                     owner.append(n)
             totals = [0.0] * len(requests)
@@ -118,7 +121,7 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
             for context, kwargs in (r.args for r in requests):
                 until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
-                prompt = list(self.encode(context))[-(self.model.cfg.max_seq_len - 1):] or [self.eos_id]
+                prompt = [*self.head, *self.encode(context)][-(self.model.cfg.max_seq_len - 1):] or [self.eos_id]
                 new = generate(self.model, prompt, int(kwargs.get("max_gen_toks", 256)), stop_ids=(self.eos_id,))
                 text = self.tok.decode([t for t in new if t != self.eos_id])
                 cut = min((i for i in (text.find(u) for u in until) if i >= 0), default=len(text))

@@ -102,10 +102,11 @@ def synthetic_documents(lengths: Sequence[int]) -> DocumentSet:
 
 def text_documents(text: str, tokenizer_dir: str | Path, sep: str = "|") -> DocumentSet:
     """Split `text` on `sep` and tokenize each piece as the training stream does: the run's tokenizer,
-    no added special tokens, one EOS appended (trainer.data.stream.DocumentStream._tokenize).
+    no added special tokens, framed as the tokenizer frames a document (SpecialIds.frame: one EOS appended, and a
+    BOS first where the tokenizer starts documents with one).
 
-    Example: "ab|c" -> two documents, encode("ab") + [eos] and encode("c") + [eos]. Pieces are kept
-    verbatim (spaces around `sep` are part of the documents).
+    Example: "ab|c" -> two documents, encode("ab") + [eos] and encode("c") + [eos] ([bos] + encode("ab") + [eos]
+    with a Llama-3 tokenizer). Pieces are kept verbatim (spaces around `sep` are part of the documents).
     """
     from trainer.data.tokenizer import load_tokenizer, special_ids
 
@@ -116,10 +117,10 @@ def text_documents(text: str, tokenizer_dir: str | Path, sep: str = "|") -> Docu
     if empty:
         raise InspectError(f"--text: piece {empty[0]} (0-based, split on {sep!r}) is empty")
     tok = load_tokenizer(tokenizer_dir)
-    ids = special_ids(tok)
+    ids = special_ids(tok, tokenizer_dir)
     docs = []
     for k, enc in enumerate(tok.encode_batch(pieces, add_special_tokens=False)):
-        docs.append(Document(key=doc_name(k), tokens=np.array([*enc.ids, ids.eos], dtype=np.int32)))
+        docs.append(Document(key=doc_name(k), tokens=np.array(ids.frame(enc.ids), dtype=np.int32)))
 
     def token_str(i: int) -> str:
         shown = tok.decode([i], skip_special_tokens=False)

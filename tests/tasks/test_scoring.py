@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_distributed
-from tests.helpers import MODEL, PAD, SEQ_LEN
+from tests.harness import require_module, run_distributed
+from tests.helpers import LLAMA3, MODEL, PAD, SEQ_LEN, hf_tokenizer_dir
+from trainer.data.tokenizer import FramedTokenizer
 from trainer.model import GPT, AttentionConfig
 from trainer.tasks.metrics import first_best, item_records, mean_stderr, task_metrics
 from trainer.tasks.scoring import Candidate, score, task_sequences
@@ -167,3 +168,17 @@ def test_an_item_longer_than_the_context_is_named():
     with pytest.raises(TaskFileError, match=r"long.jsonl:3: query \+ choice is 33 tokens, more than the model's "
                                             r"context \(32\)"):
         task_sequences(task, encode, SEQ_LEN)
+
+
+def test_a_query_starts_as_the_tokenizers_training_documents_do(tmp_path):
+    """Llama-3-like framing: BOS before the query (transformers' own encoding of it), nothing else; never scored."""
+    require_module("transformers", "pip install -e '.[dev]'")
+    from transformers import AutoTokenizer
+
+    tok_dir = hf_tokenizer_dir(tmp_path, LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0], post_processor=f"{LLAMA3[0]} $A")
+    tok, hf = FramedTokenizer.load(tok_dir), AutoTokenizer.from_pretrained(tok_dir)
+    task = Task("t", MULTIPLE_CHOICE, (Item("the cat", (" sat", " mat"), 0),))
+    (a, b) = task_sequences(task, tok.encode, SEQ_LEN, tok.ids.head)
+    assert a.query == b.query == tuple(hf("the cat")["input_ids"]) and a.query[0] == tok.ids.bos
+    assert a.choice == tuple(hf(" sat", add_special_tokens=False)["input_ids"])
+    assert not a.document(0).loss_mask[: len(a.query)].any() and a.document(0).loss_mask[len(a.query):].all()

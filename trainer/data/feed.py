@@ -38,12 +38,20 @@ from trainer.data.pipeline import RowPrefetcher, RowSource, RowStream, micro_bat
 from trainer.data.shards import MANIFEST_FILE, StoredIds, load_manifest, stored_ids
 from trainer.data.sources import ShardSource, ShardSourceError, resolve_source
 from trainer.data.stream import DocumentStream, manifest_tokens
-from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
+from trainer.data.tokenizer import (
+    FramedTokenizer,
+    SpecialIds,
+    load_tokenizer,
+    special_ids,
+    tokenizer_hash,
+    tokenizer_ids,
+)
 from trainer.data.workers import ReadInterrupted, allow_reads, check_interrupt, interrupt_reads
 from trainer.errors import ConfigError
 
 __all__ = [
-    "IGNORE_INDEX", "MANIFEST_FILE", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "LossGroups", "ReadInterrupted",
+    "IGNORE_INDEX", "MANIFEST_FILE", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "FramedTokenizer",
+    "LossGroups", "ReadInterrupted",
     "RowPrefetcher", "RowSource", "ShardSourceError", "StepInterrupted", "StepRows", "allow_reads", "build_data", "check_token_ids", "collate_rows",
     "eval_batches", "interrupt_reads", "length_bucket_names", "load_eval_docs", "micro_batches", "source_counts",
 ]
@@ -94,7 +102,7 @@ def build_data(data: DataConfig, packing: PackingConfig, seq_len: int, seed: int
     seeds = _source_seeds(seed, len(mixture))
     streams = []
     for index, (name, source, _) in enumerate(parts):
-        stream = _stream(data, rank, world_size, source, tokenizer_dir, ids.eos, seeds[index], index,
+        stream = _stream(data, rank, world_size, source, tokenizer_dir, ids, seeds[index], index,
                          name if mixture else None, _stored_ids(source, token_hash, data.loss_on))
         # A mixture's sources are read one pass at a time whatever data.epoch_lockstep: the mixture ends its epochs.
         loader = DocumentLoader(stream, num_workers=data.num_workers, lockstep=data.epoch_lockstep or bool(mixture))
@@ -130,12 +138,13 @@ def _stored_ids(source: ShardSource, token_hash: str, loss_on: str) -> StoredIds
     return stored_ids(load_manifest(source.manifest.parent), token_hash, loss_on == "assistant")
 
 
-def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, tokenizer_dir: Path, eos_id: int,
-            seed: int, index: int, name: str | None, stored: StoredIds | None) -> DocumentStream:
+def _stream(data: DataConfig, rank: int, world_size: int, source: ShardSource, tokenizer_dir: Path,
+            ids: SpecialIds, seed: int, index: int, name: str | None, stored: StoredIds | None) -> DocumentStream:
     return DocumentStream(
         source.train_urls,
         tokenizer_dir,
-        eos_id,
+        ids.eos,
+        bos_id=ids.bos if ids.add_bos else None,
         seed=seed,
         rank=rank,
         world_size=world_size,
@@ -170,7 +179,8 @@ def check_loss_on(loss_on: str, source: ShardSource) -> None:
 
 def load_eval_docs(data: DataConfig | str | Path, tokenizer_dir: Path, eos_id: int, seq_len: int,
                    max_docs: int | None, on_error: str = "raise") -> list[Document]:
-    """The first `max_docs` held-out documents in a fixed order, each split into chunks of <= seq_len.
+    """The first `max_docs` held-out documents in a fixed order, each split into chunks of <= seq_len, framed as in
+    training (BOS first where the tokenizer of `tokenizer_dir` frames documents so; `eos_id` last).
 
     `data` is the run's data config (held-out shards: data.val_urls, else the manifest's val split; data.loss_on:
     which tokens are targets, as in training) or a prepared directory (every token a target).
@@ -217,8 +227,10 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
     named `name`, whose documents the stream tags and keys as in training. Bounded as the training stream is (a
     shard's damage is one error, a document over data.max_doc_mb is refused from its tar header), and it gives way
     to a preemption signal (trainer.data.workers.interrupt_reads: ReadInterrupted) between reads and chunks."""
+    ids = tokenizer_ids(tokenizer_dir)
     stream = DocumentStream(
-        source.val_urls, tokenizer_dir, eos_id, seed=0, shuffle_buffer=1, epochs=1,
+        source.val_urls, tokenizer_dir, eos_id, bos_id=ids.bos if ids.add_bos else None, seed=0, shuffle_buffer=1,
+        epochs=1,
         on_error=on_error, expected_docs=source.expected_docs, retries=data.retries, loss_on=data.loss_on,
         read_timeout_s=data.read_timeout_s, name=name, source=index, max_doc_bytes=data.max_doc_bytes,
         # Held-out shards of data.val_urls may come from another dataset than the manifest's: their text is read,

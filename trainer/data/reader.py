@@ -182,6 +182,7 @@ class ReadPolicy(Protocol):
     stored_ids: StoredIds | None
     expected_bytes: dict[str, int]
     expected_tokens: dict[str, int]
+    framing: int
     max_member_bytes: int | None
     _replaying: bool
 
@@ -214,7 +215,7 @@ class ShardCursor:
         self._failed: Item | None = None  # the marker of a shard that could not be read, next to pull
         self._wanted: dict[int, Item] = {}
         self._opened_at = 0  # self.read.bytes when the open shard was opened
-        self._tokens: int | None = None  # of the open shard's stored ids so far (EOS included); None: not all stored
+        self._tokens: int | None = None  # the open shard's stored ids so far, framed; None: not all stored
         stored = stream.stored_ids
         self._itemsize = np.dtype(stored.dtype).itemsize if stored is not None else 1
         self._check_bytes = CHECK_BYTES if stored is not None and stored.checked else 0
@@ -303,13 +304,13 @@ class ShardCursor:
         sleep_unless_interrupted(delay)  # a preemption signal ends the wait (ReadInterrupted)
 
     def _count(self, sample: dict) -> None:
-        """Add a sample's stored ids to the shard's tokens (+1: its EOS, as the manifest counts); a sample without
-        them (read from its text) leaves the shard's tokens unknown."""
+        """Add a sample's stored ids to the shard's tokens (+ its framing: EOS, and BOS if any, as the manifest
+        counts); a sample without them (read from its text) leaves the shard's tokens unknown."""
         ids = sample.get(IDS_FIELD)
         if not isinstance(ids, bytes):
             self._tokens = None
             return
-        self._tokens += (len(ids) - self._check_bytes) // self._itemsize + 1
+        self._tokens += (len(ids) - self._check_bytes) // self._itemsize + self.stream.framing
 
     def _check_shard(self) -> None:
         """A shard read to its end must be the one the manifest lists: as many samples, as many bytes, and from stored

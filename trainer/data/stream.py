@@ -5,8 +5,9 @@ the slots balanced by the shards' tokens (`assign_shards`), so across all ranks 
 exactly once per epoch, and with data.epoch_lockstep no rank waits long for another at the epoch's end.
 Inside a slot, samples pass a shuffle buffer, are decoded and checked, tokenized in batches by the fast
 tokenizer (or, when the shards store token ids encoded by the run's tokenizer, read as stored: the same tokens),
-and get EOS appended. With loss_on="assistant" (chat data) each document also gets a `loss_mask`: only the
-assistant turns' tokens are targets (trainer.data.chat.assistant_token_mask, from the text; or the ranges stored).
+and are framed as the tokenizer frames a document: EOS appended, and BOS first where the tokenizer starts
+every text with one (`bos_id`; trainer.data.tokenizer.SpecialIds.frame). With loss_on="assistant" (chat data)
+each document also gets a `loss_mask`: only the assistant turns' tokens are targets (trainer.data.chat.assistant_token_mask, from the text; or the ranges stored).
 
 The reading itself (shard cursor, shuffle buffer, resumable positions) is trainer.data.reader; running the
 stream in DataLoader workers and handing out single documents is trainer.data.loader.
@@ -61,6 +62,7 @@ class DocumentStream(IterableDataset):
         max_doc_bytes: int | None = None,
         stored_ids: StoredIds | None = None,
         manifest: str | Path | None = None,
+        bos_id: int | None = None,
     ) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -86,6 +88,10 @@ class DocumentStream(IterableDataset):
         """Tokens per shard, which the readers' shares are balanced by (`manifest_tokens`); 1 each when unknown."""
         self.tokenizer_path = str(tokenizer_path)
         self.eos_id = eos_id
+        self.bos_id = bos_id
+        """Put before every document (SpecialIds.head: a tokenizer whose framing adds BOS); None: nothing."""
+        self.framing = 1 + (bos_id is not None)
+        """Tokens a document gets beyond its text's ids (SpecialIds.added), as the manifest counts them."""
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -113,7 +119,7 @@ class DocumentStream(IterableDataset):
         """Bytes per shard file name, from `manifest` (the one these shards are listed in: ShardSource.manifest),
         checked when a shard is read through."""
         self.expected_tokens = {name: entry["tokens"] for name, entry in entries.items() if "tokens" in entry}
-        """Tokens per shard file name (EOS included), from `manifest`, else from `shard_tokens` when known; checked
+        """Tokens per shard file name (framed), from `manifest`, else from `shard_tokens` when known; checked
         against the stored ids of a shard read through them."""
         if not entries and self.tokens_known:
             self.expected_tokens = {url_file_name(s): n for s, n in zip(self.shards, self.shard_tokens, strict=True)}
@@ -267,7 +273,8 @@ class DocumentStream(IterableDataset):
                    ) -> list[Document]:
         """The chunk's documents (`items`: the samples drawn, of `shards`), in order: a text tokenized (in one batch
         with the chunk's other texts), stored ids read as they are (those outside the vocabulary reported and left
-        out); EOS appended to each. Both give the same tokens and loss mask (tests/data/test_stored_ids)."""
+        out); each framed: [BOS] (when bos_id) + ids + [EOS]. Both give the same tokens and loss mask
+        (tests/data/test_stored_ids); the framing tokens are never in the loss mask."""
         bad = self._out_of_vocabulary(items, payloads, shards, state)
         if bad:
             items = [item for i, item in enumerate(items) if i not in bad]
@@ -285,14 +292,17 @@ class DocumentStream(IterableDataset):
             else:
                 ids = np.frombuffer(payload[0], dtype=payload[3])
                 n = len(ids)
-            tokens = np.empty(n + 1, dtype=np.int32)
-            tokens[:-1] = ids
+            head = self.framing - 1
+            tokens = np.empty(n + self.framing, dtype=np.int32)
+            tokens[head:-1] = ids
             tokens[-1] = self.eos_id
+            if head:
+                tokens[0] = self.bos_id
             loss_mask = None
             if self.loss_on == "assistant":
-                loss_mask = np.zeros(n + 1, dtype=bool)  # the appended EOS stays an input only
-                loss_mask[:-1] = (assistant_token_mask(payload, enc.offsets) if isinstance(payload, str)
-                                  else ranges_mask(payload[2], n))
+                loss_mask = np.zeros(n + self.framing, dtype=bool)  # BOS and EOS stay inputs only
+                loss_mask[head:-1] = (assistant_token_mask(payload, enc.offsets) if isinstance(payload, str)
+                                      else ranges_mask(payload[2], n))
             docs.append(Document(key=key, tokens=tokens, loss_mask=loss_mask, source=self.source))
         return docs
 

@@ -1,4 +1,5 @@
-"""The byte-level BPE tokenizer: training, saving in the Hugging Face layout, loading, special ids.
+"""The tokenizer: packtrain's own byte-level BPE (training, saving in the Hugging Face layout) or a Hugging
+Face model's; loading; the special ids and how a document is framed.
 
 Byte-level means every string round-trips: decode(encode(text)) == text for any Unicode, because the
 base alphabet is the 256 bytes. Four special tokens come first (ids 0..3 for a trained tokenizer):
@@ -8,10 +9,14 @@ base alphabet is the 256 bytes. Four special tokens come first (ids 0..3 for a t
     <|im_start|>   chat: opens a turn ("<|im_start|>user\\n...<|im_end|>\\n", ChatML)
     <|im_end|>     chat: closes a turn
 
-The tokenizer adds NO tokens itself (no post-processor): `encode("ab")` is the bytes of "ab" and nothing
-else. The streaming reader appends the one EOS per document explicitly, and the manifest's token counts
-are `len(encode(text)) + 1` for that reason. A document that literally contains "<|endoftext|>" is
-encoded with the special id, as in every Hugging Face tokenizer.
+Texts are always encoded without special tokens (`encode(text, add_special_tokens=False)`): the framing is
+explicit. A document is its text's ids + [EOS], or [BOS] + its text's ids + [EOS] for a tokenizer that
+starts every sequence with BOS (`SpecialIds.frame`), so the manifest's token counts are
+`len(encode(text)) + SpecialIds.added`. packtrain's own tokenizer has no BOS. A Hugging Face model
+directory (GPT-2, SmolLM2, Qwen2.5, Llama-3.2) brings its framing in tokenizer_config.json (eos_token,
+bos_token, pad_token, add_bos_token) and in tokenizer.json's post-processor (Llama-3's adds BOS);
+`tokenizer_ids(directory)` reads both. A document that
+literally contains "<|endoftext|>" is encoded with the special id, as in every Hugging Face tokenizer.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tokenizers import AddedToken, Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -64,18 +69,43 @@ UNMARKED_CHAT_TEMPLATE = (
 )
 
 
+PAD_FROM_TOKEN, PAD_FROM_EOS = "pad_token", "eos"
+"""How `SpecialIds.pad` was chosen: the tokenizer's own pad token, or (it has none) the EOS id."""
+
+
 @dataclass(frozen=True)
 class SpecialIds:
-    """Ids of the special tokens in one tokenizer."""
+    """Ids of the special tokens in one tokenizer, and how it frames a document (`frame`)."""
 
     eos: int
-    """<|endoftext|>: appended to every document by the stream."""
+    """Ends every document: appended by the stream."""
     pad: int
-    """<|pad|>: fills the tail of a row; never a target."""
-    im_start: int
-    """<|im_start|>: opens a chat turn."""
-    im_end: int
-    """<|im_end|>: closes a chat turn."""
+    """Fills the tail of a row: the tokenizer's pad token, or, when it has none, the EOS id (no token added
+    to the vocabulary). Either is safe: a pad position is never a target and never attended across."""
+    im_start: int | None = None
+    """<|im_start|>: opens a chat turn; None if the tokenizer lacks it (only chat data needs it)."""
+    im_end: int | None = None
+    """<|im_end|>: closes a chat turn; None if the tokenizer lacks it."""
+    bos: int | None = None
+    """The tokenizer's BOS, when it has one distinct from EOS or starts documents with it; else None."""
+    add_bos: bool = False
+    """Every document starts with `bos` (the tokenizer's framing: Llama-3's post-processor, add_bos_token)."""
+    pad_from: str = PAD_FROM_TOKEN
+    """PAD_FROM_TOKEN or PAD_FROM_EOS: where `pad` came from."""
+
+    @property
+    def head(self) -> tuple[int, ...]:
+        """What precedes a document's text: (bos,) when add_bos, else ()."""
+        return (self.bos,) if self.add_bos else ()
+
+    @property
+    def added(self) -> int:
+        """Tokens a document has beyond its text's: EOS, and BOS when add_bos."""
+        return len(self.head) + 1
+
+    def frame(self, ids: Sequence[int]) -> list[int]:
+        """A document's tokens from its text's ids: [5, 6] -> [5, 6, eos]; with add_bos, [bos, 5, 6, eos]."""
+        return [*self.head, *ids, self.eos]
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
@@ -177,30 +207,154 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise PrepareError(f"{file}: not a valid tokenizers JSON file ({e})") from e
 
 
-def special_ids(tok: Tokenizer, where: str | Path | None = None) -> SpecialIds:
-    """Ids of the four special tokens; an error naming the ones `tok` lacks (and `where` it came from, if given).
+@dataclass(frozen=True)
+class FramedTokenizer:
+    """A tokenizer with its special ids: a text encoded as the stream encodes it, and a document's framing."""
 
-    Example: a tokenizer with <|endoftext|> and <|pad|> only -> PrepareError "tokenizer lacks the special
-    tokens ['<|im_start|>', '<|im_end|>'] ...".
+    tok: Tokenizer
+    ids: SpecialIds
+
+    @classmethod
+    def load(cls, path: str | Path) -> FramedTokenizer:
+        tok = load_tokenizer(path)
+        return cls(tok, special_ids(tok, path))
+
+    def encode(self, text: str) -> list[int]:
+        """The text's ids, no special tokens added (the framing is `ids.frame`'s)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def tokenizer_ids(path: str | Path) -> SpecialIds:
+    """The special ids and framing of the tokenizer at `path` (a directory holding tokenizer.json, with its
+    tokenizer_config.json if any, or the file itself). Example: a Llama-3.2 directory -> bos=128000,
+    add_bos=True, eos=128001, pad=128001 (pad_from "eos": it has no pad token), im_start=im_end=None."""
+    return special_ids(load_tokenizer(path), path)
+
+
+def special_ids(tok: Tokenizer, where: str | Path | None = None) -> SpecialIds:
+    """The special ids and framing of `tok`, loaded from `where` (a directory or tokenizer.json: for errors,
+    and for the tokenizer_config.json beside it). With that config (a Hugging Face directory, or one saved by
+    `save_tokenizer`): its eos_token (default <|endoftext|>), bos_token, pad_token and add_bos_token, each
+    token a string or {"content": ...} (special_tokens_map.json fills in the tokens it lacks). Without one (a
+    bare tokenizer.json, or no `where`): packtrain's four special tokens, all required. Either way a
+    post-processor may add a BOS at the start (add_bos) and nothing else; an error names the file and why.
+
+    Example: a tokenizer with <|endoftext|> and <|pad|> only, no config -> PrepareError "tokenizer lacks the
+    special tokens ['<|im_start|>', '<|im_end|>'] ...".
     """
-    ids = {name: tok.token_to_id(token) for name, token in zip(("eos", "pad", "im_start", "im_end"), SPECIAL_TOKENS, strict=True)}
+    file = tokenizer_file(where) if where is not None else None
+    config, config_file = hf_token_config(file.parent) if file is not None else (None, None)
+    if config is None:
+        ids = _packtrain_ids(tok, file)
+        bos, add_bos = _framing(tok, file, None, None, None, ids.eos)
+        return replace(ids, bos=bos, add_bos=add_bos)
+    names = {key: _token_name(config, key, config_file) for key in ("eos_token", "bos_token", "pad_token")}
+    eos_name = names["eos_token"] or EOS_TOKEN
+    if names["eos_token"] is None and tok.token_to_id(EOS_TOKEN) is None:
+        raise PrepareError(f"{config_file}: no eos_token, and {file.name} has no {EOS_TOKEN}: set eos_token "
+                           "to the token that ends a document")
+    eos = _vocab_id(tok, eos_name, "eos_token", config_file)
+    config_bos = _vocab_id(tok, names["bos_token"], "bos_token", config_file)
+    pad = _vocab_id(tok, names["pad_token"], "pad_token", config_file)
+    add_bos_token = config.get("add_bos_token")
+    if add_bos_token is not None and not isinstance(add_bos_token, bool):
+        raise PrepareError(f"{config_file}: add_bos_token is {add_bos_token!r}, expected true or false")
+    bos, add_bos = _framing(tok, file, config_file, config_bos, add_bos_token, eos)
+    return SpecialIds(eos=eos, pad=eos if pad is None else pad, im_start=tok.token_to_id(IM_START),
+                      im_end=tok.token_to_id(IM_END), bos=bos, add_bos=add_bos,
+                      pad_from=PAD_FROM_EOS if pad is None else PAD_FROM_TOKEN)
+
+
+def hf_token_config(directory: Path) -> tuple[dict | None, Path]:
+    """(tokenizer_config.json of `directory` with the tokens special_tokens_map.json adds, its path);
+    (None, path) without the file. A file that is not a JSON object is an error naming it."""
+    config_file = directory / TOKENIZER_CONFIG_FILE
+    if not config_file.is_file():
+        return None, config_file
+    config = _json_object(config_file)
+    map_file = directory / SPECIAL_TOKENS_MAP_FILE
+    tokens = _json_object(map_file) if map_file.is_file() else {}
+    return {**{k: v for k, v in tokens.items() if k.endswith("_token")}, **config}, config_file
+
+
+def _json_object(file: Path) -> dict:
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise PrepareError(f"{file}: not a readable JSON file ({e})") from e
+    if not isinstance(obj, dict):
+        raise PrepareError(f"{file}: holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def _packtrain_ids(tok: Tokenizer, file: Path | None) -> SpecialIds:
+    """packtrain's four special tokens, by name; an error naming the missing ones."""
+    names = ("eos", "pad", "im_start", "im_end")
+    ids = {name: tok.token_to_id(token) for name, token in zip(names, SPECIAL_TOKENS, strict=True)}
     missing = [token for token, i in zip(SPECIAL_TOKENS, ids.values(), strict=True) if i is None]
     if missing:
-        prefix = f"{tokenizer_file(where)}: " if where is not None else ""
+        prefix = f"{file}: " if file is not None else ""
         raise PrepareError(
-            f"{prefix}tokenizer lacks the special tokens {missing}; this project needs all of {list(SPECIAL_TOKENS)}: "
-            "use a tokenizer trained by `python -m trainer.prepare` (it adds them), or add them to yours as special tokens"
+            f"{prefix}tokenizer lacks the special tokens {missing}; without a {TOKENIZER_CONFIG_FILE} beside "
+            f"it this project needs all of {list(SPECIAL_TOKENS)}: use a tokenizer trained by `python -m "
+            f"trainer.prepare` (it adds them), or a Hugging Face model directory (its {TOKENIZER_CONFIG_FILE} "
+            "names eos_token)"
         )
     return SpecialIds(**ids)
 
 
-def check_no_added_tokens(tok: Tokenizer) -> None:
-    """Refuse a tokenizer whose post-processor adds tokens (BOS/EOS): the stream appends EOS itself,
-    so such a tokenizer would put two EOS per document and make the manifest's counts wrong."""
-    sample = "hello"
-    if tok.encode(sample).ids != tok.encode(sample, add_special_tokens=False).ids:
-        raise PrepareError("tokenizer adds special tokens itself (a post-processor); the stream appends EOS "
-                           "explicitly, so use a tokenizer without one")
+def _token_name(config: dict, key: str, config_file: Path) -> str | None:
+    """A token named by the config: a string, or {"content": ...} (an AddedToken as transformers saves it)."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not (isinstance(value, str) and value):
+        raise PrepareError(f"{config_file}: {key} is {config[key]!r}, expected a token string or "
+                           '{"content": TOKEN}')
+    return value
+
+
+def _vocab_id(tok: Tokenizer, name: str | None, key: str, config_file: Path) -> int | None:
+    if name is None:
+        return None
+    i = tok.token_to_id(name)
+    if i is None:
+        raise PrepareError(f"{config_file}: {key} {name!r} is not in the vocabulary of {TOKENIZER_FILE}")
+    return i
+
+
+FRAMING_SAMPLE = "Hello world"
+
+
+def _framing(tok: Tokenizer, file: Path | None, config_file: Path | None, config_bos: int | None,
+             add_bos_token: bool | None, eos: int) -> tuple[int | None, bool]:
+    """(bos, add_bos) from the post-processor (what `tok.encode` adds to a text) and the config. A
+    post-processor may add one token at the start, the BOS (Llama-3's TemplateProcessing); anything else is
+    refused, as is a config that disagrees with it. packtrain encodes without special tokens and adds the BOS."""
+    where = f"{file}: " if file is not None else ""
+    bare = tok.encode(FRAMING_SAMPLE, add_special_tokens=False).ids
+    full = tok.encode(FRAMING_SAMPLE).ids
+    pp_bos = None
+    if full != bare:
+        if len(full) != len(bare) + 1 or full[1:] != bare:
+            shown = [tok.id_to_token(i) for i in full]
+            raise PrepareError(f"{where}its post-processor adds special tokens other than a BOS at the start "
+                               f"({FRAMING_SAMPLE!r} -> {shown}); packtrain frames documents as [BOS] text [EOS] "
+                               'itself: remove the post-processor ("post_processor": null) or make it add only '
+                               "the BOS")
+        pp_bos = full[0]
+        if config_bos is not None and config_bos != pp_bos:
+            raise PrepareError(f"{config_file}: bos_token is {tok.id_to_token(config_bos)!r}, but the "
+                               f"post-processor of {TOKENIZER_FILE} starts each text with {tok.id_to_token(pp_bos)!r}")
+        if add_bos_token is False:
+            raise PrepareError(f"{config_file}: add_bos_token is false, but the post-processor of "
+                               f"{TOKENIZER_FILE} adds {tok.id_to_token(pp_bos)!r} at the start of each text: make "
+                               "them agree")
+        return pp_bos, True
+    if add_bos_token and config_bos is None:
+        raise PrepareError(f"{config_file}: add_bos_token is true but no bos_token is set")
+    add_bos = bool(add_bos_token)
+    return (None if config_bos == eos and not add_bos else config_bos), add_bos
 
 
 def tokenizer_hash(path: str | Path) -> str:
@@ -212,17 +366,19 @@ def tokenizer_hash(path: str | Path) -> str:
         raise PrepareError(f"cannot read {file}: {e.strerror or e}") from e
 
 
-def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, desc: str | None = "tokenizing") -> list[int]:
-    """Tokens per document as the stream will produce them: len(encode(text)) + 1 for the EOS.
+def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, desc: str | None = "tokenizing",
+                 added: int = 1) -> list[int]:
+    """Tokens per document as the stream will produce them: len(encode(text)) + `added` (SpecialIds.added:
+    1 for the EOS, 2 with a BOS too).
 
     Example: if encode("ab") is [64, 65], count_tokens(tok, ["ab"]) == [3]. `desc=None`: no progress bar.
     """
-    return [len(e.ids) + 1 for e in encode_documents(tok, texts, batch_size=batch_size, desc=desc)]
+    return [len(e.ids) + added for e in encode_documents(tok, texts, batch_size=batch_size, desc=desc)]
 
 
 def encode_documents(tok: Tokenizer, texts: Sequence[str], offsets: bool = False, batch_size: int = 512,
                      desc: str | None = None) -> list[Encoding]:
-    """The documents' encodings without special tokens, as the stream tokenizes them (it appends the EOS). Without
+    """The documents' encodings without special tokens, as the stream tokenizes them (it frames them). Without
     `offsets` by `encode_batch_fast` (the same ids, no character offsets, ~1.5x faster; tokenizers < 0.20 lacks
     it). `desc`: a progress bar's label (None: none)."""
     encode = tok.encode_batch if offsets else getattr(tok, "encode_batch_fast", tok.encode_batch)

@@ -28,9 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenizers import Tokenizer
-
-from trainer.data.feed import NO_GROUPS, Batch, Document, LossGroups, ShardSourceError, eval_batches
+from trainer.data.feed import (
+    NO_GROUPS,
+    Batch,
+    Document,
+    FramedTokenizer,
+    LossGroups,
+    ShardSourceError,
+    eval_batches,
+)
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
@@ -128,7 +134,7 @@ class Evaluator:
 class TaskScorer:
     """train.eval_tasks scored in the loop: `run(engine)` gives {task name: its metrics} (collective)."""
 
-    def __init__(self, tasks: list[Task], tok: Tokenizer, info: DistInfo, layout: str, batch_tokens: int,
+    def __init__(self, tasks: list[Task], tok: FramedTokenizer, info: DistInfo, layout: str, batch_tokens: int,
                  pad_id: int, every: int) -> None:
         self.tasks, self.tok, self.info = tasks, tok, info
         self.layout, self.batch_tokens, self.pad_id = layout, batch_tokens, pad_id

@@ -40,13 +40,12 @@ WORD_PIECE = re.compile(r"\s+[A-Za-z_][A-Za-z0-9_]*")
 def heldout_texts(data: DataConfig | str | Path, tokenizer_dir: Path, max_docs: int | None) -> list[str]:
     """The first `max_docs` held-out documents' texts, in the eval's fixed order (trainer.data.feed), whole.
 
-    Read as token ids and decoded: the byte-level tokenizer gives the text back exactly, without the EOS the
-    stream appends."""
+    Read as token ids and decoded: the byte-level tokenizer gives the text back exactly, without the framing the
+    stream adds (the EOS at the end, the BOS first where the tokenizer frames documents so)."""
     tok = load_tokenizer(tokenizer_dir)
-    eos = special_ids(tok, tokenizer_dir).eos
-    docs = load_eval_docs(data, tokenizer_dir, eos, seq_len=2**62, max_docs=max_docs)  # no document is split
-    return [tok.decode(d.tokens[:-1].tolist() if d.tokens[-1] == eos else d.tokens.tolist(),
-                       skip_special_tokens=False) for d in docs]
+    ids = special_ids(tok, tokenizer_dir)
+    docs = load_eval_docs(data, tokenizer_dir, ids.eos, seq_len=2**62, max_docs=max_docs)  # no document is split
+    return [tok.decode(d.tokens[len(ids.head):-1].tolist(), skip_special_tokens=False) for d in docs]
 
 
 def pieces(text: str) -> list[str]:

@@ -1,9 +1,10 @@
 """Each query + choice a document in the project's own rows; its log-likelihood from the model's token losses.
 
 A sequence is encode(query) + encode(choice), tokenized apart and concatenated (lm-eval's convention), with
-nothing before the query: a training document starts the same way (the stream adds only the EOS at its end,
-trainer.data.tokenizer). It becomes a `Document` whose loss mask keeps the choice's tokens only, so the rows are
-the training layouts' own (trainer.data.feed.eval_batches: the packer, then collate_rows):
+nothing before the query except what the tokenizer's own framing puts before a training document (its BOS for
+a tokenizer that starts documents with one, SpecialIds.head; nothing for packtrain's, whose documents only end
+with EOS): a training document starts the same way. It becomes a `Document` whose loss mask keeps the choice's
+tokens only, so the rows are the training layouts' own (trainer.data.feed.eval_batches: the packer, then collate_rows):
 
     packed     several sequences per row, block-diagonal attention, positions reset (any attention backend)
     unpacked   one sequence per row, padded to the micro-batch's longest (what harnesses do)
@@ -59,11 +60,13 @@ class Scores:
     greedy: list[bool]
 
 
-def task_sequences(task: Task, encode: Callable[[str], list[int]], max_tokens: int) -> list[Candidate]:
-    """Every (item, choice) of `task` in order, tokenized apart; a TaskFileError names an item too long."""
+def task_sequences(task: Task, encode: Callable[[str], list[int]], max_tokens: int,
+                   head: Sequence[int] = ()) -> list[Candidate]:
+    """Every (item, choice) of `task` in order, tokenized apart, each query after `head` (SpecialIds.head: the BOS a
+    training document starts with, if any); a TaskFileError names an item too long."""
     out = []
     for n, item in enumerate(task.items):
-        query = tuple(encode(item.query))
+        query = (*head, *encode(item.query))
         for choice in item.choices:
             seq = Candidate(query, tuple(encode(choice)))
             if len(seq.query) + len(seq.choice) > max_tokens:

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from trainer.data.config import DataConfig
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.tokenizer import FramedTokenizer, special_ids
 from trainer.errors import UserError
 from trainer.model import GPT
 from trainer.tasks.builtins import BUILTINS, fitting, heldout_texts
@@ -42,10 +42,11 @@ class BuiltinOptions:
 
 
 def builtin_task(name: str, texts: list[str], seed: int, max_items: int | None, tok: Tokenizer,
-                 max_tokens: int) -> Task:
-    """Built-in task `name` of the held-out `texts`, without the items that do not fit the model's context."""
+                 max_tokens: int, head: int = 0) -> Task:
+    """Built-in task `name` of the held-out `texts`, without the items that do not fit the model's context
+    (`head`: the tokens the framing puts before each query, SpecialIds.head)."""
     task = BUILTINS[name](texts, seed, max_items)
-    task = fitting(task, lambda s: len(tok.encode(s, add_special_tokens=False).ids), max_tokens)
+    task = fitting(task, lambda s: len(tok.encode(s, add_special_tokens=False).ids), max_tokens - head)
     if not task.items:
         raise TaskSuiteError(f"built-in task {name}: the held-out split gave no item (too few or too short "
                              "documents); evaluate with more held-out documents")
@@ -58,11 +59,12 @@ def load_tasks(names: Sequence[str], setting: str, heldout: Callable[[], DataCon
     errors; `heldout()` says where the built-ins' held-out documents are (called once, if a built-in is named)."""
     texts = None
     tasks = []
+    head = len(special_ids(tok, tok_dir).head)
     for name in names:
         if name in BUILTINS:
             if texts is None:
                 texts = heldout_texts(heldout(), tok_dir, options.docs)
-            task = builtin_task(name, texts, options.seed, options.items, tok, max_tokens)
+            task = builtin_task(name, texts, options.seed, options.items, tok, max_tokens, head)
         elif not Path(name).is_file():
             raise TaskSuiteError(f"{setting} {name}: no such task file, nor a built-in task ({', '.join(BUILTINS)})")
         else:
@@ -77,21 +79,19 @@ def load_tasks(names: Sequence[str], setting: str, heldout: Callable[[], DataCon
 
 
 def load_suite(names: Sequence[str], setting: str, heldout: Callable[[], DataConfig | str | Path], tok_dir: Path,
-               max_tokens: int, options: BuiltinOptions = BuiltinOptions()) -> tuple[list[Task], Tokenizer]:
+               max_tokens: int, options: BuiltinOptions = BuiltinOptions()) -> tuple[list[Task], FramedTokenizer]:
     """(`load_tasks`, the tokenizer of `tok_dir` they are scored with): for callers that hold no tokenizer."""
-    tok = load_tokenizer(tok_dir)
-    return load_tasks(names, setting, heldout, tok, tok_dir, max_tokens, options), tok
+    framed = FramedTokenizer.load(tok_dir)
+    return load_tasks(names, setting, heldout, framed.tok, tok_dir, max_tokens, options), framed
 
 
-def score_tasks(model: GPT, tasks: Sequence[Task], tok: Tokenizer, pad_id: int, layout: str, batch_tokens: int,
+def score_tasks(model: GPT, tasks: Sequence[Task], tok: FramedTokenizer, pad_id: int, layout: str, batch_tokens: int,
                 device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
-    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective across ranks)."""
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
-
+    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective across ranks); each
+    query preceded by what the tokenizer's framing puts before a training document (its BOS, if any)."""
     out = {}
     for task in tasks:
-        sequences = task_sequences(task, encode, model.cfg.max_seq_len)
+        sequences = task_sequences(task, tok.encode, model.cfg.max_seq_len, tok.ids.head)
         scores = score(model, sequences, layout, pad_id, batch_tokens, device, rank, world_size)
         records = item_records(task, scores.loglikelihoods, scores.greedy)
         out[task.name] = {"kind": task.kind, "source": task.source, "metrics": task_metrics(task, records),

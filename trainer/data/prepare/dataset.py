@@ -67,17 +67,19 @@ from trainer.data.shards import (
 )
 from trainer.data.tokenizer import (
     CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
     SPECIAL_TOKENS_MAP_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
-    TOKENIZER_FILES,
-    check_no_added_tokens,
     extend_tokenizer,
+    hf_token_config,
     load_tokenizer,
     save_tokenizer,
     special_ids,
     tokenizer_file,
     tokenizer_hash,
+    tokenizer_ids,
     train_tokenizer,
     upgrade_chat_template,
     write_hf_configs,
@@ -119,7 +121,8 @@ def prepare(
     """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json); with
     `parts` > 1, prepare part `part` and return None unless this part was the last to finish (then it merges).
 
-    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json) instead of training one;
+    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json, and tokenizer_config.json for a
+    Hugging Face model's: its framing, trainer.data.tokenizer.special_ids) instead of training one;
     `add_tokens` appends special tokens to it (e.g. the tokenizer of a checkpoint to be fine-tuned with
     `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged. `max_docs` keeps only the first
     documents of the source (for quick, small datasets; read by one process). `workers` processes prepare units
@@ -131,15 +134,16 @@ def prepare(
         raise PrepareError(f"--max-doc-mb must be a finite number > 0, got {max_doc_mb}")
     if max_docs is not None and parts > 1:
         raise PrepareError("--max-docs reads the first documents in order: it cannot be split into --parts")
-    reused = _load_reusable_tokenizer(tokenizer) if tokenizer is not None else None  # fail before the slow part
     if not all(isinstance(t, str) and t for t in add_tokens):
         raise PrepareError(f"--add-tokens {list(add_tokens)}: each token must be a non-empty string")
+    chat = is_chat(source)
+    # fail before the slow part
+    reused = _load_reusable_tokenizer(tokenizer, chat, add_tokens) if tokenizer is not None else None
     if add_tokens and reused is None:
         raise PrepareError("--add-tokens extends an existing tokenizer: give it with --tokenizer (e.g. the "
                            "checkpoint's <run dir>/checkpoints/step_NNNNNN/tokenizer)")
     out = Path(out)
     check_out_dir(out)
-    chat = is_chat(source)
     template = (chat_template(tokenizer) if tokenizer is not None else CHAT_TEMPLATE) if chat else None
     options = {
         "seed": seed, "val_fraction": val_fraction, "docs_per_shard": docs_per_shard,
@@ -269,20 +273,24 @@ def job_of(plan: Plan, stage: Path, ids: bool = True) -> Job:
     o = plan.options
     store_ids = ids and o.get("store_ids", False)  # a plan staged before ids were stored: as its other units, none
     dtype = ids_dtype(load_tokenizer(stage / TOKENIZER_DIR).get_vocab_size()) if store_ids else None
+    framing = tokenizer_ids(stage / TOKENIZER_DIR).added if ids else 1
     return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
                docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
                on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"],
-               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype, ids_check=store_ids and o.get("ids_check", False))
+               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype, ids_check=store_ids and o.get("ids_check", False),
+               framing=framing)
 
 
 def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     o = plan.options
     tok_dir = stage / TOKENIZER_DIR
     tok = load_tokenizer(tok_dir)
+    config, _ = hf_token_config(tok_dir)
     tokenizer = {
         "path": TOKENIZER_DIR,
         "vocab_size": tok.get_vocab_size(),
-        "special_ids": asdict(special_ids(tok)),
+        "special_ids": asdict(special_ids(tok, tok_dir)),  # eos, pad (and pad_from), bos, add_bos: the framing
+        "chat_template": isinstance((config or {}).get("chat_template"), str),
         "sha256": tokenizer_hash(tok_dir),
         "trained": o["tokenizer"]["trained"],
     }
@@ -345,12 +353,10 @@ def _stage_tokenizer(stage: Path, plan: Plan, tokenizer: str | Path | None, reus
     """The tokenizer the units count with, in <stage>/tokenizer: copied, extended, or trained on the sample.
     Kept across a restart (and, trained, the same in every part: the sample is a function of the plan)."""
     tok_dir = stage / TOKENIZER_DIR
-    if all((tok_dir / name).is_file() for name in TOKENIZER_FILES):
+    if all((tok_dir / name).is_file() for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)):
         return
-    if reused is not None and add_tokens:
-        save_tokenizer(extend_tokenizer(reused, add_tokens), tok_dir)
-    elif reused is not None:
-        _copy_tokenizer(tokenizer, tok_dir)
+    if reused is not None:
+        _copy_tokenizer(tokenizer, tok_dir, extend_tokenizer(reused, add_tokens) if add_tokens else None)
     else:
         o = plan.options
         texts = sample_texts(plan, job_of(plan, stage, ids=False), o["tokenizer"]["sample_bytes"])
@@ -531,25 +537,31 @@ def _write_part_manifest(stage: Path, plan: Plan, part: int, parts: int, results
     atomic_write_bytes(part_file(stage, part, parts), (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
 
 
-def _load_reusable_tokenizer(path: str | Path) -> Tokenizer:
-    """An existing tokenizer, checked: it has the special tokens and adds no tokens of its own."""
+def _load_reusable_tokenizer(path: str | Path, chat: bool, add_tokens: Sequence[str]) -> Tokenizer:
+    """An existing tokenizer, checked: its special ids and framing are readable (special_ids) and, for chat data,
+    it has the ChatML tokens (or --add-tokens adds them)."""
     tok = load_tokenizer(path)
-    special_ids(tok, path)
-    check_no_added_tokens(tok)
+    ids = special_ids(tok, path)
+    missing = [t for t, i in ((IM_START, ids.im_start), (IM_END, ids.im_end)) if i is None and t not in add_tokens]
+    if chat and missing:
+        raise PrepareError(f"{tokenizer_file(path)}: chat data needs the ChatML tokens {missing}, which this tokenizer "
+                           f"lacks: add them (--add-tokens {' '.join(missing)}) or use a tokenizer that has them")
     return tok
 
 
-def _copy_tokenizer(src_dir: str | Path, tok_dir: Path) -> None:
-    """Copy tokenizer.json byte for byte (so its hash is unchanged), and its two HF config files
-    (written fresh if the source lacks them)."""
+def _copy_tokenizer(src_dir: str | Path, tok_dir: Path, extended: Tokenizer | None = None) -> None:
+    """Copy tokenizer.json byte for byte (so its hash is unchanged; `extended`: write that one, the tokenizer with
+    --add-tokens), and the Hugging Face files beside it: tokenizer_config.json (its framing travels with it) and
+    special_tokens_map.json if there. Without tokenizer_config.json (a bare tokenizer.json), packtrain's are
+    written."""
     src = tokenizer_file(src_dir)
-    if src.resolve() == (tok_dir / TOKENIZER_FILE).resolve():
+    if extended is None and src.resolve() == (tok_dir / TOKENIZER_FILE).resolve():
         return  # --tokenizer points at this dataset's own tokenizer
-    atomic_write_bytes(tok_dir / TOKENIZER_FILE, src.read_bytes())
-    configs = [src.parent / name for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)]
-    if all(path.is_file() for path in configs):
-        for path in configs:
-            atomic_write_bytes(tok_dir / path.name, path.read_bytes())
-        upgrade_chat_template(tok_dir)  # a config written before the template marked assistant turns
-    else:
+    atomic_write_bytes(tok_dir / TOKENIZER_FILE, extended.to_str().encode("utf-8") if extended else src.read_bytes())
+    if not (src.parent / TOKENIZER_CONFIG_FILE).is_file():
         write_hf_configs(tok_dir)
+        return
+    for name in (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE):
+        if (src.parent / name).is_file():
+            atomic_write_bytes(tok_dir / name, (src.parent / name).read_bytes())
+    upgrade_chat_template(tok_dir)  # a config written before the template marked assistant turns

@@ -98,6 +98,9 @@ class Job:
     ids_check: bool = False
     """End each ids member with the crc32 of its text and ids (trainer.data.shards.ids_member); False in a plan
     staged before it was written, whose other units have none."""
+    framing: int = 1
+    """Tokens each document gets beyond its text's (SpecialIds.added: the EOS, and the BOS of a tokenizer that
+    starts documents with one): what its count includes. The ids stored are the text's alone; the stream frames."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -180,7 +183,7 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
 def _write_side(writer: ShardWriter, side: list[tuple[str, str]], tok, job: Job) -> list[int]:
     """Append the documents of one split of a window to its shards: the text, and with `job.ids_dtype` the token ids
     (and, for chat data, the assistant turns' token ranges, from the offsets as the stream computes them); return
-    their token counts (EOS included)."""
+    their token counts (framing included: EOS, and BOS if the tokenizer adds one)."""
     chat_ranges = job.ids_dtype is not None and job.chat_template is not None
     encodings = encode_documents(tok, [text for _, text in side], offsets=chat_ranges)
     counts = []
@@ -192,8 +195,8 @@ def _write_side(writer: ShardWriter, side: list[tuple[str, str]], tok, job: Job)
             fields[IDS_FIELD] = ids_member(ids, data) if job.ids_check else ids
             if chat_ranges:
                 fields[ASSISTANT_FIELD] = mask_ranges(assistant_token_mask(text, enc.offsets)).tobytes()
-        writer.add(key, data, len(enc.ids) + 1, fields)
-        counts.append(len(enc.ids) + 1)
+        writer.add(key, data, len(enc.ids) + job.framing, fields)
+        counts.append(len(enc.ids) + job.framing)
     return counts
 
 
