@@ -10,21 +10,26 @@ also checked against a plain-PyTorch forward of the writer's weights (tests.help
 Resume: a checkpoint written through the store on 2 ranks (DCP: each rank its shards) is loaded on 1, 2, 3 and 4
 ranks into an engine built from other weights: the weights and every AdamW moment and step equal the writer's
 (gathered whole on both sides with torch's own get_optimizer_state_dict), and the next step's loss equals the
-uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn per world size.
+uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn of four processes for every world size
+(`in_worlds`: each world its own fresh gloo group; a spawned rank's start costs seconds of imports).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import os
 import pickle
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from tests.harness import run_distributed
+from tests.harness import RUN_TIMEOUT_S, run_distributed
 from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, plain_document_loss, split
 from trainer.checkpoint import store
 from trainer.config import OptimConfig
@@ -34,7 +39,7 @@ from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import shard_inputs
 from trainer.distributed.engine import parallelize
-from trainer.distributed.groups import DistInfo, init_distributed
+from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
 from trainer.model import AttentionConfig, apply_activation_checkpointing, build_model
 from trainer.model.compile import compile_blocks
 from trainer.run.optim import build_optimizer, build_scheduler
@@ -174,15 +179,47 @@ def four_ranks(rank: int, world: int, steps, path: str) -> dict:
     return {**resumed(rank, world, steps, path), "cp": dp2_cp2(rank, world, steps)}
 
 
+def _join(rank: int, world: int, store: str) -> None:
+    """Leave this process's group (if any) and form a new gloo group of `world` ranks over the file `store`, the
+    trainer's environment (RANK, WORLD_SIZE, LOCAL_RANK) set to it: init_distributed then sees that world."""
+    shutdown_distributed()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
+
+
+def in_worlds(rank: int, size: int, root: str, phases: list[tuple[int, Callable, tuple]]) -> dict[int, object]:
+    """The phases (world, fn, args) one after another in one run_distributed spawn of `size` ranks: phase i on its
+    first `world` ranks, in a fresh gloo group of their own (the spawn's group is left first; the ranks outside
+    the phase wait for the next one they are in); {i: fn(rank, world, *args)} of the phases this rank ran. Every
+    spawned rank costs its start (torch, dynamo and the trainer imported) once, not once per world size."""
+    out = {}
+    for i, (world, fn, args) in enumerate(phases):
+        if rank < world:
+            _join(rank, world, f"{root}/group_{i}")
+            out[i] = fn(rank, world, *args)
+    _join(rank, size, f"{root}/group_end")  # the harness leaves through the whole spawn's group
+    return out
+
+
+def by_world(ranks: list[dict[int, object]], phases: list[tuple[int, Callable, tuple]]) -> dict[int, list]:
+    """in_worlds' results, per phase world: the list of its ranks' results, in rank order (one per rank)."""
+    out = {world: [r[i] for r in ranks if i in r] for i, (world, _, _) in enumerate(phases)}
+    assert {world: len(got) for world, got in out.items()} == {world: world for world in out}
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     steps = make_steps(num_steps=STEPS, docs_per_step=16)
     root = tmp_path_factory.mktemp("fsdp")
-    two = run_distributed(two_ranks, 2, args=(steps, str(root)))
     path = str(store.checkpoint_dir(root / "run", STEPS - 1))
-    return {"steps": steps, "path": path, 2: two, 1: run_distributed(resumed, 1, args=(steps, path)),
-            3: run_distributed(resumed, 3, args=(steps, path)),
-            4: run_distributed(four_ranks, 4, args=(steps, path))}
+    phases = [(2, two_ranks, (steps, str(root))), (1, resumed, (steps, path)), (3, resumed, (steps, path)),
+              (4, four_ranks, (steps, path))]
+    damaged = root / "damaged"
+    damaged.mkdir()
+    ranks = run_distributed(in_worlds, 4, args=(str(root), [*phases, (1, _damaged_loads, (str(damaged),))]))
+    return {"steps": steps, "path": path, **by_world(ranks, phases), "damaged": ranks[0][len(phases)]}
 
 
 def assert_same_steps(a: list[dict], b: list[dict], loss_rtol: float = 1e-6, norm_rtol: float = 1e-5) -> None:
@@ -335,11 +372,11 @@ def _damaged_loads(rank: int, world: int, root: str) -> list[tuple[str, bool, st
     return out
 
 
-def test_a_damaged_or_crafted_dcp_checkpoint_is_one_error_line_naming_it(tmp_path):
-    """Loaded through the store as a resume does: a crafted .metadata is refused (never unpickled with pickle),
-    a missing one is named; each a UserError of one line (the command prints `error: ...`), not DCP's
-    CheckpointException traceback."""
-    crafted, missing = run_distributed(_damaged_loads, 1, args=(str(tmp_path),))[0]
+def test_a_damaged_or_crafted_dcp_checkpoint_is_one_error_line_naming_it(results):
+    """Loaded through the store as a resume does (on one rank, in `results`' spawn): a crafted .metadata is
+    refused (never unpickled with pickle), a missing one is named; each a UserError of one line (the command
+    prints `error: ...`), not DCP's CheckpointException traceback."""
+    crafted, missing = results["damaged"]
     for kind, is_user_error, message in (crafted, missing):
         assert kind == "DCPLoadError" and is_user_error and "\n" not in message, (kind, message)
         assert message.startswith("cannot load the FSDP2 checkpoint ") and "resume from another checkpoint" in message
