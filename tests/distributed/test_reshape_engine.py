@@ -9,8 +9,9 @@ checkpoint through the store; W' ranks build the engine from other weights, load
   (c) after one more step with the same global batch split over W' ranks, the weights that W ranks reach with
       that step split over W (within 1e-6: only the order of the gradient sums differs).
 The checkpoint itself is left as it was, and every new rank gets every old rank's state (its data stream is dealt
-from them: trainer.data.reshape, tests/data/test_reshape.py). One spawn per world size, 4 then 2 then 1 (DeepSpeed's first initialize in each takes seconds);
-DDP's 1-rank checkpoint is written in this process first.
+from them: trainer.data.reshape, tests/data/test_reshape.py). One spawn of four processes for the world sizes 4, then 2,
+then 1, each a fresh gloo group (tests.distributed.test_fsdp.in_worlds: a spawned rank's start and DeepSpeed's first
+initialize take seconds each); DDP's 1-rank checkpoint is written in this process first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.distributed.test_fsdp import in_worlds
 from tests.harness import require_module, run_distributed
 from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
 from trainer.checkpoint import store
@@ -149,11 +151,22 @@ def load_and_step(name: str, written: int, info: DistInfo, root: Path) -> dict:
     return {**loaded, "next": weights(engine), "norm": norm}
 
 
+def forget_deepspeed_groups() -> None:
+    """Drop DeepSpeed's module-level hold on this world (its clone of the world group, the data-parallel group,
+    its comm backend), as deepspeed.comm.destroy_process_group does: in_worlds' next phase is another world."""
+    from deepspeed.comm import comm
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(group=None)
+    comm.cdb = None
+
+
 def on_ranks(rank: int, world_size: int, root: str, writes: list[str], loads: list[tuple[str, int]]) -> dict:
     info = init_distributed(DistributedConfig(device="cpu"))
     out = {("written", name, world_size): save_and_step(name, info, Path(root)) for name in writes}
     for name, written in loads:
         out[("loaded", name, written, world_size)] = load_and_step(name, written, info, Path(root))
+    forget_deepspeed_groups()
     return out
 
 
@@ -168,10 +181,15 @@ def results(tmp_path_factory) -> dict:
     with torch.random.fork_rng():
         out = {("written", name, 1): save_and_step(name, DistInfo(0, 1, 0, torch.device("cpu")), root)
                for name in one}
-    for world_size in (4, 2, 1):  # every checkpoint is written before the spawn that loads it
+    phases = []
+    for world_size in (4, 2, 1):  # every checkpoint is written before the phase that loads it
         writes = [name for name, written, _ in CASES if written == world_size != 1]
         loads = [(name, written) for name, written, loaded in CASES if loaded == world_size]
-        out.update(run_distributed(on_ranks, world_size, args=(str(root), writes, loads))[0])
+        phases.append((world_size, on_ranks, (str(root), writes, loads)))
+    ranks = run_distributed(in_worlds, 4, args=(str(root), phases))
+    assert sorted(ranks[0]) == list(range(len(phases)))  # rank 0 took part in every world
+    for got in ranks[0].values():
+        out.update(got)
     return out
 
 
