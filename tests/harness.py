@@ -15,6 +15,8 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,3 +92,35 @@ def require_module(name: str, install: str):
         if ci_is_set():
             pytest.fail(f"{message}; CI=true: tests never skip on a missing dependency")
         pytest.skip(message)
+
+
+def _join(rank: int, world: int, store: str) -> None:
+    """Leave this process's group (if any) and form a new gloo group of `world` ranks over the file `store`, the
+    trainer's environment (RANK, WORLD_SIZE, LOCAL_RANK) set to it: init_distributed then sees that world."""
+    from trainer.distributed.groups import shutdown_distributed
+
+    shutdown_distributed()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
+
+
+def in_worlds(rank: int, size: int, root: str, phases: list[tuple[int, Callable, tuple]]) -> dict[int, object]:
+    """The phases (world, fn, args) one after another in one run_distributed spawn of `size` ranks: phase i on its
+    first `world` ranks, in a fresh gloo group of their own (the spawn's group is left first; the ranks outside
+    the phase wait for the next one they are in); {i: fn(rank, world, *args)} of the phases this rank ran. Every
+    spawned rank costs its start (torch, dynamo and the trainer imported) once, not once per world size."""
+    out = {}
+    for i, (world, fn, args) in enumerate(phases):
+        if rank < world:
+            _join(rank, world, f"{root}/group_{i}")
+            out[i] = fn(rank, world, *args)
+    _join(rank, size, f"{root}/group_end")  # the harness leaves through the whole spawn's group
+    return out
+
+
+def by_world(ranks: list[dict[int, object]], phases: list[tuple[int, Callable, tuple]]) -> dict[int, list]:
+    """in_worlds' results, per phase world: the list of its ranks' results, in rank order (one per rank)."""
+    out = {world: [r[i] for r in ranks if i in r] for i, (world, _, _) in enumerate(phases)}
+    assert {world: len(got) for world, got in out.items()} == {world: world for world in out}
+    return out

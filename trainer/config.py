@@ -22,8 +22,12 @@ from typing import Any
 import torch
 
 from trainer.data.config import DataConfig, PackingConfig
-from trainer.distributed.config import (ALLGATHER_KERNELS, DistributedConfig, context_world_problem,
-                                        launched_world_size)
+from trainer.distributed.config import (
+    ALLGATHER_KERNELS,
+    DistributedConfig,
+    context_world_problem,
+    launched_world_size,
+)
 from trainer.distributed.context import split_chunks
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig

@@ -43,7 +43,6 @@ from trainer.errors import command
 from trainer.model import GPT
 from trainer.registry import METRICS_FILE
 
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     model, tok_dir = load(args.path, args.device)
     tok = load_tokenizer(tok_dir)
     ids = special_ids(tok, where=tok_dir)
-    prompt = prompt_ids(tok, tok_dir, args.prompt, args.chat)
+    prompt = [*ids.head, *prompt_ids(tok, tok_dir, args.prompt, args.chat)]  # BOS where training documents had one
+    stops = tuple(i for i in (ids.eos, ids.im_end) if i is not None)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    new = generate(model, prompt, args.max_new_tokens, (ids.eos, ids.im_end), args.temperature, args.top_k,
-                   generator)
-    stopped = new[-1] in (ids.eos, ids.im_end)
+    new = generate(model, prompt, args.max_new_tokens, stops, args.temperature, args.top_k, generator)
+    stopped = new[-1] in stops
     print(tok.decode(new[:-1] if stopped else new, skip_special_tokens=True))
     if not stopped and len(new) < args.max_new_tokens:
         print(f"(stopped: the context is full, max_seq_len={model.cfg.max_seq_len})", file=sys.stderr)

@@ -306,6 +306,9 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "init_from: weights of" in proc.stdout and "LlamaForCausalLM" in proc.stdout
     ckpt = latest_checkpoint(run)
+    conv = json.loads((ckpt / "conventions.json").read_text())
+    assert conv["init_from"]["architecture"] == "LlamaForCausalLM" and conv["init_from"]["hf_model"] == str(model_dir)
+    assert conv["tokenizer"]["framing"]["add_bos"] is False and conv["tokenizer"]["framing"]["pad_from"] == "pad_token"
     saved = json.loads((ckpt / "meta.json").read_text())["config"]["model"]
     assert (saved["n_kv_head"], saved["norm"], saved["tie_embeddings"], saved["max_seq_len"]) == (2, "rmsnorm", False, 256)
     out = tmp_path / "export"

@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import pickle
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.harness import RUN_TIMEOUT_S, run_distributed
+from tests.harness import by_world, in_worlds, run_distributed
 from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, plain_document_loss, split
 from trainer.checkpoint import store
 from trainer.config import OptimConfig
@@ -39,7 +35,7 @@ from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import shard_inputs
 from trainer.distributed.engine import parallelize
-from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
+from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, apply_activation_checkpointing, build_model
 from trainer.model.compile import compile_blocks
 from trainer.run.optim import build_optimizer, build_scheduler
@@ -177,36 +173,6 @@ def dp2_cp2(rank: int, world: int, steps) -> dict:
 
 def four_ranks(rank: int, world: int, steps, path: str) -> dict:
     return {**resumed(rank, world, steps, path), "cp": dp2_cp2(rank, world, steps)}
-
-
-def _join(rank: int, world: int, store: str) -> None:
-    """Leave this process's group (if any) and form a new gloo group of `world` ranks over the file `store`, the
-    trainer's environment (RANK, WORLD_SIZE, LOCAL_RANK) set to it: init_distributed then sees that world."""
-    shutdown_distributed()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=RUN_TIMEOUT_S))
-
-
-def in_worlds(rank: int, size: int, root: str, phases: list[tuple[int, Callable, tuple]]) -> dict[int, object]:
-    """The phases (world, fn, args) one after another in one run_distributed spawn of `size` ranks: phase i on its
-    first `world` ranks, in a fresh gloo group of their own (the spawn's group is left first; the ranks outside
-    the phase wait for the next one they are in); {i: fn(rank, world, *args)} of the phases this rank ran. Every
-    spawned rank costs its start (torch, dynamo and the trainer imported) once, not once per world size."""
-    out = {}
-    for i, (world, fn, args) in enumerate(phases):
-        if rank < world:
-            _join(rank, world, f"{root}/group_{i}")
-            out[i] = fn(rank, world, *args)
-    _join(rank, size, f"{root}/group_end")  # the harness leaves through the whole spawn's group
-    return out
-
-
-def by_world(ranks: list[dict[int, object]], phases: list[tuple[int, Callable, tuple]]) -> dict[int, list]:
-    """in_worlds' results, per phase world: the list of its ranks' results, in rank order (one per rank)."""
-    out = {world: [r[i] for r in ranks if i in r] for i, (world, _, _) in enumerate(phases)}
-    assert {world: len(got) for world, got in out.items()} == {world: world for world in out}
-    return out
 
 
 @pytest.fixture(scope="module")

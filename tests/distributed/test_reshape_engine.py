@@ -10,7 +10,7 @@ checkpoint through the store; W' ranks build the engine from other weights, load
       that step split over W (within 1e-6: only the order of the gradient sums differs).
 The checkpoint itself is left as it was, and every new rank gets every old rank's state (its data stream is dealt
 from them: trainer.data.reshape, tests/data/test_reshape.py). One spawn of four processes for the world sizes 4, then 2,
-then 1, each a fresh gloo group (tests.distributed.test_fsdp.in_worlds: a spawned rank's start and DeepSpeed's first
+then 1, each a fresh gloo group (tests.harness.in_worlds: a spawned rank's start and DeepSpeed's first
 initialize take seconds each); DDP's 1-rank checkpoint is written in this process first.
 """
 
@@ -22,8 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.test_fsdp import in_worlds
-from tests.harness import require_module, run_distributed
+from tests.harness import in_worlds, require_module, run_distributed
 from tests.helpers import MODEL, PAD, SEQ_LEN, assert_same_params, make_steps, split
 from trainer.checkpoint import store
 from trainer.config import OptimConfig

@@ -260,8 +260,7 @@ def pieces(cfg: GPTConfig) -> list[Piece]:
     kind = family(cfg)
     if kind == "gpt2":
         return _gpt2_pieces(cfg)
-    H, KV, D, I = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.head_dim, cfg.hidden
-    del D
+    H, KV, inner = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.hidden  # rows of q, of k and v, of gate
     qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
     out = [Piece("model.embed_tokens.weight", "wte.weight")]
     for i in range(cfg.n_layer):
@@ -272,8 +271,8 @@ def pieces(cfg: GPTConfig) -> list[Piece]:
                 out.append(Piece(f"{hf}self_attn.{proj}_proj.{suffix}", f"{ours}attn.c_attn.{suffix}", rows))
         for suffix in ("weight", "bias") if cfg.bias else ("weight",):
             out.append(Piece(f"{hf}self_attn.o_proj.{suffix}", f"{ours}attn.c_proj.{suffix}"))
-            out.append(Piece(f"{hf}mlp.gate_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (0, I)))
-            out.append(Piece(f"{hf}mlp.up_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (I, 2 * I)))
+            out.append(Piece(f"{hf}mlp.gate_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (0, inner)))
+            out.append(Piece(f"{hf}mlp.up_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (inner, 2 * inner)))
             out.append(Piece(f"{hf}mlp.down_proj.{suffix}", f"{ours}mlp.c_proj.{suffix}"))
         out.append(Piece(hf + "post_attention_layernorm.weight", ours + "ln_2.weight"))
     out.append(Piece("model.norm.weight", "ln_f.weight"))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trainer.checkpoint import hf
 from trainer.checkpoint.store import (
     CONVENTIONS_FILE,
     ENGINE_FILE,
@@ -26,7 +27,6 @@ from trainer.checkpoint.store import (
     WEIGHTS_FILE,
     verify_file,
 )
-from trainer.checkpoint import hf
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
 

@@ -6,9 +6,11 @@ The checkpoint store decides where the file goes (trainer.checkpoint.store); thi
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainer.checkpoint.store import TOKENIZER_DIR
 from trainer.config import RunConfig
-from trainer.data.feed import VAL_SPLIT, DataSource
+from trainer.data.feed import VAL_SPLIT, DataSource, FramedTokenizer
 
 LOSS_DEFINITIONS = {
     "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
@@ -64,7 +66,9 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
             "docs": cfg.train.eval_docs, "long_docs": "split", "layout": cfg.train.eval_layout,
             "val_loss": "sum of token cross-entropies / eval targets (all ranks)",
         },
-        "tokenizer": {"files": f"{TOKENIZER_DIR}/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size},
+        "tokenizer": {"files": f"{TOKENIZER_DIR}/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size,
+                      # how each document is framed: [BOS] text EOS where add_bos, the pad and where it came from
+                      "framing": dataclasses.asdict(FramedTokenizer.load(data.tokenizer_dir).ids)},
         "engine": engine_name,
         "dtype": dtype,
         "world_size": world_size,
