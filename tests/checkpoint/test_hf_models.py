@@ -321,6 +321,20 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     for name, p in back.named_parameters():
         assert torch.equal(p, theirs[name]), name
 
+    # The same tokenizer.json framed otherwise (BOS added by the config) is refused before any weight is read.
+    framed = tmp_path / "framed"
+    framed.mkdir()
+    for file in model_dir.iterdir():
+        (framed / file.name).write_bytes(file.read_bytes())
+    config = json.loads((framed / "tokenizer_config.json").read_text())
+    (framed / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    model = hf.load_hf(model_dir)
+    from trainer.checkpoint.weights import WeightsError, init_from_checkpoint
+    from trainer.data.tokenizer import tokenizer_hash
+
+    with pytest.raises(WeightsError, match="frames documents as"):
+        init_from_checkpoint(model, framed, demo_data / "tokenizer", tokenizer_hash(demo_data / "tokenizer"), [])
+
     proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={tmp_path}/bad",
                            f"train.init_from={model_dir}", "model=small", "logging.wandb.mode=disabled"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

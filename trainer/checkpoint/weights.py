@@ -215,7 +215,7 @@ def init_from_hf(model: GPT, path: Path, data_tokenizer: str | Path, data_hash: 
     """train.init_from=DIR for a Hugging Face model directory: its weights streamed into `model` (built from DIR's
     config.json: trainer.config takes the model section from there); the data must be prepared with DIR's own
     tokenizer (the same tokenizer.json bytes). Returns the record for the new run's conventions."""
-    from trainer.data.tokenizer import TOKENIZER_FILE, tokenizer_hash
+    from trainer.data.tokenizer import TOKENIZER_FILE, tokenizer_hash, tokenizer_ids
 
     cfg = hf.read_config(path)
     differ = [f"{k}: {path / hf.CONFIG_FILE} says {getattr(cfg, k)!r}, this run {getattr(model.cfg, k)!r}"
@@ -231,6 +231,10 @@ def init_from_hf(model: GPT, path: Path, data_tokenizer: str | Path, data_hash: 
         raise WeightsError(f"train.init_from: {path}'s tokenizer is sha256 {own_hash}, but the data's ({data_tokenizer}) "
                            f"is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with the "
                            f"model's tokenizer (python -m trainer.prepare ... --tokenizer {path})")
+    own_ids, data_ids = tokenizer_ids(path), tokenizer_ids(data_tokenizer)
+    if own_ids != data_ids:  # the same tokenizer.json, framed otherwise (tokenizer_config.json edited on one side)
+        raise WeightsError(f"train.init_from: {path}'s tokenizer frames documents as {own_ids}, the data's "
+                           f"({data_tokenizer}) as {data_ids}: prepare the data again with --tokenizer {path}")
     if add_tokens:
         raise WeightsError(f"tokenizer.add_tokens={add_tokens} with a Hugging Face train.init_from ({path}) is not "
                            "supported: add them to the model first (transformers: resize_token_embeddings)")
