@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,19 @@ def runs(corpus, tmp_path_factory) -> dict[str, Path]:
     run_train(whole, corpus, *COMMON, f"train.max_steps={steps}", launcher=torchrun())
     out = {"whole": whole, "epoch": epoch, "steps": steps}
     # Resume mid-epoch, and inside a wait: one rank has finished the epoch and waits for the other.
+    resumes = []
     for at in (MID_EPOCH, IN_A_WAIT):
         resumed = root / f"resumed_{at}"
         shutil.copytree(whole, resumed)
         for ckpt in (resumed / "checkpoints").glob("step_*"):
             if int(ckpt.name[5:]) > at:
                 shutil.rmtree(ckpt)
-        run_train(resumed, corpus, *COMMON, f"train.max_steps={steps}", "train.resume=true", launcher=torchrun())
+        resumes.append((resumed, torchrun()))
         out[f"resumed_{at}"] = resumed
+    # Two independent runs in their own run dirs: side by side (a start is seconds of imports per rank).
+    with ThreadPoolExecutor(len(resumes)) as pool:
+        list(pool.map(lambda item: run_train(item[0], corpus, *COMMON, f"train.max_steps={steps}", "train.resume=true",
+                                             launcher=item[1]), resumes))
     assert {IN_A_WAIT, IN_A_WAIT + 1} <= set(idle_steps(consumed(whole))), "the resume should fall in a wait"
     return out
 
