@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -327,13 +328,22 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpor
     same accounting of epoch 0 over both runs, the shares following the weights from the resume on, epoch 1
     reached."""
     mix = sources_override(("short", corpora[0], 0.7), ("long", corpora[1], 0.3))
-    common = [mix, "train.eval_every=0", "train.checkpoint_every=12", "train.max_steps=24",
-              "logging.record_doc_keys=true"]
+    # What the ranks read does not depend on the model: one block 16 wide (the tiny model's two 64 wide cost more).
+    common = [mix, "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "train.eval_every=0",
+              "train.checkpoint_every=12", "train.max_steps=24", "logging.record_doc_keys=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, None, *common, "data.num_workers=2", launcher=torchrun(2))
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000024")
-    run_train(resumed, None, *common, "data.num_workers=2", "train.resume=true", launcher=torchrun(2))
+    resumes = [(resumed, 2, ("data.num_workers=2",))]  # the same shape, then 1 and 3 ranks (1 worker each)
+    # 4 shards of short over 3 readers: one new reader holds two rests, and the others wait for it
+    resumes += [(tmp_path / f"on_{ranks}", ranks, ("data.num_workers=1", "train.max_steps=40")) for ranks in (1, 3)]
+    for run, _, _ in resumes:
+        shutil.copytree(straight, run)
+        shutil.rmtree(run / "checkpoints" / "step_000024")
+    # Independent runs in their own run dirs: side by side (a start is seconds of imports per rank).
+    launchers = [torchrun(ranks) for _, ranks, _ in resumes]
+    with ThreadPoolExecutor(len(resumes)) as pool:
+        procs = list(pool.map(lambda item, launcher: run_train(item[0], None, *common, *item[2], "train.resume=true",
+                                                               launcher=launcher), resumes, launchers))
     a, b = metrics(straight), metrics(resumed)
     assert [m["step"] for m in b] == list(range(1, 25))
     assert max(m["epoch"] for m in a) >= 1  # an epoch boundary inside the run
@@ -361,13 +371,7 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpor
     check_epochs([(straight, 1, 24)])
     summary = json.loads((straight / "summary.json").read_text())
     assert set(summary["mixture"]) == {"short", "long"}
-    for ranks in (1, 3):
-        run = tmp_path / f"on_{ranks}"
-        shutil.copytree(straight, run)
-        shutil.rmtree(run / "checkpoints" / "step_000024")
-        # 4 shards of short over 3 readers: one new reader holds two rests, and the others wait for it
-        proc = run_train(run, None, *common, "data.num_workers=1", "train.resume=true", "train.max_steps=40",
-                         launcher=torchrun(ranks))
+    for (run, ranks, _), proc in zip(resumes[1:], procs[1:], strict=True):
         assert ("resume on another shape: written by 2 rank(s) x 2 DataLoader worker(s), resumed on "
                 f"{ranks} x 1: what was left of epoch 0 is dealt") in proc.stdout
         after = metrics(run)
