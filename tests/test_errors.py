@@ -110,7 +110,7 @@ CHEAP = {  # name -> (overrides, phrases the error line must hold)
     "flash_unavailable": (["attention=flash"], ["attention backend 'flash' is unavailable", "attention=auto"]),
     "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),
     "no_data_dir": (["data.path=MISSING"], ["no manifest", "python -m trainer.prepare"]),
-    "bad_tokenizer": (["data.path=NO_PAD"], ["tokenizer lacks the special tokens ['<|pad|>']"]),
+    "bad_tokenizer": (["data.path=NO_PAD"], ["tokenizer_config.json: pad_token '<|pad|>' is not in the vocabulary of tokenizer.json"]),
     "optimizer_without_betas": (["optim._target_=torch.optim.SGD"],  # a ConfigError, not SGD's TypeError
                                 ["optim._target_=torch.optim.SGD does not take betas, eps"]),
 }
