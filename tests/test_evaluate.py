@@ -13,8 +13,8 @@ from tests.harness import require_module
 from tests.helpers import CHECKPOINT_SEQ_LEN
 from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate import main
-from trainer.tasks.suite import builtin_task
 from trainer.tasks.builtins import heldout_texts
+from trainer.tasks.suite import builtin_task
 
 FILE_TASK = [{"query": "def parse(", "choices": ["self):", "x", "self, text):"], "gold": 0},
              {"query": "import", "choices": [" os", " sys"], "gold": 1}]

@@ -27,8 +27,8 @@ from trainer.reporting.tables import (
     TABLE_COLUMNS,
     flops_table,
     group_rows,
-    long_doc_rows,
     group_verdicts,
+    long_doc_rows,
     share_verdicts,
     table_rows,
 )

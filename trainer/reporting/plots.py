@@ -16,7 +16,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from trainer.data.shards import MANIFEST_FILE, PrepareError, load_manifest  # noqa: E402
 from trainer.reporting.runs import Run, Series, elapsed, series, throughput, train_loss
-from trainer.reporting.tasks import task_accuracy, task_names
 from trainer.reporting.tables import (
     BY_LENGTH,
     BY_POSITION,
@@ -26,6 +25,7 @@ from trainer.reporting.tables import (
     train_by_group,
     val_by_group,
 )
+from trainer.reporting.tasks import task_accuracy, task_names
 
 
 def plain(text: str) -> str:
