@@ -206,6 +206,15 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("distributed.context_parallel", ("distributed.context_parallel=3",),  # the ranks first (issue 46), then the rows
      r"error: distributed.context_parallel=3 must divide the number of ranks \(1\): .*; distributed.context_parallel=3 "
      r"with the balanced split cuts each row into 24 equal chunks: train.seq_len \(128\) must be a multiple of 24"),
+    ("distributed.tensor_parallel", ("distributed.tensor_parallel=0",),
+     r"distributed.tensor_parallel must be an integer >= 1, got 0"),
+    ("distributed.tensor_parallel", ("distributed.tensor_parallel=3",),
+     r"error: distributed.tensor_parallel=3 must divide the number of ranks \(1\): .*model.n_head \(4\) must be a "
+     r"multiple of 3"),
+    ("distributed.tensor_parallel", ("distributed=fsdp2", "distributed.tensor_parallel=2"),
+     r"distributed.tensor_parallel > 1 with FSDP2 is not built yet"),
+    ("distributed.tensor_parallel", ("distributed.tensor_parallel=2", "loss.chunk_tokens=64"),
+     r"loss.chunk_tokens does not apply under distributed.tensor_parallel > 1"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
      r"distributed.context_parallel_split must be one of \('balanced', 'zigzag'\), got 'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),

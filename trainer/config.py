@@ -25,10 +25,11 @@ from trainer.data.config import DataConfig, PackingConfig
 from trainer.distributed.config import (
     ALLGATHER_KERNELS,
     DistributedConfig,
-    context_world_problem,
     launched_world_size,
 )
 from trainer.distributed.context import split_chunks
+from trainer.distributed.dims import dims_problem
+from trainer.distributed.tensor import tensor_parallel_problems
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
@@ -313,9 +314,18 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
         problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")
     cp, strategy = cfg.distributed.context_parallel, cfg.distributed.context_parallel_strategy
+    tp = cfg.distributed.tensor_parallel
+    if (problem := dims_problem(launched_world_size(), cp, tp)) is not None:
+        problems.insert(0, problem)
+    if tp > 1:
+        problems += tensor_parallel_problems(cfg.model, tp, cfg.train.compile, cfg.loss.chunk_tokens,
+                                             cfg.train.eval_tasks)
+        if strategy == "ulysses" and cp > 1 and (cfg.model.n_head // tp) % cp:
+            problems.append(f"distributed.context_parallel_strategy=ulysses splits each tensor rank's "
+                            f"{cfg.model.n_head} / {tp} heads over the context group: model.n_head / "
+                            f"distributed.tensor_parallel must be a multiple of distributed.context_parallel ({cp}); "
+                            "use the allgather strategy")
     if cp > 1:
-        if (problem := context_world_problem(cp, launched_world_size())) is not None:
-            problems.insert(0, problem)
         split = cfg.distributed.context_parallel_split
         chunks = split_chunks(split, cp)
         if cfg.train.seq_len % chunks:

@@ -139,6 +139,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "distributed.reshard_after_forward": (SAME_OBJECTIVE, "when gathered weights are freed, not what is computed"),
     "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss and "
                                      "gradients"),
+    "distributed.tensor_parallel": (SAME_OBJECTIVE, "each layer's weights split over ranks: same loss and gradients"),
     "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, not what it computes"),
     "distributed.context_parallel_split": (SAME_OBJECTIVE, "which positions each rank holds, not what is computed"),
     # logging
@@ -166,6 +167,7 @@ OLDER_RUN_VALUES: dict[str, Any] = {
     "distributed.context_parallel": 1,
     "distributed.context_parallel_strategy": "allgather",
     "distributed.context_parallel_split": "zigzag",
+    "distributed.tensor_parallel": 1,
 }
 """Values of keys that older runs' config.json lacks: how their trainer behaved before the key existed."""
 

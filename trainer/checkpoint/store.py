@@ -205,11 +205,13 @@ def save_checkpoint(
             engine.save_shards(tmp / SHARD_DIRS[engine.shard_format])  # collective: every rank writes its shard
         except (OSError, RuntimeError) as e:
             failure = failure or e
-    elif info.is_main and failure is None:
-        try:
-            save_state(engine.state_dict(), tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
-        except (OSError, RuntimeError) as e:
-            failure = e
+    else:
+        state = engine.state_dict()  # on every rank: tensor parallelism gathers the whole tensors here
+        if info.is_main and failure is None:
+            try:
+                save_state(state, tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
+            except (OSError, RuntimeError) as e:
+                failure = e
     weights = engine.full_weights()  # collective (ZeRO-3 gathers the partitions); empty off rank 0
     if info.is_main and failure is None:
         try:

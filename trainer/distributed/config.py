@@ -38,6 +38,10 @@ class DistributedConfig:
     context_parallel: int = 1
     """Ranks that share each row (context parallelism, trainer/distributed/context.py): the world is data-parallel
     x context-parallel, the N ranks of a group train the same rows, each holding 1/N of every row's positions."""
+    tensor_parallel: int = 1
+    """Ranks that share each layer's weights (tensor parallelism with sequence parallelism,
+    trainer/distributed/tensor.py): whole heads and MLP columns per rank, the vocabulary padded to a multiple of N
+    and split, the loss computed on the vocabulary shards. The world is data x context x tensor."""
     context_parallel_strategy: str = "allgather"
     """How attention crosses the group: 'allgather' (keys and values all-gathered; any head count; flash, sdpa_docs,
     dense or auto) or 'ulysses' (all-to-all to whole rows of n_head / N heads; any attention backend)."""
@@ -67,6 +71,16 @@ class DistributedConfig:
             raise ValueError(f"distributed.device must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
             raise ValueError(f"distributed.context_parallel must be an integer >= 1, got {self.context_parallel!r}")
+        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) \
+                or self.tensor_parallel < 1:
+            raise ValueError(f"distributed.tensor_parallel must be an integer >= 1, got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and self.engine == "deepspeed":
+            raise ValueError("distributed.tensor_parallel > 1 runs under distributed.engine=ddp: DeepSpeed wraps the "
+                             "whole model itself (use distributed=ddp distributed.tensor_parallel=N)")
+        if self.tensor_parallel > 1 and self.engine == "fsdp2":
+            raise ValueError("distributed.tensor_parallel > 1 with FSDP2 is not built yet: use distributed=ddp "
+                             "distributed.tensor_parallel=N (the weights split over the tensor group, replicated over "
+                             "the data ranks)")
         if self.context_parallel_split not in CP_SPLITS:
             raise ValueError(f"distributed.context_parallel_split must be one of {CP_SPLITS}, got "
                              f"{self.context_parallel_split!r}")
@@ -82,15 +96,6 @@ def launched_world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
-
-
-def context_world_problem(context_parallel: int, world_size: int) -> str | None:
-    """Why `context_parallel` ranks per group cannot tile `world_size` ranks, or None: checked first, before the
-    rules about rows and heads, which are moot while the groups cannot be formed."""
-    if world_size % context_parallel == 0:
-        return None
-    return (f"distributed.context_parallel={context_parallel} must divide the number of ranks ({world_size}): launch "
-            f"a multiple of {context_parallel} processes, or choose a divisor of {world_size}")
 
 
 def missing_engine_package(cfg: DistributedConfig) -> str | None:

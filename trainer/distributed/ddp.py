@@ -63,7 +63,10 @@ class DDPEngine(ClientOptimizerSteps):
     can_discard = True
     """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
 
-    def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str):
+    def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str,
+                 tensor=None):
+        """`tensor`: the model's layers are split over a tensor group (a trainer.distributed.tensor.TensorParallel,
+        applied by parallelize); DDP then averages over the loss group (data x context) only."""
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -71,10 +74,13 @@ class DDPEngine(ClientOptimizerSteps):
         self.autocast_dtype = None if dtype == "fp32" else compute_dtype(dtype)
         self.device = info.device
         self.is_main = info.is_main
-        if info.world_size > 1:
+        self.tensor = tensor
+        replicas = info.dims.loss_size  # the ranks holding the same weights
+        if replicas > 1:
             ids = [info.device.index] if info.device.type == "cuda" else None
-            self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-            self.grad_average_factor = info.world_size
+            self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(model, device_ids=ids,
+                                                                          process_group=info.loss_group)
+            self.grad_average_factor = replicas
         else:
             self.wrapped = model
             self.grad_average_factor = 1
@@ -105,6 +111,9 @@ class DDPEngine(ClientOptimizerSteps):
         """The global gradient norm (before clipping); clips in place. Gradients are already all-reduced, so
         every rank computes the same norm."""
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
+        if self.tensor is not None:
+            self.tensor.reduce_partial_grads()
+            return self.tensor.clip_grad_norm_(list(self.module.named_parameters()), limit)
         return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit))
 
     def _autocast(self):
@@ -113,7 +122,15 @@ class DDPEngine(ClientOptimizerSteps):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def state_dict(self) -> dict:
-        """Model, optimizer and schedule state (the same on every rank); the tensors are the live ones."""
+        """Model, optimizer and schedule state (the same on every rank); the tensors are the live ones. Called on
+        every rank: under tensor parallelism it gathers the whole tensors over the tensor group (collective), so
+        the state is a one-rank run's and loads on any layout."""
+        if self.tensor is not None:
+            from trainer.distributed.tensor import full_optimizer_state
+
+            return {"model": self.tensor.full_state(self.module.state_dict()),
+                    "optimizer": full_optimizer_state(self.tensor, self.optimizer),
+                    "scheduler": self.scheduler.state_dict()}
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -121,15 +138,25 @@ class DDPEngine(ClientOptimizerSteps):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.tensor is not None:  # whole tensors: this rank keeps its shards
+            from trainer.distributed.tensor import shard_optimizer_state
+
+            self.module.load_state_dict(self.tensor.shard_state(state["model"]))
+            self.optimizer.load_state_dict(shard_optimizer_state(self.tensor, self.optimizer, state["optimizer"]))
+        else:
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The model's weights on the CPU, on rank 0 only (every rank has them: no communication)."""
+        """The model's weights on the CPU, on rank 0 only (every rank has them: no communication; under tensor
+        parallelism every rank calls it, and the tensor group gathers them)."""
+        state = self.module.state_dict()
+        if self.tensor is not None:
+            state = self.tensor.full_state(state)
         if not self.is_main:
             return {}
-        return {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
     def save_shards(self, directory: Path) -> None:
         raise NotImplementedError(_REPLICATED)

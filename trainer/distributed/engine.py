@@ -1,6 +1,7 @@
 """The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
 
-`parallelize` is the one place a built model (single-device code) is wrapped for several ranks; it returns an
+`parallelize` is the one place a built model (single-device code) is split and wrapped for several ranks (tensor
+parallelism first, then compile, then the data-parallel engine); it returns an
 `Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
 imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py). Process groups are set up before, by
 `trainer.distributed.groups.init_distributed`; the engines only use them.
@@ -118,7 +119,10 @@ class Engine(Protocol):
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
                 cfg: DistributedConfig, grad_clip: float, dtype: str, compile: bool = False) -> Engine:
-    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine.
+    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine, in
+    one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), compile, then the
+    data-parallel engine (DDP over the loss group, FSDP2 or DeepSpeed). Context parallelism needs no wrapping: each
+    micro-batch is cut into this rank's share (trainer.distributed.context.shard_inputs).
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
     dtype: 'fp32' or 'bf16', train.dtype as the run resolved it (trainer.config.resolve_dtype). compile
@@ -128,10 +132,19 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"parallelize takes a resolved dtype, 'fp32' or 'bf16' (trainer.config.resolve_dtype), "
                          f"got {dtype!r}")
+    tensor = None
+    if info.tensor_size > 1:  # first: the layers split over the tensor group, the optimizer given the shards
+        from trainer.distributed.tensor import apply_tensor_parallel
+
+        names = {id(p): name for name, p in model.named_parameters()}
+        tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size, info.dims.tensor_rank)
+        split = dict(model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [split[names[id(p)]] for p in group["params"]]
     if compile:
         compile_blocks(model)
     if cfg.engine == "ddp":
-        return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype)
+        return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype, tensor)
     if cfg.engine == "deepspeed":
         from trainer.distributed.deepspeed import (
             DeepSpeedEngine,  # only here: plain runs never import deepspeed

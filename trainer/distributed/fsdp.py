@@ -3,9 +3,9 @@
 The model is sharded over the run's DeviceMesh (trainer.distributed.groups.DistInfo.mesh), one `fully_shard`
 per transformer block and one on the root (the embeddings, the tied head, the final norm), as torchtitan does:
 every parameter becomes a DTensor holding 1/W of its rows, a block's weights are all-gathered for its forward
-and again for its backward, and its gradients are reduce-scattered. The shard dimension is the whole world: the
-mesh's `data` dimension, flattened with `context` when context parallelism is on (torchtitan's dp_shard_cp), so
-context parallelism adds a mesh dimension, not a code path.
+and again for its backward, and its gradients are reduce-scattered. The shard dimension is the mesh's `fsdp` group
+(trainer/distributed/dims.py): data x context flattened (torchtitan's dp_shard_cp), the whole world without
+tensor parallelism, so context parallelism adds a mesh dimension, not a code path.
 
 The objective is DDP's: FSDP2 averages gradients over the mesh (W ranks), so `grad_average_factor` is W, as
 for DDP, and what remains is sum(token losses) / global valid targets. Every forward is collective (the
@@ -44,7 +44,6 @@ import torch.distributed.checkpoint
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import ClientOptimizerSteps
@@ -82,7 +81,7 @@ class FSDP2Engine(ClientOptimizerSteps):
         self.scheduler = scheduler
         self.grad_clip = grad_clip
         self.is_main = info.is_main
-        self.mesh = shard_mesh(info.mesh)
+        self.mesh = info.mesh["loss"]  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
         bf16 = dtype == "bf16"
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                          reduce_dtype=torch.float32 if bf16 else None)
@@ -189,15 +188,6 @@ class FSDP2Engine(ClientOptimizerSteps):
 
 
 _SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); sharded is True"
-
-
-def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh FSDP2 shards over: `mesh` itself if it is 1-D, else its dimensions flattened into one
-    (data x context: torchtitan's dp_shard_cp, with DeviceMesh._flatten, which torchtitan uses too)."""
-    if mesh.ndim == 1:
-        return mesh
-    names = mesh.mesh_dim_names
-    return mesh[names]._flatten("_".join(names))
 
 
 # ---------------------------------------------------------------------------------------------------

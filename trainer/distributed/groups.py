@@ -2,13 +2,13 @@
 
 Wrapping a model for several ranks is `trainer.distributed.engine.parallelize` (the `Engine` interface, with DDP in
 trainer/distributed/ddp.py, DeepSpeed in trainer/distributed/deepspeed.py and FSDP2 in trainer/distributed/fsdp.py);
-they import this module, never the reverse. The world's DeviceMesh is built here too (`DistInfo.mesh`).
+they import this module, never the reverse. The world's layout (data x context x tensor, a DeviceMesh with named
+groups: trainer/distributed/dims.py) is built here too, for every run (`DistInfo.dims`).
 The model itself never imports torch.distributed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.distributed.config import DistributedConfig, context_world_problem
+from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import ContextGroup
+from trainer.distributed.dims import ParallelDims, dims_problem
 from trainer.errors import ConfigError
 
 
@@ -28,15 +29,15 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    dims: ParallelDims | None = None
+    """The data x context x tensor layout and its named groups (trainer/distributed/dims.py); always set by
+    init_distributed (None only for an info built by hand: the 1 x 1 x 1 world of `rank` alone)."""
     context: ContextGroup | None = None
-    """This rank's context-parallel group (distributed.context_parallel > 1), else None. The world is a
-    (data, context) DeviceMesh: rank = data_rank * N + context rank, so a group is N consecutive ranks."""
-    data_group: dist.ProcessGroup | None = None
-    """The ranks with this rank's context rank, one per data rank (None: the whole world)."""
-    mesh: DeviceMesh | None = None
-    """The world as a DeviceMesh with named dimensions, ("data",) or ("data", "context") under context
-    parallelism; built for engines and strategies that address its dimensions (FSDP2 shards over it, context
-    parallelism takes its groups from it), else None."""
+    """This rank's context-parallel group (distributed.context_parallel > 1), else None."""
+
+    def __post_init__(self) -> None:
+        if self.dims is None:
+            object.__setattr__(self, "dims", ParallelDims(self.world_size, self.rank))
 
     @property
     def is_main(self) -> bool:
@@ -44,26 +45,41 @@ class DistInfo:
 
     @property
     def context_size(self) -> int:
-        return 1 if self.context is None else self.context.size
+        return self.dims.context
+
+    @property
+    def tensor_size(self) -> int:
+        return self.dims.tensor
 
     @property
     def data_rank(self) -> int:
-        """Which data stream this rank reads: the ranks of one context group read the same one."""
-        return self.rank // self.context_size
+        """Which data stream this rank reads: the ranks of one context and tensor group read the same one."""
+        return self.dims.data_rank
 
     @property
     def data_world(self) -> int:
-        """Data streams (data-parallel ranks): world size / context-parallel size."""
-        return self.world_size // self.context_size
+        """Data streams (data-parallel ranks): world size / (context x tensor)."""
+        return self.dims.data
 
     @property
-    def counts_data(self) -> bool:
-        """Whether this rank's rows count in sums over the world (one rank per context group: each token once)."""
-        return self.context is None or self.context.rank == 0
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The ranks reading different data, one per data rank: where counts of rows are summed."""
+        return self.dims.group("data")
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """data x context: where sums of the model's per-position outputs (the loss) are taken."""
+        return self.dims.group("loss")
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The world's ("data", "context", "tensor") DeviceMesh (None without a process group)."""
+        return self.dims.mesh
 
 
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
-    """Join the process group torchrun / the deepspeed launcher describe in the environment (if any).
+    """Join the process group torchrun / the deepspeed launcher describe in the environment (if any), and lay the
+    world out as data x context x tensor (`ParallelDims`: a DeviceMesh with named groups, always built).
 
     A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group, except
     under DeepSpeed and FSDP2, which want one even then: a group of one over an in-memory store.
@@ -72,6 +88,8 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(cfg.device, local_rank)
+    if (problem := dims_problem(world_size, cfg.context_parallel, cfg.tensor_parallel)) is not None:
+        raise ConfigError(problem)
     if world_size > 1 and not dist.is_initialized():
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
         timeout = datetime.timedelta(minutes=10)
@@ -84,27 +102,12 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    dims = ParallelDims.build(world_size, rank, device.type, cfg.context_parallel, cfg.tensor_parallel)
+    context = None
     if cfg.context_parallel > 1:
-        return _with_context(info, cfg)
-    if cfg.engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return dataclasses.replace(info, mesh=init_device_mesh(device.type, (world_size,), mesh_dim_names=("data",)))
-    return info
-
-
-def _with_context(info: DistInfo, cfg: DistributedConfig) -> DistInfo:
-    """`info` on a (data, context) DeviceMesh of distributed.context_parallel ranks per group."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    size = cfg.context_parallel
-    if (problem := context_world_problem(size, info.world_size)) is not None:
-        raise ConfigError(problem)
-    mesh = init_device_mesh(info.device.type, (info.world_size // size, size), mesh_dim_names=("data", "context"))
-    context = ContextGroup(mesh.get_group("context"), size, info.rank % size, cfg.context_parallel_strategy,
-                           cfg.context_parallel_split)
-    return dataclasses.replace(info, context=context, data_group=mesh.get_group("data"), mesh=mesh)
+        context = ContextGroup(dims.group("context"), cfg.context_parallel, dims.context_rank,
+                               cfg.context_parallel_strategy, cfg.context_parallel_split)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, dims=dims, context=context)
 
 
 def shutdown_distributed() -> None:

@@ -288,9 +288,10 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: Segments | None,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        B, L, C = x.shape
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.c_attn(x).split([H * D, KV * D, KV * D], dim=-1)
+        qkv = self.c_attn(x)
+        B, L = qkv.shape[:2]  # under sequence parallelism x holds 1/N of the positions, c_attn gathers them all
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k, v = q.view(B, L, H, D), k.view(B, L, KV, D), v.view(B, L, KV, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -315,7 +316,7 @@ class CausalSelfAttention(nn.Module):
                 q.reshape(flat), k.reshape(flat), v.reshape(flat), segments,
                 self.attention.backend, self.attention.flex_compile,
             )  # (B * L, H, D)
-        return self.resid_dropout(self.c_proj(y.reshape(B, L, C)))
+        return self.resid_dropout(self.c_proj(y.reshape(B, L, H * D)))
 
 
 def repeat_kv(x_BLKD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -415,6 +416,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        self.vocab_shard = None
+        """Tensor parallelism: the head's logits are this rank's vocabulary columns (a trainer.distributed.tensor.
+        VocabShard, set by apply_tensor_parallel), the loss computed on them; None: the whole vocabulary."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
@@ -462,8 +466,9 @@ class GPT(nn.Module):
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
         loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of the
         num_loss_groups groups (a metric: per source x document-length bucket, trainer.data.batch.LossGroups).
-        return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given),
-        where they never exist whole; True always returns them (the plain loss path); False never does.
+        return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given) or
+        split over tensor ranks (vocab_shard), where they never exist whole; True always returns them (the plain
+        loss path; gathered over the tensor group); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
         context: this rank's share of whole rows under context parallelism (a trainer.distributed.context.
@@ -507,11 +512,13 @@ class GPT(nn.Module):
                 labels_shifted)
             return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
                                group_loss_sums=grouped)
-        logits = self.lm_head(h)  # (B, L, V)
+        logits = self.lm_head(h)  # (B, L, V), or (B, L, V / N) under tensor parallelism
         loss_sum = num_targets = weighted = grouped = None
         if labels is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
             loss_sum, num_targets, weighted, grouped = plain_cross_entropy(
-                logits, labels, loss_weights, loss_groups, num_loss_groups, labels_shifted)
+                logits, labels, loss_weights, loss_groups, num_loss_groups, labels_shifted, self.vocab_shard)
+        if self.vocab_shard is not None:  # whole logits only when asked for (True): the loss never needs them
+            logits = self.vocab_shard.gather(logits) if return_logits else None
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
 

@@ -38,12 +38,16 @@ def shift_left(x_BL: torch.Tensor, fill: float) -> torch.Tensor:
     return F.pad(x_BL[:, 1:], (0, 1), value=fill)
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False, vocab=None) -> torch.Tensor:
     """(B, L) fp32 cross entropy of each position's next-token target (logits at t predicting labels at t + 1),
     0 where ignored and at each row's last position. One kernel over the contiguous (B * L, V) logits.
-    `shifted`: labels[t] already is position t's target (a context-parallel shard, cut from shifted whole rows)."""
+    `shifted`: labels[t] already is position t's target (a context-parallel shard, cut from shifted whole rows).
+    `vocab`: the logits are this rank's columns of the vocabulary (tensor parallelism: a
+    trainer.distributed.tensor.VocabShard, whose cross_entropy joins the group's), else None."""
     B, L, V = logits.shape
     targets_N = (labels if shifted else shift_left(labels, IGNORE_INDEX)).reshape(-1)
+    if vocab is not None:
+        return vocab.cross_entropy(logits.reshape(B * L, V), targets_N).view(B, L)
     ce_N = F.cross_entropy(logits.reshape(B * L, V).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
     return ce_N.view(B, L)
 
@@ -73,17 +77,17 @@ def _aligned(x_BL: torch.Tensor, fill: float, shifted: bool) -> torch.Tensor:
 
 def plain_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False,
+    groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False, vocab=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
-    of whole logits (B, L, V). Every sum reduces the same `token_losses`: with or without weights and groups, the
+    of whole logits (B, L, V) (or of this rank's vocabulary columns: `vocab`, as `token_losses`). Every sum reduces the same `token_losses`: with or without weights and groups, the
     loss sum is the same value, bit for bit.
 
     weights[b, t] weighs the target labels[b, t] (predicted from position t - 1), e.g. 1 / (targets of the
     token's document) makes the weighted sum the sum of per-document mean losses; groups[b, t] is the group of
     that target (-1: none), as in `group_sums`.
     """
-    ce_BL = token_losses(logits, labels, shifted)
+    ce_BL = token_losses(logits, labels, shifted, vocab)
     weighted = None if weights is None else (ce_BL * _aligned(weights, 0.0, shifted)).sum()
     grouped = None if groups is None else group_sums(ce_BL, _aligned(groups, -1, shifted), num_groups)
     return ce_BL.sum(), num_targets(labels, shifted), weighted, grouped

@@ -86,7 +86,8 @@ class Evaluator:
         self.every = every
         """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
-        self.batches: list[Batch] = eval_batches(docs, info.rank, info.world_size, seq_len, layout,
+        # Split over the loss group (data x context): the ranks of a tensor group run the same forwards together.
+        self.batches: list[Batch] = eval_batches(docs, info.dims.loss_rank, info.dims.loss_size, seq_len, layout,
                                                  micro_batch_tokens, pad_id)
         self.batches, self.group_targets = with_group_targets(self.batches, groups)  # G targets on every rank
         self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
@@ -121,7 +122,7 @@ class Evaluator:
             module.train(was_training)
         total_loss, tokens, docs, *groups = dist_sum(
             [float(loss_sum), self.tokens, self.docs, *group_sums.tolist(), *self.group_targets],
-            info.device)
+            info.device, info.loss_group)
         by = by_group(self.groups, groups[:num_groups], groups[num_groups:], prefix="val_")
         if tokens == 0:
             raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single token, "

@@ -374,15 +374,16 @@ class Trainer:
 
     def _resume_read(self) -> dict:
         """What the data readers of all ranks read from shards to restore their positions (collective)."""
-        samples, nbytes = dist_sum([float(n) for n in self.data.rows.resume_read()], self.info.device)
+        samples, nbytes = dist_sum([float(n) for n in self.data.rows.resume_read()], self.info.device,
+                                   self.info.data_group)  # the ranks of a context or tensor group read the same
         self.resume_read = {"resume_samples_read": int(samples), "resume_bytes_read": int(nbytes)}
         return self.resume_read
 
     def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
         """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
         Collective: one all-reduce of two numbers, on logged steps only."""
-        once = float(self.info.counts_data)  # the ranks of a context group hold the same rows: counted once
-        model_flops, hardware_flops = dist_sum([once * f for f in self.flops.step_flops(rows, mbs)], self.info.device)
+        model_flops, hardware_flops = dist_sum(  # over the data group: each row once
+            list(self.flops.step_flops(rows, mbs)), self.info.device, self.info.data_group)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         out = flop_metrics(model_flops, hardware_flops, step_time, peak)
         if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)

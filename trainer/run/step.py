@@ -162,27 +162,30 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
     x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
     stats carry (metrics: the objective is unchanged). `shard`: under context parallelism, a micro-batch's forward
-    kwargs -> this rank's share of its positions (trainer.distributed.context.shard_inputs); the ranks of a group
-    hold the same micro-batches, and one of them (info.counts_data) counts them, so every target is counted once."""
+    kwargs -> this rank's share of its positions (trainer.distributed.context.shard_inputs).
+
+    The ranks of a context or tensor group hold the same micro-batches: their counts are summed over the data group
+    (one rank per data rank, trainer/distributed/dims.py), the losses over the loss group (data x context: each
+    position's loss is computed on one of its ranks; the ranks of a tensor group compute the same value), so every
+    target is counted once."""
     micro_batches, local_groups = group_counts(micro_batches, groups)
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
-    counts = [0] * info.world_size  # micro-batches per rank, e.g. [3, 0, 0, 0] on rank 0 of 4
-    counts[info.rank] = len(micro_batches)
-    once = int(info.counts_data)
+    counts = [0] * info.data_world  # micro-batches per data rank, e.g. [3, 0, 0, 0] on data rank 0 of 4
+    counts[info.data_rank] = len(micro_batches)
     local = [
-        once * sum(mb.num_valid_targets for mb in micro_batches),
-        once * sum(units for _, units in weighted),
-        once * sum(mb.num_allocated for mb in micro_batches),
-        once * sum(mb.num_tokens for mb in micro_batches),
-        once * sum(mb.num_docs for mb in micro_batches),
-        once * sum(mb.shape[0] for mb in micro_batches),
+        sum(mb.num_valid_targets for mb in micro_batches),
+        sum(units for _, units in weighted),
+        sum(mb.num_allocated for mb in micro_batches),
+        sum(mb.num_tokens for mb in micro_batches),
+        sum(mb.num_docs for mb in micro_batches),
+        sum(mb.shape[0] for mb in micro_batches),
         *counts,
-        *(once * n for n in local_groups),
+        *local_groups,
     ]
-    totals = dist_sum(local, info.device)
+    totals = dist_sum(local, info.device, info.data_group)  # one rank per data rank: each row counted once
     valid, units, allocated, real, docs, rows = (int(x) for x in totals[:6])
-    busiest = int(max(totals[6:6 + info.world_size]))  # micro-batches of the busiest rank
-    group_targets, source_tokens, source_docs = split_group_counts(totals[6 + info.world_size:], groups)
+    busiest = int(max(totals[6:6 + info.data_world]))  # micro-batches of the busiest rank
+    group_targets, source_tokens, source_docs = split_group_counts(totals[6 + info.data_world:], groups)
     if valid == 0:
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
     loss_scale = engine.grad_average_factor / units
@@ -202,8 +205,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         loss_sum = loss_sum + mb_loss_sum.float()
         if mb_groups is not None:
             group_sums = group_sums.to(mb_groups.device) + mb_groups
-    global_objective, global_loss_sum, *global_sums = dist_sum(
-        [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device)
+    global_objective, global_loss_sum, *global_sums = dist_sum(  # each position's loss is on one rank of `loss`
+        [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device, info.loss_group)
     if engine.can_discard:
         grad_norm = engine.clip_gradients()
         finite = math.isfinite(global_objective) and math.isfinite(grad_norm)

@@ -1,0 +1,273 @@
+"""Tensor parallelism (trainer/distributed/tensor.py) on real gloo groups: the same losses, gradient norms, every
+parameter's gradient (gathered) and optimizer state as one rank, to 1e-6, for TP = 2, DP 2 x TP 2 and TP 2 x CP 2,
+through the real engine and step (parallelize + train_step, SGD with momentum, gradient clipping on).
+
+The one-rank reference is the unsplit model on every data rank's micro-batches (the union), in this process. Two
+models: GPT-2 with a vocabulary of 61 (odd: padded to 62 over two ranks, the padding must stay out of the softmax)
+and rows of 31 positions (the sequence shards padded too); Llama with 4 heads and 2 kv heads, SwiGLU, an untied
+head. A vocabulary-parallel loss that gathered and averaged logits (Megatron-LM#7452's loss + log N), or that let
+the padding column into the softmax, fails the loss comparison; `test_vocab_parallel_cross_entropy` checks that
+function alone against F.cross_entropy, with a plain-PyTorch logsumexp written here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.harness import in_worlds, run_distributed
+from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
+from trainer.distributed.config import DistributedConfig
+from trainer.distributed.context import shard_inputs
+from trainer.distributed.engine import parallelize
+from trainer.distributed.groups import DistInfo, init_distributed
+from trainer.distributed.tensor import Layout, layouts, padded_vocab, tensor_parallel_problems
+from trainer.model import AttentionConfig, GPTConfig, build_model
+from trainer.run.step import train_step
+
+GPT2 = dict(vocab_size=61, n_layer=2, n_head=4, n_embd=32, max_seq_len=32)
+LLAMA = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32, pos_emb="rope",
+             norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, tie_embeddings=False)
+MODELS = {"gpt2": (GPT2, 31), "llama": (LLAMA, 32)}
+"""name -> (model shape, row length)."""
+STEPS = 2
+CPU = torch.device("cpu")
+
+
+def batches(name: str, step: int, data_rank: int) -> list:
+    """Two packed micro-batches of documents (EOS = 1 kept as a target), different per step and data rank."""
+    shape, L = MODELS[name]
+    rng = np.random.default_rng(100 * step + data_rank)
+    out = []
+    for lengths in ([12, 1, 9, 9], [20, 5, 3]):  # the second ends in a padding tail
+        docs = []
+        for i, n in enumerate(lengths):
+            tokens = rng.integers(2, shape["vocab_size"], size=n)
+            tokens[-1] = 1
+            docs.append(Document(key=f"s{step}r{data_rank}d{i}", tokens=tokens))
+        out.append(collate_rows([docs], L, 0, "packed"))
+    return out
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"))
+    with torch.no_grad():  # no weight left at its init: the norms and biases too
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    # SGD with momentum: the weights a direct function of the gradients (Adam's m / sqrt(v) turns rounding in a
+    # near-zero gradient into a whole step), and a state tensor per parameter (its momentum) to gather and split.
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return model, opt, sched
+
+
+def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | None = None,
+          first: int = 0) -> dict:
+    """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the gathered
+    gradients; the engine's (whole) state after each step."""
+    model, opt, sched = build(name)
+    engine = parallelize(model, opt, sched, info, cfg, grad_clip=0.5, dtype="fp32")
+    if resume is not None:
+        engine.load_state_dict(resume)
+    grads: list[dict] = []
+    apply = engine.apply_gradients
+
+    def recording_apply():  # the gradients the update uses: reduced, clipped, gathered whole
+        g = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        grads.append(g if engine.tensor is None else engine.tensor.full_state(g))
+        apply()
+
+    engine.apply_gradients = recording_apply
+    shard = None if info.context is None else functools.partial(shard_inputs, cp=info.context)
+    out = {"loss": [], "norm": [], "grads": grads, "state": []}
+    for step in range(first, STEPS):
+        mbs = [mb for d in data_ranks for mb in batches(name, step, d)]
+        stats = train_step(engine, mbs, info, 0, shard=shard)
+        out["loss"].append(stats.loss)
+        out["norm"].append(stats.grad_norm)
+        out["valid"] = stats.valid_tokens
+        out["state"].append(copied(engine.state_dict()))  # a replicated engine's are the live tensors
+    out["weights"] = engine.full_weights()
+    return out
+
+
+def copied(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: copied(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [copied(v) for v in x]
+    return x
+
+
+def _rank(rank, world, name, tp, cp, resume=None, first=0):
+    cfg = DistributedConfig(device="cpu", tensor_parallel=tp, context_parallel=cp)
+    info = init_distributed(cfg)
+    out = train(name, info, cfg, [info.data_rank], resume, first)
+    out["dims"] = (info.data_rank, info.dims.context_rank, info.dims.tensor_rank)
+    return out
+
+
+def one_rank(name: str, data_world: int, resume=None, first=0) -> dict:
+    return train(name, DistInfo(0, 1, 0, CPU), DistributedConfig(device="cpu"), list(range(data_world)), resume,
+                 first)
+
+
+def phases() -> list:
+    return [
+        (2, _rank, ("gpt2", 2, 1)),
+        (2, _rank, ("llama", 2, 1)),
+        (4, _rank, ("gpt2", 2, 1)),   # DP 2 x TP 2
+        (4, _rank, ("llama", 2, 2)),  # TP 2 x CP 2
+    ]
+
+
+def _spawned(rank, world, root):
+    return in_worlds(rank, world, root, phases())
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    ranks = run_distributed(_spawned, world_size=4, args=(str(root),))
+    return [[r[i] for r in ranks if i in r] for i in range(len(phases()))]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {(name, d): one_rank(name, d) for name in MODELS for d in (1, 2)}
+
+
+def assert_close(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
+    assert got.keys() == want.keys(), what
+    for k in want:
+        if isinstance(want[k], torch.Tensor):
+            assert got[k].shape == want[k].shape, f"{what}: {k}"
+            err = (got[k] - want[k]).abs().max().item()
+            scale = max(1.0, want[k].abs().max().item())
+            assert err <= tol * scale, f"{what}: {k} differs by {err:.3g}"
+        elif isinstance(want[k], dict):
+            assert_close(got[k], want[k], f"{what}.{k}", tol)
+        else:
+            assert got[k] == want[k], f"{what}: {k}"
+
+
+CASES = [(0, "gpt2", 1, "TP 2"), (1, "llama", 1, "TP 2"), (2, "gpt2", 2, "DP 2 x TP 2"), (3, "llama", 1, "TP 2 x CP 2")]
+
+
+@pytest.mark.parametrize("phase,name,data_world,what", CASES, ids=[f"{c[1]}-{c[3]}" for c in CASES])
+def test_same_step_as_one_rank(spawned, references, phase, name, data_world, what):
+    want = references[(name, data_world)]
+    for rank, got in enumerate(spawned[phase]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"{what} rank {rank} loss")
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"{what} rank {rank} norm")
+        assert got["valid"] == want["valid"]
+        for step in range(STEPS):
+            assert_close(got["grads"][step], want["grads"][step], f"{what} rank {rank} step {step} gradients")
+            assert_close(got["state"][step]["model"], want["state"][step]["model"], f"{what} rank {rank} weights")
+            assert_close(got["state"][step]["optimizer"]["state"], want["state"][step]["optimizer"]["state"],
+                         f"{what} rank {rank} optimizer state")
+    assert_close(spawned[phase][0]["weights"], want["weights"], f"{what} full_weights")
+    assert all(r["weights"] == {} for r in spawned[phase][1:])  # rank 0's alone, as every engine
+
+
+def test_layout_of_the_world(spawned):
+    """rank = (data_rank x context + context rank) x tensor + tensor rank: the tensor group innermost."""
+    assert [r["dims"] for r in spawned[2]] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]  # DP 2 x TP 2
+    assert [r["dims"] for r in spawned[3]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]  # TP 2 x CP 2
+
+
+def test_resume_across_tensor_sizes(spawned, references):
+    """TP 2 -> TP 1: the TP 2 run's state after step 0 (whole tensors) resumes on one rank with the uninterrupted
+    run's loss; TP 1 -> TP 2 is the DP 2 x TP 2 phase's twin below."""
+    want = references[("llama", 1)]
+    saved = spawned[1][0]["state"][0]
+    resumed = one_rank("llama", 1, resume=saved, first=1)
+    np.testing.assert_allclose(resumed["loss"], want["loss"][1:], rtol=1e-6, atol=0)
+    assert_close(resumed["state"][0]["model"], want["state"][1]["model"], "TP2 -> TP1 weights")
+
+
+def test_vocab_parallel_cross_entropy():
+    """The loss on vocabulary shards == F.cross_entropy of the whole logits, and == logsumexp - target logit written
+    here; the padding column takes no probability; gradients too."""
+    got = run_distributed(_vocab_ce, world_size=2)
+    torch.manual_seed(1)
+    logits = torch.randn(7, 61, dtype=torch.float64).float().requires_grad_()
+    targets = torch.tensor([0, 60, 30, 31, IGNORE_INDEX, 5, 59])
+    want = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    plain = torch.where(targets != IGNORE_INDEX,
+                        logits.logsumexp(-1) - logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    (want * torch.arange(1.0, 8.0)).sum().backward()
+    for ce, grad in got:
+        torch.testing.assert_close(ce, want.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ce, plain.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, logits.grad, rtol=1e-6, atol=1e-6)
+
+
+def _vocab_ce(rank, world):
+    from trainer.distributed.tensor import VocabShard
+
+    torch.manual_seed(1)
+    logits = torch.randn(7, 61, dtype=torch.float64).float()
+    targets = torch.tensor([0, 60, 30, 31, IGNORE_INDEX, 5, 59])
+    vp = padded_vocab(61, world)
+    shard = Layout(1, (vp,), vp).shard(logits, world, rank).requires_grad_()
+    ce = VocabShard(None, rank * vp // world, 61).cross_entropy(shard, targets)
+    (ce * torch.arange(1.0, 8.0)).sum().backward()
+    full_grad = [torch.empty_like(shard.grad) for _ in range(world)]
+    torch.distributed.all_gather(full_grad, shard.grad)
+    return ce.detach(), Layout(1, (vp,), vp).join(full_grad, 61)
+
+
+def test_layouts_split_each_part_of_the_fused_projections():
+    """c_attn = q | k | v and c_fc = gate | up: a rank holds its slice of each part, and join undoes shard."""
+    cfg = GPTConfig(**LLAMA)
+    lay = layouts(cfg, 2)["blocks.0.attn.c_attn.weight"]
+    assert lay.parts == (32, 16, 16)
+    rows = torch.arange(64.0)[:, None]
+    assert lay.shard(rows, 2, 0).squeeze(1).tolist() == [*range(0, 16), *range(32, 40), *range(48, 56)]
+    assert layouts(cfg, 2)["blocks.0.mlp.c_fc.weight"].parts == (48, 48)
+    for name, lay in layouts(GPTConfig(**GPT2), 2).items():
+        full = torch.randn(61 if name in ("wte.weight", "lm_head.weight") else sum(lay.parts), 3)
+        if lay.dim == 1:
+            full = full.T.contiguous()
+        joined = lay.join([lay.shard(full, 2, r) for r in range(2)], full.shape[lay.dim])
+        assert torch.equal(joined, full), name
+
+
+@pytest.mark.parametrize("shape,size,needle", [
+    (dict(GPT2, mlp_hidden=48), 3, "model.n_head (4) must be a multiple of 3"),
+    (LLAMA, 4, "key/value heads (model.n_kv_head: 2) must be a multiple of 4"),
+    (dict(LLAMA, mlp_hidden=50, n_kv_head=4), 4, "MLP width (model.mlp_hidden: 50) must be a multiple of 4"),
+])
+def test_shapes_that_do_not_split(shape, size, needle):
+    problems = tensor_parallel_problems(GPTConfig(**shape), size)
+    assert len(problems) == 1 and needle in problems[0]
+
+
+def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, tmp_path):
+    """`torchrun --nproc_per_node=2 -m trainer.train distributed.tensor_parallel=2`: the session's one-rank run
+    (tests/conftest.py `checkpoint`: 3 steps, eval on) again, with each layer split over two ranks: the same losses
+    and val loss, and its model.safetensors (gathered whole, the padding dropped) the one-rank run's weights."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import CHECKPOINT_SEQ_LEN, latest_checkpoint, metrics, run_train, torchrun
+
+    run_train(tmp_path, demo_data, "train.max_steps=3", f"train.seq_len={CHECKPOINT_SEQ_LEN}",
+              "distributed.tensor_parallel=2", launcher=torchrun(2))
+    got, want = metrics(tmp_path), metrics(checkpoint.parent.parent)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for key in ("loss", "val_loss", "valid_tokens"):
+        assert [m.get(key) is None for m in got] == [m.get(key) is None for m in want], key
+        values = [(g[key], w[key]) for g, w in zip(got, want, strict=True) if w.get(key) is not None]
+        assert values and all(g == pytest.approx(w, rel=1e-6) for g, w in values), (key, values)
+    a, b = load_file(latest_checkpoint(tmp_path) / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in b:
+        assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k

@@ -1,0 +1,471 @@
+"""Tensor parallelism with sequence parallelism (Megatron-LM's layout), applied to a built model in place.
+
+The N ranks of a tensor group (trainer/distributed/dims.py) share every layer's weights; rank t holds
+
+    attn.c_attn   column-parallel: the q rows of heads [t H/N, (t+1) H/N) and the k and v rows of kv heads
+                  [t KV/N, (t+1) KV/N): each part of the fused q | k | v projection is split, never the whole
+    attn.c_proj   row-parallel: the input columns of its heads; the partial outputs are reduce-scattered
+    mlp.c_fc      column-parallel (under SwiGLU gate and up are each split)
+    mlp.c_proj    row-parallel
+    wte, lm_head  vocab-parallel: rows [t Vp/N, (t+1) Vp/N) of the vocabulary padded to Vp, a multiple of N
+                  (a tied head is the same Parameter again); the padding rows are zero and never exported
+    the norms, wpe, the row-parallel biases: whole
+
+Sequence parallelism: outside the split layers the residual stream (B, L, C) is split by position, each rank
+holding L/N positions of every row (rows padded at their end to a multiple of N, `_pad`), so the norms, residual
+adds and dropouts run on 1/N of the positions. A column-parallel layer all-gathers its input (backward: the
+gradients reduce-scattered), a row-parallel one reduce-scatters its output (backward: all-gathered). Attention
+sees every position of its own heads: cu_seqlens, positions and documents are the rows' own, so packing needs no
+rule here.
+
+The loss is computed on the vocabulary shards (`VocabShard.cross_entropy`, Megatron's vocab-parallel cross
+entropy): the max, the sum of exponentials and the target's logit are all-reduced over the group, the logits
+stay (B * L, Vp/N) on each rank, and the padded columns are -inf (never a target, nothing in the softmax). Every
+rank of the group gets the same token losses, so the step's sums over the loss group count each once.
+
+Gradients: a split weight's gradient is its own rows'. A whole weight used on this rank's positions only (the
+norms, the row-parallel biases) holds a partial gradient, summed over the group (`reduce_partial_grads`) before
+the norm; the norm sums the split weights' squares over the group and counts the whole ones once.
+
+Checkpoints hold whole tensors (`full_state` gathers, `shard_state` slices, by each parameter's `Layout`): a run
+saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.data.batch import IGNORE_INDEX
+
+
+def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_tokens: int = 0,
+                             eval_tasks=()) -> list[str]:
+    """Why the model (a GPTConfig) or the run cannot be split over `size` tensor ranks, one line each."""
+    problems = []
+    kv = model_cfg.n_kv_head or model_cfg.n_head
+    hidden = model_cfg.mlp_hidden or 4 * model_cfg.n_embd
+    shapes = [(f"model.n_head ({model_cfg.n_head})", model_cfg.n_head),
+              (f"the key/value heads (model.n_kv_head: {kv})", kv),
+              (f"the MLP width (model.mlp_hidden: {hidden})", hidden)]
+    for what, n in shapes[:1] + shapes[1 + (kv == model_cfg.n_head):]:
+        if n % size:
+            problems.append(f"distributed.tensor_parallel={size} gives each rank whole heads and MLP columns: {what} "
+                            f"must be a multiple of {size}")
+    if compile:
+        problems.append("train.compile=true is not supported with distributed.tensor_parallel > 1 yet (its "
+                        "collectives sit inside the blocks): use train.compile=false")
+    if chunk_tokens:
+        problems.append("loss.chunk_tokens does not apply under distributed.tensor_parallel > 1: the logits are "
+                        "already split over the vocabulary (1/N of them per rank); set loss.chunk_tokens=0")
+    if eval_tasks:
+        problems.append("train.eval_tasks scores through the unwrapped model, which distributed.tensor_parallel "
+                        "splits: drop train.eval_tasks, or score the run's checkpoints with python -m trainer.evaluate")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collectives with their backward (the tensor group)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group, this rank's 1/N along `dim` (gloo has no reduce-scatter: an all-reduce, then the cut)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "nccl" and dim == 0:
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    summed = x.clone()
+    dist.all_reduce(summed, group=group)
+    return summed.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _pad(x_BLC: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows padded at their end to a multiple of `size` positions."""
+    return F.pad(x_BLC, (0, 0, 0, -x_BLC.shape[1] % size))
+
+
+class _AllReduce(torch.autograd.Function):
+    """Forward: sum over the group. Backward: the gradient as it is (every rank's input got the same)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ToSequenceShard(torch.autograd.Function):
+    """(B, L, C) whole on every rank -> this rank's (B, Lp/N, C). Backward: the shards' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.length = group, x.shape[1]
+        size = dist.get_world_size(group)
+        return _pad(x, size).chunk(size, dim=1)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group)[:, :ctx.length], None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, Lp/N, C) shards -> (B, L, C) whole on every rank. Backward: the gradients summed over the group and cut
+    to this rank's positions (each rank's use of the whole input contributes)."""
+
+    @staticmethod
+    def forward(ctx, x, group, length: int):
+        ctx.group = group
+        return _all_gather(x, 1, group)[:, :length]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(_pad(grad, dist.get_world_size(ctx.group)), 1, ctx.group), None, None
+
+
+class _ReduceToSequenceShard(torch.autograd.Function):
+    """(B, L, C) partial sums on every rank -> their sum, this rank's (B, Lp/N, C). Backward: all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.length = group, x.shape[1]
+        return _reduce_scatter(_pad(x, dist.get_world_size(group)), 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group)[:, :ctx.length], None
+
+
+class SequenceShards:
+    """The sequence-parallel state one forward shares between the model's split layers: the group, and the length
+    L of the rows being split (set where the residual stream is cut, read where it is joined)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.length = 0
+
+    def split(self, x_BLC: torch.Tensor) -> torch.Tensor:
+        self.length = x_BLC.shape[1]
+        return _ToSequenceShard.apply(x_BLC, self.group)
+
+    def gather(self, x_BlC: torch.Tensor) -> torch.Tensor:
+        return _GatherSequence.apply(x_BlC, self.group, self.length)
+
+    def reduce_split(self, x_BLC: torch.Tensor) -> torch.Tensor:
+        return _ReduceToSequenceShard.apply(x_BLC, self.group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Split layers (the parameter names stay `weight` and `bias`: checkpoints keep their keys)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _SplitLinear(nn.Module):
+    """A Linear holding this rank's slice of the weight (and its bias), and the forward's sequence state."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, seq: SequenceShards) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.seq = seq
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """This rank's output rows of a Linear; the input's positions gathered first."""
+
+    def forward(self, x_BlC: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.seq.gather(x_BlC), self.weight, self.bias)
+
+
+class RowParallelLinear(_SplitLinear):
+    """This rank's input columns of a Linear; the partial outputs summed and split by position, then the (whole)
+    bias added once."""
+
+    def forward(self, x_BLh: torch.Tensor) -> torch.Tensor:
+        y = self.seq.reduce_split(F.linear(x_BLh, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + n) of the padded vocabulary; ids outside them look up zeros, summed over the group."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.start, self.group = start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        x = F.embedding(torch.where(mine, local, 0), self.weight) * mine[..., None].to(self.weight.dtype)
+        return _AllReduce.apply(x, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """(N,) fp32 cross entropy of (N, Vp/N) logit shards against (N,) global targets (-100: ignored, 0)."""
+
+    @staticmethod
+    def forward(ctx, logits_Nv, targets_N, start: int, vocab_size: int, group):
+        x = logits_Nv.float()
+        cols = start + torch.arange(x.shape[1], device=x.device)
+        x = x.masked_fill(cols >= vocab_size, float("-inf"))  # the padding: no probability, never a target
+        m = x.max(dim=1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x = x - m[:, None]
+        valid = targets_N != IGNORE_INDEX
+        local = targets_N - start
+        mine = valid & (local >= 0) & (local < x.shape[1])
+        local = torch.where(mine, local, 0)
+        picked = torch.where(mine, x.gather(1, local[:, None]).squeeze(1), 0.0)
+        exp = x.exp()
+        sum_exp = exp.sum(dim=1)
+        both = torch.stack([picked, sum_exp])
+        dist.all_reduce(both, group=group)
+        picked, sum_exp = both[0], both[1]
+        ce = torch.where(valid, sum_exp.log() - picked, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), mine, local, valid)
+        ctx.dtype = logits_Nv.dtype
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax, mine, local, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad[mine.nonzero().squeeze(1), local[mine]] -= 1.0
+        grad.mul_((grad_N * valid)[:, None])
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+@dataclass
+class VocabShard:
+    """This rank's columns [start, start + n) of the logits over a vocabulary of `vocab_size` ids (the model's
+    `vocab_shard`: trainer.model.loss computes the token losses with it)."""
+
+    group: object
+    start: int
+    vocab_size: int
+
+    def cross_entropy(self, logits_Nv: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCrossEntropy.apply(logits_Nv, targets_N, self.start, self.vocab_size, self.group)
+
+    def gather(self, logits_BLv: torch.Tensor) -> torch.Tensor:
+        """The whole (B, L, V) logits on every rank (for a caller that asks for them; the loss never does)."""
+        return _GatherVocab.apply(logits_BLv, self.group)[..., :self.vocab_size]
+
+
+class _GatherVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layouts: which rows or columns of each whole tensor a rank holds
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a whole tensor is split: along `dim`, each of `parts` (consecutive sizes along it, summing to the whole,
+    after padding to `padded`) cut into N equal slices; rank t holds slice t of every part, in order.
+    Example: c_attn of 4 heads, 2 kv heads, head_dim 8 at N = 2: dim 0, parts (32, 16, 16): rank 0 holds rows
+    0-15 (q heads 0, 1), 32-39 (k head 0), 48-55 (v head 0)."""
+
+    dim: int
+    parts: tuple[int, ...]
+    padded: int | None = None
+    """The length along `dim` after padding (the vocabulary padded to a multiple of N); None: no padding."""
+
+    def shard(self, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+        if self.padded is not None and self.padded > full.shape[self.dim]:
+            pad = [0, 0] * (full.dim() - 1 - self.dim) + [0, self.padded - full.shape[self.dim]]
+            full = F.pad(full, pad)
+        pieces = [part.chunk(size, dim=self.dim)[rank] for part in full.split(list(self.parts), dim=self.dim)]
+        return torch.cat(pieces, dim=self.dim).contiguous()
+
+    def join(self, shards: list[torch.Tensor], whole: int) -> torch.Tensor:
+        """The whole tensor (`whole` long along dim, the padding dropped) from every rank's shard, in rank order."""
+        size = len(shards)
+        per_rank = [list(s.split([p // size for p in self.parts], dim=self.dim)) for s in shards]
+        parts = [torch.cat([per_rank[r][i] for r in range(size)], dim=self.dim) for i in range(len(self.parts))]
+        return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, whole).contiguous()
+
+
+def padded_vocab(vocab_size: int, size: int) -> int:
+    """The vocabulary rounded up to a multiple of `size`. Example: padded_vocab(61, 2) -> 62."""
+    return math.ceil(vocab_size / size) * size
+
+
+def layouts(model_cfg, size: int) -> dict[str, Layout]:
+    """Parameter name -> its Layout, for every split parameter of a GPT of `model_cfg` (a GPTConfig) over `size`
+    tensor ranks; the parameters not named are whole on every rank."""
+    H, KV, D = model_cfg.n_head, model_cfg.kv_heads, model_cfg.head_dim
+    hidden = model_cfg.hidden
+    vp = padded_vocab(model_cfg.vocab_size, size)
+    fc = (hidden, hidden) if model_cfg.mlp == "swiglu" else (hidden,)
+    out = {"wte.weight": Layout(0, (vp,), vp), "lm_head.weight": Layout(0, (vp,), vp)}
+    for i in range(model_cfg.n_layer):
+        p = f"blocks.{i}."
+        out[p + "attn.c_attn.weight"] = out[p + "attn.c_attn.bias"] = Layout(0, (H * D, KV * D, KV * D))
+        out[p + "attn.c_proj.weight"] = Layout(1, (H * D,))
+        out[p + "mlp.c_fc.weight"] = out[p + "mlp.c_fc.bias"] = Layout(0, fc)
+        out[p + "mlp.c_proj.weight"] = Layout(1, (hidden,))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Applying it
+# ---------------------------------------------------------------------------------------------------
+
+
+class TensorParallel:
+    """A model split over a tensor group (see the module docstring); built by `apply_tensor_parallel`."""
+
+    def __init__(self, model: nn.Module, group, size: int, rank: int) -> None:
+        self.model, self.group, self.size, self.rank = model, group, size, rank
+        self.layouts = layouts(model.cfg, size)
+        self.whole = {}
+        """Split parameter name -> its whole length along the split dimension."""
+        self.partial: list[nn.Parameter] = []
+        """Whole parameters used on this rank's positions only: their gradients are summed over the group."""
+
+    def is_split(self, name: str) -> bool:
+        return name in self.layouts
+
+    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors (a model state dict) -> this rank's, by name; the others as they are."""
+        return {k: self.layouts[k].shard(v, self.size, self.rank) if k in self.layouts else v for k, v in state.items()}
+
+    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name."""
+        out = {}
+        for k, v in state.items():
+            if k in self.layouts:
+                parts = [torch.empty_like(v) for _ in range(self.size)]
+                dist.all_gather(parts, v.detach().contiguous(), group=self.group)
+                v = self.layouts[k].join(parts, self.whole[k])
+            out[k] = v
+        return out
+
+    def reduce_partial_grads(self) -> None:
+        """Sum the partial gradients of the whole parameters over the group (once per step, before the norm)."""
+        grads = [p.grad for p in self.partial if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+    def clip_grad_norm_(self, named: list[tuple[str, nn.Parameter]], max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_ of the whole model's gradients: the split ones' squares summed over the
+        group, the whole ones (already summed, the same on every rank) counted once."""
+        split_sq = torch.zeros((), dtype=torch.float64)
+        whole_sq = torch.zeros((), dtype=torch.float64)
+        for name, p in named:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum().cpu()
+            if self.is_split(name):
+                split_sq += sq
+            else:
+                whole_sq += sq
+        device = next(self.model.parameters()).device
+        split_sq = split_sq.to(device)
+        dist.all_reduce(split_sq, group=self.group)
+        total = float((split_sq.cpu() + whole_sq).sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for _, p in named:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return total
+
+
+def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> TensorParallel:
+    """Split a built GPT (trainer.model.gpt) over the tensor group in place: every rank holds the same whole
+    weights (the same seed, or the same checkpoint) and keeps its shards. Parameter names are unchanged; the
+    Parameters are new (an optimizer built before must take them: trainer.distributed.engine.parallelize)."""
+    cfg = model.cfg
+    if problems := tensor_parallel_problems(cfg, size):
+        raise ValueError(problems[0])
+    tp = TensorParallel(model, group, size, rank)
+    full = {k: v.detach() for k, v in model.state_dict().items()}
+    tp.whole = {k: full[k].shape[tp.layouts[k].dim] for k in full if k in tp.layouts}
+    local = tp.shard_state(full)
+    seq = SequenceShards(group)
+    for i, block in enumerate(model.blocks):
+        p = f"blocks.{i}."
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn = ColumnParallelLinear(local[p + "attn.c_attn.weight"], local.get(p + "attn.c_attn.bias"), seq)
+        attn.c_proj = RowParallelLinear(local[p + "attn.c_proj.weight"], local.get(p + "attn.c_proj.bias"), seq)
+        attn.n_head, attn.n_kv_head = cfg.n_head // size, cfg.kv_heads // size
+        mlp.c_fc = ColumnParallelLinear(local[p + "mlp.c_fc.weight"], local.get(p + "mlp.c_fc.bias"), seq)
+        mlp.c_proj = RowParallelLinear(local[p + "mlp.c_proj.weight"], local.get(p + "mlp.c_proj.bias"), seq)
+        tp.partial += [q for q in (*block.ln_1.parameters(), *block.ln_2.parameters(), attn.c_proj.bias,
+                                   mlp.c_proj.bias) if q is not None]
+    tp.partial += list(model.ln_f.parameters())
+    shard_rows = padded_vocab(cfg.vocab_size, size) // size
+    model.wte = VocabParallelEmbedding(local["wte.weight"], rank * shard_rows, group)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.wte.weight  # tied again, to the shard
+    else:
+        model.lm_head.weight = nn.Parameter(local["lm_head.weight"])
+    model.vocab_shard = VocabShard(group, rank * shard_rows, cfg.vocab_size)
+    model.drop.register_forward_hook(lambda _m, _i, out: seq.split(out))  # the residual stream split by position
+    model.ln_f.register_forward_hook(lambda _m, _i, out: seq.gather(out))  # and whole again for the head
+    return tp
+
+
+def _optimizer_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """The parameter name of each index of optimizer.state_dict()["state"] (its parameters in group order)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective over the group: optimizer.state_dict() with every split parameter's state tensors (Adam's
+    moments, shaped like it) whole, as one rank's optimizer would hold them."""
+    state = optimizer.state_dict()
+    names = _optimizer_names(optimizer, tp.model)
+    out = {}
+    for index, entry in state["state"].items():
+        name = names[index]
+        out[index] = {k: tp.full_state({name: v})[name] if _moment(v, name, tp) else v for k, v in entry.items()}
+    return {**state, "state": out}
+
+
+def shard_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """A whole optimizer state (as `full_optimizer_state` or one rank's optimizer wrote it) -> this rank's."""
+    names = _optimizer_names(optimizer, tp.model)
+    out = {}
+    for index, entry in state["state"].items():
+        name = names[int(index)]
+        out[index] = {k: tp.shard_state({name: v})[name] if _moment(v, name, tp) else v for k, v in entry.items()}
+    return {**state, "state": out}
+
+
+def _moment(value, name: str, tp: TensorParallel) -> bool:
+    """Whether an optimizer state entry is a per-element tensor of a split parameter (not a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tp.is_split(name)
