@@ -119,12 +119,31 @@ def one_rank(name: str, data_world: int, resume=None, first=0) -> dict:
                  first)
 
 
+def _meta_rank(rank, world, name, engine, tp):
+    """The weights at step 0 of a model built on the meta device and materialized by parallelize, gathered."""
+    cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp)
+    info = init_distributed(cfg)
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"), meta=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 0.0, "fp32")
+    assert not any(p.is_meta for p in model.parameters())
+    assert {id(p) for group in opt.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
+    return {"weights": engine.full_weights(), "after": torch.rand(4)}  # the RNG where a one-rank build leaves it
+
+
+META = [("gpt2", "ddp", 1, 1), ("llama", "ddp", 2, 2), ("gpt2", "ddp", 2, 2), ("llama", "fsdp2", 1, 2),
+        ("gpt2", "fsdp2", 1, 2), ("llama", "ddp", 2, 4)]
+"""(model, engine, tensor_parallel, world) of the meta-device builds."""
+
+
 def phases() -> list:
     return [
         (2, _rank, ("gpt2", 2, 1)),
         (2, _rank, ("llama", 2, 1)),
         (4, _rank, ("gpt2", 2, 1)),   # DP 2 x TP 2
         (4, _rank, ("llama", 2, 2)),  # TP 2 x CP 2
+        *((world, _meta_rank, (name, engine, tp)) for name, engine, tp, world in META),
     ]
 
 
@@ -271,3 +290,18 @@ def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, t
     assert a.keys() == b.keys()
     for k in b:
         assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k
+
+
+@pytest.mark.parametrize("i", range(len(META)), ids=["-".join(map(str, m)) for m in META])
+def test_a_meta_build_has_the_one_rank_weights_bit_for_bit(spawned, i):
+    """Weights never built whole: built on the meta device, split (TP) or sharded (FSDP2), then each rank draws its
+    part: the same seed gives the CPU build's weights exactly (torch.equal), and leaves the RNG where it would."""
+    name, engine, tp, world = META[i]
+    torch.manual_seed(0)
+    want = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs")).state_dict()
+    after = torch.rand(4)
+    got = spawned[4 + i]
+    assert got[0]["weights"].keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[0]["weights"][k], v), k
+    assert all(torch.equal(r["after"], after) for r in got)

@@ -29,6 +29,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.groups import DistInfo
 from trainer.model.compile import compile_blocks
+from trainer.model.gpt import init_weights
 
 
 @runtime_checkable
@@ -132,6 +133,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"parallelize takes a resolved dtype, 'fp32' or 'bf16' (trainer.config.resolve_dtype), "
                          f"got {dtype!r}")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and cfg.engine == "deepspeed":
+        raise ValueError("DeepSpeed takes a materialized model: build it with build_model(..., meta=False)")
     tensor = None
     if info.tensor_size > 1:  # first: the layers split over the tensor group, the optimizer given the shards
         from trainer.distributed.tensor import apply_tensor_parallel
@@ -144,6 +148,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if compile:
         compile_blocks(model)
     if cfg.engine == "ddp":
+        if on_meta:  # before DDP, which broadcasts the weights
+            materialize(model, info.device, tensor)
         return DDPEngine(model, optimizer, scheduler, info, grad_clip, dtype, tensor)
     if cfg.engine == "deepspeed":
         from trainer.distributed.deepspeed import (
@@ -154,5 +160,43 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if cfg.engine == "fsdp2":
         from trainer.distributed.fsdp import FSDP2Engine
 
-        return FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+        engine = FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+        if on_meta:  # after fully_shard: each rank draws the whole tensors and keeps its shards
+            materialize(model, info.device, tensor)
+        return engine
     raise ValueError(f"distributed.engine must be 'ddp', 'deepspeed' or 'fsdp2', got {cfg.engine!r}")
+
+
+def materialize(model: nn.Module, device: torch.device, tensor=None) -> None:
+    """Give a model built on the meta device (build_model(meta=True)), already split (tensor parallelism) or
+    sharded (FSDP2), its storage on `device` and this rank's part of the one-rank weights: trainer.model.gpt.
+    init_weights draws each whole tensor on the CPU, in the one-rank order, from the RNG state the build began in,
+    and keeps this rank's slice (the tensor-parallel Layout, then FSDP2's shard of it). The same seed gives the
+    same weights, bit for bit, on every layout; no rank ever holds more than one whole tensor.
+
+    The Parameters stay the same objects (swapped in place), so the optimizer built on the meta model and the
+    tied head keep theirs.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not torch.equal(torch.get_rng_state(), model.init_rng):
+        raise RuntimeError("the CPU RNG drew between the meta build and materialize: the weights would not be the "
+                           "one-rank build's; draw nothing between build_model(meta=True) and parallelize")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+    def shard(name: str, whole: torch.Tensor) -> torch.Tensor:
+        if tensor is not None and tensor.is_split(name):
+            whole = tensor.layouts[name].shard(whole, tensor.size, tensor.rank)
+        whole = whole.to(device)
+        p = params[name]
+        if isinstance(p, DTensor):  # FSDP2: this rank's rows of the (tensor-parallel) whole, no communication
+            return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+        return whole
+
+    init_weights(model, shard)

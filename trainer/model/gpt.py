@@ -404,6 +404,8 @@ class GPT(nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size is None: build through build_model(..., vocab_size=tokenizer size)")
         self.cfg = cfg
+        self.init_rng = torch.get_rng_state()
+        """The CPU RNG's state when the build began: the init draws from it (`init_weights`), on any device."""
         self.attention = attention or AttentionConfig()
         self.loss_chunk_tokens = loss_chunk_tokens
         """> 0: the loss is computed this many flat positions at a time, without logits (see chunked_cross_entropy).
@@ -419,18 +421,12 @@ class GPT(nn.Module):
         self.vocab_shard = None
         """Tensor parallelism: the head's logits are this rank's vocabulary columns (a trainer.distributed.tensor.
         VocabShard, set by apply_tensor_parallel), the loss computed on them; None: the whole vocabulary."""
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
-                nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layer))
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        self.init_plan = init_plan(self)
+        """(parameter name, 'normal' | 'fill', std or value), in the order the init draws them (`init_weights`)."""
+        self.whole_shapes = {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)}
+        """Each parameter's shape in this, the unsplit model (a split one holds a slice of it)."""
+        torch.set_rng_state(self.init_rng)  # what the modules' own constructors drew is dropped: the plan alone draws
+        init_weights(self)  # on the meta device this draws nothing: trainer.distributed.engine.materialize does
 
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
@@ -523,6 +519,51 @@ class GPT(nn.Module):
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
 
 
+def init_plan(model: GPT) -> list[tuple[str, str, float]]:
+    """The init of every parameter, in the order it draws from the RNG: each module after its children (as
+    nn.Module.apply visits them) -- Linear weights normal(0, init_std) and biases zero, embeddings normal, norms
+    one (and their biases zero) -- then every residual output projection (c_proj.weight) drawn again with
+    init_std / sqrt(2 n_layer) (GPT-2). A tied head is drawn again over the embedding, as GPT-2's init does."""
+    std = model.cfg.init_std
+    plan: list[tuple[str, str, float]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            visit(f"{prefix}{name}.", child)
+        if isinstance(module, nn.Linear | nn.Embedding):
+            plan.append((prefix + "weight", "normal", std))
+        elif isinstance(module, nn.LayerNorm | RMSNorm):
+            plan.append((prefix + "weight", "fill", 1.0))
+        if getattr(module, "bias", None) is not None:
+            plan.append((prefix + "bias", "fill", 0.0))
+
+    visit("", model)
+    plan += [(name, "normal", std / math.sqrt(2 * model.cfg.n_layer)) for name, _ in model.named_parameters()
+             if name.endswith("c_proj.weight")]
+    covered = {name for name, _, _ in plan}
+    missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in covered]
+    if missing:
+        raise RuntimeError(f"init_plan has no init for {missing}: add their module type to it")
+    return plan
+
+
+def init_weights(model: GPT, shard=None) -> None:
+    """Draw every parameter as `model.init_plan` says, one whole tensor at a time on the CPU, from the global RNG.
+
+    shard(name, whole) -> what this rank holds of it (a slice under tensor parallelism or FSDP2), copied into the
+    parameter; None: the whole. Any layout then holds exactly the one-rank model's weights (the same draws, the
+    same order), and no more than one whole tensor ever exists at once.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, kind, value in model.init_plan:
+            whole = torch.empty(model.whole_shapes[name], device=params[name].device if shard is None else "cpu")
+            whole.normal_(0.0, value) if kind == "normal" else whole.fill_(value)
+            part = whole if shard is None else shard(name, whole)
+            if part is not None:
+                params[name].copy_(part)
+
+
 def compute_dtype(train_dtype: str) -> torch.dtype:
     """What the model computes in under train.dtype `train_dtype` ('fp32' or 'bf16', 'auto' resolved first by
     trainer.config.resolve_dtype). Example: compute_dtype("bf16") -> torch.bfloat16."""
@@ -532,10 +573,12 @@ def compute_dtype(train_dtype: str) -> torch.dtype:
 
 
 def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | None = None,
-                loss_chunk_tokens: int | None = 0) -> GPT:
+                loss_chunk_tokens: int | None = 0, meta: bool = False) -> GPT:
     """The model for `cfg`, with `cfg.vocab_size = None` filled from `vocab_size` (the tokenizer's).
 
     loss_chunk_tokens (loss.chunk_tokens; 0 or None = off): compute the loss without materializing the logits.
+    meta: build it on the meta device (shapes, no storage, no RNG drawn); trainer.distributed.engine.parallelize
+    materializes each rank's part after splitting it, with the weights a CPU build would have drawn.
 
     A set cfg.vocab_size wins (e.g. padded up to a multiple of 64 for faster matmuls) but must hold the
     tokenizer's ids.
@@ -547,6 +590,9 @@ def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | No
     elif vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids: "
                           f"set model.vocab_size=null (the tokenizer's size) or >= {vocab_size}")
+    if meta:
+        with torch.device("meta"):
+            return GPT(cfg, attention, loss_chunk_tokens=loss_chunk_tokens or 0)
     return GPT(cfg, attention, loss_chunk_tokens=loss_chunk_tokens or 0)
 
 

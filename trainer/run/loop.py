@@ -100,18 +100,23 @@ class Trainer:
         """The loss groups of the step's and the eval's metrics: data.sources x logging.length_buckets x
         logging.position_buckets."""
         self.source_weights = [s.weight for s in mixture]
+        # A fresh run builds on the meta device: parallelize gives each rank its part of the one-rank weights
+        # (trainer.distributed.engine.materialize), the whole model never built. A resumed or init_from run loads
+        # whole weights anyway; DeepSpeed takes a built model.
+        meta = self.resume_path is None and not cfg.train.init_from and cfg.distributed.engine != "deepspeed"
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
-                            loss_chunk_tokens=cfg.loss.chunk_tokens)
+                            loss_chunk_tokens=cfg.loss.chunk_tokens, meta=meta)
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         self.init_record = self._init_from(model) if self.resume_path is None else None
-        model = model.to(info.device)
+        if not meta:
+            model = model.to(info.device)
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size)
         self.shard = None if info.context is None else functools.partial(
             shard_inputs, cp=info.context, isolate_documents=cfg.attention.isolate_documents)
         """Context parallelism: a micro-batch's forward kwargs -> this rank's share (trainer.distributed.context)."""
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, info.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
         self.compile_counter = CompileCounter() if cfg.train.compile else None

@@ -17,10 +17,11 @@ OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay")
 that take them all are Adam, AdamW, Adamax, NAdam and RAdam."""
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device | None = None) -> torch.optim.Optimizer:
     """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not.
 
-    Build it after the model is on its device: optim.fused decides by the parameters' device (`use_fused`).
+    optim.fused decides by the device the parameters train on (`use_fused`): `device`, else the parameters' own
+    (a model built on the meta device, materialized later by parallelize, names its run's device).
     """
     module_name, _, class_name = cfg.target.rpartition(".")
     optimizer_cls = getattr(importlib.import_module(module_name), class_name)
@@ -30,7 +31,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    extra = {"fused": True} if use_fused(optimizer_cls, cfg.fused, params[0].device) else {}
+    extra = {"fused": True} if use_fused(optimizer_cls, cfg.fused, device or params[0].device) else {}
     try:
         return optimizer_cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **extra)
     except RuntimeError as e:  # torch refuses fused=True for a device without the kernel
