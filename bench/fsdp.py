@@ -1,7 +1,13 @@
-"""FSDP2 against DDP and DeepSpeed (not a test): what each rank holds, step time, checkpoint save and load time.
+"""FSDP2 and tensor parallelism against DDP and DeepSpeed (not a test): what each rank holds, peak memory, step
+time, checkpoint save and load time.
 
     .venv/bin/python bench/fsdp.py                      # gpt2-124m, 1/2/4 ranks, ~5 minutes on 2 CPU cores
     .venv/bin/python bench/fsdp.py --model tiny --seq-len 128 --steps 2   # a quick look
+    .venv/bin/python bench/fsdp.py --worlds 2 --no-deepspeed --builds meta cpu   # the meta-device init's RSS
+
+Layouts: ddp, fsdp2, tp2 (distributed.tensor_parallel=2 under DDP: all ranks one tensor group at 2 ranks, DP 2 x
+TP 2 at 4), zero2, zero3; each built on the meta device and materialized by parallelize (`meta`, what a fresh run
+does; DeepSpeed always builds on the CPU) or built whole on the CPU first (`cpu`, --builds).
 
 Each configuration runs on real gloo ranks (spawned, fp32, CPU, 1 thread each), the trainer's own engines
 (trainer.distributed.engine.parallelize) and step (trainer.run.step.train_step), AdamW over the model's two
@@ -9,8 +15,9 @@ parameter groups, one packed row of --seq-len positions per rank per step:
   state per rank    the bytes this rank holds of parameters + gradients + AdamW state (exact: each tensor's
                     local part; a DTensor's to_local(), DeepSpeed's flat partitions), measured after the last step's
                     backward, before the optimizer zeroes the gradients
-  peak RSS          the process's peak resident memory (ru_maxrss), the largest rank: includes the whole model
-                    every rank builds before it is sharded, and the Python / torch runtime (~0.4 GB)
+  peak RSS          the process's peak resident memory (ru_maxrss), the largest rank: with a `cpu` build it
+                    includes the whole model every rank builds before it is split, and always the Python / torch
+                    runtime (~0.4 GB)
   step time         median of --steps after one warm-up, the slowest rank (2 cores: 4 ranks oversubscribe them)
   save / load       trainer.checkpoint.store.save_checkpoint and load_checkpoint of the run's state (every rank's
                     shards, the whole weights as safetensors, the tokenizer, the rank files), wall time on rank 0;
@@ -65,8 +72,8 @@ def state_bytes(engine) -> int:
     return params + grads + moments
 
 
-def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: int, model_name: str, seq_len: int,
-          steps: int, ckpt: str, mode: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: int, tp: int, meta: bool,
+          model_name: str, seq_len: int, steps: int, ckpt: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import numpy as np
@@ -85,16 +92,16 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = DistributedConfig(engine=engine_name, zero_stage=stage, device="cpu")
+    cfg = DistributedConfig(engine=engine_name, zero_stage=stage, device="cpu", tensor_parallel=tp)
     info = init_distributed(cfg)
     torch.manual_seed(0)
-    model = build_model(GPTConfig(**MODELS[model_name]), AttentionConfig(backend="sdpa_docs"))
+    model = build_model(GPTConfig(**MODELS[model_name]), AttentionConfig(backend="sdpa_docs"), meta=meta)
     optim = OptimConfig(lr=1e-4, warmup_steps=1)
-    opt = build_optimizer(model, optim)
+    opt = build_optimizer(model, optim, info.device)
     engine = parallelize(model, opt, build_scheduler(opt, optim, 100), info, cfg, grad_clip=1.0, dtype="fp32")
-    rng = np.random.default_rng(rank)
+    result: dict = {"built_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    rng = np.random.default_rng(info.data_rank)  # the ranks of a tensor group read the same rows
     vocab = MODELS[model_name]["vocab_size"]
-    result: dict = {}
     if mode == "load":  # the 2-rank checkpoint, read on this run's ranks
         dist.barrier()
         t0 = time.perf_counter()
@@ -145,15 +152,20 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
     dist.destroy_process_group()
 
 
-def run(world: int, engine: str, stage: int, args, ckpt: str, mode: str = "train") -> list[dict]:
+def run(world: int, engine: str, stage: int, tp: int, meta: bool, args, ckpt: str, mode: str = "train") -> list[dict]:
     import torch.multiprocessing as mp
 
     from tests.harness import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, free_port(), out, engine, stage, args.model, args.seq_len, args.steps,
-                                        ckpt, mode), nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(world, free_port(), out, engine, stage, tp, meta, args.model, args.seq_len,
+                                        args.steps, ckpt, mode), nprocs=world, start_method="spawn", join=True)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+LAYOUTS = {"ddp": ("ddp", 0, 1), "fsdp2": ("fsdp2", 0, 1), "tp2": ("ddp", 0, 2), "zero2": ("deepspeed", 2, 1),
+           "zero3": ("deepspeed", 3, 1)}
+"""name -> (distributed.engine, zero_stage, tensor_parallel)."""
 
 
 def main() -> None:
@@ -162,41 +174,53 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--builds", nargs="+", default=["meta"], choices=["meta", "cpu"])
     p.add_argument("--no-deepspeed", action="store_true")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} CPU cores visible; python {sys.version.split()[0]}; model {args.model}, "
-          f"one packed row of {args.seq_len} per rank per step, fp32, gloo\n")
-    engines = [("ddp", 0), ("fsdp2", 0)] + ([] if args.no_deepspeed else [("deepspeed", 2), ("deepspeed", 3)])
-    print("| ranks | engine | state per rank (GB) | vs 1 rank | peak RSS, largest rank (GB) | step (s) | vs DDP | "
-          "save (s) | load (s) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"one packed row of {args.seq_len} per data rank per step, fp32, gloo\n")
+    layouts = [n for n in args.layouts if not (args.no_deepspeed and n.startswith("zero"))]
+    print("| ranks | layout | build | state per rank (GB) | vs 1 rank | peak RSS after build (GB) | peak RSS (GB) | "
+          "vs DDP | step (s) | vs DDP | save (s) | load (s) |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     single: dict[str, float] = {}
-    ddp_step: dict[int, float] = {}
+    ddp: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory() as root:
         for world in args.worlds:
-            for engine, stage in engines:
-                name = engine if not stage else f"zero{stage}"
-                ckpt = str(Path(root) / f"{name}-{world}")
-                r = run(world, engine, stage, args, ckpt)
-                state = max(x["state"] for x in r) / 1e9
-                if world == 1:
-                    single[name] = state
-                step = r[0]["step_s"]
-                if engine == "ddp":
-                    ddp_step[world] = step
-                ratio = f"{state / single[name]:.2f}" if name in single else "-"
-                print(f"| {world} | {name} | {state:.3f} | {ratio} | {max(x['rss'] for x in r) / 1e9:.2f} | "
-                      f"{step:.2f} | {step / ddp_step[world]:.2f} | {r[0]['save_s']:.2f} | {r[0]['load_s']:.2f} |",
-                      flush=True)
-        if 2 in args.worlds:
-            print("\n| engine | 2-rank checkpoint loaded on 1 rank (s) |")
-            print("|---|---:|")
-            for engine, stage in engines:
-                if engine == "ddp":
+            for name in layouts:
+                engine, stage, tp = LAYOUTS[name]
+                if world % tp:
                     continue
-                name = engine if not stage else f"zero{stage}"
-                path = str(next((Path(root) / f"{name}-2" / "run" / "checkpoints").iterdir()))
-                r = run(1, engine, stage, args, path, mode="load")
+                for build in args.builds:
+                    meta = build == "meta" and engine != "deepspeed"
+                    if engine == "deepspeed" and build == "meta" and "cpu" in args.builds:
+                        continue
+                    ckpt = str(Path(root) / f"{name}-{build}-{world}")
+                    r = run(world, engine, stage, tp, meta, args, ckpt)
+                    state = max(x["state"] for x in r) / 1e9
+                    rss = max(x["rss"] for x in r) / 1e9
+                    if world == 1:
+                        single[name] = state
+                    step = r[0]["step_s"]
+                    if name == "ddp":
+                        ddp[(world, build)] = {"step": step, "rss": rss}
+                    base = ddp.get((world, build)) or ddp.get((world, "meta")) or {"step": step, "rss": rss}
+                    ratio = f"{state / single[name]:.2f}" if name in single else "-"
+                    print(f"| {world} | {name} | {'meta' if meta else 'cpu'} | {state:.3f} | {ratio} | "
+                          f"{max(x['built_rss'] for x in r) / 1e9:.2f} | {rss:.2f} | {rss / base['rss']:.2f} | "
+                          f"{step:.2f} | {step / base['step']:.2f} | {r[0]['save_s']:.2f} | {r[0]['load_s']:.2f} |",
+                          flush=True)
+        if 2 in args.worlds:
+            print("\n| layout | 2-rank checkpoint loaded on 1 rank (s) |")
+            print("|---|---:|")
+            for name in layouts:
+                engine, stage, tp = LAYOUTS[name]
+                if name == "ddp" or tp > 1:  # replicated or whole-tensor checkpoints: nothing to reshard
+                    continue
+                build = args.builds[0]
+                path = str(next((Path(root) / f"{name}-{build}-2" / "run" / "checkpoints").iterdir()))
+                r = run(1, engine, stage, 1, build == "meta" and engine != "deepspeed", args, path, mode="load")
                 print(f"| {name} | {r[0]['load_s']:.2f} |", flush=True)
 
 

@@ -27,7 +27,8 @@ PROMPT = "def parse_header(line):\n    "
 def varied(demo_data, tmp_path_factory) -> tuple[GPT, Path]:
     """A random model with large weights (init_std 0.5) and its export: its greedy text is varied and ends at
     a stop token by itself, where a few training steps of the tiny model only repeat one token."""
-    torch.manual_seed(0)
+    torch.manual_seed(11)  # a seed whose greedy reply meets a stop within 80 tokens (at 2 stops of 512 ids most
+    # seeds' replies run to the limit; the assertion at the end of the greedy test checks this one's still does)
     model = GPT(GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, max_seq_len=128, init_std=0.5)).eval()
     out = tmp_path_factory.mktemp("varied")
     write_hf(model, demo_data / "tokenizer", out)

@@ -443,3 +443,50 @@ def test_packed_scoring_in_bf16_is_as_close_to_fp32_as_unpacked(backend):
     yardstick = (scored("sdpa_docs", "unpacked", torch.bfloat16) - want).abs().max().item()
     got = (scored(backend, "packed", torch.bfloat16) - want).abs().max().item()
     assert got <= YARDSTICK_FACTOR * yardstick + 1e-3, (got, yardstick)
+
+
+def _tp_rank(rank, world, store):
+    """One rank of TP = 2 on its own GPU over NCCL: the losses of two steps."""
+    import torch.distributed as dist
+
+    from trainer.distributed.config import DistributedConfig
+    from trainer.distributed.groups import init_distributed, shutdown_distributed
+
+    shutdown_distributed()  # the harness's gloo group, for NCCL's over a file store
+    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    cfg = DistributedConfig(device="cuda", tensor_parallel=world)
+    info = init_distributed(cfg)
+    return _two_steps(info, cfg)
+
+
+def _two_steps(info, cfg) -> list[float]:
+    from trainer.distributed.engine import parallelize
+    from trainer.run.step import train_step
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=64,
+                                  pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
+                        AttentionConfig(backend="sdpa_docs"), meta=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 1.0, "fp32")
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(2):
+        docs = [Document(key=f"d{i}", tokens=rng.integers(2, 61, size=n)) for i, n in enumerate([30, 1, 20, 9])]
+        losses.append(train_step(engine, [collate_rows([docs], 63, 0, "packed")], info, 0).loss)
+    return losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two CUDA devices")
+def test_tensor_parallel_step_on_two_gpus_matches_one(tmp_path):
+    """distributed.tensor_parallel=2 over NCCL (Llama family, GQA, rows of 63 positions: the sequence shards
+    padded): two steps' losses equal one GPU's, fp32 (TF32 off)."""
+    from tests.harness import run_distributed
+    from trainer.distributed.config import DistributedConfig
+    from trainer.distributed.groups import DistInfo
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want = _two_steps(DistInfo(0, 1, 0, torch.device("cuda", 0)), DistributedConfig(device="cuda"))
+    got = run_distributed(_tp_rank, world_size=2, args=(str(tmp_path / "store"),))
+    for losses in got:
+        np.testing.assert_allclose(losses, want, rtol=1e-5)

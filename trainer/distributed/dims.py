@@ -15,7 +15,7 @@ Which group a question is asked over:
     loss     data x context: the ranks holding different positions of the rows; the sums of what the model
              computes per position (the loss) and the gradient all-reduce of replicated weights run over it
     fsdp     the group FSDP2 shards parameters over: the same ranks as `loss` (torchtitan's dp_shard_cp;
-             FSDP2 takes the flattened mesh["loss"])
+             FSDP2 takes the flattened `loss_mesh`)
     context  the ranks sharing each row (trainer/distributed/context.py)
     tensor   the ranks sharing each layer's weights (trainer/distributed/tensor.py)
 
@@ -58,6 +58,8 @@ class ParallelDims:
     without a process group."""
     groups: dict = field(default_factory=dict)
     """Group name -> torch ProcessGroup (every name of GROUPS when a mesh exists, else empty)."""
+    loss_mesh: DeviceMesh | None = None
+    """The loss (= fsdp) group as a 1-D DeviceMesh: data x context flattened, what FSDP2 shards over."""
 
     def __post_init__(self) -> None:
         if (problem := dims_problem(self.world_size, self.context, self.tensor)) is not None:
@@ -109,4 +111,4 @@ class ParallelDims:
         loss = mesh["data", "context"]._flatten("loss")  # torchtitan flattens its dp_shard_cp the same way
         groups = {name: mesh.get_group(name) for name in DIMS}
         groups["loss"] = groups["fsdp"] = loss.get_group()
-        return cls(world_size, rank, context, tensor, mesh, groups)
+        return cls(world_size, rank, context, tensor, mesh, groups, loss)

@@ -81,7 +81,7 @@ class FSDP2Engine(ClientOptimizerSteps):
         self.scheduler = scheduler
         self.grad_clip = grad_clip
         self.is_main = info.is_main
-        self.mesh = info.mesh["loss"]  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
+        self.mesh = info.dims.loss_mesh  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
         bf16 = dtype == "bf16"
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                          reduce_dtype=torch.float32 if bf16 else None)
