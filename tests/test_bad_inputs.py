@@ -206,6 +206,7 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("distributed.context_parallel", ("distributed.context_parallel=3",),  # the ranks first (issue 46), then the rows
      r"error: distributed.context_parallel=3 must divide the number of ranks \(1\): .*; distributed.context_parallel=3 "
      r"with the balanced split cuts each row into 24 equal chunks: train.seq_len \(128\) must be a multiple of 24"),
+    ("train.save_weights", ("train.save_weights=never",), r"train.save_weights must be 'end' or 'every', got 'never'"),
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=0",),
      r"distributed.tensor_parallel must be an integer >= 1, got 0"),
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=3",),

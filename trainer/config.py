@@ -59,6 +59,10 @@ class TrainConfig:
     """Save every N steps and at the end; 0 = only at the end."""
     keep_last: int = 2
     """Checkpoints kept in <run dir>/checkpoints."""
+    save_weights: str = "end"
+    """When a checkpoint holds model.safetensors under FSDP2 and tensor parallelism, which gather the whole model to
+    write it: 'end' (the run's last checkpoint; the others hold the weights in their shards or engine.pt, which
+    export, evaluate and init_from read) or 'every'. DDP and DeepSpeed checkpoints always hold it."""
     resume: bool | str = False
     """False, True (latest checkpoint in the run dir) or a checkpoint path."""
     overwrite: bool = False
@@ -132,6 +136,8 @@ class TrainConfig:
         for key, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_last", 1), ("warmup_marked_steps", 0),
                          ("grad_clip", 0)):
             require_range(f"train.{key}", getattr(self, key), low)
+        if self.save_weights not in ("end", "every"):
+            raise ValueError(f"train.save_weights must be 'end' or 'every', got {self.save_weights!r}")
         for key in ("resume", "init_from"):
             if getattr(self, key) == "":
                 raise ValueError(f"train.{key} must be a checkpoint path, not an empty string")

@@ -58,6 +58,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "train.compile": (SAME_OBJECTIVE, "the same blocks, compiled (tested against eager)"),
     "train.checkpoint_every": (IGNORED, "checkpoint cadence"),
     "train.keep_last": (IGNORED, "checkpoint retention"),
+    "train.save_weights": (IGNORED, "which checkpoints hold the whole weights"),
     "train.resume": (IGNORED, "a resumed run continues the same steps"),
     "train.overwrite": (IGNORED, "where an earlier run in the same run dir is moved; this run computes the same"),
     "train.init_from": (OTHER, "different starting weights"),

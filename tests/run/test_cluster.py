@@ -165,10 +165,13 @@ def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(demo_data, tmp_pa
 def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(demo_data, tmp_path, uninterrupted):
     """distributed=fsdp2 on 2 ranks, SIGTERM to rank 0 mid-run: both ranks stop at one step and write a DCP
     checkpoint; resumed, every step's loss (dropout on, before and after the preemption) equals the uninterrupted DDP
-    run's. The last checkpoint exports to the Hugging Face format without a GPU (its weights are the whole model's)."""
+    run's. The last checkpoint exports to the Hugging Face format without a GPU (its weights are the whole model's).
+    Only the last checkpoint holds model.safetensors (train.save_weights=end); the preempted one's weights are read
+    from its DCP shards, and the last one's shards read whole equal its model.safetensors exactly."""
     from safetensors.torch import load_file
 
     from tests.helpers import run_export
+    from trainer.checkpoint.weights import _dcp_weights, load_weights
 
     run_dir = tmp_path / "fsdp2"
     proc = start(run_dir, demo_data, "distributed=fsdp2", launcher=torchrun())
@@ -180,6 +183,8 @@ def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(
     ckpt = store.checkpoint_dir(run_dir, step)
     assert sorted(p.name for p in (ckpt / store.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert json.loads((ckpt / store.META_FILE).read_text())["engine"] == "fsdp2"
+    assert not (ckpt / store.WEIGHTS_FILE).exists()  # train.save_weights=end: a save before the last gathers nothing
+    preempted_weights = load_weights(ckpt)  # read from its DCP shards instead, on one process
     run_train(run_dir, demo_data, *CLUSTER, "distributed=fsdp2", "train.resume=true", launcher=torchrun())
     assert_same_losses_from(run_dir, uninterrupted[2], 1)
     last = store.latest_checkpoint(run_dir)
@@ -188,6 +193,10 @@ def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(
     assert proc.returncode == 0, proc.stderr[-3000:]
     exported = load_file(out / "model.safetensors")
     assert torch.equal(exported["transformer.wte.weight"], load_file(last / store.WEIGHTS_FILE)["wte.weight"])
+    # The last checkpoint holds both: its DCP shards read whole are its model.safetensors, bit for bit.
+    whole, from_dcp = load_file(last / store.WEIGHTS_FILE), _dcp_weights(last)
+    assert whole.keys() == from_dcp.keys() == preempted_weights.keys()
+    assert all(torch.equal(whole[k], from_dcp[k]) for k in whole)
 
 
 def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_them(demo_data, tmp_path):

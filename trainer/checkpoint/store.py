@@ -6,7 +6,10 @@ in packtrain spells these names):
     meta.json           META_FILE         step, token counters, world size, engine, the resolved run config
     conventions.json    CONVENTIONS_FILE  how inputs and objective were built (decided in trainer.run)
     tokenizer/          TOKENIZER_DIR     the tokenizer files the weights were trained with
-    model.safetensors   WEIGHTS_FILE      the whole model's weights (every engine), TIED_KEY left out
+    model.safetensors   WEIGHTS_FILE      the whole model's weights, TIED_KEY left out: in every DDP and DeepSpeed
+                                          checkpoint; under FSDP2 and tensor parallelism (where writing it gathers
+                                          the model) in the run's last one, or in each with train.save_weights=every
+                                          (a checkpoint without it: the weights are read from dcp/ or engine.pt)
     rank_00000.pt ...   rank_file(rank)   each rank's data-stream state and RNG states
     engine.pt           ENGINE_FILE       a replicated engine's (DDP's) model, optimizer and LR schedule
     deepspeed/          DEEPSPEED_DIR     or, for DeepSpeed, its own checkpoint: one ZeRO shard per rank, which
@@ -181,8 +184,10 @@ def save_checkpoint(
     conventions: dict,
     tokenizer_dir: str | Path,
     keep_last: int,
+    weights: bool = True,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory. weights: also write WEIGHTS_FILE
+    (gathered by engine.full_weights, a collective: every rank passes the same value)."""
     root = checkpoint_root(run_dir)
     final = root / step_name(step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
@@ -212,11 +217,12 @@ def save_checkpoint(
                 save_state(state, tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
             except (OSError, RuntimeError) as e:
                 failure = e
-    weights = engine.full_weights()  # collective (ZeRO-3 gathers the partitions); empty off rank 0
+    whole = engine.full_weights() if weights else {}  # collective (ZeRO-3 gathers the partitions); {} off rank 0
     if info.is_main and failure is None:
         try:
-            tied = head_is_tied(meta)
-            save_file({k: v for k, v in weights.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
+            if weights:
+                tied = head_is_tied(meta)
+                save_file({k: v for k, v in whole.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
             (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
             (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)

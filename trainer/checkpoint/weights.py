@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from trainer.checkpoint import hf
 from trainer.checkpoint.store import (
     CONVENTIONS_FILE,
+    DCP_DIR,
     ENGINE_FILE,
     META_FILE,
     PATH_HINT,
@@ -28,7 +29,7 @@ from trainer.checkpoint.store import (
     verify_file,
 )
 from trainer.errors import UserError
-from trainer.model import GPT, AttentionConfig, GPTConfig
+from trainer.model import GPT, AttentionConfig, GPTConfig, build_model
 
 
 class WeightsError(UserError):
@@ -87,10 +88,12 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
                 load_state,  # weights_only=True: refuses anything but data and tensors
             )
 
-            verify_file(path, ENGINE_FILE)
+            verify_file(path, ENGINE_FILE)  # a DDP (or tensor-parallel) checkpoint: its engine state is whole
             state = load_state(engine_file, map_location="cpu")["model"]
             tied = checkpoint_meta(path).get("config", {}).get("model", {}).get("tie_embeddings", True)
             return {k: v for k, v in state.items() if not (tied and k == TIED_KEY)}
+        if (Path(path) / DCP_DIR).is_dir():  # FSDP2, a save before the run's last (train.save_weights=end)
+            return _dcp_weights(Path(path))
         raise WeightsError(f"{Path(path)} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one "
                            "written before the weights were saved on their own)")
     verify_file(path, WEIGHTS_FILE)
@@ -98,6 +101,17 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         return load_file(str(file))
     except Exception as e:  # safetensors raises its own SafetensorError for a corrupt or truncated file
         raise WeightsError(f"{file}: not a readable safetensors file ({e})") from e
+
+
+def _dcp_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole weights (tied key omitted) from an FSDP2 checkpoint's DCP shards, every shard file checked first."""
+    from trainer.distributed.fsdp import read_dcp_weights
+
+    for file in sorted((path / DCP_DIR).iterdir()):
+        verify_file(path, f"{DCP_DIR}/{file.name}")
+    model = build_model(model_config(path), AttentionConfig(backend="sdpa_docs"), meta=True)
+    shapes = {k: v for k, v in model.whole_shapes.items() if k not in model.tied_keys}
+    return read_dcp_weights(path / DCP_DIR, shapes)
 
 
 def tokenizer_dir(path: str | Path) -> Path:

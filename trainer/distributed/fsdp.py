@@ -36,6 +36,7 @@ import io
 import logging
 import os
 import pickle
+import warnings
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -185,6 +186,25 @@ class FSDP2Engine(ClientOptimizerSteps):
         if not self.is_main:
             return {}
         return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def read_dcp_weights(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Not collective, no process group: the whole model's weights (`shapes`: name -> whole shape) read on the CPU
+    from the DCP checkpoint save_shards wrote into `directory` on any number of ranks (its optimizer state is left
+    unread), with the same safe reader as load_shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
+    try:
+        with dcp_logs_silenced(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
+            dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner(allow_partial_load=True),
+                     no_dist=True)
+    except CheckpointException as e:
+        raise DCPLoadError(f"cannot read the model's weights from the FSDP2 checkpoint {directory}: "
+                           f"{_first_failure(e)}") from None
+    return state["model"]
 
 
 _SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); sharded is True"

@@ -118,11 +118,11 @@ class Checkpointer:
     """The checkpoint `resume_path` verified (its load does not hash it again)."""
 
     def save(self, step: int, engine: Engine, rank_state: dict, meta: dict, conventions: dict,
-             tokenizer_dir: Path) -> Path:
-        """Collective: every rank writes its part of step `step`'s checkpoint."""
+             tokenizer_dir: Path, weights: bool = True) -> Path:
+        """Collective: every rank writes its part of step `step`'s checkpoint (with model.safetensors: `weights`)."""
         self.last = store.save_checkpoint(self.run_dir, step, self.info, engine, rank_state=rank_state, meta=meta,
                                           conventions=conventions, tokenizer_dir=tokenizer_dir,
-                                          keep_last=self.keep_last)
+                                          keep_last=self.keep_last, weights=weights)
         return self.last
 
     def load(self, path: Path, engine: Engine) -> tuple[dict, dict[int, dict]]:

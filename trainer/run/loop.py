@@ -456,7 +456,15 @@ class Trainer:
             conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size, self.dtype),
                          "init_from": self.init_record},
             tokenizer_dir=self.data.tokenizer_dir,
+            weights=self._weights_due(),
         )
+
+    def _weights_due(self) -> bool:
+        """Whether this save writes model.safetensors: always, except under FSDP2 and tensor parallelism, where
+        gathering the whole model costs each save seconds (its weights are in dcp/ or engine.pt): there at the run's
+        last step, or at every save with train.save_weights=every."""
+        gathered = self.engine.shard_format == "dcp" or self.info.tensor_size > 1
+        return not gathered or self.cfg.train.save_weights == "every" or self.step >= self.cfg.train.max_steps
 
 
 def _seed_everything(seed: int) -> None:
