@@ -189,6 +189,9 @@ def test_same_step_as_one_rank(spawned, references, phase, name, data_world, wha
         assert got["valid"] == want["valid"]
         for step in range(STEPS):
             assert_close(got["grads"][step], want["grads"][step], f"{what} rank {rank} step {step} gradients")
+            if rank > 0:  # the state is gathered onto rank 0, which writes checkpoints, alone
+                assert got["state"][step] == {}
+                continue
             assert_close(got["state"][step]["model"], want["state"][step]["model"], f"{what} rank {rank} weights")
             assert_close(got["state"][step]["optimizer"]["state"], want["state"][step]["optimizer"]["state"],
                          f"{what} rank {rank} optimizer state")

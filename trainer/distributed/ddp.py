@@ -75,6 +75,8 @@ class DDPEngine(ClientOptimizerSteps):
         self.device = info.device
         self.is_main = info.is_main
         self.tensor = tensor
+        self.writes = info.dims.loss_rank == 0
+        """Whether this rank's tensor group holds rank 0, which writes checkpoints: only it gathers whole tensors."""
         replicas = info.dims.loss_size  # the ranks holding the same weights
         if replicas > 1:
             ids = [info.device.index] if info.device.type == "cuda" else None
@@ -123,14 +125,17 @@ class DDPEngine(ClientOptimizerSteps):
 
     def state_dict(self) -> dict:
         """Model, optimizer and schedule state (the same on every rank); the tensors are the live ones. Called on
-        every rank: under tensor parallelism it gathers the whole tensors over the tensor group (collective), so
-        the state is a one-rank run's and loads on any layout."""
+        every rank: under tensor parallelism rank 0's tensor group gathers the whole tensors onto rank 0 (one
+        tensor at a time; {} on every other rank), so the state is a one-rank run's and loads on any layout."""
         if self.tensor is not None:
             from trainer.distributed.tensor import full_optimizer_state
 
-            return {"model": self.tensor.full_state(self.module.state_dict()),
-                    "optimizer": full_optimizer_state(self.tensor, self.optimizer),
-                    "scheduler": self.scheduler.state_dict()}
+            if not self.writes:
+                return {}
+            model = self.tensor.full_state(self.module.state_dict(), everywhere=False)
+            optimizer = full_optimizer_state(self.tensor, self.optimizer, everywhere=False)
+            return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()} \
+                if self.is_main else {}
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -153,7 +158,7 @@ class DDPEngine(ClientOptimizerSteps):
         parallelism every rank calls it, and the tensor group gathers them)."""
         state = self.module.state_dict()
         if self.tensor is not None:
-            state = self.tensor.full_state(state)
+            state = self.tensor.full_state(state, everywhere=False) if self.writes else {}
         if not self.is_main:
             return {}
         return {k: v.detach().cpu().contiguous() for k, v in state.items()}

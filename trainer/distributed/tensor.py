@@ -358,15 +358,24 @@ class TensorParallel:
         """Whole tensors (a model state dict) -> this rank's, by name; the others as they are."""
         return {k: self.layouts[k].shard(v, self.size, self.rank) if k in self.layouts else v for k, v in state.items()}
 
-    def full_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name."""
+    def full_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> dict[str, torch.Tensor]:
+        """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name, on every
+        rank of the group; `everywhere=False`: on its first rank alone (gathered there, one whole tensor at a
+        time), the others get {} (a checkpoint's writer is one rank: the others never hold the whole model)."""
         out = {}
+        first = dist.get_global_rank(self.group, 0)
         for k, v in state.items():
             if k in self.layouts:
-                parts = [torch.empty_like(v) for _ in range(self.size)]
-                dist.all_gather(parts, v.detach().contiguous(), group=self.group)
-                v = self.layouts[k].join(parts, self.whole[k])
-            out[k] = v
+                v = v.detach().contiguous()
+                if everywhere:
+                    parts = [torch.empty_like(v) for _ in range(self.size)]
+                    dist.all_gather(parts, v, group=self.group)
+                else:
+                    parts = [torch.empty_like(v) for _ in range(self.size)] if self.rank == 0 else None
+                    dist.gather(v, parts, dst=first, group=self.group)
+                v = self.layouts[k].join(parts, self.whole[k]) if parts is not None else None
+            if everywhere or self.rank == 0:
+                out[k] = v
         return out
 
     def reduce_partial_grads(self) -> None:
@@ -444,16 +453,18 @@ def _optimizer_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer) -> dict:
+def full_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
     """Collective over the group: optimizer.state_dict() with every split parameter's state tensors (Adam's
-    moments, shaped like it) whole, as one rank's optimizer would hold them."""
+    moments, shaped like it) whole, as one rank's optimizer would hold them (`everywhere=False`: on the group's
+    first rank alone, {} on the others, as `TensorParallel.full_state`)."""
     state = optimizer.state_dict()
     names = _optimizer_names(optimizer, tp.model)
     out = {}
     for index, entry in state["state"].items():
         name = names[index]
-        out[index] = {k: tp.full_state({name: v})[name] if _moment(v, name, tp) else v for k, v in entry.items()}
-    return {**state, "state": out}
+        out[index] = {k: tp.full_state({name: v}, everywhere).get(name) if _moment(v, name, tp) else v
+                      for k, v in entry.items()}
+    return {**state, "state": out} if everywhere or tp.rank == 0 else {}
 
 
 def shard_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer, state: dict) -> dict:
