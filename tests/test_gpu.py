@@ -14,6 +14,7 @@ names in the ids.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -283,6 +284,28 @@ def document_logits(logits: torch.Tensor, where: list[tuple[int, int, int]]) -> 
     return torch.cat([logits[r, s:e] for r, s, e in where])
 
 
+def _deviation(logits, loss, grads, where, ref_logits, ref_loss, ref_grads) -> Deviation:
+    return Deviation(worst_position_error(document_logits(logits, where), ref_logits),
+                     abs(loss - ref_loss) / abs(ref_loss), relative_error(grads, ref_grads))
+
+
+@functools.lru_cache(maxsize=8)
+def _reference(device: torch.device, dtype: torch.dtype, family: str):
+    """((logits, loss, grads) of the fp32 reference, the yardstick): the padded path (plain causal SDPA per row) in
+    fp32, and its deviation in `dtype`. The same for every kernel and planted leak (small_model draws the same
+    weights), so computed once per device, dtype and family."""
+    rows = make_rows()
+    docs = [d for row in rows for d in row]
+    unpacked = collate_rows([[d] for d in docs], 256, 0, "unpacked").to_device(device)
+    where_unpacked = [(i, 0, len(d)) for i, d in enumerate(docs)]
+    reference = small_model(device, "sdpa_docs", family=family)
+    ref_logits, ref_loss, ref_grads = logits_loss_grads(reference, unpacked, device, None)
+    ref_logits = document_logits(ref_logits, where_unpacked)
+    yardstick = _deviation(*logits_loss_grads(reference, unpacked, device, dtype), where_unpacked, ref_logits,
+                           ref_loss, ref_grads)
+    return (ref_logits, ref_loss, ref_grads), yardstick
+
+
 def reference_check(device: torch.device, backend: str, leak: str | None = None,
                     dtype: torch.dtype = torch.bfloat16, family: str = "gpt2") -> tuple[list[str], Deviation, Deviation]:
     """(problems, packed, yardstick): packed rows on `backend` in `dtype` against the fp32 reference, with
@@ -293,29 +316,17 @@ def reference_check(device: torch.device, backend: str, leak: str | None = None,
     "boundary_off_by_one" (row 0's 1-token document starts a token early, seeing its neighbour's last token).
     """
     rows = make_rows()
-    docs = [d for row in rows for d in row]
     packed = collate_rows(rows, 256, 0, "packed").to_device(device)
-    unpacked = collate_rows([[d] for d in docs], 256, 0, "unpacked").to_device(device)
     where_packed = spans(rows)
-    where_unpacked = [(i, 0, len(d)) for i, d in enumerate(docs)]
 
-    reference = small_model(device, "sdpa_docs", family=family)  # the padded path: plain causal SDPA per row, fp32
     model = small_model(device, backend, isolate_documents=leak != "one_mask_per_row", family=family)
-    model.load_state_dict(reference.state_dict())
+    (ref_logits, ref_loss, ref_grads), yardstick = _reference(device, dtype, family)
     cu = None
     if leak == "boundary_off_by_one":
         cu = packed.cu_seqlens.clone()
         cu[2] -= 1  # [0, 100, 137, 138, ...] -> [0, 100, 136, 138, ...]
-
-    ref_logits, ref_loss, ref_grads = logits_loss_grads(reference, unpacked, device, None)
-    ref_logits = document_logits(ref_logits, where_unpacked)
-
-    def deviation(logits, loss, grads, where) -> Deviation:
-        return Deviation(worst_position_error(document_logits(logits, where), ref_logits),
-                         abs(loss - ref_loss) / abs(ref_loss), relative_error(grads, ref_grads))
-
-    yardstick = deviation(*logits_loss_grads(reference, unpacked, device, dtype), where_unpacked)
-    got = deviation(*logits_loss_grads(model, packed, device, dtype, cu), where_packed)
+    got = _deviation(*logits_loss_grads(model, packed, device, dtype, cu), where_packed, ref_logits, ref_loss,
+                     ref_grads)
     problems = []
     for what, floor in (("logits", 0.0), ("loss", 1e-4), ("grads", 0.0)):
         bound = max(YARDSTICK_FACTOR * getattr(yardstick, what), floor)
