@@ -9,7 +9,7 @@ Everything a position needs that depends on its neighbours is computed on the wh
 positions (reset per document), targets (labels shifted left on the whole row, so the target of a chunk's last
 position is the first label of the next chunk, and -100 at each document start holds wherever the chunk lands),
 loss weights and groups. The model then scores each local position against its own pre-shifted target
-(`labels_shifted`). Attention is the only layer that sees other positions, and does so in one of two ways:
+(`targets`). Attention is the only layer that sees other positions, and does so in one of two ways:
 
     allgather  K and V all-gathered over the group (differentiable: the backward reduce-scatters their
                gradients to their owners); each local query attends to the keys of its own document up to itself.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from trainer.distributed.config import ALLGATHER_KERNELS, CP_SPLITS, CP_STRATEGIES
 from trainer.model import flash
 from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
-from trainer.model.loss import shift_left
+from trainer.model.loss import next_token_targets
 
 
 def zigzag_positions(seq_len: int, size: int, rank: int) -> np.ndarray:
@@ -159,9 +159,7 @@ def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True)
         position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
     cu_seqlens = inputs.get("cu_seqlens")
     per_row = cu_seqlens is None or not isolate_documents
-    targets = shift_left(labels, -100)
-    weights = None if inputs.get("loss_weights") is None else shift_left(inputs["loss_weights"].float(), 0.0)
-    groups = None if inputs.get("loss_groups") is None else shift_left(inputs["loss_groups"], -1)
+    targets, weights, groups = next_token_targets(labels, inputs.get("loss_weights"), inputs.get("loss_groups"))
     chunks = split_chunks(cp.split, cp.size)
     pad = (-L) % chunks
     if pad:
@@ -183,8 +181,8 @@ def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True)
     def cut(x: torch.Tensor) -> torch.Tensor:
         return torch.gather(x, 1, index)
 
-    out = {"input_ids": cut(input_ids), "position_ids": cut(position_ids), "labels": cut(targets),
-           "labels_shifted": True, "context": context}
+    out = {"input_ids": cut(input_ids), "position_ids": cut(position_ids), "targets": cut(targets),
+           "context": context}
     if weights is not None:
         out["loss_weights"] = cut(weights)
     if groups is not None:

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, Segments, segment_attention
-from trainer.model.loss import chunked_cross_entropy, plain_cross_entropy
+from trainer.model.loss import chunked_cross_entropy_sums, cross_entropy_sums, next_token_targets
 
 POS_EMBS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -452,7 +452,7 @@ class GPT(nn.Module):
         loss_groups: torch.Tensor | None = None,
         num_loss_groups: int = 0,
         context=None,
-        labels_shifted: bool = False,
+        targets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
 
@@ -469,9 +469,15 @@ class GPT(nn.Module):
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
         context: this rank's share of whole rows under context parallelism (a trainer.distributed.context.
         ContextShard; its shard_inputs makes these kwargs): each attention layer calls its `attend(q, k, v,
-        backend, flex_compile)`, which joins the group's shares; labels, weights and groups then arrive shifted
-        (`labels_shifted`: labels[t] is position t's target). The model itself imports no torch.distributed.
+        backend, flex_compile)`, which joins the group's shares; it passes `targets` instead of labels.
+        targets (B, L): what each position predicts, already aligned with the positions (trainer.model.loss.
+        next_token_targets, made on whole rows before a shard cuts them), with loss_weights and loss_groups aligned
+        the same way; give labels or targets, not both. The model itself imports no torch.distributed.
         """
+        if labels is not None:  # the one shift: position t predicts labels[t + 1]
+            if targets is not None:
+                raise ValueError("give labels (unshifted) or targets (aligned with the positions), not both")
+            targets, loss_weights, loss_groups = next_token_targets(labels, loss_weights, loss_groups)
         B, L = input_ids.shape
         past = 0 if cache is None else cache.length
         if past + L > self.cfg.max_seq_len:
@@ -502,17 +508,16 @@ class GPT(nn.Module):
             cache.length += L
         h = self.ln_f(x)  # (B, L, C)
 
-        if self.loss_chunk_tokens and labels is not None and not return_logits:  # the logits never exist whole
-            loss_sum, num_targets, weighted, grouped = chunked_cross_entropy(
-                h, self.lm_head.weight, labels, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups,
-                labels_shifted)
+        if self.loss_chunk_tokens and targets is not None and not return_logits:  # the logits never exist whole
+            loss_sum, num_targets, weighted, grouped = chunked_cross_entropy_sums(
+                h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups)
             return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
                                group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V), or (B, L, V / N) under tensor parallelism
         loss_sum = num_targets = weighted = grouped = None
-        if labels is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
-            loss_sum, num_targets, weighted, grouped = plain_cross_entropy(
-                logits, labels, loss_weights, loss_groups, num_loss_groups, labels_shifted, self.vocab_shard)
+        if targets is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
+            loss_sum, num_targets, weighted, grouped = cross_entropy_sums(
+                logits, targets, loss_weights, loss_groups, num_loss_groups, self.vocab_shard)
         if self.vocab_shard is not None:  # whole logits only when asked for (True): the loss never needs them
             logits = self.vocab_shard.gather(logits) if return_logits else None
         return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,

@@ -1,23 +1,25 @@
 """The token losses of the model's output: summed cross entropy over the targets of unshifted labels.
 
-Labels arrive unshifted (-100 at each segment start and on padding; trainer.data.batch) and are shifted here,
-so the loss is the same sum over the same targets in the padded and the packed layout; the caller (the step)
-divides by its own count of targets. The shift is done on the labels, never on the logits: position t of a
-row is scored against labels[t + 1] and a row's last position against nothing (`shift_left`), so the (B * L, V)
-logits are read in place, as one contiguous matrix (slicing off each row's last position would copy them all,
-and so would a transposed (B, V, L) view).
+Labels arrive unshifted (-100 at each segment start and on padding; trainer.data.batch) and are shifted here, in
+one place (`next_token_targets`), so the loss is the same sum over the same targets in the padded and the packed
+layout; the caller (the step) divides by its own count of targets. The shift is done on the labels, never on the
+logits: position t of a row is scored against labels[t + 1] and a row's last position against nothing
+(`shift_left`), so the (B * L, V) logits are read in place, as one contiguous matrix (slicing off each row's last
+position would copy them all, and so would a transposed (B, V, L) view).
 
 Every sum comes from one tensor of token losses, computed once: the objective, the weighted sum of the other
 loss normalizations and the per-group sums of the metrics are reductions of the same (B, L) values, so a metric
 can neither change the objective nor drift from it. Two forms, each returning (loss sum, number of targets,
-weighted sum or None, per-group sums or None):
-    plain_cross_entropy     from whole logits (B, L, V): `token_losses`, then the sums
-    chunked_cross_entropy   from the final hidden states and the head's weight, a chunk of positions at a
-                            time: the (B * L, V) logits never exist whole (loss.chunk_tokens); same values
-                            and gradients as the plain form
+weighted sum or None, per-group sums or None), each from targets aligned with the positions (the model's call)
+or, as `plain_cross_entropy` / `chunked_cross_entropy`, from unshifted labels:
+    cross_entropy_sums          from whole logits (B, L, V): `position_losses`, then the sums
+    chunked_cross_entropy_sums  from the final hidden states and the head's weight, a chunk of positions at a
+                                time: the (B * L, V) logits never exist whole (loss.chunk_tokens); same values
+                                and gradients as the plain form
 `weights` (B, L) (loss.normalization modes other than global_tokens weigh each target by its document, row or
-micro-batch) and `groups` (B, L) (a group id per target, e.g. its document's source x length bucket) are aligned
-with the unshifted labels, like them. The group sums are a metric: detached, they change no value or gradient.
+micro-batch) and `groups` (B, L) (a group id per target, e.g. its document's source x length bucket) come aligned
+with the unshifted labels, like them, and are aligned with the targets by the same shift. The group sums are a
+metric: detached, they change no value or gradient.
 """
 
 from __future__ import annotations
@@ -38,18 +40,35 @@ def shift_left(x_BL: torch.Tensor, fill: float) -> torch.Tensor:
     return F.pad(x_BL[:, 1:], (0, 1), value=fill)
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False, vocab=None) -> torch.Tensor:
-    """(B, L) fp32 cross entropy of each position's next-token target (logits at t predicting labels at t + 1),
-    0 where ignored and at each row's last position. One kernel over the contiguous (B * L, V) logits.
-    `shifted`: labels[t] already is position t's target (a context-parallel shard, cut from shifted whole rows).
-    `vocab`: the logits are this rank's columns of the vocabulary (tensor parallelism: a
-    trainer.distributed.tensor.VocabShard, whose cross_entropy joins the group's), else None."""
+def next_token_targets(labels: torch.Tensor, weights: torch.Tensor | None = None,
+                       groups: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Unshifted labels (and their weights and groups) -> what each position predicts: the one place of the shift.
+
+    Returns (targets, weights or None, groups or None), each (B, L) and aligned with the positions: targets[t] =
+    labels[t + 1], -100 at each row's last position (weights 0 there, groups -1). A context-parallel shard is cut
+    from targets made on the whole rows (trainer.distributed.context), so the loss never sees a shift or a shard.
+    """
+    return (shift_left(labels, IGNORE_INDEX), None if weights is None else shift_left(weights, 0.0),
+            None if groups is None else shift_left(groups, -1))
+
+
+def position_losses(logits: torch.Tensor, targets: torch.Tensor, vocab=None) -> torch.Tensor:
+    """(B, L) fp32 cross entropy of each position's logits against its target (`next_token_targets`), 0 where it
+    is -100. One kernel over the contiguous (B * L, V) logits. `vocab`: the logits are this rank's columns of the
+    vocabulary (tensor parallelism: a trainer.distributed.tensor.VocabShard, whose cross_entropy joins the
+    group's), else None."""
     B, L, V = logits.shape
-    targets_N = (labels if shifted else shift_left(labels, IGNORE_INDEX)).reshape(-1)
+    targets_N = targets.reshape(-1)
     if vocab is not None:
         return vocab.cross_entropy(logits.reshape(B * L, V), targets_N).view(B, L)
     ce_N = F.cross_entropy(logits.reshape(B * L, V).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
     return ce_N.view(B, L)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) fp32 cross entropy of each position's next-token target (logits at t predicting labels at t + 1),
+    0 where ignored and at each row's last position."""
+    return position_losses(logits, next_token_targets(labels)[0])
 
 
 def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -64,33 +83,37 @@ def group_sums(ce_N: torch.Tensor, groups_N: torch.Tensor, num_groups: int) -> t
     return out.index_add_(0, torch.where(inside, groups_N, 0), torch.where(inside, ce_N, 0.0))
 
 
-def num_targets(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """Targets of unshifted labels: every label but -100 and each row's first (which nothing predicts); of
-    `shifted` ones, every label but -100."""
-    return (labels != IGNORE_INDEX).sum() if shifted else (labels[:, 1:] != IGNORE_INDEX).sum()
+def num_targets(targets: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with positions (`next_token_targets`): every one but -100."""
+    return (targets != IGNORE_INDEX).sum()
 
 
-def _aligned(x_BL: torch.Tensor, fill: float, shifted: bool) -> torch.Tensor:
-    """Weights or groups aligned with the positions that score them: shifted left unless they already are."""
-    return x_BL if shifted else shift_left(x_BL, fill)
+def cross_entropy_sums(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None, num_groups: int = 0, vocab=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
+    of whole logits (B, L, V) (or of this rank's vocabulary columns: `vocab`, as `position_losses`) against
+    targets aligned with the positions, their weights and groups aligned too (`next_token_targets`). Every sum
+    reduces the same `position_losses`: with or without weights and groups, the loss sum is the same, bit for bit.
+
+    weights[b, t] weighs position t's target, e.g. 1 / (targets of its document) makes the weighted sum the sum of
+    per-document mean losses; groups[b, t] is the group of that target (-1: none), as in `group_sums`.
+    """
+    ce_BL = position_losses(logits, targets, vocab)
+    weighted = None if weights is None else (ce_BL * weights).sum()
+    grouped = None if groups is None else group_sums(ce_BL, groups, num_groups)
+    return ce_BL.sum(), num_targets(targets), weighted, grouped
 
 
 def plain_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False, vocab=None,
+    groups: torch.Tensor | None = None, num_groups: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
-    of whole logits (B, L, V) (or of this rank's vocabulary columns: `vocab`, as `token_losses`). Every sum reduces the same `token_losses`: with or without weights and groups, the
-    loss sum is the same value, bit for bit.
-
-    weights[b, t] weighs the target labels[b, t] (predicted from position t - 1), e.g. 1 / (targets of the
-    token's document) makes the weighted sum the sum of per-document mean losses; groups[b, t] is the group of
-    that target (-1: none), as in `group_sums`.
-    """
-    ce_BL = token_losses(logits, labels, shifted, vocab)
-    weighted = None if weights is None else (ce_BL * _aligned(weights, 0.0, shifted)).sum()
-    grouped = None if groups is None else group_sums(ce_BL, _aligned(groups, -1, shifted), num_groups)
-    return ce_BL.sum(), num_targets(labels, shifted), weighted, grouped
+    """`cross_entropy_sums` of unshifted labels (with their weights and groups aligned with them, as the batch
+    holds them): the targets made by `next_token_targets`."""
+    targets, weights, groups = next_token_targets(labels, weights, groups)
+    return cross_entropy_sums(logits, targets, weights, groups, num_groups)
 
 
 def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,30 +200,38 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
-    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0, shifted: bool = False,
+def chunked_cross_entropy_sums(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None,
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """plain_cross_entropy of the logits `hidden @ weight.T`, never all in memory.
+    """`cross_entropy_sums` of the logits `hidden @ weight.T`, never all in memory.
 
-    hidden (B, L, C) is the final norm's output, weight (V, C) the output head; the logits are made and
-    consumed `chunk_tokens` flat positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of
-    targets, weighted sum or None, per-group sums or None: `groups` given), the same values and gradients as the
-    plain path. The shift is done on the
-    labels: position t of a row is scored against labels[t + 1], a row's last position against nothing (-100).
-    Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets of positions 0..3 [a1 -100 b1 -100].
+    hidden (B, L, C) is the final norm's output, weight (V, C) the output head, targets (and weights, groups)
+    aligned with the positions (`next_token_targets`); the logits are made and consumed `chunk_tokens` flat
+    positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of targets, weighted sum or None,
+    per-group sums or None: `groups` given), the same values and gradients as the plain path.
     """
     B, L, C = hidden.shape
-    targets_BL = _aligned(labels, IGNORE_INDEX, shifted)
-    weights_N = None if weights is None else _aligned(weights.float(), 0.0, shifted).reshape(-1)
-    groups_N = None if groups is None else _aligned(groups, -1, shifted).reshape(-1)
+    weights_N = None if weights is None else weights.float().reshape(-1)
+    groups_N = None if groups is None else groups.reshape(-1)
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
         loss_sum, weighted_sum, grouped = _ChunkedHeadLoss.apply(
-            hidden.reshape(B * L, C), weight, targets_BL.reshape(-1), weights_N, chunk_tokens, compute_dtype,
+            hidden.reshape(B * L, C), weight, targets.reshape(-1), weights_N, chunk_tokens, compute_dtype,
             want_grad, groups_N, num_groups,
         )
-    return (loss_sum, num_targets(labels, shifted), None if weights is None else weighted_sum,
+    return (loss_sum, num_targets(targets), None if weights is None else weighted_sum,
             None if groups is None else grouped)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`chunked_cross_entropy_sums` of unshifted labels: position t of a row is scored against labels[t + 1], a
+    row's last position against nothing. Example, one row [a0 a1 | b0 b1], labels [-100 a1 -100 b1] -> targets
+    of positions 0..3 [a1 -100 b1 -100]."""
+    targets, weights, groups = next_token_targets(labels, weights, groups)
+    return chunked_cross_entropy_sums(hidden, weight, targets, weights, chunk_tokens, groups, num_groups)
