@@ -23,6 +23,19 @@ from trainer.model import compute_dtype
 _REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); sharded is False"
 
 
+def forward_backward(module, inputs: dict, loss_scale: float, backward=torch.Tensor.backward,
+                     autocast=contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One micro-batch's forward and backward, every engine's: the objective is the weighted sum when the inputs
+    carry loss_weights (trainer.run.step.loss_weights), else the plain sum; `backward(objective * loss_scale)` (an
+    engine's own, e.g. DeepSpeed's), outside `autocast()`, which wraps the forward alone. Returns (objective sum,
+    plain summed token loss, per-group sums or None), detached."""
+    with autocast():
+        out = module(**inputs, return_logits=False)
+    objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
+    backward(objective * loss_scale)
+    return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+
+
 class ClientOptimizerSteps:
     """The optimizer half of an engine that steps the client's optimizer and LR schedule itself (`self.optimizer`,
     `self.scheduler`) after its own `clip_gradients`: DDP and FSDP2 (DeepSpeed steps them inside its engine)."""
@@ -95,11 +108,7 @@ class DDPEngine(ClientOptimizerSteps):
         """
         no_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not self.module) else contextlib.nullcontext()
         with no_sync:
-            with self._autocast():
-                out = self.wrapped(**inputs)
-            objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
-            (objective * loss_scale).backward()
-        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+            return forward_backward(self.wrapped, inputs, loss_scale, autocast=self._autocast)
 
     @torch.no_grad()
     def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.distributed.config import DistributedConfig
+from trainer.distributed.ddp import forward_backward
 from trainer.distributed.groups import DistInfo
 
 
@@ -106,10 +107,7 @@ class DeepSpeedEngine:
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
         self.ds.set_gradient_accumulation_boundary(sync)
-        out = self.ds(**inputs)
-        objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
-        self.ds.backward(objective * loss_scale, scale_wrt_gas=False)
-        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+        return forward_backward(self.ds, inputs, loss_scale, lambda loss: self.ds.backward(loss, scale_wrt_gas=False))
 
     @torch.no_grad()
     def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.ddp import ClientOptimizerSteps
+from trainer.distributed.ddp import ClientOptimizerSteps, forward_backward
 from trainer.distributed.groups import DistInfo
 from trainer.errors import UserError
 
@@ -104,10 +104,7 @@ class FSDP2Engine(ClientOptimizerSteps):
         """Forward + backward of one micro-batch; gradients are reduce-scattered only when `sync` (the step's last
         micro-batch), accumulated unsharded before it."""
         self.module.set_requires_gradient_sync(sync)
-        out = self.module(**inputs)
-        objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
-        (objective * loss_scale).backward()
-        return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+        return forward_backward(self.module, inputs, loss_scale)
 
     @torch.no_grad()
     def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
