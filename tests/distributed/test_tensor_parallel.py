@@ -276,23 +276,36 @@ def test_shapes_that_do_not_split(shape, size, needle):
 def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, tmp_path):
     """`torchrun --nproc_per_node=2 -m trainer.train distributed.tensor_parallel=2`: the session's one-rank run
     (tests/conftest.py `checkpoint`: 3 steps, eval on) again, with each layer split over two ranks: the same losses
-    and val loss, and its model.safetensors (gathered whole, the padding dropped) the one-rank run's weights."""
+    and val loss, and its model.safetensors (gathered whole, the padding dropped) the one-rank run's weights; its
+    step-2 checkpoint resumes on one rank with the one-rank run's step 3."""
     from safetensors.torch import load_file
 
     from tests.helpers import CHECKPOINT_SEQ_LEN, latest_checkpoint, metrics, run_train, torchrun
 
-    run_train(tmp_path, demo_data, "train.max_steps=3", f"train.seq_len={CHECKPOINT_SEQ_LEN}",
-              "distributed.tensor_parallel=2", launcher=torchrun(2))
-    got, want = metrics(tmp_path), metrics(checkpoint.parent.parent)
+    from trainer.checkpoint import store
+    from trainer.checkpoint.weights import load_weights
+
+    tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
+    common = ("train.max_steps=3", f"train.seq_len={CHECKPOINT_SEQ_LEN}")
+    run_train(tp2, demo_data, *common, "train.checkpoint_every=2", "distributed.tensor_parallel=2",
+              launcher=torchrun(2))
+    got, want = metrics(tp2), metrics(checkpoint.parent.parent)
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for key in ("loss", "val_loss", "valid_tokens"):
         assert [m.get(key) is None for m in got] == [m.get(key) is None for m in want], key
         values = [(g[key], w[key]) for g, w in zip(got, want, strict=True) if w.get(key) is not None]
         assert values and all(g == pytest.approx(w, rel=1e-6) for g, w in values), (key, values)
-    a, b = load_file(latest_checkpoint(tmp_path) / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    a, b = load_file(latest_checkpoint(tp2) / "model.safetensors"), load_file(checkpoint / "model.safetensors")
     assert a.keys() == b.keys()
     for k in b:
         assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k
+    # Step 2's checkpoint, not the run's last: no model.safetensors (train.save_weights=end), its whole weights in
+    # engine.pt; resumed on ONE rank (TP 2 -> TP 1, data stream included), step 3 is the uninterrupted run's.
+    mid = store.checkpoint_dir(tp2, 2)
+    assert not (mid / store.WEIGHTS_FILE).exists() and load_weights(mid).keys() == b.keys()
+    run_train(tp1, demo_data, *common, f"train.resume={mid}")
+    assert [m["step"] for m in metrics(tp1)] == [3]
+    assert metrics(tp1)[0]["loss"] == pytest.approx(want[2]["loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("i", range(len(META)), ids=["-".join(map(str, m)) for m in META])

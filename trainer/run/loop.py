@@ -236,12 +236,14 @@ class Trainer:
         of ranks or data.num_workers, its part of every old rank's (trainer.data.reshape: each document of the
         interrupted epoch not yet trained on is trained on once, in another order than the uninterrupted run's).
 
-        The stream belongs to the data ranks: under context parallelism the N ranks of a group hold one stream's
-        state alike, so a checkpoint written at CP = N by W ranks holds W / N streams (those of ranks 0, N, 2N, ...)
-        and resumes on any CP size whose data ranks are as many (the stream exactly) or not (dealt, as above)."""
+        The stream belongs to the data ranks: under context and tensor parallelism the C x T ranks of a data rank
+        hold one stream's state alike, so a checkpoint written at C x T = N by W ranks holds W / N streams (those of
+        ranks 0, N, 2N, ...) and resumes on any layout whose data ranks are as many (the stream exactly) or not
+        (dealt, as above)."""
         cfg, info, written = self.cfg, self.info, meta["world_size"]
-        written_cp = int(((meta.get("config") or {}).get("distributed") or {}).get("context_parallel") or 1)
-        streams = [r * written_cp for r in range(written // written_cp)]  # one rank of each old group
+        saved_dist = (meta.get("config") or {}).get("distributed") or {}
+        per_stream = int(saved_dist.get("context_parallel") or 1) * int(saved_dist.get("tensor_parallel") or 1)
+        streams = [r * per_stream for r in range(written // per_stream)]  # one rank of each old data rank
         if len(streams) == info.data_world and streams[info.data_rank] not in rank_states:
             rank_states = {**rank_states, **store.load_rank_states(path, [streams[info.data_rank]])}
         own = rank_states.get(streams[info.data_rank]) if len(streams) == info.data_world else None
