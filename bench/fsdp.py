@@ -15,12 +15,15 @@ parameter groups, one packed row of --seq-len positions per rank per step:
   state per rank    the bytes this rank holds of parameters + gradients + AdamW state (exact: each tensor's
                     local part; a DTensor's to_local(), DeepSpeed's flat partitions), measured after the last step's
                     backward, before the optimizer zeroes the gradients
-  peak RSS          the process's peak resident memory (ru_maxrss), the largest rank: with a `cpu` build it
-                    includes the whole model every rank builds before it is split, and always the Python / torch
-                    runtime (~0.4 GB)
+  peak RSS          the process's peak resident memory (ru_maxrss), the largest rank, after the build and the
+                    wrapping (built), after the training steps (trained: what a run holds), and at the end (with
+                    one checkpoint save and load): with a `cpu` build it includes the whole model every rank builds
+                    before it is split, and always the Python / torch runtime (~0.4 GB)
   step time         median of --steps after one warm-up, the slowest rank (2 cores: 4 ranks oversubscribe them)
   save / load       trainer.checkpoint.store.save_checkpoint and load_checkpoint of the run's state (every rank's
                     shards, the whole weights as safetensors, the tokenizer, the rank files), wall time on rank 0;
+                    "not the last": a save as the run makes before its last, without the gathered
+                    model.safetensors under FSDP2 and TP (train.save_weights=end);
                     "load on 1" reads the 2-rank checkpoint on one rank: FSDP2's DCP reshards as it reads,
                     DeepSpeed converts to its universal checkpoint first (trainer.checkpoint.store._load_resharded)
 """
@@ -132,7 +135,8 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if 0 < step:
                 times.append(elapsed.item())
-        result.update(state=measured["state"], step_s=statistics.median(times))
+        result.update(state=measured["state"], step_s=statistics.median(times),
+                      train_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # before any save
         tokenizer = Path(ckpt) / "tokenizer"
         tokenizer.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -141,6 +145,12 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
                                      meta={"counters": {}, "engine": engine.name}, conventions={},
                                      tokenizer_dir=tokenizer, keep_last=1)
         result["save_s"] = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()  # a save before the run's last: no model.safetensors under FSDP2 / TP
+        store.save_checkpoint(Path(ckpt) / "run", steps + 1, info, engine, rank_state={},
+                              meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
+                              keep_last=2, weights=not (engine.shard_format == "dcp" or tp > 1))
+        result["save_mid_s"] = time.perf_counter() - t0
         dist.barrier()
         t0 = time.perf_counter()
         store.load_checkpoint(path, info, engine)
@@ -181,9 +191,9 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPU cores visible; python {sys.version.split()[0]}; model {args.model}, "
           f"one packed row of {args.seq_len} per data rank per step, fp32, gloo\n")
     layouts = [n for n in args.layouts if not (args.no_deepspeed and n.startswith("zero"))]
-    print("| ranks | layout | build | state per rank (GB) | vs 1 rank | peak RSS after build (GB) | peak RSS (GB) | "
-          "vs DDP | step (s) | vs DDP | save (s) | load (s) |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| ranks | layout | build | state per rank (GB) | vs 1 rank | peak RSS: built (GB) | trained (GB) | vs DDP | "
+          "with save + load (GB) | step (s) | vs DDP | save (s) | save, not the last (s) | load (s) |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     single: dict[str, float] = {}
     ddp: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory() as root:
@@ -199,7 +209,7 @@ def main() -> None:
                     ckpt = str(Path(root) / f"{name}-{build}-{world}")
                     r = run(world, engine, stage, tp, meta, args, ckpt)
                     state = max(x["state"] for x in r) / 1e9
-                    rss = max(x["rss"] for x in r) / 1e9
+                    rss = max(x["train_rss"] for x in r) / 1e9
                     if world == 1:
                         single[name] = state
                     step = r[0]["step_s"]
@@ -209,7 +219,8 @@ def main() -> None:
                     ratio = f"{state / single[name]:.2f}" if name in single else "-"
                     print(f"| {world} | {name} | {'meta' if meta else 'cpu'} | {state:.3f} | {ratio} | "
                           f"{max(x['built_rss'] for x in r) / 1e9:.2f} | {rss:.2f} | {rss / base['rss']:.2f} | "
-                          f"{step:.2f} | {step / base['step']:.2f} | {r[0]['save_s']:.2f} | {r[0]['load_s']:.2f} |",
+                          f"{max(x['rss'] for x in r) / 1e9:.2f} | {step:.2f} | {step / base['step']:.2f} | "
+                          f"{r[0]['save_s']:.2f} | {r[0]['save_mid_s']:.2f} | {r[0]['load_s']:.2f} |",
                           flush=True)
         if 2 in args.worlds:
             print("\n| layout | 2-rank checkpoint loaded on 1 rank (s) |")
