@@ -281,7 +281,6 @@ def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, t
     from safetensors.torch import load_file
 
     from tests.helpers import CHECKPOINT_SEQ_LEN, latest_checkpoint, metrics, run_train, torchrun
-
     from trainer.checkpoint import store
     from trainer.checkpoint.weights import load_weights
 
