@@ -132,6 +132,29 @@ def _meta_rank(rank, world, name, engine, tp):
     return {"weights": engine.full_weights(), "after": torch.rand(4)}  # the RNG where a one-rank build leaves it
 
 
+def candidates():
+    from trainer.tasks.scoring import Candidate
+
+    rng = np.random.default_rng(7)
+    return [Candidate(tuple(rng.integers(2, 61, size=q).tolist()), tuple(rng.integers(2, 61, size=c).tolist()))
+            for q, c in ((5, 3), (9, 1), (2, 7), (12, 4), (3, 3), (7, 6))]
+
+
+def _score_rank(rank, world):
+    """Task scoring (trainer.tasks.scoring.score, as train.eval_tasks runs it) on a model split over 2 tensor ranks."""
+    from trainer.tasks.scoring import score
+
+    cfg = DistributedConfig(device="cpu", tensor_parallel=2)
+    info = init_distributed(cfg)
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(**GPT2), AttentionConfig(backend="sdpa_docs"), meta=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 0.0, "fp32")
+    got = score(model, candidates(), "packed", 0, 64, "cpu", info.dims.loss_rank, info.dims.loss_size,
+                info.loss_group)
+    return got.loglikelihoods, got.greedy
+
+
 META = [("gpt2", "ddp", 1, 1), ("llama", "ddp", 2, 2), ("gpt2", "ddp", 2, 2), ("llama", "fsdp2", 1, 2),
         ("gpt2", "fsdp2", 1, 2), ("llama", "ddp", 2, 4)]
 """(model, engine, tensor_parallel, world) of the meta-device builds."""
@@ -144,6 +167,7 @@ def phases() -> list:
         (4, _rank, ("gpt2", 2, 1)),   # DP 2 x TP 2
         (4, _rank, ("llama", 2, 2)),  # TP 2 x CP 2
         *((world, _meta_rank, (name, engine, tp)) for name, engine, tp, world in META),
+        (2, _score_rank, ()),
     ]
 
 
@@ -320,3 +344,16 @@ def test_a_meta_build_has_the_one_rank_weights_bit_for_bit(spawned, i):
     for k, v in want.items():
         assert torch.equal(got[0]["weights"][k], v), k
     assert all(torch.equal(r["after"], after) for r in got)
+
+
+def test_task_scoring_on_a_split_model_is_the_one_rank_scoring(spawned):
+    """train.eval_tasks under tensor parallelism: the tensor group scores the same rows together, the logits gathered
+    over the vocabulary shards; every choice's log-likelihood and greedy match == the one-rank model's."""
+    from trainer.tasks.scoring import score
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(**GPT2), AttentionConfig(backend="sdpa_docs"))
+    want = score(model, candidates(), "packed", 0, 64, "cpu")
+    for lls, greedy in spawned[4 + len(META)]:
+        np.testing.assert_allclose(lls, want.loglikelihoods, rtol=1e-6)
+        assert greedy == want.greedy

@@ -44,8 +44,7 @@ from torch import nn
 from trainer.data.batch import IGNORE_INDEX
 
 
-def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_tokens: int = 0,
-                             eval_tasks=()) -> list[str]:
+def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_tokens: int = 0) -> list[str]:
     """Why the model (a GPTConfig) or the run cannot be split over `size` tensor ranks, one line each."""
     problems = []
     kv = model_cfg.n_kv_head or model_cfg.n_head
@@ -63,9 +62,6 @@ def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_
     if chunk_tokens:
         problems.append("loss.chunk_tokens does not apply under distributed.tensor_parallel > 1: the logits are "
                         "already split over the vocabulary (1/N of them per rank); set loss.chunk_tokens=0")
-    if eval_tasks:
-        problems.append("train.eval_tasks scores through the unwrapped model, which distributed.tensor_parallel "
-                        "splits: drop train.eval_tasks, or score the run's checkpoints with python -m trainer.evaluate")
     return problems
 
 

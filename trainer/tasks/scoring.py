@@ -79,9 +79,11 @@ def task_sequences(task: Task, encode: Callable[[str], list[int]], max_tokens: i
 
 @torch.no_grad()
 def score(model: GPT, sequences: Sequence[Candidate], layout: str, pad_id: int, batch_tokens: int,
-          device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1) -> Scores:
+          device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1, group=None) -> Scores:
     """The choice log-likelihood and greedy match of every sequence, in order, on every rank (collective when
-    torch.distributed is initialized). Rows are model.cfg.max_seq_len long; `batch_tokens` positions a forward."""
+    torch.distributed is initialized). Rows are model.cfg.max_seq_len long; `batch_tokens` positions a forward.
+    rank / world_size: this rank's share of the rows; `group`: the ranks whose shares are summed (None: the world;
+    under tensor parallelism the loss group, the ranks of a tensor group scoring the same rows together)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "packed" and not model.attention.isolate_documents:
@@ -98,13 +100,13 @@ def score(model: GPT, sequences: Sequence[Candidate], layout: str, pad_id: int, 
             mismatches += wrong.cpu()
     finally:
         model.train(was_training)
-    gathered = dist_sum([*ll_sums.tolist(), *mismatches.tolist()], torch.device(device))
+    gathered = dist_sum([*ll_sums.tolist(), *mismatches.tolist()], torch.device(device), group)
     return Scores(loglikelihoods=gathered[:n], greedy=[m == 0 for m in gathered[n:]])
 
 
 def batch_scores(model: GPT, batch: Batch, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_sequences,) summed token loss and count of greedy misses of each sequence's targets in `batch`."""
-    logits = model(**{**model_inputs(batch), "labels": None}).logits  # (B, L, V)
+    logits = model(**{**model_inputs(batch), "labels": None}, return_logits=True).logits  # (B, L, V), whole
     targets_BL = shift_left(batch.labels, IGNORE_INDEX)  # position t scores labels[t + 1]
     seq_BL = shift_left(sequence_ids(batch), -1)  # ... of the target's sequence
     ce_BL = torch.cat([token_losses(logits[r:r + LOSS_ROWS], batch.labels[r:r + LOSS_ROWS])
