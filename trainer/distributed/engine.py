@@ -90,7 +90,8 @@ class Engine(Protocol):
         ...
 
     def state_dict(self) -> dict:
-        """Model, optimizer and LR schedule as plain data and tensors; no communication (only if not sharded)."""
+        """Model, optimizer and LR schedule as plain data and tensors, whole (only if not sharded). Called on every
+        rank; collective under tensor parallelism (the whole tensors gathered onto rank 0, {} elsewhere)."""
         ...
 
     def load_state_dict(self, state: dict) -> None:
