@@ -2,6 +2,7 @@
 
     groups     `init_distributed` (the only place a process group is made), `DistInfo`, the named
                collectives (`dist_sum`, `dist_max`, `barrier`, `broadcast_object`)
+    collectives  all-gather and reduce-scatter along a dimension (NCCL's, or gloo's all-reduce and a slice)
     dims       `ParallelDims`: the world as data x context x tensor ranks, its DeviceMesh and named groups
                (data, loss, fsdp, context, tensor), always built; whoever asks "which data rank am I" asks it
     engine     the `Engine` protocol the step, eval and checkpoint store talk to, and `parallelize`, the one

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
 from trainer.distributed.config import ALLGATHER_KERNELS, CP_SPLITS, CP_STRATEGIES
 from trainer.model import flash
 from trainer.model.attention import Segments, document_ids, resolve_backend, segment_attention
@@ -301,32 +302,19 @@ class ContextShard:
         return self.allgather_attention(q, k, v, allgather_kernel(backend, q.device, q.dtype))
 
 
-# torch 2.13 renamed the tensor collectives (*_single); older versions (pyproject accepts them) have the old names.
 class _AllGather(torch.autograd.Function):
     """All-gather along dim 0 over `group`; backward sums every rank's gradient of the gathered tensor and keeps
-    this rank's slice (a reduce-scatter: NCCL's where the backend has one, else an all-reduce and a slice: gloo
-    has no reduce-scatter, and torch.distributed.nn.functional.all_gather's fallback scatters from global rank 0,
-    which fails on a group without it)."""
+    this rank's slice (a reduce-scatter, trainer.distributed.groups.reduce_scatter_along; torch.distributed.nn.
+    functional.all_gather's fallback scatters from global rank 0, which fails on a group without it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        size = dist.get_world_size(group)
-        out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
-        return out
+        return all_gather_along(x, 0, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        grad = grad.contiguous()
-        if dist.get_backend(group) == "nccl":
-            out = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, grad, group=group)
-            return out, None
-        dist.all_reduce(grad, group=group)
-        return grad.chunk(size, 0)[rank].contiguous(), None
+        return reduce_scatter_along(grad, 0, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):

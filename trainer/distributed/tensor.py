@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.data.batch import IGNORE_INDEX
+from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
 
 
 def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_tokens: int = 0) -> list[str]:
@@ -68,24 +69,6 @@ def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_
 # ---------------------------------------------------------------------------------------------------
 # Collectives with their backward (the tensor group)
 # ---------------------------------------------------------------------------------------------------
-
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum over the group, this rank's 1/N along `dim` (gloo has no reduce-scatter: an all-reduce, then the cut)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if dist.get_backend(group) == "nccl" and dim == 0:
-        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-        return out
-    summed = x.clone()
-    dist.all_reduce(summed, group=group)
-    return summed.chunk(size, dim=dim)[rank].contiguous()
 
 
 def _pad(x_BLC: torch.Tensor, size: int) -> torch.Tensor:
@@ -118,7 +101,7 @@ class _ToSequenceShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group)[:, :ctx.length], None
+        return all_gather_along(grad, 1, ctx.group)[:, :ctx.length], None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -128,11 +111,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, length: int):
         ctx.group = group
-        return _all_gather(x, 1, group)[:, :length]
+        return all_gather_along(x, 1, group)[:, :length]
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(_pad(grad, dist.get_world_size(ctx.group)), 1, ctx.group), None, None
+        return reduce_scatter_along(_pad(grad, dist.get_world_size(ctx.group)), 1, ctx.group), None, None
 
 
 class _ReduceToSequenceShard(torch.autograd.Function):
@@ -141,11 +124,11 @@ class _ReduceToSequenceShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.length = group, x.shape[1]
-        return _reduce_scatter(_pad(x, dist.get_world_size(group)), 1, group)
+        return reduce_scatter_along(_pad(x, dist.get_world_size(group)), 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group)[:, :ctx.length], None
+        return all_gather_along(grad, 1, ctx.group)[:, :ctx.length], None
 
 
 class SequenceShards:
@@ -269,7 +252,7 @@ class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, -1, group)
+        return all_gather_along(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -342,8 +325,6 @@ class TensorParallel:
     def __init__(self, model: nn.Module, group, size: int, rank: int) -> None:
         self.model, self.group, self.size, self.rank = model, group, size, rank
         self.layouts = layouts(model.cfg, size)
-        self.whole = {}
-        """Split parameter name -> its whole length along the split dimension."""
         self.partial: list[nn.Parameter] = []
         """Whole parameters used on this rank's positions only: their gradients are summed over the group."""
 
@@ -369,7 +350,8 @@ class TensorParallel:
                 else:
                     parts = [torch.empty_like(v) for _ in range(self.size)] if self.rank == 0 else None
                     dist.gather(v, parts, dst=first, group=self.group)
-                v = self.layouts[k].join(parts, self.whole[k]) if parts is not None else None
+                whole = self.model.whole_shapes[k][self.layouts[k].dim]  # the unsplit model's length along it
+                v = self.layouts[k].join(parts, whole) if parts is not None else None
             if everywhere or self.rank == 0:
                 out[k] = v
         return out
@@ -416,9 +398,7 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> Tens
     if problems := tensor_parallel_problems(cfg, size):
         raise ValueError(problems[0])
     tp = TensorParallel(model, group, size, rank)
-    full = {k: v.detach() for k, v in model.state_dict().items()}
-    tp.whole = {k: full[k].shape[tp.layouts[k].dim] for k in full if k in tp.layouts}
-    local = tp.shard_state(full)
+    local = tp.shard_state({k: v.detach() for k, v in model.state_dict().items()})
     seq = SequenceShards(group)
     for i, block in enumerate(model.blocks):
         p = f"blocks.{i}."

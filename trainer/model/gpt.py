@@ -562,11 +562,10 @@ def init_weights(model: GPT, shard=None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, kind, value in model.init_plan:
-            whole = torch.empty(model.whole_shapes[name], device=params[name].device if shard is None else "cpu")
+            whole = params[name] if shard is None else torch.empty(model.whole_shapes[name])  # drawn in place
             whole.normal_(0.0, value) if kind == "normal" else whole.fill_(value)
-            part = whole if shard is None else shard(name, whole)
-            if part is not None:
-                params[name].copy_(part)
+            if shard is not None:
+                params[name].copy_(shard(name, whole))
 
 
 def compute_dtype(train_dtype: str) -> torch.dtype:
