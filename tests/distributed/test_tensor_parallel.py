@@ -357,3 +357,38 @@ def test_task_scoring_on_a_split_model_is_the_one_rank_scoring(spawned):
     for lls, greedy in spawned[4 + len(META)]:
         np.testing.assert_allclose(lls, want.loglikelihoods, rtol=1e-6)
         assert greedy == want.greedy
+
+
+def _step_docs(name: str, step: int, data_rank: int) -> list[torch.Tensor]:
+    """The documents `batches` packs, as token tensors (the same draws)."""
+    shape, _ = MODELS[name]
+    rng = np.random.default_rng(100 * step + data_rank)
+    out = []
+    for lengths in ([12, 1, 9, 9], [20, 5, 3]):
+        for n in lengths:
+            tokens = rng.integers(2, shape["vocab_size"], size=n)
+            tokens[-1] = 1
+            out.append(torch.as_tensor(tokens))
+    return out
+
+
+@pytest.mark.parametrize("phase,data_world", [(0, 1), (2, 2)], ids=["TP 2", "DP 2 x TP 2"])
+def test_the_split_step_is_plain_pytorch_s(spawned, phase, data_world):
+    """Against code that shares nothing with the trainer's model, loss or split: each document alone through the
+    starting weights in plain PyTorch (tests.helpers.plain_document_loss: explicit causal softmax, F.cross_entropy),
+    summed over the step's documents of every data rank and divided by their targets. The TP ranks' first loss,
+    gradient norm and (clipped) gradients are that, to 1e-6."""
+    from tests.helpers import plain_document_loss
+
+    model, _, _ = build("gpt2")  # the same starting weights as every run of the test
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    docs = [d for r in range(data_world) for d in _step_docs("gpt2", 0, r)]
+    targets = sum(len(d) - 1 for d in docs)
+    loss = sum(plain_document_loss(params, model.cfg, d) for d in docs) / targets
+    grads = dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
+    scale = min(1.0, 0.5 / (norm + 1e-6))  # grad_clip=0.5, as torch's clip_grad_norm_
+    for rank, got in enumerate(spawned[phase]):
+        assert got["loss"][0] == pytest.approx(loss.item(), rel=1e-6), rank
+        assert got["norm"][0] == pytest.approx(norm, rel=1e-6), rank
+        assert_close(got["grads"][0], {n: g * scale for n, g in grads.items()}, f"rank {rank} gradients")
