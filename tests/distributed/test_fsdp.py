@@ -348,3 +348,16 @@ def test_a_damaged_or_crafted_dcp_checkpoint_is_one_error_line_naming_it(results
         assert message.startswith("cannot load the FSDP2 checkpoint ") and "resume from another checkpoint" in message
     assert "refused to load: it names builtins.print" in crafted[2], crafted[2]
     assert ".metadata" in missing[2], missing[2]
+
+
+def test_weights_read_from_a_dcp_directory_without_its_metadata_is_one_line(tmp_path):
+    """read_dcp_weights (an FSDP2 checkpoint's weights, when it holds no model.safetensors) on a dcp/ that lost its
+    .metadata: a UserError naming the directory, not DCP's traceback."""
+    from trainer.distributed.fsdp import DCPLoadError, read_dcp_weights
+    from trainer.errors import UserError
+
+    (tmp_path / "dcp").mkdir()
+    with pytest.raises(DCPLoadError, match=r"cannot read the model's weights from the FSDP2 checkpoint .*dcp: .*"
+                                           r"\.metadata") as e:
+        read_dcp_weights(tmp_path / "dcp", {"wte.weight": (4, 2)})
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
