@@ -212,8 +212,8 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=3",),
      r"error: distributed.tensor_parallel=3 must divide the number of ranks \(1\): .*model.n_head \(4\) must be a "
      r"multiple of 3"),
-    ("distributed.tensor_parallel", ("distributed=fsdp2", "distributed.tensor_parallel=2"),
-     r"distributed.tensor_parallel > 1 with FSDP2 is not built yet"),
+    ("distributed.tensor_parallel", ("distributed=deepspeed_zero2", "distributed.tensor_parallel=2"),
+     r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole model"),
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=2", "loss.chunk_tokens=64"),
      r"loss.chunk_tokens does not apply under distributed.tensor_parallel > 1"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),

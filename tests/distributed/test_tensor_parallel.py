@@ -13,6 +13,7 @@ function alone against F.cross_entropy, with a plain-PyTorch logsumexp written h
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,19 +67,25 @@ def build(name: str):
     return model, opt, sched
 
 
-def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | None = None,
-          first: int = 0) -> dict:
+def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | str | None = None,
+          first: int = 0, save: str | None = None) -> dict:
     """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the gathered
-    gradients; the engine's (whole) state after each step."""
+    gradients; a replicated engine's (whole) state after each step. `resume`: a whole state to load, or the DCP
+    directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0."""
+    from torch.distributed.tensor import DTensor
+
     model, opt, sched = build(name)
     engine = parallelize(model, opt, sched, info, cfg, grad_clip=0.5, dtype="fp32")
-    if resume is not None:
+    if isinstance(resume, str):
+        engine.load_shards(Path(resume))
+    elif resume is not None:
         engine.load_state_dict(resume)
     grads: list[dict] = []
     apply = engine.apply_gradients
 
     def recording_apply():  # the gradients the update uses: reduced, clipped, gathered whole
         g = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        g = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in g.items()}
         grads.append(g if engine.tensor is None else engine.tensor.full_state(g))
         apply()
 
@@ -91,7 +98,11 @@ def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[in
         out["loss"].append(stats.loss)
         out["norm"].append(stats.grad_norm)
         out["valid"] = stats.valid_tokens
-        out["state"].append(copied(engine.state_dict()))  # a replicated engine's are the live tensors
+        if engine.sharded:
+            if save is not None and step == 0:
+                engine.save_shards(Path(save))
+        else:
+            out["state"].append(copied(engine.state_dict()))  # a replicated engine's are the live tensors
     out["weights"] = engine.full_weights()
     return out
 
@@ -106,10 +117,12 @@ def copied(x):
     return x
 
 
-def _rank(rank, world, name, tp, cp, resume=None, first=0):
-    cfg = DistributedConfig(device="cpu", tensor_parallel=tp, context_parallel=cp)
+def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None):
+    cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp, context_parallel=cp)
     info = init_distributed(cfg)
-    out = train(name, info, cfg, [info.data_rank], resume, first)
+    if resume is not None and resume.endswith(".pt"):  # a whole state, as engine.pt holds it
+        resume = torch.load(resume, weights_only=True)
+    out = train(name, info, cfg, [info.data_rank], resume, first, save)
     out["dims"] = (info.data_rank, info.dims.context_rank, info.dims.tensor_rank)
     return out
 
@@ -156,7 +169,7 @@ def _score_rank(rank, world):
 
 
 META = [("gpt2", "ddp", 1, 1), ("llama", "ddp", 2, 2), ("gpt2", "ddp", 2, 2), ("llama", "fsdp2", 1, 2),
-        ("gpt2", "fsdp2", 1, 2), ("llama", "ddp", 2, 4)]
+        ("gpt2", "fsdp2", 1, 2), ("llama", "ddp", 2, 4), ("gpt2", "fsdp2", 2, 4)]
 """(model, engine, tensor_parallel, world) of the meta-device builds."""
 
 
@@ -171,15 +184,34 @@ def phases() -> list:
     ]
 
 
+FSDP = {  # FSDP2 x TP: (world, tp, resume, first, save) of the phases after `phases()`'s, in order
+    "DP 2 x TP 2": (4, 2, None, 0, "fsdp-tp2"),       # trained, step 0 saved
+    "TP 2 -> TP 1": (2, 1, "fsdp-tp2", 1, None),      # that checkpoint resumed, no tensor parallelism
+    "DP 2": (2, 1, None, 0, "fsdp-tp1"),              # trained without TP, step 0 saved
+    "TP 1 -> TP 2": (4, 2, "fsdp-tp1", 1, None),      # resumed split over two tensor ranks
+}
+TP1_TO_DP2_TP2 = len(phases()) + len(FSDP)
+"""The phase resuming the one-rank DDP run's state (whole tensors, engine.pt's) on DP 2 x TP 2."""
+ONE_RANK_STEP0 = "one-rank-step0.pt"
+"""The one-rank run's state after step 0 (gpt2, two data ranks' micro-batches), written by the `spawned` fixture."""
+
+
+def all_phases(root: str) -> list:
+    fsdp = [(world, _rank, ("gpt2", tp, 1, resume and f"{root}/{resume}", first, "fsdp2", save and f"{root}/{save}"))
+            for world, tp, resume, first, save in FSDP.values()]
+    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1))]
+
+
 def _spawned(rank, world, root):
-    return in_worlds(rank, world, root, phases())
+    return in_worlds(rank, world, root, all_phases(root))
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawned(tmp_path_factory, references):
     root = tmp_path_factory.mktemp("tp")
+    torch.save(references[("gpt2", 2)]["state"][0], root / ONE_RANK_STEP0)
     ranks = run_distributed(_spawned, world_size=4, args=(str(root),))
-    return [[r[i] for r in ranks if i in r] for i in range(len(phases()))]
+    return [[r[i] for r in ranks if i in r] for i in range(len(all_phases(str(root))))] + [root]
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +424,42 @@ def test_the_split_step_is_plain_pytorch_s(spawned, phase, data_world):
         assert got["loss"][0] == pytest.approx(loss.item(), rel=1e-6), rank
         assert got["norm"][0] == pytest.approx(norm, rel=1e-6), rank
         assert_close(got["grads"][0], {n: g * scale for n, g in grads.items()}, f"rank {rank} gradients")
+
+
+@pytest.mark.parametrize("i,what", list(enumerate(FSDP)), ids=list(FSDP))
+def test_fsdp2_with_tensor_parallel_is_ddp(spawned, references, i, what):
+    """FSDP2 x TP: each rank's tensor-parallel shards sharded again over the fsdp group (data x context). Losses,
+    gradient norms and every gradient (gathered over both) == the one-rank run on the union of the data ranks'
+    micro-batches (the DDP reference), to 1e-6, and the weights after the last step. The DCP checkpoint holds the
+    whole tensors (their rows over every rank), so it resumes across tensor sizes both ways, with the
+    uninterrupted run's later losses."""
+    world, tp, resume, first, save = FSDP[what]
+    want = references[("gpt2", 2)]
+    for rank, got in enumerate(spawned[len(phases()) + i]):
+        np.testing.assert_allclose(got["loss"], want["loss"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
+        np.testing.assert_allclose(got["norm"], want["norm"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
+        for step, g in enumerate(got["grads"]):
+            assert_close(g, want["grads"][first + step], f"{what} rank {rank} step {first + step} gradients")
+        assert rank == 0 or got["weights"] == {}
+    assert_close(spawned[len(phases()) + i][0]["weights"], want["weights"], f"{what} full_weights")
+
+
+def test_an_fsdp2_tensor_parallel_checkpoint_holds_the_one_rank_weights(spawned, references):
+    """The DCP checkpoint FSDP2 x TP 2 wrote after step 0, read whole on one process without a group
+    (trainer.distributed.fsdp.read_dcp_weights, as export and init_from read it): the one-rank run's weights after
+    step 0, the vocabulary padding dropped."""
+    from trainer.distributed.fsdp import read_dcp_weights
+
+    want = references[("gpt2", 2)]["state"][0]["model"]
+    got = read_dcp_weights(spawned[-1] / "fsdp-tp2", {k: tuple(v.shape) for k, v in want.items()})
+    assert_close(got, want, "read_dcp_weights")
+
+
+def test_resume_from_one_rank_on_data_2_x_tensor_2(spawned, references):
+    """TP 1 -> DP 2 x TP 2: the one-rank run's state after step 0 (whole tensors, as engine.pt holds them) loaded
+    on four ranks, each keeping its shards: step 1's loss and gradients are the uninterrupted run's."""
+    want = references[("gpt2", 2)]
+    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2]):
+        np.testing.assert_allclose(got["loss"], want["loss"][1:], rtol=1e-6, atol=0, err_msg=f"rank {rank}")
+        assert_close(got["grads"][0], want["grads"][1], f"rank {rank} step 1 gradients")
+    assert_close(spawned[TP1_TO_DP2_TP2][0]["state"][0]["model"], want["state"][1]["model"], "weights after step 1")

@@ -75,12 +75,9 @@ class DistributedConfig:
                 or self.tensor_parallel < 1:
             raise ValueError(f"distributed.tensor_parallel must be an integer >= 1, got {self.tensor_parallel!r}")
         if self.tensor_parallel > 1 and self.engine == "deepspeed":
-            raise ValueError("distributed.tensor_parallel > 1 runs under distributed.engine=ddp: DeepSpeed wraps the "
-                             "whole model itself (use distributed=ddp distributed.tensor_parallel=N)")
-        if self.tensor_parallel > 1 and self.engine == "fsdp2":
-            raise ValueError("distributed.tensor_parallel > 1 with FSDP2 is not built yet: use distributed=ddp "
-                             "distributed.tensor_parallel=N (the weights split over the tensor group, replicated over "
-                             "the data ranks)")
+            raise ValueError("distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed "
+                             "wraps the whole model itself (use distributed=ddp or distributed=fsdp2 with "
+                             "distributed.tensor_parallel=N)")
         if self.context_parallel_split not in CP_SPLITS:
             raise ValueError(f"distributed.context_parallel_split must be one of {CP_SPLITS}, got "
                              f"{self.context_parallel_split!r}")

@@ -161,7 +161,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     if cfg.engine == "fsdp2":
         from trainer.distributed.fsdp import FSDP2Engine
 
-        engine = FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
+        engine = FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype, tensor)
         if on_meta:  # after fully_shard: each rank draws the whole tensors and keeps its shards
             materialize(model, info.device, tensor)
         return engine

@@ -21,9 +21,16 @@ The optimizer and LR schedule are the client's, built on the model before it is 
 every parameter by a DTensor, and the engine puts those into the optimizer's parameter groups in place (by
 name; the optimizer has no state yet), so the schedule keeps its optimizer (accelerate does the same).
 
+Tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py) is applied first; FSDP2 then
+shards each rank's tensor-parallel shards over its fsdp group (the ranks of one tensor rank), so a rank holds
+1/(W x T) of a split weight. The partial gradients are summed over the tensor group and the norm combined over
+both groups (TensorParallel.clip_grad_norm_ with `shards`).
+
 Checkpoints: torch.distributed.checkpoint (DCP), every rank writing its shards in parallel into the directory
 the checkpoint store names (`save_shards`); DCP reshards on load, so a checkpoint written on W ranks loads on
-any number (`reshards_on_load`: no conversion step). Loading never runs code: DCP's reader unpickles its
+any number (`reshards_on_load`: no conversion step). Under tensor parallelism the ranks of a tensor group hold
+different tensors under one name, so the checkpoint holds the whole tensors instead, their rows split over every
+rank (`_to_whole`, one whole tensor gathered at a time): it loads on any data, tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its
 `.metadata` file with plain pickle and its non-tensor entries with `torch.load(weights_only=False)`;
 `SafeReader` and `SafePlanner` read them with an allow-list of DCP's own metadata classes and with
 `weights_only=True` instead, in the same read (nothing to re-check between a check and the load).
@@ -65,7 +72,9 @@ class FSDP2Engine(ClientOptimizerSteps):
     """DCP loads a checkpoint written on any number of ranks: no convert_shards step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
-                 cfg: DistributedConfig, grad_clip: float, dtype: str):
+                 cfg: DistributedConfig, grad_clip: float, dtype: str, tensor=None):
+        """`tensor`: the model's layers already split over a tensor group (a trainer.distributed.tensor.
+        TensorParallel, applied by parallelize): each rank's shards are sharded again over the fsdp group."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if info.mesh is None:
@@ -82,6 +91,10 @@ class FSDP2Engine(ClientOptimizerSteps):
         self.scheduler = scheduler
         self.grad_clip = grad_clip
         self.is_main = info.is_main
+        self.tensor = tensor
+        self.world_mesh = info.dims.mesh
+        """The ("data", "context", "tensor") mesh: a checkpoint under tensor parallelism holds the whole tensors,
+        their rows split over every rank of it (`_to_whole`)."""
         self.mesh = info.dims.loss_mesh  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
         bf16 = dtype == "bf16"
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -116,6 +129,10 @@ class FSDP2Engine(ClientOptimizerSteps):
         """The global gradient norm before clipping (the shards' norms combined over the mesh); clips in place."""
         from torch.distributed.tensor import DTensor
 
+        if self.tensor is not None:  # the partial gradients summed over the tensor group, its shards counted
+            self.tensor.reduce_partial_grads()
+            limit = self.grad_clip if self.grad_clip > 0 else float("inf")
+            return self.tensor.clip_grad_norm_(list(self.module.named_parameters()), limit, self.mesh.get_group())
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(norm, DTensor):  # a partial sum of squares per rank: reduced here
@@ -135,11 +152,48 @@ class FSDP2Engine(ClientOptimizerSteps):
 
     def _dcp_state(self) -> dict:
         """Model and optimizer as DCP's state-dict helpers give them (DTensor shards keyed by parameter name,
-        the optimizer's state created if it has none yet), and the schedule."""
+        the optimizer's state created if it has none yet), and the schedule. Under tensor parallelism every
+        tensor is the whole one, its rows split over all the ranks (`_to_whole`): what the ranks of a tensor
+        group hold under one name differs, and a checkpoint must load on any tensor size."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.module, self.optimizer)
+        if self.tensor is not None:
+            model, optimizer = _copied(model, optimizer)
+            for entries, key, name in _dtensors(model, optimizer):
+                entries[key] = self._to_whole(name, entries[key])
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def _to_whole(self, name: str, shard):
+        """Collective: this rank's FSDP2 shard of its tensor-parallel shard -> the whole tensor's rows for this
+        rank of the world mesh (one whole tensor held at a time)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = shard.full_tensor()  # the tensor-parallel shard, whole over the fsdp group
+        if self.tensor.is_split(name):
+            whole = self.tensor.full_state({name: whole})[name]
+        return _owned(distribute_tensor(whole, self.world_mesh, self._rows(), src_data_rank=None))
+
+    def _from_whole(self, name: str, rows, like):
+        """Collective: the inverse of `_to_whole`, placed as `like` (the live FSDP2 DTensor) is."""
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = rows.full_tensor()
+        if self.tensor.is_split(name):
+            whole = self.tensor.shard_state({name: whole})[name]
+        return _owned(distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None))
+
+    def _empty_whole(self, name: str, shard):
+        """An empty DTensor laid out as `_to_whole` writes the tensor `shard` is a part of (DCP reads into it)."""
+        import torch.distributed.tensor as dt
+
+        shape = self.module.whole_shapes[name] if self.tensor.is_split(name) else shard.shape
+        return dt.empty(shape, dtype=shard.dtype, device_mesh=self.world_mesh, placements=self._rows())
+
+    def _rows(self) -> list:
+        from torch.distributed.tensor import Shard
+
+        return [Shard(0)] * self.world_mesh.ndim  # rows split over every rank, in rank order
 
     def save_shards(self, directory: Path) -> None:
         """Collective: every rank writes its shards into `directory` (DCP: one .distcp file per rank, and rank
@@ -162,27 +216,76 @@ class FSDP2Engine(ClientOptimizerSteps):
         read without running code (SafeReader, SafePlanner)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        state = self._dcp_state()
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        live = None
+        if self.tensor is not None:  # empty whole tensors to read into (`_dcp_state`), then this rank's parts
+            live = list(_dtensors(model, optimizer))
+            model, optimizer = _copied(model, optimizer)
+            for entries, key, name in _dtensors(model, optimizer):
+                entries[key] = self._empty_whole(name, entries[key])
+        state = {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
         try:
             with dcp_logs_silenced():
                 dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
         except CheckpointException as e:  # a BaseException, raised on every rank once DCP gathered the failures
             raise DCPLoadError(f"cannot load the FSDP2 checkpoint {directory}: {_first_failure(e)}; resume from "
                                "another checkpoint") from None
+        if live is not None:
+            for (entries, key, name), (was, was_key, _) in zip(_dtensors(model, optimizer), live, strict=True):
+                entries[key] = self._from_whole(name, entries[key], was[was_key])
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Collective: the whole model's weights on the CPU, on rank 0 ({} elsewhere), gathered from the shards."""
+        """Collective: the whole model's weights on the CPU, on rank 0 ({} elsewhere), gathered from the shards
+        (under tensor parallelism one tensor at a time: over the fsdp group, then the tensor group)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
+
+        if self.tensor is not None:
+            out = {}
+            for name, v in self.module.state_dict().items():
+                v = v.full_tensor() if isinstance(v, DTensor) else v
+                if self.tensor.is_split(name):
+                    v = self.tensor.full_state({name: v}, everywhere=False).get(name)
+                if self.is_main:
+                    out[name] = v.detach().cpu().contiguous()
+            return out
 
         weights = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return {}
         return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:
+    """Shallow copies of a model and an optimizer state dict (as get_state_dict gives them), to replace entries of
+    without touching the optimizer's own."""
+    return dict(model), {**optimizer, "state": {fqn: dict(entry) for fqn, entry in optimizer["state"].items()}}
+
+
+def _dtensors(model: dict, optimizer: dict):
+    """(dict, key, parameter name) of every DTensor in a model and an optimizer state dict, in one order."""
+    from torch.distributed.tensor import DTensor
+
+    for name, v in model.items():
+        if isinstance(v, DTensor):
+            yield model, name, name
+    for name, entry in optimizer["state"].items():
+        for key, v in entry.items():
+            if isinstance(v, DTensor):
+                yield entry, key, name
+
+
+def _owned(t):
+    """A DTensor whose local part owns its storage (not a view keeping a whole tensor alive)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def read_dcp_weights(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -28,7 +28,8 @@ norms, the row-parallel biases) holds a partial gradient, summed over the group 
 the norm; the norm sums the split weights' squares over the group and counts the whole ones once.
 
 Checkpoints hold whole tensors (`full_state` gathers, `shard_state` slices, by each parameter's `Layout`): a run
-saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's.
+saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's. Under FSDP2 (applied after
+the split, trainer/distributed/fsdp.py) each gradient is a DTensor: the partial sums and the norm use its local rows.
 """
 
 from __future__ import annotations
@@ -325,8 +326,9 @@ class TensorParallel:
     def __init__(self, model: nn.Module, group, size: int, rank: int) -> None:
         self.model, self.group, self.size, self.rank = model, group, size, rank
         self.layouts = layouts(model.cfg, size)
-        self.partial: list[nn.Parameter] = []
-        """Whole parameters used on this rank's positions only: their gradients are summed over the group."""
+        self.partial: list[str] = []
+        """The names of the whole parameters used on this rank's positions only: their gradients are summed over
+        the group. Names, not Parameters: FSDP2 replaces every Parameter after the split."""
 
     def is_split(self, name: str) -> bool:
         return name in self.layouts
@@ -357,37 +359,46 @@ class TensorParallel:
         return out
 
     def reduce_partial_grads(self) -> None:
-        """Sum the partial gradients of the whole parameters over the group (once per step, before the norm)."""
-        grads = [p.grad for p in self.partial if p.grad is not None]
+        """Sum the partial gradients of the whole parameters over the group (once per step, before the norm).
+        Under FSDP2 each rank's gradient is a DTensor: its local shard is summed (the ranks of a tensor group
+        hold the same rows of it)."""
+        params = dict(self.model.named_parameters())
+        grads = [_local(params[name].grad) for name in self.partial if params[name].grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.group)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
+            with torch.no_grad():
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part.view_as(g))
 
-    def clip_grad_norm_(self, named: list[tuple[str, nn.Parameter]], max_norm: float) -> float:
+    def clip_grad_norm_(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
         """torch.nn.utils.clip_grad_norm_ of the whole model's gradients: the split ones' squares summed over the
-        group, the whole ones (already summed, the same on every rank) counted once."""
-        split_sq = torch.zeros((), dtype=torch.float64)
-        whole_sq = torch.zeros((), dtype=torch.float64)
+        group, the whole ones (already summed, the same on every rank) counted once. `shards`: the group whose
+        ranks hold different rows of every gradient (FSDP2's), over which both sums are summed first."""
+        sq = torch.zeros(2, dtype=torch.float64)  # split, whole
         for name, p in named:
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum().cpu()
-            if self.is_split(name):
-                split_sq += sq
-            else:
-                whole_sq += sq
+            if p.grad is not None:
+                sq[0 if self.is_split(name) else 1] += _local(p.grad).detach().double().pow(2).sum().cpu()
         device = next(self.model.parameters()).device
-        split_sq = split_sq.to(device)
+        sq = sq.to(device)
+        if shards is not None:
+            dist.all_reduce(sq, group=shards)
+        split_sq = sq[:1].clone()
         dist.all_reduce(split_sq, group=self.group)
-        total = float((split_sq.cpu() + whole_sq).sqrt())
+        total = float((split_sq + sq[1:]).sqrt().cpu())
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for _, p in named:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef)
         return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a view of its storage); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> TensorParallel:
@@ -408,9 +419,10 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> Tens
         attn.n_head, attn.n_kv_head = cfg.n_head // size, cfg.kv_heads // size
         mlp.c_fc = ColumnParallelLinear(local[p + "mlp.c_fc.weight"], local.get(p + "mlp.c_fc.bias"), seq)
         mlp.c_proj = RowParallelLinear(local[p + "mlp.c_proj.weight"], local.get(p + "mlp.c_proj.bias"), seq)
-        tp.partial += [q for q in (*block.ln_1.parameters(), *block.ln_2.parameters(), attn.c_proj.bias,
-                                   mlp.c_proj.bias) if q is not None]
-    tp.partial += list(model.ln_f.parameters())
+        tp.partial += [p + name for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                                             "attn.c_proj.bias", "mlp.c_proj.bias")]
+    tp.partial += ["ln_f.weight", "ln_f.bias"]
+    tp.partial = [name for name in tp.partial if name in model.whole_shapes]  # RMSNorm, bias=False: fewer
     shard_rows = padded_vocab(cfg.vocab_size, size) // size
     model.wte = VocabParallelEmbedding(local["wte.weight"], rank * shard_rows, group)
     if cfg.tie_embeddings:
