@@ -6,7 +6,8 @@ time, checkpoint save and load time.
     .venv/bin/python bench/fsdp.py --worlds 2 --no-deepspeed --builds meta cpu   # the meta-device init's RSS
 
 Layouts: ddp, fsdp2, tp2 (distributed.tensor_parallel=2 under DDP: all ranks one tensor group at 2 ranks, DP 2 x
-TP 2 at 4), zero2, zero3; each built on the meta device and materialized by parallelize (`meta`, what a fresh run
+TP 2 at 4), fsdp2-tp2 (the same under FSDP2: at 4 ranks each tensor shard sharded again over 2, expect 1/4 of
+DDP's state), zero2, zero3; each built on the meta device and materialized by parallelize (`meta`, what a fresh run
 does; DeepSpeed always builds on the CPU) or built whole on the CPU first (`cpu`, --builds).
 
 Each configuration runs on real gloo ranks (spawned, fp32, CPU, 1 thread each), the trainer's own engines
@@ -173,8 +174,8 @@ def run(world: int, engine: str, stage: int, tp: int, meta: bool, args, ckpt: st
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-LAYOUTS = {"ddp": ("ddp", 0, 1), "fsdp2": ("fsdp2", 0, 1), "tp2": ("ddp", 0, 2), "zero2": ("deepspeed", 2, 1),
-           "zero3": ("deepspeed", 3, 1)}
+LAYOUTS = {"ddp": ("ddp", 0, 1), "fsdp2": ("fsdp2", 0, 1), "tp2": ("ddp", 0, 2), "fsdp2-tp2": ("fsdp2", 0, 2),
+           "zero2": ("deepspeed", 2, 1), "zero3": ("deepspeed", 3, 1)}
 """name -> (distributed.engine, zero_stage, tensor_parallel)."""
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tests.harness import run_distributed
 from tests.helpers import plain_document_loss
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
-from trainer.distributed.context import ContextGroup, shard_inputs, zigzag_positions
+from trainer.distributed.context import ContextGroup, with_row_plans, zigzag_positions
 from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 
 VOCAB, L = 61, 32
@@ -89,7 +89,7 @@ def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, cha
     cp = ContextGroup(groups[dp_rank], size, rank % size, strategy, split)
     m = model(pos_emb, isolate, backend)
     batch = make_batch(layout, seed=dp_rank, change=change)
-    inputs = shard_inputs(model_inputs(batch), cp, isolate_documents=isolate)
+    inputs = model_inputs(with_row_plans([batch], cp, isolate_documents=isolate)[0])
     out = m(**inputs, return_logits=True)
     out.loss_sum.backward()
     loss = out.loss_sum.detach().clone()
@@ -99,7 +99,7 @@ def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, cha
     g = grads(m)
     for t in g.values():
         dist.all_reduce(t)
-    return loss.item(), int(count), g, out.logits.detach(), inputs["context"].local
+    return loss.item(), int(count), g, out.logits.detach(), inputs["attention_context"].local
 
 
 def reference_sums(world, size, layout, pos_emb, isolate, backend):
@@ -160,7 +160,10 @@ def test_loss_and_every_gradient_equal_cp1(cp_runs, world, size, strategy, layou
         assert count == ref_count  # every target counted once over the group
         assert abs(loss - ref_loss) <= 1e-6 * max(1.0, abs(ref_loss)), (loss, ref_loss)
         for name, ref in ref_grads.items():
-            torch.testing.assert_close(g[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+            # fp32 sums in another order: within 1e-6 of the tensor's scale (an element-wise rtol fails on a
+            # small element of a large gradient: c_proj.bias of 26 off by 3e-6 on some CPUs' kernels)
+            err, scale = (g[name] - ref).abs().max().item(), max(1.0, ref.abs().max().item())
+            assert err <= 1e-6 * scale, f"{name}: {err:.3g} off (scale {scale:.3g})"
 
 
 def test_the_cp1_model_equals_the_plain_pytorch_reference():

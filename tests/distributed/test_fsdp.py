@@ -16,7 +16,6 @@ uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn of four pr
 
 from __future__ import annotations
 
-import functools
 import io
 import pickle
 from pathlib import Path
@@ -33,7 +32,7 @@ from trainer.data.config import PackingConfig
 from trainer.data.packing import OnlinePacker
 from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.context import shard_inputs
+from trainer.distributed.context import with_row_plans
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, apply_activation_checkpointing, build_model
@@ -68,15 +67,15 @@ def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "f
 
 def run_steps(engine, info: DistInfo, shares, layout: str = "packed") -> list[dict]:
     """One optimizer step per logical batch; `shares[step][data rank]` are this rank's documents."""
-    shard = None if info.context is None else functools.partial(shard_inputs, cp=info.context,
-                                                                isolate_documents=True)
     out = []
     for step_docs in shares:
         docs = step_docs[info.data_rank]
         rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs)) if layout == "packed" else [[d] for d in docs]
         mbs = micro_batches(rows, PackingConfig(layout=layout), SEQ_LEN, SEQ_LEN, PAD)
+        if info.context is not None:  # this rank's positions of each row, as trainer.run.inputs plans them
+            mbs = with_row_plans(mbs, info.context)
         lr = engine.lr()
-        stats = train_step(engine, mbs, info, PAD, shard=shard)
+        stats = train_step(engine, mbs, info, PAD)
         out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "micro_batches": len(mbs)})
     return out
 

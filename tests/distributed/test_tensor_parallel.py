@@ -12,7 +12,6 @@ function alone against F.cross_entropy, with a plain-PyTorch logsumexp written h
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from tests.harness import in_worlds, run_distributed
 from trainer.data.batch import IGNORE_INDEX, Document, collate_rows
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.context import shard_inputs
+from trainer.distributed.context import with_row_plans
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.distributed.tensor import Layout, layouts, padded_vocab, tensor_parallel_problems
@@ -90,11 +89,12 @@ def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[in
         apply()
 
     engine.apply_gradients = recording_apply
-    shard = None if info.context is None else functools.partial(shard_inputs, cp=info.context)
     out = {"loss": [], "norm": [], "grads": grads, "state": []}
     for step in range(first, STEPS):
         mbs = [mb for d in data_ranks for mb in batches(name, step, d)]
-        stats = train_step(engine, mbs, info, 0, shard=shard)
+        if info.context is not None:  # this rank's positions of each row (as trainer.run.inputs plans them)
+            mbs = with_row_plans(mbs, info.context)
+        stats = train_step(engine, mbs, info, 0)
         out["loss"].append(stats.loss)
         out["norm"].append(stats.grad_norm)
         out["valid"] = stats.valid_tokens

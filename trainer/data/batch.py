@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -68,6 +69,14 @@ class Document:
                    source=int(source[0]) if source else 0)
 
 
+class RowShare(Protocol):
+    """Which positions of a micro-batch's rows this rank computes, and how attention joins them to the others'."""
+
+    def cut(self, inputs: dict) -> dict:
+        """The model's forward kwargs of the whole rows (trainer.model.model_inputs) -> this rank's."""
+        ...
+
+
 @dataclass
 class Batch:
     """One micro-batch in any layout. Tensors are (B, L); `cu_seqlens` covers the B * L flattened positions."""
@@ -102,6 +111,10 @@ class Batch:
     """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for the
     per-group token losses: `LossGroups.ids`); None: no per-group sums."""
     num_loss_groups: int = 0
+    plan: RowShare | None = None
+    """This rank's share of the rows' positions, planned on the host when the micro-batch is laid out (context
+    parallelism: trainer.distributed.context.RowPlan); trainer.model.model_inputs cuts the forward kwargs by it.
+    None: the rows are this rank's whole."""
 
     @property
     def num_allocated(self) -> int:

@@ -34,13 +34,14 @@ group).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainer.data.batch import Batch
 from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
 from trainer.distributed.config import ALLGATHER_KERNELS, CP_SPLITS, CP_STRATEGIES
 from trainer.model import flash
@@ -145,50 +146,72 @@ class ContextGroup:
             raise ValueError(f"context-parallel split must be one of {CP_SPLITS}, got {self.split!r}")
 
 
-def shard_inputs(inputs: dict, cp: ContextGroup, isolate_documents: bool = True) -> dict:
-    """The model's forward kwargs of a whole micro-batch (trainer.model.model_inputs) -> this rank's share.
+class RowPlan:
+    """This rank's share of one micro-batch's positions (a trainer.data.batch.RowShare), planned on the host when
+    the micro-batch is laid out (trainer.run.inputs.StepInputs: in the prefetch thread under data.prefetch), so
+    the step never copies boundaries back from the device: which positions of each row are this rank's
+    (`row_positions`), and the `ContextShard` attention joins them with (the pieces or the gathered order its
+    strategy needs, computed here). `cut` then applies it to the forward kwargs, on any device.
 
-    The targets, weights and groups are shifted on the whole rows, then cut with the inputs; the attention
-    boundaries of the whole micro-batch travel in a `ContextShard` (`context`). Rows whose length does not divide
-    into 2N chunks (an unpacked or bucketed layout) are padded at their end first: padding has no target and
-    attends only within its own row, so nothing changes.
+    The targets, weights and groups are shifted on the whole rows, then cut with the inputs. Rows whose length
+    does not divide into the split's chunks (an unpacked or bucketed layout) are padded at their end first:
+    padding has no target and attends only within its own row, so nothing changes.
     """
-    input_ids, labels = inputs["input_ids"], inputs["labels"]
-    B, L = input_ids.shape
-    position_ids = inputs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
-    cu_seqlens = inputs.get("cu_seqlens")
-    per_row = cu_seqlens is None or not isolate_documents
-    targets, weights, groups = next_token_targets(labels, inputs.get("loss_weights"), inputs.get("loss_groups"))
-    chunks = split_chunks(cp.split, cp.size)
-    pad = (-L) % chunks
-    if pad:
-        if not per_row:
+
+    def __init__(self, batch: Batch, cp: ContextGroup, isolate_documents: bool = True) -> None:
+        B, L = batch.shape
+        self.per_row = batch.layout != "packed" or not isolate_documents
+        chunks = split_chunks(cp.split, cp.size)
+        self.pad = (-L) % chunks
+        if self.pad and not self.per_row:
             raise ValueError(f"packed rows of {L} positions cannot be cut into {chunks} chunks ({cp.split} split): "
                              f"train.seq_len must be a multiple of {chunks}")
-        input_ids = F.pad(input_ids, (0, pad), value=0)
-        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, pad + 1,
-                                                                                      device=position_ids.device)], 1)
-        targets = F.pad(targets, (0, pad), value=-100)
-        weights = None if weights is None else F.pad(weights, (0, pad), value=0.0)
-        groups = None if groups is None else F.pad(groups, (0, pad), value=-1)
-        L += pad
-    if per_row:
-        cu_seqlens = torch.arange(0, B * L + 1, L, dtype=torch.int32)
-    context = ContextShard(cp, cu_seqlens.cpu(), B, L)
-    index = torch.as_tensor(context.positions[cp.rank], device=input_ids.device)  # (B, L / N)
+        L += self.pad
+        cu = torch.arange(0, B * L + 1, L, dtype=torch.int32) if self.per_row else batch.cu_seqlens
+        if cu.device.type != "cpu":
+            raise ValueError("a RowPlan is made on the host, from the micro-batch before it is moved to a device")
+        self.shard = ContextShard(cp, cu, B, L)
+        self.index = torch.as_tensor(self.shard.positions[cp.rank])  # (B, L / N)
+        self.shard.gathered_order()  # what attention needs, made here rather than in the first layer's call
+        if cp.strategy == "ulysses":
+            self.shard.segments()
+        else:
+            self.shard.pieces()
 
-    def cut(x: torch.Tensor) -> torch.Tensor:
-        return torch.gather(x, 1, index)
+    def cut(self, inputs: dict) -> dict:
+        """The model's forward kwargs of the whole micro-batch (trainer.model.model_inputs) -> this rank's share,
+        with the ContextShard as `attention_context` and the shifted `targets` instead of labels."""
+        input_ids, pad = inputs["input_ids"], self.pad
+        B, L = input_ids.shape
+        position_ids = inputs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(L, device=input_ids.device).expand(B, L)
+        targets, weights, groups = next_token_targets(inputs["labels"], inputs.get("loss_weights"),
+                                                      inputs.get("loss_groups"))
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad), value=0)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(
+                1, pad + 1, device=position_ids.device)], 1)
+            targets = F.pad(targets, (0, pad), value=-100)
+            weights = None if weights is None else F.pad(weights, (0, pad), value=0.0)
+            groups = None if groups is None else F.pad(groups, (0, pad), value=-1)
+        index = self.index.to(input_ids.device, non_blocking=True)
 
-    out = {"input_ids": cut(input_ids), "position_ids": cut(position_ids), "targets": cut(targets),
-           "context": context}
-    if weights is not None:
-        out["loss_weights"] = cut(weights)
-    if groups is not None:
-        out["loss_groups"], out["num_loss_groups"] = cut(groups), inputs["num_loss_groups"]
-    return out
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            return torch.gather(x, 1, index)
+
+        out = {"input_ids": cut(input_ids), "position_ids": cut(position_ids), "targets": cut(targets),
+               "attention_context": self.shard}
+        if weights is not None:
+            out["loss_weights"] = cut(weights)
+        if groups is not None:
+            out["loss_groups"], out["num_loss_groups"] = cut(groups), inputs["num_loss_groups"]
+        return out
+
+
+def with_row_plans(micro_batches: list[Batch], cp: ContextGroup, isolate_documents: bool = True) -> list[Batch]:
+    """Each micro-batch (on the host) with this rank's RowPlan (Batch.plan): what model_inputs then cuts."""
+    return [replace(mb, plan=RowPlan(mb, cp, isolate_documents)) for mb in micro_batches]
 
 
 class ContextShard:
@@ -271,6 +294,13 @@ class ContextShard:
 
     # -- ulysses --------------------------------------------------------------------------------------------
 
+    def segments(self) -> Segments:
+        """The whole rows' documents (ulysses attends within them on whole rows, H / N heads)."""
+        if "segments" not in self._cache:
+            cu = torch.as_tensor(self.cu, dtype=torch.int32)
+            self._cache["segments"] = Segments(cu, int(np.diff(self.cu).max()))
+        return self._cache["segments"]
+
     def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
                           flex_compile: bool) -> torch.Tensor:
         size = self.cp.size
@@ -283,11 +313,7 @@ class ContextShard:
             out = _AllToAll.apply(x, self.cp.group)
             return out.reshape(size * n_loc, heads // size, dim).index_select(0, inverse)
 
-        segments = self._cache.get("segments")
-        if segments is None:
-            cu = torch.as_tensor(self.cu, dtype=torch.int32)
-            segments = self._cache["segments"] = Segments(cu, int(np.diff(self.cu).max()))
-        y = segment_attention(to_rows(q), to_rows(k), to_rows(v), segments, backend, flex_compile)
+        y = segment_attention(to_rows(q), to_rows(k), to_rows(v), self.segments(), backend, flex_compile)
         y = y.index_select(0, order).reshape(size, n_loc, heads // size, dim).contiguous()
         back = _AllToAll.apply(y, self.cp.group)
         return back.transpose(0, 1).reshape(n_loc, heads, dim)

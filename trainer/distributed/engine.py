@@ -124,7 +124,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine, in
     one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), compile, then the
     data-parallel engine (DDP over the loss group, FSDP2 or DeepSpeed). Context parallelism needs no wrapping: each
-    micro-batch is cut into this rank's share (trainer.distributed.context.shard_inputs).
+    micro-batch carries this rank's share of its positions (Batch.plan: trainer.distributed.context.RowPlan).
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
     dtype: 'fp32' or 'bf16', train.dtype as the run resolved it (trainer.config.resolve_dtype). compile

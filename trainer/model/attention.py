@@ -32,6 +32,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,11 @@ class Segments:
         self.cu_seqlens = cu_seqlens
         self.max_seqlen = int(max_seqlen)
         self._cache: dict = {}
+
+    def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, backend: str = "auto",
+               flex_compile: bool = True) -> torch.Tensor:
+        """`segment_attention` within these segments (an AttentionContext)."""
+        return segment_attention(q_NHD, k_NHD, v_NHD, self, backend, flex_compile)
 
     def cu_on(self, device: torch.device) -> torch.Tensor:
         """int32 cu_seqlens on `device` (what the varlen kernels take)."""
@@ -371,6 +377,24 @@ def _flex(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, block_m
     q_1HND, k_1HND, v_1HND = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))
     out_1HND = flex_attention(q_1HND, k_1HND, v_1HND, block_mask=block_mask)
     return out_1HND.squeeze(0).transpose(0, 1)
+
+
+class AttentionContext(Protocol):
+    """What the attention layers of one forward pass attend within: `Segments` (the documents of this rank's
+    rows), or a share of rows split over ranks (trainer.distributed.context.ContextShard, which joins the other
+    ranks' keys). Built once per forward, shared by every layer."""
+
+    def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, backend: str = "auto",
+               flex_compile: bool = True) -> torch.Tensor:
+        """Document-causal attention of flat (N, H, D) queries; (N, H, D)."""
+        ...
+
+
+def attend_within(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, context: AttentionContext,
+                  backend: str = "auto", flex_compile: bool = True) -> torch.Tensor:
+    """The model's attention call per layer (CausalSelfAttention.attend; train.compile keeps it eager, see
+    `segment_attention`): `context.attend`."""
+    return context.attend(q_NHD, k_NHD, v_NHD, backend, flex_compile)
 
 
 def segment_attention(

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
-from trainer.model.attention import AttentionConfig, Segments, segment_attention
+from trainer.model.attention import AttentionConfig, AttentionContext, Segments, attend_within
 from trainer.model.loss import chunked_cross_entropy_sums, cross_entropy_sums, next_token_targets
 
 POS_EMBS = ("learned", "rope")
@@ -270,7 +270,7 @@ def cached_attention(q_BLHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    attend = staticmethod(segment_attention)
+    attend = staticmethod(attend_within)
     """The document-causal attention call; train.compile sets an instance's to a torch.compiler.disable'd one
     (trainer/model/compile.py)."""
 
@@ -285,7 +285,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: Segments | None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: AttentionContext | None,
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
@@ -306,10 +306,6 @@ class CausalSelfAttention(nn.Module):
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
-        elif not isinstance(segments, Segments):  # a context-parallel shard: joins the group's shares of the rows
-            flat = (B * L, H, D)
-            y = segments.attend(q.reshape(flat), k.reshape(flat), v.reshape(flat), self.attention.backend,
-                                self.attention.flex_compile)
         else:
             flat = (B * L, H, D)
             y = self.attend(
@@ -377,13 +373,13 @@ class Block(nn.Module):
         set by `apply_activation_checkpointing`."""
 
     def forward(
-        self, x: torch.Tensor, rope, segments: Segments | None, cache: LayerCache | None = None
+        self, x: torch.Tensor, rope, segments: AttentionContext | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
         if self.recompute == "full" and cache is None and torch.is_grad_enabled():
             return checkpoint(self._forward, x, rope, segments, use_reentrant=False)
         return self._forward(x, rope, segments, cache)
 
-    def _forward(self, x: torch.Tensor, rope, segments: Segments | None, cache: LayerCache | None = None):
+    def _forward(self, x: torch.Tensor, rope, segments: AttentionContext | None, cache: LayerCache | None = None):
         x = x + self.attn(self.ln_1(x), rope, segments, cache)
         if self.recompute == "selective" and torch.is_grad_enabled():
             return x + checkpoint(self._mlp, x, use_reentrant=False)
@@ -451,7 +447,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         loss_groups: torch.Tensor | None = None,
         num_loss_groups: int = 0,
-        context=None,
+        attention_context: AttentionContext | None = None,
         targets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids, position_ids, labels: (B, L). cu_seqlens: (S + 1,) int32 over the B * L flat positions.
@@ -467,9 +463,10 @@ class GPT(nn.Module):
         loss path; gathered over the tensor group); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
-        context: this rank's share of whole rows under context parallelism (a trainer.distributed.context.
-        ContextShard; its shard_inputs makes these kwargs): each attention layer calls its `attend(q, k, v,
-        backend, flex_compile)`, which joins the group's shares; it passes `targets` instead of labels.
+        attention_context: what each attention layer attends within when the boundaries are not the rows'
+        cu_seqlens (trainer.model.attention.AttentionContext: its `attend(q, k, v, backend, flex_compile)`), e.g.
+        this rank's share of whole rows under context parallelism, which a micro-batch's row plan puts into
+        these kwargs (`model_inputs`), with `targets` instead of labels.
         targets (B, L): what each position predicts, already aligned with the positions (trainer.model.loss.
         next_token_targets, made on whole rows before a shard cuts them), with loss_weights and loss_groups aligned
         the same way; give labels or targets, not both. The model itself imports no torch.distributed.
@@ -487,10 +484,10 @@ class GPT(nn.Module):
             raise ValueError("a KVCache decodes padded rows: pass cu_seqlens=None")
         if position_ids is None:
             position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
-        segments = context
-        if context is not None and (cu_seqlens is not None or cache is not None):
-            raise ValueError("a context-parallel shard carries its own boundaries: pass cu_seqlens=None, no cache")
-        if context is None and cu_seqlens is not None and self.attention.isolate_documents:
+        segments = attention_context
+        if attention_context is not None and (cu_seqlens is not None or cache is not None):
+            raise ValueError("an attention_context carries its own boundaries: pass cu_seqlens=None, no cache")
+        if attention_context is None and cu_seqlens is not None and self.attention.isolate_documents:
             if max_seqlen is None:
                 raise ValueError("packed rows need max_seqlen (a Python int computed with cu_seqlens)")
             segments = Segments(cu_seqlens, max_seqlen)
@@ -625,6 +622,7 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
 
     packed=None follows batch.layout ('packed' -> cu_seqlens/max_seqlen; 'unpacked'/'bucketed' -> None).
     Example: model(**model_inputs(batch)).loss_sum / batch.num_valid_targets
+    A batch with a row plan (Batch.plan: context parallelism) gives this rank's share of its positions instead.
     """
     if packed is None:
         packed = batch.layout == "packed"
@@ -639,4 +637,4 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
         inputs["loss_weights"] = batch.loss_weights
     if batch.loss_groups is not None:
         inputs["loss_groups"], inputs["num_loss_groups"] = batch.loss_groups, batch.num_loss_groups
-    return inputs
+    return inputs if batch.plan is None else batch.plan.cut(inputs)  # this rank's positions (Batch.plan)

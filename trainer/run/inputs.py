@@ -2,8 +2,8 @@
 
 `build_data` assembles the stream from the run's config (trainer.data.feed: shards -> documents -> packed rows);
 `StepInputs` draws a step's rows (agreed with the other ranks at an epoch's end: trainer.data.epochs.StepRows), lays
-them out as micro-batches for the configured layout, checks the token ids on the host, and pins them when bound for
-a GPU, in the prefetch thread when data.prefetch draws the next step's rows while the current one computes.
+them out as micro-batches for the configured layout, checks the token ids on the host, plans this rank's share of
+their positions under context parallelism (Batch.plan), and pins them when bound for a GPU, in the prefetch thread when data.prefetch draws the next step's rows while the current one computes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from trainer.config import RunConfig
 from trainer.data.feed import Batch, DataSource, RowPrefetcher, StepRows, check_token_ids, micro_batches
 from trainer.data.feed import build_data as build_data_source
+from trainer.distributed.context import with_row_plans
 from trainer.distributed.groups import DistInfo, dist_sum
 
 
@@ -64,6 +65,8 @@ class StepInputs:
         mbs = micro_batches(rows, cfg.packing, cfg.train.seq_len, cfg.train.micro_batch_tokens, self.data.pad_id)
         for mb in mbs:  # on the host, before any kernel can index out of range
             check_token_ids(mb, self.vocab_size)
+        if self.info.context is not None:  # this rank's positions, planned here on the host (Batch.plan)
+            mbs = with_row_plans(mbs, self.info.context, cfg.attention.isolate_documents)
         if self.info.device.type == "cuda":
             with torch.cuda.device(self.info.device):  # this rank's GPU, also in the prefetch thread (not GPU 0's)
                 mbs = [mb.pin_memory() for mb in mbs]  # Batch.to_device then copies without waiting

@@ -13,7 +13,6 @@ Wrapping for several ranks happens once, in trainer.distributed.engine.paralleli
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
@@ -41,7 +40,6 @@ from trainer.data.feed import (
     interrupt_reads,
     load_eval_docs,
 )
-from trainer.distributed.context import shard_inputs
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError
@@ -111,9 +109,6 @@ class Trainer:
         if not meta:
             model = model.to(info.device)
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size)
-        self.shard = None if info.context is None else functools.partial(
-            shard_inputs, cp=info.context, isolate_documents=cfg.attention.isolate_documents)
-        """Context parallelism: a micro-batch's forward kwargs -> this rank's share (trainer.distributed.context)."""
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
         optimizer = build_optimizer(model, cfg.optim, info.device)
@@ -323,8 +318,7 @@ class Trainer:
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
         try:
-            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
-                               shard=self.shard)
+            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups)
         except NonFiniteError as e:  # DeepSpeed's: stopped before its step
             if not self._first_after_resume(self.step + 1):
                 raise

@@ -33,7 +33,7 @@ micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -157,12 +157,11 @@ def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[lis
 
 
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS,
-               shard: Callable[[dict], dict] | None = None) -> StepStats:
+               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS) -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
     x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
-    stats carry (metrics: the objective is unchanged). `shard`: under context parallelism, a micro-batch's forward
-    kwargs -> this rank's share of its positions (trainer.distributed.context.shard_inputs).
+    stats carry (metrics: the objective is unchanged). A micro-batch with a row plan (Batch.plan, context
+    parallelism) runs this rank's share of its positions (trainer.model.model_inputs cuts them).
 
     The ranks of a context or tensor group hold the same micro-batches: their counts are summed over the data group
     (one rank per data rank, trainer/distributed/dims.py), the losses over the loss group (data x context: each
@@ -198,8 +197,6 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     group_sums = torch.zeros(num_groups)
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
-        if shard is not None:
-            inputs = shard(inputs)
         mb_objective, mb_loss_sum, mb_groups = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()
