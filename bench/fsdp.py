@@ -118,17 +118,14 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
             docs = [Document(key=f"d{i}", tokens=rng.integers(2, vocab, size=seq_len // 4)) for i in range(4)]
             batch = collate_rows([docs], seq_len, 0, "packed")
             if step == steps:  # the last step: measure the state between backward and the optimizer's zeroing
-                apply = engine.optimizer_step if not engine.can_discard else engine.apply_gradients
+                apply = engine.step_if_finite
                 measured = {}
 
-                def measure_then(step_fn=apply, measured=measured):
+                def measure_then(loss, step_fn=apply, measured=measured):
                     measured["state"] = state_bytes(engine)
-                    return step_fn()
+                    return step_fn(loss)
 
-                if engine.can_discard:
-                    engine.apply_gradients = measure_then
-                else:
-                    engine.optimizer_step = measure_then
+                engine.step_if_finite = measure_then
             dist.barrier()
             t0 = time.perf_counter()
             train_step(engine, [batch], info, 0)

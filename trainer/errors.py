@@ -38,6 +38,11 @@ class ConfigError(UserError, ValueError):
     """An unknown key, or a value of the wrong type or out of range, in the composed config."""
 
 
+class NonFiniteError(UserError, RuntimeError):
+    """A non-finite loss or gradient norm that the run was told to stop on (train.on_nonfinite=stop), or that an
+    engine could not drop (DeepSpeed steps in one call)."""
+
+
 def require_range(key: str, value, low: float | None = None, high: float | None = None, *,
                   low_open: bool = False, high_open: bool = False) -> None:
     """A ConfigError naming `key`, its value and the valid range unless `value` is a finite number in it.

@@ -111,7 +111,7 @@ def test_a_built_ddp_engine_is_an_engine(tmp_path):
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     engine = parallelize(model, opt, sched, info, DistributedConfig(), grad_clip=1.0, dtype="fp32")
     assert isinstance(engine, Engine) and isinstance(engine, DDPEngine)
-    assert engine.name == "ddp" and engine.grad_average_factor == 1 and engine.can_discard
+    assert engine.name == "ddp" and engine.grad_average_factor == 1 and engine.micro_steps(0, 3) == 1
 
 
 def test_process_groups_know_nothing_of_engines():

@@ -12,6 +12,7 @@ factor is the running world size), so it loads unchanged on any number.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -46,6 +47,16 @@ class ClientOptimizerSteps:
         self.apply_gradients()
         return norm
 
+    def step_if_finite(self, loss: float) -> tuple[float, bool]:
+        """Clip; apply the update if `loss` (the step's global loss) and the gradient norm are finite, else drop
+        the gradients (nothing else changes). Returns (the global gradient norm, whether it was applied)."""
+        norm = self.clip_gradients()
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.apply_gradients()
+            return norm, True
+        self.discard_gradients()
+        return norm, False
+
     def apply_gradients(self) -> None:
         """Optimizer step, schedule step, gradients zeroed."""
         self.optimizer.step()
@@ -69,12 +80,9 @@ class DDPEngine(ClientOptimizerSteps):
     """
 
     name = "ddp"
-    equal_micro_batches = False
     sharded = False
     shard_format = None
     reshards_on_load = False
-    can_discard = True
-    """The step can look at the gradient norm before applying it (and drop a non-finite one)."""
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str,
                  tensor=None):
@@ -99,6 +107,10 @@ class DDPEngine(ClientOptimizerSteps):
         else:
             self.wrapped = model
             self.grad_average_factor = 1
+
+    def micro_steps(self, own: int, busiest: int) -> int:
+        """Ranks run their own number of micro-batches (at least one: the gradient all-reduce is collective)."""
+        return max(1, own)
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.

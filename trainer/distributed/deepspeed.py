@@ -11,7 +11,7 @@ grad_average_factor / global valid targets; DeepSpeed would then change it in th
   * it counts micro-batches to find the accumulation boundary: the step says which micro-batch is the
     last one (set_gradient_accumulation_boundary), since the count varies from step to step and by rank.
 ZeRO-2/3 reduce gradients in every micro-batch and ZeRO-3 gathers weights in every forward, so all ranks
-must run the same number of micro-batches: `equal_micro_batches` makes the step pad the shorter ranks
+must run the same number of micro-batches: `micro_steps` makes the step pad the shorter ranks
 with empty micro-batches (no targets, so no gradient). For example, 3 micro-batches on rank 0 and 1 on
 rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is the boundary on both.
 
@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import functools
 import io
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,6 +52,7 @@ from torch import nn
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import forward_backward
 from trainer.distributed.groups import DistInfo
+from trainer.errors import NonFiniteError
 
 
 def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, device: torch.device) -> dict:
@@ -76,15 +78,12 @@ def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, devic
     }
 
 
-_ONE_CALL = "DeepSpeed clips and applies the update in one call (optimizer_step); can_discard is False"
 _SHARDED = "ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); sharded is True"
 
 
 class DeepSpeedEngine:
     """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
 
-    equal_micro_batches = True
-    can_discard = False  # ds.step() clips and applies in one call: a non-finite loss stops before it
     sharded = True  # even ZeRO-1 partitions the optimizer state
     shard_format = "deepspeed"
     reshards_on_load = False  # another number of ranks goes through convert_shards (DeepSpeed's universal checkpoint)
@@ -122,14 +121,19 @@ class DeepSpeedEngine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def clip_gradients(self) -> float:
-        raise NotImplementedError(_ONE_CALL)
+    def step_if_finite(self, loss: float) -> tuple[float, bool]:
+        """DeepSpeed clips and applies the update in one call, so a step cannot be dropped once its gradients are
+        looked at: a non-finite `loss` stops the run before the step (NonFiniteError); a non-finite gradient norm
+        is reported (False) after it."""
+        if not math.isfinite(loss):
+            raise NonFiniteError(f"non-finite loss {loss} (stopped before DeepSpeed's step; "
+                                 "train.on_nonfinite=skip needs distributed.engine=ddp or fsdp2)")
+        norm = self.optimizer_step()
+        return norm, math.isfinite(norm)
 
-    def apply_gradients(self) -> None:
-        raise NotImplementedError(_ONE_CALL)
-
-    def discard_gradients(self) -> None:
-        raise NotImplementedError(_ONE_CALL)
+    def micro_steps(self, own: int, busiest: int) -> int:
+        """The busiest rank's number of micro-batches: ZeRO communicates inside every one."""
+        return max(1, busiest)
 
     def lr(self) -> float:
         return self.ds.get_lr()[0]

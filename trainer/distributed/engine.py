@@ -12,9 +12,9 @@ itself, and hands a sharded engine the one directory its `save_shards` / `load_s
 
 How the step drives an engine, for one optimizer step over k micro-batches:
 
-    for i, mb in enumerate(micro_batches):       # gradients synced only on the last one
+    for i, mb in enumerate(micro_batches):       # engine.micro_steps(k, busiest) of them; synced on the last
         engine.micro_step(inputs(mb), loss_scale, sync=i == k - 1)
-    norm = engine.optimizer_step()               # or clip_gradients / apply_gradients | discard_gradients
+    norm, applied = engine.step_if_finite(loss)  # clip, then step or drop the gradients
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ class Engine(Protocol):
     """The model as built (single-device code), for eval mode switches and weight reads."""
     grad_average_factor: int
     """What the step multiplies the loss by to undo the engine's averaging of gradients over ranks."""
-    equal_micro_batches: bool
-    """True if every rank must run the same number of micro-batches per step (ZeRO communicates in each)."""
-    can_discard: bool
-    """True if clip_gradients / apply_gradients / discard_gradients split the optimizer step, so a non-finite
-    step can be dropped; False if optimizer_step is the only way to step."""
     sharded: bool
     """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
     which loads on any number of ranks. True: each rank holds a part, which only the engine can write and read
@@ -69,20 +64,21 @@ class Engine(Protocol):
         without gradients."""
         ...
 
+    def micro_steps(self, own: int, busiest: int) -> int:
+        """How many micro-steps this rank runs when it holds `own` micro-batches and the busiest rank `busiest`
+        (the step adds empty ones, without targets): its own under DDP, the busiest's where every forward is
+        collective (FSDP2, ZeRO); at least one (the gradient reduction is collective)."""
+        ...
+
+    def step_if_finite(self, loss: float) -> tuple[float, bool]:
+        """After the step's last micro-batch: clip and apply the update (optimizer, schedule, gradients zeroed)
+        unless `loss` (the step's global loss) or the gradient norm is not finite, when this step's gradients are
+        dropped and nothing else changes. Returns (the global gradient norm, whether the update was applied).
+        An engine that clips and steps in one call (DeepSpeed) raises NonFiniteError on a non-finite loss."""
+        ...
+
     def optimizer_step(self) -> float:
-        """Clip, step, advance the schedule, zero the gradients; returns the global gradient norm."""
-        ...
-
-    def clip_gradients(self) -> float:
-        """The global gradient norm before clipping; clips in place (only if can_discard)."""
-        ...
-
-    def apply_gradients(self) -> None:
-        """Optimizer step, schedule step, gradients zeroed (only if can_discard)."""
-        ...
-
-    def discard_gradients(self) -> None:
-        """Drop this step's gradients, nothing else changed (only if can_discard)."""
+        """Clip, step, advance the schedule, zero the gradients, whatever the norm; the global gradient norm."""
         ...
 
     def lr(self) -> float:

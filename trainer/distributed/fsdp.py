@@ -9,7 +9,7 @@ tensor parallelism, so context parallelism adds a mesh dimension, not a code pat
 
 The objective is DDP's: FSDP2 averages gradients over the mesh (W ranks), so `grad_average_factor` is W, as
 for DDP, and what remains is sum(token losses) / global valid targets. Every forward is collective (the
-all-gather), so all ranks run the same number of micro-batches (`equal_micro_batches`: the step pads the
+all-gather), so all ranks run the same number of micro-batches (`micro_steps`: the step pads the
 shorter ranks with empty ones, as for ZeRO); gradients are reduce-scattered on the last micro-batch alone
 (`set_requires_gradient_sync`), so accumulation costs no communication.
 
@@ -63,8 +63,6 @@ class FSDP2Engine(ClientOptimizerSteps):
     """Model + client optimizer + client LR schedule, sharded by `fully_shard` over the run's mesh."""
 
     name = "fsdp2"
-    equal_micro_batches = True  # each forward all-gathers a block's weights: a collective on every rank
-    can_discard = True  # clip and step are separate calls: a non-finite step can be dropped
     sharded = True
     shard_format = "dcp"
     """What the checkpoint store writes the shards as (it names the directory)."""
@@ -112,6 +110,10 @@ class FSDP2Engine(ClientOptimizerSteps):
         for group in optimizer.param_groups:  # the DTensors into the client's optimizer, in place
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         self.grad_average_factor = self.mesh.size()
+
+    def micro_steps(self, own: int, busiest: int) -> int:
+        """The busiest rank's number of micro-batches: each forward all-gathers a block's weights, on every rank."""
+        return max(1, busiest)
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; gradients are reduce-scattered only when `sync` (the step's last

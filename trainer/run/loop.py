@@ -42,7 +42,7 @@ from trainer.data.feed import (
 )
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NonFiniteError
 from trainer.model import apply_activation_checkpointing, build_model
 from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
@@ -55,7 +55,7 @@ from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summa
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptedAtStart, PreemptionHandler
 from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlock_run_dir
-from trainer.run.step import NonFiniteError, train_step
+from trainer.run.step import train_step
 from trainer.tasks.suite import load_suite
 
 log = logging.getLogger(__name__)

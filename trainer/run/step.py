@@ -22,17 +22,17 @@ is a mean over *units* of the mean token loss within each unit, written as one w
 Units without targets (padding, an empty rank's placeholder) count for nothing. `loss_weights` builds
 the per-token weights; this module is the only place that defines them.
 
-A step whose global loss or gradient norm is not finite is not applied (engines that can look before they
-step; DeepSpeed stops before its step on a non-finite loss): `StepStats.finite` tells the loop, which stops
-or skips by `train.on_nonfinite`. Every rank sees the same all-reduced loss and norm, so they all decide alike.
+A step whose global loss or gradient norm is not finite is not applied (`Engine.step_if_finite`; DeepSpeed stops
+before its step on a non-finite loss): `StepStats.finite` tells the loop, which stops or skips by
+`train.on_nonfinite`. Every rank sees the same all-reduced loss and norm, so they all decide alike.
 
 The same all-reduce carries each rank's micro-batch count: engines that communicate inside every
-micro-batch (DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones.
+micro-batch (FSDP2, DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones
+(`Engine.micro_steps`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -51,7 +51,6 @@ from trainer.data.feed import (
 )
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
-from trainer.errors import UserError
 from trainer.model import model_inputs
 
 
@@ -82,10 +81,6 @@ class StepStats:
     """Per source of the mixture (None without data.sources): its documents' tokens in the step, all ranks."""
     source_docs: list[int] | None = None
     """Per source of the mixture: its documents (chunks count once each) in the step, all ranks."""
-
-
-class NonFiniteError(UserError, RuntimeError):
-    """A non-finite loss or gradient norm that the run was told to stop on (train.on_nonfinite=stop)."""
 
 
 def empty_batch(pad_id: int) -> Batch:
@@ -189,8 +184,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
     loss_scale = engine.grad_average_factor / units
 
-    most = busiest if engine.equal_micro_batches else len(micro_batches)
-    batches = list(micro_batches) + [empty_batch(pad_id)] * (max(1, most) - len(micro_batches))
+    runs = engine.micro_steps(len(micro_batches), busiest)
+    batches = list(micro_batches) + [empty_batch(pad_id)] * (runs - len(micro_batches))
     weights = [w for w, _ in weighted] + [None] * (len(batches) - len(micro_batches))
     objective_sum = loss_sum = 0.0
     num_groups = groups.size
@@ -204,19 +199,7 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
             group_sums = group_sums.to(mb_groups.device) + mb_groups
     global_objective, global_loss_sum, *global_sums = dist_sum(  # each position's loss is on one rank of `loss`
         [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device, info.loss_group)
-    if engine.can_discard:
-        grad_norm = engine.clip_gradients()
-        finite = math.isfinite(global_objective) and math.isfinite(grad_norm)
-        if finite:
-            engine.apply_gradients()
-        else:
-            engine.discard_gradients()
-    else:
-        if not math.isfinite(global_objective):
-            raise NonFiniteError(f"non-finite loss {global_objective / units} (stopped before DeepSpeed's step; "
-                                 "train.on_nonfinite=skip needs distributed.engine=ddp)")
-        grad_norm = engine.optimizer_step()
-        finite = math.isfinite(grad_norm)
+    grad_norm, finite = engine.step_if_finite(global_objective / units)
     return StepStats(
         loss=global_objective / units,
         token_loss=global_loss_sum / valid,
