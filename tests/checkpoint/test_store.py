@@ -223,9 +223,10 @@ class ShardedEngine:
     """The store's side of a sharded engine (as DeepSpeed is), without DeepSpeed: records where it is sent."""
 
     name = "fake_sharded"
-    sharded = True
     shard_format = "deepspeed"
-    reshards_on_load = False
+
+    def converts_from(self, world_size: int) -> bool:
+        return world_size != 1  # as DeepSpeed's: another number of ranks is converted first
 
     def __init__(self, engine: DDPEngine):
         self.inner, self.module, self.calls = engine, engine.module, []

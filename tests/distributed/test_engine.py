@@ -38,7 +38,8 @@ def test_each_engine_implements_every_member_with_the_protocols_signature(module
         assert list(inspect.signature(fn).parameters) == want, f"{cls}.{name} signature differs from Engine's"
 
 
-CHECKPOINT_MEMBERS = {"sharded", "state_dict", "load_state_dict", "save_shards", "load_shards", "full_weights"}
+CHECKPOINT_MEMBERS = {"shard_format", "state_dict", "load_state_dict", "save_shards", "load_shards", "converts_from",
+                      "full_weights"}
 """What the checkpoint store asks of an engine: state to write (replicated), or a directory to write into (sharded)."""
 
 
@@ -60,11 +61,12 @@ def test_engines_write_no_file_themselves(module):
 
 
 def test_each_engine_refuses_the_half_of_the_checkpoint_protocol_it_does_not_have():
-    """sharded=False engines have state_dict and refuse save_shards; sharded=True ones the other way round."""
+    """Replicated engines (shard_format None) have state_dict and refuse save_shards; sharded ones the other way
+    round."""
     from trainer.distributed.deepspeed import DeepSpeedEngine
 
     ddp, zero = object.__new__(DDPEngine), object.__new__(DeepSpeedEngine)  # no process group needed to refuse
-    assert DDPEngine.sharded is False and DeepSpeedEngine.sharded is True
+    assert DDPEngine.shard_format is None and DeepSpeedEngine.shard_format == "deepspeed"
     for call in (lambda: ddp.save_shards(Path("x")), lambda: ddp.load_shards(Path("x"))):
         with pytest.raises(NotImplementedError, match="replicated"):
             call()

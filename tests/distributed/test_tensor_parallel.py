@@ -98,7 +98,7 @@ def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[in
         out["loss"].append(stats.loss)
         out["norm"].append(stats.grad_norm)
         out["valid"] = stats.valid_tokens
-        if engine.sharded:
+        if engine.shard_format is not None:
             if save is not None and step == 0:
                 engine.save_shards(Path(save))
         else:

@@ -205,7 +205,7 @@ def save_checkpoint(
         save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
     except (OSError, RuntimeError) as e:
         failure = e
-    if engine.sharded:
+    if engine.shard_format is not None:
         try:
             engine.save_shards(tmp / SHARD_DIRS[engine.shard_format])  # collective: every rank writes its shard
         except (OSError, RuntimeError) as e:
@@ -492,9 +492,9 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
     if meta.get("engine", engine.name) != engine.name:
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                               "resume with the same distributed= config")
-    if not engine.sharded:
+    if engine.shard_format is None:
         engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
-    elif meta["world_size"] == info.world_size or engine.reshards_on_load:
+    elif not engine.converts_from(meta["world_size"]):
         shards = path / SHARD_DIRS[engine.shard_format]
         if not shards.is_dir():
             raise CheckpointError(f"{shards} is missing: the checkpoint is damaged; resume from an earlier one")

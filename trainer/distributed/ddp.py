@@ -21,7 +21,7 @@ from torch import nn
 from trainer.distributed.groups import DistInfo
 from trainer.model import compute_dtype
 
-_REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); sharded is False"
+_REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); shard_format is None"
 
 
 def forward_backward(module, inputs: dict, loss_scale: float, backward=torch.Tensor.backward,
@@ -80,9 +80,7 @@ class DDPEngine(ClientOptimizerSteps):
     """
 
     name = "ddp"
-    sharded = False
     shard_format = None
-    reshards_on_load = False
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str,
                  tensor=None):
@@ -189,6 +187,9 @@ class DDPEngine(ClientOptimizerSteps):
 
     def load_shards(self, directory: Path, converted: bool = False) -> None:
         raise NotImplementedError(_REPLICATED)
+
+    def converts_from(self, world_size: int) -> bool:
+        return False  # replicated: engine.pt loads on any number of ranks
 
     def convert_shards(self, directory: Path, out: Path) -> None:
         raise NotImplementedError(_REPLICATED)

@@ -78,15 +78,13 @@ def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, devic
     }
 
 
-_SHARDED = "ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); sharded is True"
+_SHARDED = "ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); shard_format is 'deepspeed'"
 
 
 class DeepSpeedEngine:
     """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
 
-    sharded = True  # even ZeRO-1 partitions the optimizer state
-    shard_format = "deepspeed"
-    reshards_on_load = False  # another number of ranks goes through convert_shards (DeepSpeed's universal checkpoint)
+    shard_format = "deepspeed"  # even ZeRO-1 partitions the optimizer state
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):
@@ -193,6 +191,11 @@ class DeepSpeedEngine:
             for state in base.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+
+    def converts_from(self, world_size: int) -> bool:
+        """Shards written on another number of ranks go through convert_shards (DeepSpeed's universal
+        checkpoint) first."""
+        return world_size != dist.get_world_size()
 
     def convert_shards(self, directory: Path, out: Path) -> None:
         """Not collective (one rank runs it): the shards that save_shards wrote into `directory`, on any number of

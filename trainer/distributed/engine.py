@@ -42,16 +42,11 @@ class Engine(Protocol):
     """The model as built (single-device code), for eval mode switches and weight reads."""
     grad_average_factor: int
     """What the step multiplies the loss by to undo the engine's averaging of gradients over ranks."""
-    sharded: bool
-    """False: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
-    which loads on any number of ranks. True: each rank holds a part, which only the engine can write and read
-    (`save_shards` / `load_shards`), and convert for another number of ranks (`convert_shards`)."""
     shard_format: str | None
-    """What a sharded engine's save_shards writes: 'deepspeed' (DeepSpeed's own files) or 'dcp'
-    (torch.distributed.checkpoint); None if not sharded. The checkpoint store names the directory by it."""
-    reshards_on_load: bool
-    """True if load_shards reads shards written on any number of ranks itself (DCP), so the store never calls
-    convert_shards."""
+    """None: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
+    which loads on any number of ranks. Else each rank holds a part, which only the engine can write and read
+    (`save_shards` / `load_shards`), into the directory the checkpoint store names by it: 'deepspeed' (DeepSpeed's
+    own files) or 'dcp' (torch.distributed.checkpoint)."""
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
@@ -86,27 +81,33 @@ class Engine(Protocol):
         ...
 
     def state_dict(self) -> dict:
-        """Model, optimizer and LR schedule as plain data and tensors, whole (only if not sharded). Called on every
+        """Model, optimizer and LR schedule as plain data and tensors, whole (shard_format None). Called on every
         rank; collective under tensor parallelism (the whole tensors gathered onto rank 0, {} elsewhere)."""
         ...
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned, its tensors already on this rank's device (only if not sharded)."""
+        """Restore what `state_dict` returned, its tensors already on this rank's device (shard_format None)."""
         ...
 
     def save_shards(self, directory: Path) -> None:
         """Collective: every rank writes its part of the state into `directory`, which the caller names and
-        which need not exist (only if sharded)."""
+        which need not exist (a sharded engine)."""
         ...
 
     def load_shards(self, directory: Path, converted: bool = False) -> None:
         """Collective: every rank restores its part from a `directory` that save_shards wrote on as many ranks, or
-        (`converted`) that convert_shards wrote from the parts of any number (only if sharded)."""
+        (`converted`) that convert_shards wrote from the parts of any number (a sharded engine)."""
+        ...
+
+    def converts_from(self, world_size: int) -> bool:
+        """Whether the shards save_shards wrote on `world_size` ranks must go through convert_shards before
+        load_shards reads them on this run's ranks: DeepSpeed's on another number of ranks; never DCP's, which
+        reshards as it reads, nor a replicated engine's."""
         ...
 
     def convert_shards(self, directory: Path, out: Path) -> None:
         """Not collective: the parts that save_shards wrote into `directory`, on any number of ranks, rewritten into
-        a new directory `out` that load_shards(out, converted=True) reads on this run's ranks (only if sharded)."""
+        a new directory `out` that load_shards(out, converted=True) reads on this run's ranks (a sharded engine)."""
         ...
 
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ both groups (TensorParallel.clip_grad_norm_ with `shards`).
 
 Checkpoints: torch.distributed.checkpoint (DCP), every rank writing its shards in parallel into the directory
 the checkpoint store names (`save_shards`); DCP reshards on load, so a checkpoint written on W ranks loads on
-any number (`reshards_on_load`: no conversion step). Under tensor parallelism the ranks of a tensor group hold
+any number (`converts_from` is False: no conversion step). Under tensor parallelism the ranks of a tensor group hold
 different tensors under one name, so the checkpoint holds the whole tensors instead, their rows split over every
 rank (`_to_whole`, one whole tensor gathered at a time): it loads on any data, tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its
 `.metadata` file with plain pickle and its non-tensor entries with `torch.load(weights_only=False)`;
@@ -63,11 +63,8 @@ class FSDP2Engine(ClientOptimizerSteps):
     """Model + client optimizer + client LR schedule, sharded by `fully_shard` over the run's mesh."""
 
     name = "fsdp2"
-    sharded = True
     shard_format = "dcp"
     """What the checkpoint store writes the shards as (it names the directory)."""
-    reshards_on_load = True
-    """DCP loads a checkpoint written on any number of ranks: no convert_shards step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
                  cfg: DistributedConfig, grad_clip: float, dtype: str, tensor=None):
@@ -149,8 +146,11 @@ class FSDP2Engine(ClientOptimizerSteps):
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError(_SHARDED)
 
+    def converts_from(self, world_size: int) -> bool:
+        return False  # DCP loads a checkpoint written on any number of ranks
+
     def convert_shards(self, directory: Path, out: Path) -> None:
-        raise NotImplementedError("DCP reshards on load (reshards_on_load): there is nothing to convert")
+        raise NotImplementedError("DCP reshards on load (converts_from is False): there is nothing to convert")
 
     def _dcp_state(self) -> dict:
         """Model and optimizer as DCP's state-dict helpers give them (DTensor shards keyed by parameter name,
@@ -309,7 +309,7 @@ def read_dcp_weights(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dic
     return state["model"]
 
 
-_SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); sharded is True"
+_SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); shard_format is 'dcp'"
 
 
 # ---------------------------------------------------------------------------------------------------
