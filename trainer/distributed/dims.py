@@ -60,6 +60,8 @@ class ParallelDims:
     """Group name -> torch ProcessGroup (every name of GROUPS when a mesh exists, else empty)."""
     loss_mesh: DeviceMesh | None = None
     """The loss (= fsdp) group as a 1-D DeviceMesh: data x context flattened, what FSDP2 shards over."""
+    world_mesh: DeviceMesh | None = None
+    """Every rank as a 1-D DeviceMesh, in rank order (FSDP2 x TP checkpoints split whole tensors over it)."""
 
     def __post_init__(self) -> None:
         if (problem := dims_problem(self.world_size, self.context, self.tensor)) is not None:
@@ -109,6 +111,7 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, (world_size // (context * tensor), context, tensor), mesh_dim_names=DIMS)
         loss = mesh["data", "context"]._flatten("loss")  # torchtitan flattens its dp_shard_cp the same way
+        world = mesh["data", "context", "tensor"]._flatten("world")
         groups = {name: mesh.get_group(name) for name in DIMS}
         groups["loss"] = groups["fsdp"] = loss.get_group()
-        return cls(world_size, rank, context, tensor, mesh, groups, loss)
+        return cls(world_size, rank, context, tensor, mesh, groups, loss, world)

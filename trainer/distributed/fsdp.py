@@ -87,9 +87,9 @@ class FSDP2Engine(ClientOptimizerSteps):
         self.grad_clip = grad_clip
         self.is_main = info.is_main
         self.tensor = tensor
-        self.world_mesh = info.dims.mesh
-        """The ("data", "context", "tensor") mesh: a checkpoint under tensor parallelism holds the whole tensors,
-        their rows split over every rank of it (`_to_whole`)."""
+        self.world_mesh = info.dims.world_mesh
+        """Every rank, in order: a checkpoint under tensor parallelism holds the whole tensors, their rows split
+        over it (`_to_whole`)."""
         self.mesh = info.dims.loss_mesh  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
         bf16 = dtype == "bf16"
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -192,10 +192,11 @@ class FSDP2Engine(ClientOptimizerSteps):
         shape = self.module.whole_shapes[name] if self.tensor.is_split(name) else shard.shape
         return dt.empty(shape, dtype=shard.dtype, device_mesh=self.world_mesh, placements=self._rows())
 
-    def _rows(self) -> list:
+    @staticmethod
+    def _rows() -> list:
         from torch.distributed.tensor import Shard
 
-        return [Shard(0)] * self.world_mesh.ndim  # rows split over every rank, in rank order
+        return [Shard(0)]  # rows split over every rank, in rank order
 
     def save_shards(self, directory: Path) -> None:
         """Collective: every rank writes its shards into `directory` (DCP: one .distcp file per rank, and rank
