@@ -286,11 +286,22 @@ class Layout:
         return torch.cat(pieces, dim=self.dim).contiguous()
 
     def join(self, shards: list[torch.Tensor], whole: int) -> torch.Tensor:
-        """The whole tensor (`whole` long along dim, the padding dropped) from every rank's shard, in rank order."""
+        """The whole tensor (`whole` long along dim, the padding dropped) from every rank's shard, in rank order:
+        each rank's slice of each part copied once into place."""
         size = len(shards)
-        per_rank = [list(s.split([p // size for p in self.parts], dim=self.dim)) for s in shards]
-        parts = [torch.cat([per_rank[r][i] for r in range(size)], dim=self.dim) for i in range(len(self.parts))]
-        return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, whole).contiguous()
+        shape = list(shards[0].shape)
+        shape[self.dim] = whole
+        out = shards[0].new_empty(shape)
+        at = mine = 0  # where the next slice goes in the whole tensor, where it starts in a shard
+        for part in self.parts:
+            n = part // size
+            for shard in shards:
+                take = min(n, whole - at)  # the padding, at the end, dropped
+                if take > 0:
+                    out.narrow(self.dim, at, take).copy_(shard.narrow(self.dim, mine, take))
+                at += take
+            mine += n
+        return out
 
 
 def padded_vocab(vocab_size: int, size: int) -> int:
