@@ -34,6 +34,7 @@ from trainer.data.pipeline import micro_batches
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
+from trainer.errors import NonFiniteError
 from trainer.model import AttentionConfig, build_model
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.step import train_step
@@ -128,6 +129,12 @@ def scenarios(rank: int, world_size: int, steps, root: str) -> dict:
     engine = build_engine("zero3", info, "sgd", len(steps))  # rank 1 has no documents at all
     out[("sgd_rank1_empty", "zero3")] = {"steps": run_steps(engine, info, split(steps, [1.0, 0.0])),
                                          "params": full_params(engine)}
+    try:  # a non-finite loss: DeepSpeed cannot drop a step once it looks at the gradients, so it stops before
+        engine.step_if_finite(float("nan"))
+        out["nan"] = None
+    except NonFiniteError as e:
+        out["nan"] = str(e)
+    out["nan_params"] = full_params(engine)
     engine = build_engine("ddp", info, "adamw", len(steps))  # AdamW reference, uninterrupted
     out[("adamw", "ddp")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": full_params(engine)}
     for name in ENGINES:
@@ -155,6 +162,12 @@ def test_zero_ends_with_the_same_parameters_as_ddp(results, stage):
         np.testing.assert_allclose([s["loss"] for s in zero["steps"]], [s["loss"] for s in ddp["steps"]], rtol=1e-6)
         np.testing.assert_allclose([s["grad_norm"] for s in zero["steps"]], [s["grad_norm"] for s in ddp["steps"]],
                                    rtol=1e-5)
+
+
+def test_a_nonfinite_loss_stops_before_deepspeeds_step_and_changes_nothing(results):
+    for r in results:
+        assert r["nan"] is not None and "stopped before DeepSpeed's step" in r["nan"], r["nan"]
+        assert_same_params(r["nan_params"], r[("sgd_rank1_empty", "zero3")]["params"], tol=0.0)
 
 
 def test_zero3_with_an_empty_rank_matches_ddp_on_the_uneven_split(results):

@@ -120,8 +120,10 @@ def copied(x):
 def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None):
     cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp, context_parallel=cp)
     info = init_distributed(cfg)
-    if resume is not None and resume.endswith(".pt"):  # a whole state, as engine.pt holds it
-        resume = torch.load(resume, weights_only=True)
+    if resume is not None and resume.endswith(".pt"):  # a whole state, mapped as the store maps engine.pt under TP
+        from trainer.checkpoint.safe_io import load_state
+
+        resume = load_state(resume, map_location="cpu", mmap=True)
     out = train(name, info, cfg, [info.data_rank], resume, first, save)
     out["dims"] = (info.data_rank, info.dims.context_rank, info.dims.tensor_rank)
     return out

@@ -61,10 +61,11 @@ def save_state(state: Any, path: str | Path) -> None:
     torch.save(encode(state), path)
 
 
-def load_state(path: str | Path, map_location: Any = None) -> Any:
-    """`torch.load(weights_only=True)`, then `decode`. Refuses (UnsafeCheckpointError) what it cannot load safely."""
+def load_state(path: str | Path, map_location: Any = None, mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)`, then `decode`. Refuses (UnsafeCheckpointError) what it cannot load safely.
+    mmap: the tensors mapped from the file, read only where they are used (a rank keeping a slice of each)."""
     try:
-        return decode(torch.load(path, map_location=map_location, weights_only=True))
+        return decode(torch.load(path, map_location=map_location, weights_only=True, mmap=mmap))
     except FileNotFoundError:
         raise
     except Exception as e:  # the restricted unpickler's refusal, or a file that is not a torch checkpoint

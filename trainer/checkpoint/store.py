@@ -493,7 +493,11 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                               "resume with the same distributed= config")
     if engine.shard_format is None:
-        engine.load_state_dict(load_state(path / ENGINE_FILE, map_location=info.device))
+        # Under tensor parallelism each rank keeps a slice of every (whole) tensor: the file is mapped on the CPU,
+        # so a rank reads only its slices' pages (shared with the other ranks), and copies only them to its device.
+        split = info.tensor_size > 1
+        engine.load_state_dict(load_state(path / ENGINE_FILE, map_location="cpu" if split else info.device,
+                                          mmap=split))
     elif not engine.converts_from(meta["world_size"]):
         shards = path / SHARD_DIRS[engine.shard_format]
         if not shards.is_dir():
