@@ -214,8 +214,6 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"multiple of 3"),
     ("distributed.tensor_parallel", ("distributed=deepspeed_zero2", "distributed.tensor_parallel=2"),
      r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole model"),
-    ("distributed.tensor_parallel", ("distributed.tensor_parallel=2", "loss.chunk_tokens=64"),
-     r"loss.chunk_tokens does not apply under distributed.tensor_parallel > 1"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
      r"distributed.context_parallel_split must be one of \('balanced', 'zigzag'\), got 'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),

@@ -53,9 +53,9 @@ def batches(name: str, step: int, data_rank: int) -> list:
     return out
 
 
-def build(name: str):
+def build(name: str, chunk: int = 0):
     torch.manual_seed(0)
-    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"))
+    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"), loss_chunk_tokens=chunk)
     with torch.no_grad():  # no weight left at its init: the norms and biases too
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -67,13 +67,14 @@ def build(name: str):
 
 
 def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | str | None = None,
-          first: int = 0, save: str | None = None) -> dict:
+          first: int = 0, save: str | None = None, chunk: int = 0) -> dict:
     """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the gathered
     gradients; a replicated engine's (whole) state after each step. `resume`: a whole state to load, or the DCP
-    directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0."""
+    directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0; `chunk`:
+    loss.chunk_tokens."""
     from torch.distributed.tensor import DTensor
 
-    model, opt, sched = build(name)
+    model, opt, sched = build(name, chunk)
     engine = parallelize(model, opt, sched, info, cfg, grad_clip=0.5, dtype="fp32")
     if isinstance(resume, str):
         engine.load_shards(Path(resume))
@@ -117,14 +118,14 @@ def copied(x):
     return x
 
 
-def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None):
+def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None, chunk=0):
     cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp, context_parallel=cp)
     info = init_distributed(cfg)
     if resume is not None and resume.endswith(".pt"):  # a whole state, mapped as the store maps engine.pt under TP
         from trainer.checkpoint.safe_io import load_state
 
         resume = load_state(resume, map_location="cpu", mmap=True)
-    out = train(name, info, cfg, [info.data_rank], resume, first, save)
+    out = train(name, info, cfg, [info.data_rank], resume, first, save, chunk)
     out["dims"] = (info.data_rank, info.dims.context_rank, info.dims.tensor_rank)
     return out
 
@@ -194,6 +195,8 @@ FSDP = {  # FSDP2 x TP: (world, tp, resume, first, save) of the phases after `ph
 }
 TP1_TO_DP2_TP2 = len(phases()) + len(FSDP)
 """The phase resuming the one-rank DDP run's state (whole tensors, engine.pt's) on DP 2 x TP 2."""
+CHUNKED = ("gpt2", "llama")
+"""TP 2 with loss.chunk_tokens=7 (chunks that do not divide the rows; GPT-2's padded vocabulary), after the rest."""
 ONE_RANK_STEP0 = "one-rank-step0.pt"
 """The one-rank run's state after step 0 (gpt2, two data ranks' micro-batches), written by the `spawned` fixture."""
 
@@ -201,7 +204,8 @@ ONE_RANK_STEP0 = "one-rank-step0.pt"
 def all_phases(root: str) -> list:
     fsdp = [(world, _rank, ("gpt2", tp, 1, resume and f"{root}/{resume}", first, "fsdp2", save and f"{root}/{save}"))
             for world, tp, resume, first, save in FSDP.values()]
-    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1))]
+    chunked = [(2, _rank, (name, 2, 1, None, 0, "ddp", None, 7)) for name in CHUNKED]
+    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1)), *chunked]
 
 
 def _spawned(rank, world, root):
@@ -465,3 +469,16 @@ def test_resume_from_one_rank_on_data_2_x_tensor_2(spawned, references):
         np.testing.assert_allclose(got["loss"], want["loss"][1:], rtol=1e-6, atol=0, err_msg=f"rank {rank}")
         assert_close(got["grads"][0], want["grads"][1], f"rank {rank} step 1 gradients")
     assert_close(spawned[TP1_TO_DP2_TP2][0]["state"][0]["model"], want["state"][1]["model"], "weights after step 1")
+
+
+@pytest.mark.parametrize("i,name", list(enumerate(CHUNKED)), ids=list(CHUNKED))
+def test_a_chunked_loss_on_vocabulary_shards_is_the_one_rank_plain_loss(spawned, references, i, name):
+    """loss.chunk_tokens under TP 2: each chunk's logits exist only as this rank's vocabulary columns, the
+    logsumexp and the target's logit joined over the group (VocabShard.chunk_stats), the padding column out of the
+    softmax: losses, norms and every gradient == the one-rank run with whole logits (no chunking), 1e-6."""
+    want = references[(name, 1)]
+    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 1 + i]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
+        for step in range(STEPS):
+            assert_close(got["grads"][step], want["grads"][step], f"{name} rank {rank} step {step} gradients")

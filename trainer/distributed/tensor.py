@@ -21,7 +21,9 @@ rule here.
 The loss is computed on the vocabulary shards (`VocabShard.cross_entropy`, Megatron's vocab-parallel cross
 entropy): the max, the sum of exponentials and the target's logit are all-reduced over the group, the logits
 stay (B * L, Vp/N) on each rank, and the padded columns are -inf (never a target, nothing in the softmax). Every
-rank of the group gets the same token losses, so the step's sums over the loss group count each once.
+rank of the group gets the same token losses, so the step's sums over the loss group count each once. Under
+loss.chunk_tokens the chunked head (trainer.model.loss) makes each chunk's logit shards and joins them with
+`VocabShard.chunk_stats`, the same sums without autograd.
 
 Gradients: a split weight's gradient is its own rows'. A whole weight used on this rank's positions only (the
 norms, the row-parallel biases) holds a partial gradient, summed over the group (`reduce_partial_grads`) before
@@ -46,7 +48,7 @@ from trainer.data.batch import IGNORE_INDEX
 from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
 
 
-def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_tokens: int = 0) -> list[str]:
+def tensor_parallel_problems(model_cfg, size: int, compile: bool = False) -> list[str]:
     """Why the model (a GPTConfig) or the run cannot be split over `size` tensor ranks, one line each."""
     problems = []
     kv = model_cfg.n_kv_head or model_cfg.n_head
@@ -61,9 +63,6 @@ def tensor_parallel_problems(model_cfg, size: int, compile: bool = False, chunk_
     if compile:
         problems.append("train.compile=true is not supported with distributed.tensor_parallel > 1 yet (its "
                         "collectives sit inside the blocks): use train.compile=false")
-    if chunk_tokens:
-        problems.append("loss.chunk_tokens does not apply under distributed.tensor_parallel > 1: the logits are "
-                        "already split over the vocabulary (1/N of them per rank); set loss.chunk_tokens=0")
     return problems
 
 
@@ -197,31 +196,36 @@ class VocabParallelEmbedding(nn.Module):
         return _AllReduce.apply(x, self.group)
 
 
+def softmax_stats(logits_Nv: torch.Tensor, targets_N: torch.Tensor, start: int, vocab_size: int,
+                  group) -> tuple[torch.Tensor, ...]:
+    """Collective, no autograd: fp32 (N, Vp/N) logit shards of the columns from `start`, and (N,) global targets
+    (-100: ignored) -> (the shards with the padding columns (>= vocab_size) -inf; the logsumexp over the whole
+    vocabulary (N,); the target's logit (N,), 0 where ignored), the max, the sum of exponentials and the target's
+    logit all-reduced over the group. Every rank of the group gets the same two vectors."""
+    cols = start + torch.arange(logits_Nv.shape[1], device=logits_Nv.device)
+    x = logits_Nv.masked_fill(cols >= vocab_size, float("-inf"))  # the padding: no probability, never a target
+    m = x.max(dim=1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    local = targets_N - start
+    mine = (targets_N != IGNORE_INDEX) & (local >= 0) & (local < x.shape[1])
+    picked = torch.where(mine, x.gather(1, torch.where(mine, local, 0)[:, None]).squeeze(1), 0.0)
+    both = torch.stack([(x - m[:, None]).exp().sum(dim=1), picked])
+    dist.all_reduce(both, group=group)
+    return x, m + both[0].log(), both[1]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """(N,) fp32 cross entropy of (N, Vp/N) logit shards against (N,) global targets (-100: ignored, 0)."""
 
     @staticmethod
     def forward(ctx, logits_Nv, targets_N, start: int, vocab_size: int, group):
-        x = logits_Nv.float()
-        cols = start + torch.arange(x.shape[1], device=x.device)
-        x = x.masked_fill(cols >= vocab_size, float("-inf"))  # the padding: no probability, never a target
-        m = x.max(dim=1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        x = x - m[:, None]
+        x, lse, target = softmax_stats(logits_Nv.float(), targets_N, start, vocab_size, group)
         valid = targets_N != IGNORE_INDEX
         local = targets_N - start
         mine = valid & (local >= 0) & (local < x.shape[1])
-        local = torch.where(mine, local, 0)
-        picked = torch.where(mine, x.gather(1, local[:, None]).squeeze(1), 0.0)
-        exp = x.exp()
-        sum_exp = exp.sum(dim=1)
-        both = torch.stack([picked, sum_exp])
-        dist.all_reduce(both, group=group)
-        picked, sum_exp = both[0], both[1]
-        ce = torch.where(valid, sum_exp.log() - picked, 0.0)
-        ctx.save_for_backward(exp.div_(sum_exp[:, None]), mine, local, valid)
+        ctx.save_for_backward(x.sub_(lse[:, None]).exp_(), mine, torch.where(mine, local, 0), valid)  # softmax
         ctx.dtype = logits_Nv.dtype
-        return ce
+        return torch.where(valid, lse - target, 0.0)
 
     @staticmethod
     def backward(ctx, grad_N):
@@ -243,6 +247,11 @@ class VocabShard:
 
     def cross_entropy(self, logits_Nv: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
         return _VocabParallelCrossEntropy.apply(logits_Nv, targets_N, self.start, self.vocab_size, self.group)
+
+    def chunk_stats(self, logits_nv: torch.Tensor, targets_n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`softmax_stats` of these columns (for a loss that computes its own gradient: trainer.model.loss's
+        chunked head)."""
+        return softmax_stats(logits_nv, targets_n, self.start, self.vocab_size, self.group)
 
     def gather(self, logits_BLv: torch.Tensor) -> torch.Tensor:
         """The whole (B, L, V) logits on every rank (for a caller that asks for them; the loss never does)."""

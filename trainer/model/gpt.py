@@ -507,7 +507,8 @@ class GPT(nn.Module):
 
         if self.loss_chunk_tokens and targets is not None and not return_logits:  # the logits never exist whole
             loss_sum, num_targets, weighted, grouped = chunked_cross_entropy_sums(
-                h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups)
+                h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups,
+                self.vocab_shard)
             return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
                                group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V), or (B, L, V / N) under tensor parallelism

@@ -142,7 +142,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_NC, weight_VC, targets_N, weights_N, chunk_tokens: int, compute_dtype: torch.dtype,
-                want_grad: bool, groups_N=None, num_groups: int = 0):
+                want_grad: bool, groups_N=None, num_groups: int = 0, vocab=None):
         need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
         weight_cd = weight_VC.to(compute_dtype)  # (V, C); a copy only under autocast
         loss_sum = torch.zeros((), dtype=torch.float32, device=h_NC.device)
@@ -156,10 +156,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             h_nC = h_NC[start:end].to(compute_dtype)
             targets_n = targets_N[start:end]
             valid_n = targets_n != IGNORE_INDEX
-            safe_n = torch.where(valid_n, targets_n, 0)[:, None]  # gather needs an index in [0, V)
             logits_nV = (h_nC @ weight_cd.T).float()
-            lse_n = torch.logsumexp(logits_nV, dim=-1)
-            ce_n = torch.where(valid_n, lse_n - logits_nV.gather(1, safe_n).squeeze(1), 0.0)  # (n,), 0 if ignored
+            if vocab is None:
+                mine_n = valid_n
+                safe_n = torch.where(valid_n, targets_n, 0)[:, None]  # gather needs an index in [0, V)
+                lse_n = torch.logsumexp(logits_nV, dim=-1)
+                target_n = logits_nV.gather(1, safe_n).squeeze(1)
+            else:  # this rank's vocabulary columns: the logsumexp and the target's logit joined over the group
+                logits_nV, lse_n, target_n = vocab.chunk_stats(logits_nV, targets_n)
+                local_n = targets_n - vocab.start
+                mine_n = valid_n & (local_n >= 0) & (local_n < logits_nV.shape[1])  # the target is a column here
+                safe_n = torch.where(mine_n, local_n, 0)[:, None]
+            ce_n = torch.where(valid_n, lse_n - target_n, 0.0)  # (n,), 0 if ignored
             loss_sum += ce_n.sum()
             if weights_N is not None:
                 weighted_sum += (ce_n * weights_N[start:end]).sum()
@@ -168,7 +176,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if not (need_h or need_w):
                 continue
             grad_nV = logits_nV.sub_(lse_n[:, None]).exp_()  # softmax, in place: the logits are done with
-            grad_nV.scatter_add_(1, safe_n, torch.full_like(safe_n, -1, dtype=grad_nV.dtype))
+            grad_nV.scatter_add_(1, safe_n, -mine_n[:, None].to(grad_nV.dtype))  # minus the one-hot target
             grad_nV = grad_nV.mul_(valid_n[:, None]).to(compute_dtype)  # ignored targets give no gradient
             if need_h:
                 grad_h_NC[start:end] = grad_nV @ weight_cd
@@ -197,12 +205,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if grad_weighted is not None and grad_ww_VC is not None:
                 dw = dw + grad_ww_VC * grad_weighted
             dw = dw.to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy_sums(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None,
-    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0,
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0, vocab=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`cross_entropy_sums` of the logits `hidden @ weight.T`, never all in memory.
 
@@ -210,6 +218,9 @@ def chunked_cross_entropy_sums(
     aligned with the positions (`next_token_targets`); the logits are made and consumed `chunk_tokens` flat
     positions at a time (see `_ChunkedHeadLoss`). Returns (loss sum, number of targets, weighted sum or None,
     per-group sums or None: `groups` given), the same values and gradients as the plain path.
+    `vocab`: `weight` holds this rank's rows of the vocabulary (tensor parallelism: a trainer.distributed.tensor.
+    VocabShard, whose `chunk_stats` joins each chunk's logsumexp and target logits over the group); the gradient
+    of `hidden` is then this rank's part, summed where the sequence is gathered.
     """
     B, L, C = hidden.shape
     weights_N = None if weights is None else weights.float().reshape(-1)
@@ -220,7 +231,7 @@ def chunked_cross_entropy_sums(
     with torch.autocast(device_type, enabled=False):  # the dtypes are chosen above, explicitly
         loss_sum, weighted_sum, grouped = _ChunkedHeadLoss.apply(
             hidden.reshape(B * L, C), weight, targets.reshape(-1), weights_N, chunk_tokens, compute_dtype,
-            want_grad, groups_N, num_groups,
+            want_grad, groups_N, num_groups, vocab,
         )
     return (loss_sum, num_targets(targets), None if weights is None else weighted_sum,
             None if groups is None else grouped)
