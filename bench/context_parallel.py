@@ -122,7 +122,7 @@ def _rank(rank: int, world: int, port: int, out: str, strategy: str, row_len: in
     import torch.distributed as dist
 
     from trainer.data.batch import Document, collate_rows
-    from trainer.distributed.context import ContextGroup, shard_inputs
+    from trainer.distributed.context import ContextGroup, with_row_plans
     from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 
     torch.set_num_threads(1)
@@ -140,9 +140,9 @@ def _rank(rank: int, world: int, port: int, out: str, strategy: str, row_len: in
     torch.manual_seed(0)
     model = build_model(GPTConfig(vocab_size=512, n_layer=4, n_head=8, n_embd=256, max_seq_len=row_len),
                         AttentionConfig(backend="sdpa_docs"))
+    if world > 1:  # this rank's share of the row, planned on the host (as trainer.run.inputs does)
+        batch = with_row_plans([batch], ContextGroup(dist.group.WORLD, world, rank, strategy, "balanced"))[0]
     inputs = model_inputs(batch)
-    if world > 1:
-        inputs = shard_inputs(inputs, ContextGroup(dist.group.WORLD, world, rank, strategy, "balanced"))
     saved = [0]
 
     def pack_hook(t):
