@@ -324,7 +324,7 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     if (problem := dims_problem(launched_world_size(), cp, tp)) is not None:
         problems.insert(0, problem)
     if tp > 1:
-        problems += tensor_parallel_problems(cfg.model, tp, cfg.train.compile)
+        problems += tensor_parallel_problems(cfg.model, tp)
         if strategy == "ulysses" and cp > 1 and (cfg.model.n_head // tp) % cp:
             problems.append(f"distributed.context_parallel_strategy=ulysses splits each tensor rank's "
                             f"{cfg.model.n_head} / {tp} heads over the context group: model.n_head / "

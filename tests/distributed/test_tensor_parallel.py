@@ -67,15 +67,15 @@ def build(name: str, chunk: int = 0):
 
 
 def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | str | None = None,
-          first: int = 0, save: str | None = None, chunk: int = 0) -> dict:
+          first: int = 0, save: str | None = None, chunk: int = 0, compile: bool = False) -> dict:
     """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the gathered
     gradients; a replicated engine's (whole) state after each step. `resume`: a whole state to load, or the DCP
     directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0; `chunk`:
-    loss.chunk_tokens."""
+    loss.chunk_tokens; `compile`: train.compile (parallelize compiles the split blocks)."""
     from torch.distributed.tensor import DTensor
 
     model, opt, sched = build(name, chunk)
-    engine = parallelize(model, opt, sched, info, cfg, grad_clip=0.5, dtype="fp32")
+    engine = parallelize(model, opt, sched, info, cfg, grad_clip=0.5, dtype="fp32", compile=compile)
     if isinstance(resume, str):
         engine.load_shards(Path(resume))
     elif resume is not None:
@@ -118,14 +118,14 @@ def copied(x):
     return x
 
 
-def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None, chunk=0):
+def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None, chunk=0, compile=False):
     cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp, context_parallel=cp)
     info = init_distributed(cfg)
     if resume is not None and resume.endswith(".pt"):  # a whole state, mapped as the store maps engine.pt under TP
         from trainer.checkpoint.safe_io import load_state
 
         resume = load_state(resume, map_location="cpu", mmap=True)
-    out = train(name, info, cfg, [info.data_rank], resume, first, save, chunk)
+    out = train(name, info, cfg, [info.data_rank], resume, first, save, chunk, compile)
     out["dims"] = (info.data_rank, info.dims.context_rank, info.dims.tensor_rank)
     return out
 
@@ -205,7 +205,8 @@ def all_phases(root: str) -> list:
     fsdp = [(world, _rank, ("gpt2", tp, 1, resume and f"{root}/{resume}", first, "fsdp2", save and f"{root}/{save}"))
             for world, tp, resume, first, save in FSDP.values()]
     chunked = [(2, _rank, (name, 2, 1, None, 0, "ddp", None, 7)) for name in CHUNKED]
-    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1)), *chunked]
+    compiled = (2, _rank, ("llama", 2, 1, None, 0, "ddp", None, 0, True))
+    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1)), *chunked, compiled]
 
 
 def _spawned(rank, world, root):
@@ -482,3 +483,15 @@ def test_a_chunked_loss_on_vocabulary_shards_is_the_one_rank_plain_loss(spawned,
         np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
         for step in range(STEPS):
             assert_close(got["grads"][step], want["grads"][step], f"{name} rank {rank} step {step} gradients")
+
+
+def test_compiled_split_blocks_train_as_the_one_rank_model(spawned, references):
+    """train.compile under TP 2 (torch.compile of each split block, inductor; dynamo traces the sequence-parallel
+    collectives into the graphs, the attention call stays eager as without TP): losses, norms and every gradient
+    == the one-rank eager run (Llama: GQA, SwiGLU, untied head), 1e-6."""
+    want = references[("llama", 1)]
+    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 1 + len(CHUNKED)]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
+        for step in range(STEPS):
+            assert_close(got["grads"][step], want["grads"][step], f"compiled rank {rank} step {step} gradients")

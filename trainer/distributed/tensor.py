@@ -48,7 +48,7 @@ from trainer.data.batch import IGNORE_INDEX
 from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
 
 
-def tensor_parallel_problems(model_cfg, size: int, compile: bool = False) -> list[str]:
+def tensor_parallel_problems(model_cfg, size: int) -> list[str]:
     """Why the model (a GPTConfig) or the run cannot be split over `size` tensor ranks, one line each."""
     problems = []
     kv = model_cfg.n_kv_head or model_cfg.n_head
@@ -60,9 +60,6 @@ def tensor_parallel_problems(model_cfg, size: int, compile: bool = False) -> lis
         if n % size:
             problems.append(f"distributed.tensor_parallel={size} gives each rank whole heads and MLP columns: {what} "
                             f"must be a multiple of {size}")
-    if compile:
-        problems.append("train.compile=true is not supported with distributed.tensor_parallel > 1 yet (its "
-                        "collectives sit inside the blocks): use train.compile=false")
     return problems
 
 
