@@ -206,7 +206,9 @@ def all_phases(root: str) -> list:
             for world, tp, resume, first, save in FSDP.values()]
     chunked = [(2, _rank, (name, 2, 1, None, 0, "ddp", None, 7)) for name in CHUNKED]
     compiled = (2, _rank, ("llama", 2, 1, None, 0, "ddp", None, 0, True))
-    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1)), *chunked, compiled]
+    fsdp_cp = (4, _rank, ("llama", 2, 2, None, 0, "fsdp2"))  # FSDP2 over the context group x TP 2
+    return [*phases(), *fsdp, (4, _rank, ("gpt2", 2, 1, f"{root}/{ONE_RANK_STEP0}", 1)), *chunked, compiled,
+            fsdp_cp]
 
 
 def _spawned(rank, world, root):
@@ -495,3 +497,16 @@ def test_compiled_split_blocks_train_as_the_one_rank_model(spawned, references):
         np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
         for step in range(STEPS):
             assert_close(got["grads"][step], want["grads"][step], f"compiled rank {rank} step {step} gradients")
+
+
+def test_fsdp2_over_context_ranks_with_tensor_parallel_is_the_one_rank_run(spawned, references):
+    """Every dimension at once: 4 ranks as CP 2 x TP 2, FSDP2 sharding each tensor shard over the context group
+    (the fsdp group is data x context): losses, norms and every gradient == the one-rank run, 1e-6."""
+    want = references[("llama", 1)]
+    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)]):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
+        for step in range(STEPS):
+            assert_close(got["grads"][step], want["grads"][step], f"rank {rank} step {step} gradients")
+        assert rank == 0 or got["weights"] == {}
+    assert_close(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)][0]["weights"], want["weights"], "full_weights")
