@@ -35,7 +35,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.context import with_row_plans
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
-from trainer.model import AttentionConfig, apply_activation_checkpointing, build_model
+from trainer.model import AttentionConfig, build_model
 from trainer.model.compile import compile_blocks
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.step import train_step
@@ -58,11 +58,11 @@ def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "f
     body through torch.compile's eager backend (dynamo traces it; no C++ compiler), before the engine wraps it."""
     torch.manual_seed(seed)
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
-    apply_activation_checkpointing(model, checkpointing)
-    if compiled:
+    if compiled:  # parallelize's own compile is inductor's; the eager backend here, in the same place of its order
         compile_blocks(model, backend="eager")
     opt = build_optimizer(model, ADAMW)
-    return parallelize(model, opt, build_scheduler(opt, ADAMW, STEPS), info, cfg, grad_clip=CLIP, dtype=dtype)
+    return parallelize(model, opt, build_scheduler(opt, ADAMW, STEPS), info, cfg, grad_clip=CLIP, dtype=dtype,
+                       activation_checkpointing=checkpointing)
 
 
 def run_steps(engine, info: DistInfo, shares, layout: str = "packed") -> list[dict]:

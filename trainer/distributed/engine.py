@@ -29,7 +29,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import DDPEngine
 from trainer.distributed.groups import DistInfo
 from trainer.model.compile import compile_blocks
-from trainer.model.gpt import init_weights
+from trainer.model.gpt import apply_activation_checkpointing, init_weights
 
 
 @runtime_checkable
@@ -117,10 +117,12 @@ class Engine(Protocol):
 
 
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
-                cfg: DistributedConfig, grad_clip: float, dtype: str, compile: bool = False) -> Engine:
+                cfg: DistributedConfig, grad_clip: float, dtype: str, compile: bool = False,
+                activation_checkpointing: str = "none") -> Engine:
     """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine, in
-    one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), compile, then the
-    data-parallel engine (DDP over the loss group, FSDP2 or DeepSpeed). Context parallelism needs no wrapping: each
+    one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), activation
+    checkpointing (train.activation_checkpointing: trainer.model.apply_activation_checkpointing), compile, then
+    the data-parallel engine (DDP over the loss group, FSDP2: `fsdp.apply_fsdp`, or DeepSpeed). Context parallelism needs no wrapping: each
     micro-batch carries this rank's share of its positions (Batch.plan: trainer.distributed.context.RowPlan).
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
@@ -143,6 +145,8 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
         split = dict(model.named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [split[names[id(p)]] for p in group["params"]]
+    if activation_checkpointing != "none":  # "none": the blocks as built
+        apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         compile_blocks(model)
     if cfg.engine == "ddp":
@@ -156,12 +160,12 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
 
         return DeepSpeedEngine(model, optimizer, scheduler, info, cfg, grad_clip, dtype)
     if cfg.engine == "fsdp2":
-        from trainer.distributed.fsdp import FSDP2Engine
+        from trainer.distributed.fsdp import FSDP2Engine, apply_fsdp
 
-        engine = FSDP2Engine(model, optimizer, scheduler, info, cfg, grad_clip, dtype, tensor)
+        apply_fsdp(model, optimizer, info, cfg, dtype)
         if on_meta:  # after fully_shard: each rank draws the whole tensors and keeps its shards
             materialize(model, info.device, tensor)
-        return engine
+        return FSDP2Engine(model, optimizer, scheduler, info, grad_clip, tensor)
     raise ValueError(f"distributed.engine must be 'ddp', 'deepspeed' or 'fsdp2', got {cfg.engine!r}")
 
 

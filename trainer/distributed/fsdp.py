@@ -1,6 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) behind the `Engine` interface (trainer.distributed.engine).
 
-The model is sharded over the run's DeviceMesh (trainer.distributed.groups.DistInfo.mesh), one `fully_shard`
+The model is sharded (`apply_fsdp`, called by trainer.distributed.engine.parallelize in its order: after tensor
+parallelism and compile) over the run's DeviceMesh (trainer.distributed.groups.DistInfo.mesh), one `fully_shard`
 per transformer block and one on the root (the embeddings, the tied head, the final norm), as torchtitan does:
 every parameter becomes a DTensor holding 1/W of its rows, a block's weights are all-gathered for its forward
 and again for its backward, and its gradients are reduce-scattered. The shard dimension is the mesh's `fsdp` group
@@ -18,7 +19,7 @@ fp32 gradient reduction, fp32 master weights and optimizer state; the loss is co
 The root does not cast its inputs (`cast_forward_inputs=False`): the loss weights (1/3, ...) stay fp32.
 
 The optimizer and LR schedule are the client's, built on the model before it is sharded: `fully_shard` replaces
-every parameter by a DTensor, and the engine puts those into the optimizer's parameter groups in place (by
+every parameter by a DTensor, and `apply_fsdp` puts those into the optimizer's parameter groups in place (by
 name; the optimizer has no state yet), so the schedule keeps its optimizer (accelerate does the same).
 
 Tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py) is applied first; FSDP2 then
@@ -67,20 +68,10 @@ class FSDP2Engine(ClientOptimizerSteps):
     """What the checkpoint store writes the shards as (it names the directory)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
-                 cfg: DistributedConfig, grad_clip: float, dtype: str, tensor=None):
-        """`tensor`: the model's layers already split over a tensor group (a trainer.distributed.tensor.
-        TensorParallel, applied by parallelize): each rank's shards are sharded again over the fsdp group."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        if info.mesh is None:
-            raise RuntimeError("FSDP2 shards over the run's DeviceMesh: call trainer.distributed.groups."
-                               "init_distributed(cfg) with distributed.engine=fsdp2 first")
-        if optimizer.state:
-            raise ValueError("FSDP2Engine takes a fresh optimizer (it has state): fully_shard replaces the "
-                             "parameters it was built on")
-        if cfg.offload and info.device.type == "cpu":
-            raise ValueError("distributed.offload=true keeps FSDP2's shards on the CPU between uses; this run's "
-                             "device is the CPU already: drop it (or run on CUDA)")
+                 grad_clip: float, tensor=None):
+        """`model` already sharded by `apply_fsdp` (trainer.distributed.engine.parallelize does it, in its
+        order), `optimizer` over its DTensors. `tensor`: the layers were split over a tensor group first (a
+        trainer.distributed.tensor.TensorParallel): each rank's shards are sharded again over the fsdp group."""
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -91,21 +82,6 @@ class FSDP2Engine(ClientOptimizerSteps):
         """Every rank, in order: a checkpoint under tensor parallelism holds the whole tensors, their rows split
         over it (`_to_whole`)."""
         self.mesh = info.dims.loss_mesh  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
-        bf16 = dtype == "bf16"
-        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                         reduce_dtype=torch.float32 if bf16 else None)
-        root_precision = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                                              cast_forward_inputs=False)
-        offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cfg.offload else OffloadPolicy()
-        names = {id(p): name for name, p in model.named_parameters()}
-        for block in model.blocks:
-            fully_shard(block, mesh=self.mesh, mp_policy=precision, offload_policy=offload,
-                        reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, mp_policy=root_precision, offload_policy=offload,
-                    reshard_after_forward=cfg.reshard_after_forward)
-        sharded = dict(model.named_parameters())
-        for group in optimizer.param_groups:  # the DTensors into the client's optimizer, in place
-            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         self.grad_average_factor = self.mesh.size()
 
     def micro_steps(self, own: int, busiest: int) -> int:
@@ -262,6 +238,39 @@ class FSDP2Engine(ClientOptimizerSteps):
         if not self.is_main:
             return {}
         return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def apply_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, cfg: DistributedConfig,
+               dtype: str) -> None:
+    """`fully_shard` each transformer block, then the root, over the run's fsdp group (`info.dims.loss_mesh`), in
+    place; the optimizer (fresh: no state yet) is given the DTensors that replace its parameters, by name."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if info.mesh is None:
+        raise RuntimeError("FSDP2 shards over the run's DeviceMesh: call trainer.distributed.groups."
+                           "init_distributed(cfg) with distributed.engine=fsdp2 first")
+    if optimizer.state:
+        raise ValueError("FSDP2 takes a fresh optimizer (it has state): fully_shard replaces the parameters it was "
+                         "built on")
+    if cfg.offload and info.device.type == "cpu":
+        raise ValueError("distributed.offload=true keeps FSDP2's shards on the CPU between uses; this run's "
+                         "device is the CPU already: drop it (or run on CUDA)")
+    bf16 = dtype == "bf16"
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                     reduce_dtype=torch.float32 if bf16 else None)
+    root_precision = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                                          cast_forward_inputs=False)
+    offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if cfg.offload else OffloadPolicy()
+    names = {id(p): name for name, p in model.named_parameters()}
+    mesh = info.dims.loss_mesh
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=precision, offload_policy=offload,
+                    reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=root_precision, offload_policy=offload,
+                reshard_after_forward=cfg.reshard_after_forward)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:  # the DTensors into the client's optimizer, in place
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
 
 def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:

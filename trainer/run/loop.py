@@ -43,7 +43,7 @@ from trainer.data.feed import (
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError, NonFiniteError
-from trainer.model import apply_activation_checkpointing, build_model
+from trainer.model import build_model
 from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
@@ -104,7 +104,6 @@ class Trainer:
         meta = self.resume_path is None and not cfg.train.init_from and cfg.distributed.engine != "deepspeed"
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
                             loss_chunk_tokens=cfg.loss.chunk_tokens, meta=meta)
-        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         self.init_record = self._init_from(model) if self.resume_path is None else None
         if not meta:
             model = model.to(info.device)
@@ -116,7 +115,8 @@ class Trainer:
         self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
         self.compile_counter = CompileCounter() if cfg.train.compile else None
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, self.dtype,
-                                  compile=cfg.train.compile)
+                                  compile=cfg.train.compile,
+                                  activation_checkpointing=cfg.train.activation_checkpointing)
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0,
                          "lockstep_wait_steps": self.inputs.rows.wait_steps}  # counted into by StepRows.take
