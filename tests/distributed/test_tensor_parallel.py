@@ -242,6 +242,16 @@ def assert_close(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
             assert got[k] == want[k], f"{what}: {k}"
 
 
+def assert_same_steps(ranks: list[dict], want: dict, what: str, first: int = 0) -> None:
+    """Every rank's losses, gradient norms and gathered gradients of steps `first`.. == the reference run's, 1e-6."""
+    for rank, got in enumerate(ranks):
+        np.testing.assert_allclose(got["loss"], want["loss"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
+        np.testing.assert_allclose(got["norm"], want["norm"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
+        assert len(got["grads"]) == STEPS - first, what
+        for step, g in enumerate(got["grads"], start=first):
+            assert_close(g, want["grads"][step], f"{what} rank {rank} step {step} gradients")
+
+
 CASES = [(0, "gpt2", 1, "TP 2"), (1, "llama", 1, "TP 2"), (2, "gpt2", 2, "DP 2 x TP 2"), (3, "llama", 1, "TP 2 x CP 2")]
 
 
@@ -444,12 +454,8 @@ def test_fsdp2_with_tensor_parallel_is_ddp(spawned, references, i, what):
     uninterrupted run's later losses."""
     world, tp, resume, first, save = FSDP[what]
     want = references[("gpt2", 2)]
-    for rank, got in enumerate(spawned[len(phases()) + i]):
-        np.testing.assert_allclose(got["loss"], want["loss"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
-        np.testing.assert_allclose(got["norm"], want["norm"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
-        for step, g in enumerate(got["grads"]):
-            assert_close(g, want["grads"][first + step], f"{what} rank {rank} step {first + step} gradients")
-        assert rank == 0 or got["weights"] == {}
+    assert_same_steps(spawned[len(phases()) + i], want, what, first)
+    assert all(got["weights"] == {} for got in spawned[len(phases()) + i][1:])
     assert_close(spawned[len(phases()) + i][0]["weights"], want["weights"], f"{what} full_weights")
 
 
@@ -479,34 +485,20 @@ def test_a_chunked_loss_on_vocabulary_shards_is_the_one_rank_plain_loss(spawned,
     """loss.chunk_tokens under TP 2: each chunk's logits exist only as this rank's vocabulary columns, the
     logsumexp and the target's logit joined over the group (VocabShard.chunk_stats), the padding column out of the
     softmax: losses, norms and every gradient == the one-rank run with whole logits (no chunking), 1e-6."""
-    want = references[(name, 1)]
-    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 1 + i]):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
-        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
-        for step in range(STEPS):
-            assert_close(got["grads"][step], want["grads"][step], f"{name} rank {rank} step {step} gradients")
+    assert_same_steps(spawned[TP1_TO_DP2_TP2 + 1 + i], references[(name, 1)], f"{name} chunked")
 
 
 def test_compiled_split_blocks_train_as_the_one_rank_model(spawned, references):
     """train.compile under TP 2 (torch.compile of each split block, inductor; dynamo traces the sequence-parallel
     collectives into the graphs, the attention call stays eager as without TP): losses, norms and every gradient
     == the one-rank eager run (Llama: GQA, SwiGLU, untied head), 1e-6."""
-    want = references[("llama", 1)]
-    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 1 + len(CHUNKED)]):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
-        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
-        for step in range(STEPS):
-            assert_close(got["grads"][step], want["grads"][step], f"compiled rank {rank} step {step} gradients")
+    assert_same_steps(spawned[TP1_TO_DP2_TP2 + 1 + len(CHUNKED)], references[("llama", 1)], "compiled")
 
 
 def test_fsdp2_over_context_ranks_with_tensor_parallel_is_the_one_rank_run(spawned, references):
     """Every dimension at once: 4 ranks as CP 2 x TP 2, FSDP2 sharding each tensor shard over the context group
     (the fsdp group is data x context): losses, norms and every gradient == the one-rank run, 1e-6."""
     want = references[("llama", 1)]
-    for rank, got in enumerate(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)]):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"rank {rank} loss")
-        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"rank {rank} norm")
-        for step in range(STEPS):
-            assert_close(got["grads"][step], want["grads"][step], f"rank {rank} step {step} gradients")
-        assert rank == 0 or got["weights"] == {}
+    assert_same_steps(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)], want, "FSDP2 x CP 2 x TP 2")
+    assert all(got["weights"] == {} for got in spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)][1:])
     assert_close(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)][0]["weights"], want["weights"], "full_weights")
