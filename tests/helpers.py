@@ -136,6 +136,20 @@ def train_checkpoint(run_dir: Path, data: Path, *overrides: str) -> Path:
     return latest_checkpoint(run_dir)
 
 
+def as_written_before_checksums(checkpoint: Path) -> Path:
+    """`checkpoint` made as packtrain wrote them before it recorded checksums: no checksums.json, and no meta.json
+    key saying one was written (with that key, a missing checksums.json is damage)."""
+    import json
+
+    from trainer.checkpoint import store
+
+    (checkpoint / store.CHECKSUMS_FILE).unlink()
+    meta = json.loads((checkpoint / store.META_FILE).read_text())
+    meta.pop(store.CHECKSUMS_KEY, None)
+    (checkpoint / store.META_FILE).write_text(json.dumps(meta, indent=2))
+    return checkpoint
+
+
 def run_export(checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, run_train
+from tests.helpers import ENV, ROOT, SMALL, as_written_before_checksums, assert_one_error_line, run_train
 from trainer.checkpoint import store
 from trainer.checkpoint.integrity import DamagedCheckpointError, OutsideCheckpointError
 from trainer.checkpoint.safe_io import load_state, save_state
@@ -182,7 +182,7 @@ def test_a_missing_file_or_a_manifest_naming_a_file_outside_is_refused(fsdp_chec
 
 def test_a_checkpoint_without_checksums_loads_unverified_and_says_so(fsdp_checkpoint, tmp_path, capsys):
     path = copy_of(fsdp_checkpoint, tmp_path / "run")
-    (path / store.CHECKSUMS_FILE).unlink()
+    as_written_before_checksums(path)
     assert store.verify_checkpoint(path, ONE) is False
     assert Checkpointer(tmp_path / "run", ONE, 0, 2, 10).resume_path(str(path)) == path
     assert f"resume: {path} has no checksums.json (written before packtrain recorded checksums): its files are " \
@@ -225,24 +225,83 @@ def test_resume_true_skips_a_damaged_newest_checkpoint_and_says_which(two_checkp
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_a_non_finite_first_step_after_a_resume_names_the_checkpoint_as_the_suspect(two_checkpoints, demo_data,
-                                                                                      tmp_path):
-    """Weights that were inf when saved (so their checksums agree: damaged before the save, e.g. in memory): the
-    first step after the resume is non-finite, and the line names the checkpoint, not the learning rate (before:
-    "lower optim.lr")."""
+def test_non_finite_optimizer_state_is_refused_at_load_naming_the_file_and_tensor(two_checkpoints, demo_data,
+                                                                                   tmp_path):
+    """NaN in one `exp_avg` of engine.pt with its checksums recorded again (damaged before the save, e.g. in
+    memory): the resume is refused at load, one line naming engine.pt and the tensor (before: exit 0, the first step
+    finite, NaN in wte.weight a step later, saved again with valid checksums)."""
     run_dir = tmp_path / "run"
     shutil.copytree(two_checkpoints, run_dir)
     path = store.checkpoint_dir(run_dir, 1)
     state = load_state(path / store.ENGINE_FILE)
-    state["model"]["wte.weight"].fill_(float("inf"))
+    first = min(state["optimizer"]["state"])
+    state["optimizer"]["state"][first]["exp_avg"].view(-1)[0] = float("nan")
     save_state(state, path / store.ENGINE_FILE)
     store.record_checksums(path)
     proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
                            *SMALL, "train.max_steps=3", "train.eval_every=0", f"train.resume={path}"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    line = assert_one_error_line(proc.returncode, proc.stderr, "step 2: non-finite loss",
-                                 f"on the first step after resuming from {path}: that checkpoint is the suspect")
-    assert "optim.lr" not in line, line
+    line = assert_one_error_line(proc.returncode, proc.stderr, f"{path / store.ENGINE_FILE}: optimizer.",
+                                 ".exp_avg holds NaN values: the checkpoint is damaged")
+    assert "optim.lr" not in line and not store.checkpoint_dir(run_dir, 3).exists(), line
+
+
+def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resume_true_skips_it(two_checkpoints,
+                                                                                              tmp_path, capsys):
+    """An entry removed from checksums.json, `"files": {}`, checksums.json deleted (meta.json says one was written),
+    a file added that it does not list: each refused in one line naming the checkpoint and the file (before: an
+    unlisted damaged engine.pt resumed with exit 0); train.resume=true skips such a newest checkpoint for the one
+    before it."""
+    def manifest(path: Path) -> dict:
+        return json.loads((path / store.CHECKSUMS_FILE).read_text())
+
+    def unlisted(path: Path) -> None:
+        kept = manifest(path)
+        del kept["files"][store.ENGINE_FILE]
+        (path / store.CHECKSUMS_FILE).write_text(json.dumps(kept))
+        overwrite(path / store.ENGINE_FILE, 100)
+
+    def emptied(path: Path) -> None:
+        (path / store.CHECKSUMS_FILE).write_text(json.dumps({**manifest(path), "files": {}}))
+
+    cases = {
+        "unlisted": (unlisted, r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): the "
+                               r"checkpoint is damaged; resume from an earlier one$"),
+        "empty": (emptied, r"checksums\.json lists no files: the checkpoint is damaged"),
+        "deleted": (lambda p: (p / store.CHECKSUMS_FILE).unlink(),
+                    r"checksums\.json is missing \(its meta\.json says it was written\): the checkpoint is damaged"),
+        "added": (lambda p: (p / "notes.txt").write_text("x"), r"notes\.txt is not listed in its checksums\.json"),
+    }
+    for name, (damage, message) in cases.items():
+        run_dir = tmp_path / name
+        shutil.copytree(two_checkpoints, run_dir)
+        newest = store.checkpoint_dir(run_dir, 2)
+        damage(newest)
+        with pytest.raises(DamagedCheckpointError, match=message) as refused:
+            Checkpointer(run_dir, ONE, 0, 2, 10).resume_path(str(newest))
+        assert str(newest) in str(refused.value) and "\n" not in str(refused.value)
+        if name == "unlisted":  # the single-file readers (export, generate, evaluate, init_from) refuse it too
+            with pytest.raises(DamagedCheckpointError, match=message):
+                store.verify_file(newest, store.WEIGHTS_FILE)
+        assert Checkpointer(run_dir, ONE, 0, 2, 10).resume_path(True) == store.checkpoint_dir(run_dir, 1)
+        assert f"resume: skipping {newest}: " in capsys.readouterr().out
+
+
+def test_a_non_finite_step_after_a_resume_with_no_save_since_names_the_checkpoint():
+    """Steps after a resume with no checkpoint written since: the line names the resumed checkpoint as a suspect,
+    never "last good checkpoint: None" (what it said before)."""
+    from types import SimpleNamespace
+
+    from trainer.run.loop import Trainer
+
+    run = SimpleNamespace(resumed_at=4, resume_path=Path("run/checkpoints/step_000004"),
+                          checkpointer=SimpleNamespace(last=None))
+    run._first_after_resume = lambda step: Trainer._first_after_resume(run, step)
+    line = Trainer._nonfinite_message(run, 6, "non-finite loss")
+    assert "2 steps after resuming from run/checkpoints/step_000004" in line and "None" not in line, line
+    assert "the first step after resuming" in Trainer._nonfinite_message(run, 5, "non-finite loss")
+    run.checkpointer.last, run.resumed_at = None, None
+    assert "last good checkpoint: none: this run saved none yet" in Trainer._nonfinite_message(run, 6, "x")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -271,7 +330,7 @@ def test_damaged_dcp_metadata_and_a_crafted_rank_file_are_one_line_on_every_rank
     for name, damage in (("empty", lambda f: f.write_bytes(b"")), ("cut", lambda f: f.write_bytes(f.read_bytes()[:50])),
                          ("missing", lambda f: f.unlink())):
         path = copy_of(fsdp_checkpoint, tmp_path / name)
-        (path / store.CHECKSUMS_FILE).unlink()
+        as_written_before_checksums(path)
         damage(path / store.DCP_DIR / ".metadata")
         cases.append(path)
     crafted = copy_of(fsdp_checkpoint, tmp_path / "crafted")

@@ -243,6 +243,9 @@ class ShardedEngine:
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.inner.full_weights()
 
+    def local_state(self) -> dict:
+        return self.inner.local_state()
+
 
 def test_a_sharded_engine_gets_the_deepspeed_directory_and_checked_files(tmp_path, tokenizer):
     require_module("deepspeed", "pip install -e '.[deepspeed]'")  # check_deepspeed_files names its types

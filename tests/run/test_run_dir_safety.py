@@ -20,7 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ENV, ROOT, SMALL, assert_one_error_line, make_trainer, metrics, run_train, torchrun
+from tests.helpers import (
+    ENV,
+    ROOT,
+    SMALL,
+    as_written_before_checksums,
+    assert_one_error_line,
+    make_trainer,
+    metrics,
+    run_train,
+    torchrun,
+)
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import WeightsError, checkpoint_tokenizer_hash
 from trainer.distributed.groups import DistInfo
@@ -316,7 +326,7 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
     ckpt = tmp_path / "old" / store.step_name(8)
     shutil.copytree(store.checkpoint_dir(earlier, 8), ckpt)
     (ckpt / store.CONVENTIONS_FILE).unlink()
-    (ckpt / store.CHECKSUMS_FILE).unlink()  # an old checkpoint: neither file
+    as_written_before_checksums(ckpt)  # an old checkpoint: neither file
     ours = hashlib.sha256((ckpt / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     theirs = json.loads((other_tokenizer / "manifest.json").read_text())["tokenizer"]["sha256"]
     assert ours != theirs and checkpoint_tokenizer_hash(ckpt) == ours

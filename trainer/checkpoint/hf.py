@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from trainer.checkpoint.store import TIED_KEY
+from trainer.checkpoint.tensors import check_fits, first_nonfinite, numel
 from trainer.data.tokenizer import SpecialIds
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
@@ -343,7 +344,25 @@ def read_config(path: str | Path) -> GPTConfig:
         raise ExportError(f"{file}: unreadable ({e})") from e
     if not isinstance(config, dict):
         raise ExportError(f"{file}: not a JSON object")
-    return config_from_hf(config, file)
+    cfg = config_from_hf(config, file)
+    shapes = header_shapes(weight_files(path))
+    tied = shapes.get(TIED_KEY, ()) if cfg.tie_embeddings else None
+    check_fits(cfg, numel(s for k, s in shapes.items() if not k.endswith(IGNORED_KEYS)), file,
+               ", ".join(sorted({str(f) for f in weight_files(path)})), numel([tied]) if tied else 0)
+    return cfg
+
+
+def header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} from the headers of safetensors `files`, no tensor read."""
+    out = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    out[key] = tuple(f.get_slice(key).get_shape())
+        except Exception as e:  # safetensors raises its own SafetensorError for a corrupt or truncated file
+            raise ExportError(f"{file}: not a readable safetensors file ({e})") from e
+    return out
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -403,6 +422,8 @@ def load_hf_into(model: GPT, path: str | Path) -> None:
         target = _view(state[piece.name], piece)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ExportError(f"{file}: {key} has shape {tuple(tensor.shape)}, the config says {tuple(target.shape)}")
+        if (bad := first_nonfinite(tensor, key)) is not None:
+            raise ExportError(f"{file}: tensor {key} holds {bad[1]} values: the weights are damaged; refused")
         target.copy_(tensor)
         seen.add(key)
     missing = [k for k in plan if k not in seen]

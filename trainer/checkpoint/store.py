@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from trainer.checkpoint import integrity
+from trainer.checkpoint import integrity, tensors
 from trainer.checkpoint.integrity import DamagedCheckpointError
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.data.workers import ReadInterrupted, check_interrupt
@@ -90,6 +90,9 @@ DCP_DIR = "dcp"
 SHARD_DIRS = {"deepspeed": DEEPSPEED_DIR, "dcp": DCP_DIR}
 """A sharded engine's directory, by its `shard_format`."""
 CHECKSUMS_FILE = "checksums.json"
+CHECKSUMS_KEY = "checksums"
+"""META_FILE's record that CHECKSUMS_FILE was written (its algorithm): a checkpoint that says so and lacks the file
+is damaged, not old (deleting the manifest must not turn verification off)."""
 RANK_FILE = "rank_{rank:05d}.pt"
 RANK_GLOB = "rank_*.pt"
 
@@ -223,7 +226,8 @@ def save_checkpoint(
             if weights:
                 tied = head_is_tied(meta)
                 save_file({k: v for k, v in whole.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
-            (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size}, indent=2))
+            (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size,
+                                                     CHECKSUMS_KEY: integrity.HASH}, indent=2))
             (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         except (OSError, RuntimeError) as e:
@@ -350,17 +354,18 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
-    """Collective: refuse checkpoint `path` if an entry leads outside it (OutsideCheckpointError) or a file is
-    not what was recorded at save (DamagedCheckpointError, one line naming the file, alike on every rank); the
-    ranks share the hashing. False for a checkpoint without CHECKSUMS_FILE (written before it existed): nothing
-    to compare, loaded unverified; True once every file is verified.
+    """Collective: refuse checkpoint `path` if an entry leads outside it (OutsideCheckpointError), or its
+    CHECKSUMS_FILE does not list exactly its files, or a file is not what was recorded at save
+    (DamagedCheckpointError, one line naming the file, alike on every rank); the ranks share the hashing. False for a
+    checkpoint written before checksums existed (no CHECKSUMS_FILE, and its META_FILE does not say one was written):
+    nothing to compare, loaded unverified; True once every file is verified.
 
     Example: 64 bytes overwritten in dcp/__0_0.distcp -> "<ckpt>/dcp/__0_0.distcp: checksum mismatch: the
     checkpoint is damaged; resume from an earlier one".
     """
     path = Path(path)
     integrity.check_confined(path)
-    recorded = _recorded_checksums(path)
+    recorded = on_every_rank(lambda: _recorded_checksums(path))
     if recorded is None:
         return False
     names = sorted(recorded)
@@ -394,31 +399,59 @@ def on_every_rank(read):
 
 def verify_file(path: str | Path, name: str) -> Path:
     """`path / name`, one file of checkpoint `path`, checked as `verify_checkpoint` checks them all (inside the
-    checkpoint; its sha256 the one recorded, when the checkpoint has CHECKSUMS_FILE): for the readers of one
-    file (the weights readers, trainer.checkpoint.weights). Not collective."""
+    checkpoint; listed with the sha256 recorded, and the list covering the checkpoint, unless it was written before
+    checksums): for the readers of one file (the weights readers, trainer.checkpoint.weights). Not collective."""
     path = Path(path)
     file = integrity.inside(path, name, "its entry")
-    recorded = _recorded_checksums(path) or {}
-    if name in recorded and (problem := integrity.damaged(path, {name: recorded[name]}, f"its {CHECKSUMS_FILE}")):
+    recorded = _recorded_checksums(path)
+    if recorded is not None and name in recorded and (
+            problem := integrity.damaged(path, {name: recorded[name]}, f"its {CHECKSUMS_FILE}")):
         raise DamagedCheckpointError(problem)
     return file
 
 
 def _recorded_checksums(path: Path) -> dict[str, str] | None:
-    """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE; None without one."""
+    """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE, which must list every file of the checkpoint and
+    nothing else (a name missing from disk is left to `integrity.damaged`, which says "is missing"); None for a
+    checkpoint written before checksums. A missing, malformed, empty or incomplete list: DamagedCheckpointError.
+
+    Example: {"files": {}} beside engine.pt -> "<ckpt>/checksums.json lists no files: ..."; an entry removed ->
+    "<ckpt>/engine.pt is not listed in its checksums.json (every file of a checkpoint is): ..."."""
     file = path / CHECKSUMS_FILE
     if not file.exists():
+        if _meta_records_checksums(path):
+            raise DamagedCheckpointError(f"{file} is missing (its {META_FILE} says it was written): "
+                                         f"{integrity.DAMAGED}")
         return None
     try:
         manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise DamagedCheckpointError(f"{file} is not valid JSON ({e}): {integrity.DAMAGED}") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("algorithm") != integrity.HASH or not all(
             isinstance(v, str) for v in files.values()):
         raise DamagedCheckpointError(f"{file} is not a {integrity.HASH} manifest of the checkpoint's files: "
                                      f"{integrity.DAMAGED}")
+    if not files:
+        raise DamagedCheckpointError(f"{file} lists no files: {integrity.DAMAGED}")
+    unlisted = [n for n in integrity.files_of(path, exclude={CHECKSUMS_FILE}) if n not in files]
+    if unlisted:
+        raise DamagedCheckpointError(f"{path / unlisted[0]} is not listed in its {CHECKSUMS_FILE} (every file of a "
+                                     f"checkpoint is){_more(unlisted)}: {integrity.DAMAGED}")
     return files
+
+
+def _more(names: list[str]) -> str:
+    return f" ({len(names) - 1} more files are not)" if len(names) > 1 else ""
+
+
+def _meta_records_checksums(path: Path) -> bool:
+    """Whether checkpoint `path`'s META_FILE says a CHECKSUMS_FILE was written (False if it cannot tell)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and CHECKSUMS_KEY in meta
 
 
 def read_meta(path: str | Path) -> dict:
@@ -507,6 +540,26 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
         engine.load_shards(shards)  # collective
     else:
         _load_resharded(path, info, engine)
+    check_finite(path, engine)
+
+
+class NonFiniteCheckpointError(CheckpointError):
+    """A checkpoint whose weights or optimizer state hold NaN or infinity (damaged before its checksums were taken)."""
+
+
+def check_finite(path: Path, engine: Engine) -> None:
+    """Collective: refuse checkpoint `path`, just loaded into `engine`, if any rank's weights or optimizer state
+    hold a NaN or an infinity, in one line on every rank naming the file and the tensor (before: NaN in an
+    `exp_avg` resumed, trained every weight to NaN a step later, and was saved again with valid checksums)."""
+    source = path / (ENGINE_FILE if engine.shard_format is None else SHARD_DIRS[engine.shard_format])
+
+    def check() -> None:
+        bad = tensors.first_nonfinite(engine.local_state())
+        if bad is not None:
+            raise NonFiniteCheckpointError(f"{source}: {bad[0]} holds {bad[1]} values: the checkpoint is damaged; "
+                                           "resume from an earlier one")
+
+    on_every_rank(check)
 
 
 def _load_resharded(path: Path, info: DistInfo, engine: Engine) -> None:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.checkpoint import hf
+from trainer.checkpoint.tensors import check_fits, first_nonfinite, numel
 from trainer.checkpoint.store import (
     CONVENTIONS_FILE,
     DCP_DIR,
@@ -65,21 +66,67 @@ def checkpoint_conventions(path: str | Path) -> dict:
 
 
 def model_config(path: str | Path) -> GPTConfig:
-    """The GPTConfig the checkpoint's weights were built with, vocab_size filled in."""
+    """The GPTConfig the checkpoint's weights were built with, vocab_size filled in; refused if it describes another
+    number of weights than the checkpoint holds (tensors.check_fits: before anything is built from it)."""
     meta, conv = checkpoint_meta(path), checkpoint_conventions(path)
     section = dict(meta.get("config", {}).get("model", {}))
     if not section:
         raise WeightsError(f"{Path(path) / META_FILE} holds no config.model: not a packtrain checkpoint")
     known = {f.name for f in dataclasses.fields(GPTConfig)}
-    cfg = GPTConfig(**{k: v for k, v in section.items() if k in known})
-    if cfg.vocab_size is None:
-        cfg = dataclasses.replace(cfg, vocab_size=int(conv["tokenizer"]["vocab_size"]))
+    try:
+        cfg = GPTConfig(**{k: v for k, v in section.items() if k in known})
+        if cfg.vocab_size is None:
+            cfg = dataclasses.replace(cfg, vocab_size=int(conv["tokenizer"]["vocab_size"]))
+    except (TypeError, ValueError) as e:
+        raise WeightsError(f"{Path(path) / META_FILE}: config.model is not a model config ({e}): the checkpoint is "
+                           "damaged") from e
+    held, where = held_params(path)
+    check_fits(cfg, held, Path(path) / META_FILE, where)
     return cfg
+
+
+def held_params(path: str | Path) -> tuple[int, Path]:
+    """(the number of weights checkpoint `path` holds, the file or directory holding them), read from headers alone
+    (WEIGHTS_FILE's safetensors header, engine.pt mapped, dcp/.metadata): what `model_config` compares its config
+    with before anything is built. The tied head is not counted (no file stores it)."""
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return numel(hf.header_shapes([verify_file(path, WEIGHTS_FILE)]).values()), path / WEIGHTS_FILE
+    if (path / ENGINE_FILE).is_file():
+        from trainer.checkpoint.safe_io import load_state
+
+        state = load_state(verify_file(path, ENGINE_FILE), map_location="cpu", mmap=True)["model"]
+        tied = checkpoint_meta(path).get("config", {}).get("model", {}).get("tie_embeddings", True)
+        return numel(v.shape for k, v in state.items() if not (tied and k == TIED_KEY)), path / ENGINE_FILE
+    if (path / DCP_DIR / ".metadata").is_file():
+        from trainer.distributed.fsdp import SafeReader
+
+        metadata = SafeReader(path / DCP_DIR).read_metadata()
+        prefix = "model."
+        return numel(m.size for k, m in metadata.state_dict_metadata.items()
+                     if k.startswith(prefix) and hasattr(m, "size") and k[len(prefix):] != TIED_KEY), path / DCP_DIR
+    raise WeightsError(f"{path} holds no {WEIGHTS_FILE}: not a packtrain checkpoint (or a DeepSpeed one written before "
+                       "the weights were saved on their own)")
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The state dict in the checkpoint's WEIGHTS_FILE (safetensors: loading never runs code), tied key omitted;
-    the file checked first (inside the checkpoint, its recorded sha256: store.verify_file)."""
+    the file checked first (inside the checkpoint, its recorded sha256: store.verify_file), every tensor finite."""
+    weights = _load_weights(path)
+    if (bad := first_nonfinite(weights)) is not None:
+        raise WeightsError(f"{_weights_source(Path(path))}: tensor {bad[0]} holds {bad[1]} values: the checkpoint's "
+                           "weights are damaged; use an earlier checkpoint")
+    return weights
+
+
+def _weights_source(path: Path) -> Path:
+    for name in (WEIGHTS_FILE, ENGINE_FILE, DCP_DIR):
+        if (path / name).exists():
+            return path / name
+    return path
+
+
+def _load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     file = Path(path) / WEIGHTS_FILE
     if not file.is_file():
         engine_file = Path(path) / ENGINE_FILE

@@ -70,6 +70,14 @@ class ClientOptimizerSteps:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    def local_state(self) -> dict:
+        """This rank's live weights and optimizer state (local shards, by parameter name), not copied: what a load
+        checks for non-finite values."""
+        from trainer.checkpoint.tensors import optimizer_state_by_name
+
+        return {"model": dict(self.module.named_parameters()),
+                "optimizer": optimizer_state_by_name(self.optimizer, self.module)}
+
 
 class DDPEngine(ClientOptimizerSteps):
     """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).

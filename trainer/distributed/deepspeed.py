@@ -136,6 +136,16 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return self.ds.get_lr()[0]
 
+    def local_state(self) -> dict:
+        """The module's parameters (empty placeholders under ZeRO-3) and this rank's partition of the optimizer:
+        its fp32 master weights and their state (flat partitions, named by position)."""
+        from trainer.checkpoint.tensors import optimizer_state_by_name
+
+        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # ZeRO's wrapper holds torch's optimizer
+        return {"model": dict(self.module.named_parameters()),
+                "master": [p for group in base.param_groups for p in group["params"]],
+                "optimizer": optimizer_state_by_name(base, self.module)}
+
     def state_dict(self) -> dict:
         raise NotImplementedError(_SHARDED)
 

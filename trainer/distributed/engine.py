@@ -80,6 +80,11 @@ class Engine(Protocol):
         """The current learning rate of the first parameter group."""
         ...
 
+    def local_state(self) -> dict:
+        """Not collective: this rank's live weights and optimizer state (its shards), {'model': ..., 'optimizer':
+        ...} keyed by name, not copied; what a checkpoint load checks for non-finite values."""
+        ...
+
     def state_dict(self) -> dict:
         """Model, optimizer and LR schedule as plain data and tensors, whole (shard_format None). Called on every
         rank; collective under tensor parallelism (the whole tensors gathered onto rank 0, {} elsewhere)."""

@@ -364,9 +364,14 @@ class Trainer:
             return (f"step {step}: {what} on the first step after resuming from {self.resume_path}: that checkpoint "
                     "is the suspect (damaged weights or optimizer state?); resume from an earlier one (or start "
                     "from it with train.init_from to reset the optimizer)")
+        if self.checkpointer.last is None and self.resumed_at is not None:  # nothing saved since the resume
+            return (f"step {step}: {what}, {step - self.resumed_at} steps after resuming from {self.resume_path}, and "
+                    "no checkpoint written since: that checkpoint is a suspect (damaged optimizer state trains to NaN "
+                    "within a few steps); the update was not applied; resume from an earlier checkpoint, or lower "
+                    "optim.lr if it trained well")
         return (f"step {step}: {what}; the update was not applied and no checkpoint of it was written (last good "
-                f"checkpoint: {self.checkpointer.last}); lower optim.lr, or set train.on_nonfinite=skip to drop "
-                "such steps")
+                f"checkpoint: {self.checkpointer.last or 'none: this run saved none yet'}); lower optim.lr, or set "
+                "train.on_nonfinite=skip to drop such steps")
 
     _last_loss: float | None = None
     resumed_at: int | None = None
