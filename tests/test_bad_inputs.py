@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainer.distributed.config as distributed_config
 from tests.helpers import ENV, LLAMA3, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line, hf_tokenizer_dir
 from tests.shards import NEGATIVE, PLAIN, damaged_shard, ids_of, read_stored, with_size
-from trainer import generate, inspect_mask, prepare, report
+from trainer import evaluate, export, generate, harness, inspect_mask, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import save_state
 from trainer.checkpoint.weights import checkpoint_conventions
@@ -600,6 +600,100 @@ def users_own_files(tmp: Path, _) -> None:
         assert sorted(p.name for p in (tmp / "mine").iterdir()) == ["thesis.tex"]
 
 
+# Issue 54 (nothing lost, round four): non-finite weights, and configs that would allocate without bound.
+
+
+def edited_checkpoint(edit: Callable[[Path], None], command: str = "export") -> Call:
+    """The session's checkpoint copied, edited by `edit(path)` with its checksums recorded again (as damage before
+    the save would leave it), then exported or generated from."""
+    def call(tmp: Path, fixture) -> int:
+        path = store.checkpoint_dir(tmp / "run", 3)
+        shutil.copytree(fixture("checkpoint"), path)
+        edit(path)
+        store.record_checksums(path)
+        if command == "export":
+            return export.main([str(path), "--out", str(tmp / "hf")])
+        return generate.main([str(path), "--prompt", "def", "--max-new-tokens", "2"])
+    call.fixtures = ("checkpoint",)
+    return call
+
+
+def edited_export(edit: Callable[[Path], None]) -> Call:
+    """The session's Hugging Face export copied and edited by `edit(path)`, then generated from."""
+    def call(tmp: Path, fixture) -> int:
+        path = tmp / "hf"
+        shutil.copytree(fixture("exported"), path)
+        edit(path)
+        return generate.main([str(path), "--prompt", "def", "--max-new-tokens", "2"])
+    call.fixtures = ("exported",)
+    return call
+
+
+def out_into(command: str, target: Callable[[Path, Callable], Path], *extra: str) -> Call:
+    """`command` (evaluate, harness, report, export) with --out `target(tmp, fixture)`: refused, and every file
+    under the checkpoint, dataset or run the target lies in (or the target itself) unchanged."""
+    mains = {"evaluate": evaluate.main, "harness": harness.main, "report": report.main, "export": export.main}
+
+    def call(tmp: Path, fixture) -> int:
+        out = target(tmp, fixture)
+        root = out if out.is_dir() else out.parent
+        before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        try:
+            source = [str(tmp / "runs")] if command == "report" else [str(fixture("checkpoint"))]
+            if command in ("evaluate", "harness"):
+                source += ["--tasks", "cloze"]
+            return mains[command]([*source, "--out", str(out), *extra])
+        finally:
+            assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    call.fixtures = ("checkpoint", "demo_data")
+    return call
+
+
+def copied(fixture_name: str, *inside: str) -> Callable[[Path, Callable], Path]:
+    def target(tmp: Path, fixture) -> Path:
+        shutil.copytree(fixture(fixture_name), tmp / "copy")
+        return tmp.joinpath("copy", *inside)
+    return target
+
+
+def users_file(name: str, text: str = "my notes") -> Callable[[Path, Callable], Path]:
+    def target(tmp: Path, _) -> Path:
+        (tmp / name).write_text(text)
+        return tmp / name
+    return target
+
+
+def a_run_dir(tmp: Path, _) -> Path:
+    (tmp / "runs" / "a").mkdir(parents=True)
+    (tmp / "runs" / "a" / "config.json").write_text("{}")
+    (tmp / "runs" / "a" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    return tmp / "runs" / "a"
+
+
+def a_foreign_report(tmp: Path, fixture) -> Path:
+    a_run_dir(tmp, fixture)
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "report.html").write_text("<html>my own report</html>")
+    return tmp / "mine"
+
+
+def nan_in(file: str, key: str, value: float = math.nan) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        from safetensors.torch import load_file, save_file
+        weights = load_file(path / file)
+        weights[key].view(-1)[3] = value
+        save_file(weights, path / file, metadata={"format": "pt"})
+    return edit
+
+
+def json_edit(file: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        value = json.loads((path / file).read_text())
+        change(value)
+        (path / file).write_text(json.dumps(value))
+    return edit
+
+
 CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of the error line)
     ("train.resume", damaged_checkpoint(overwrite_middle(store.WEIGHTS_FILE)),
      r"model\.safetensors: checksum mismatch: the checkpoint is damaged; resume from an earlier one$"),
@@ -703,6 +797,30 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--merge .*/out merges the parts staged for that dataset and takes no --source or --out"),
     ("data.on_error", unreadable_val_shard, r"the eval read no document from its 1 held-out shard\(s\) .*"
                                               r"data.on_error=skip skipped what it could not read"),
+    ("export", edited_checkpoint(nan_in(store.WEIGHTS_FILE, "wte.weight")),  # issue 54: wrote garbage, exit 0
+     r"step_000003/model\.safetensors: tensor wte\.weight holds NaN values: the checkpoint's weights are damaged"),
+    ("generate", edited_export(nan_in("model.safetensors", "transformer.h.0.mlp.c_fc.weight", math.inf)),
+     r"hf/model\.safetensors: tensor transformer\.h\.0\.mlp\.c_fc\.weight holds inf values: the weights are damaged"),
+    ("generate", edited_export(json_edit("config.json", lambda c: c.update(n_layer=1_000_000))),  # a MemoryError
+     r"hf/config\.json: describes a model of [\d,]+ parameters \(1,000,000 layers, .* but its weights \(.*"
+     r"model\.safetensors\) hold [\d,]+: the config does not describe these weights"),
+    ("export", edited_checkpoint(json_edit(store.META_FILE, lambda m: m["config"]["model"].update(n_layer=10**6))),
+     r"step_000003/meta\.json: describes a model of [\d,]+ parameters \(1,000,000 layers.*refused before building"),
+    ("generate", edited_checkpoint(json_edit(store.META_FILE, lambda m: m["config"]["model"].update(n_embd=6400)),
+                                   command="generate"),
+     r"meta\.json: describes a model of [\d,]+ parameters .*width 6,400"),
+    ("evaluate", out_into("evaluate", copied("checkpoint", store.WEIGHTS_FILE)),  # replaced the weights, exit 0
+     r"--out .*copy/model\.safetensors is inside .*/copy, which is a checkpoint \(meta\.json\): give a path of its own"),
+    ("evaluate", out_into("evaluate", users_file("notes.json")),
+     r"--out .*notes\.json exists and is not an earlier output of trainer\.evaluate: it would be overwritten; give "
+     r"another path, or --overwrite to replace it"),
+    ("harness", out_into("harness", copied("demo_data", "tokenizer", "scores.json")),
+     r"--out .*copy/tokenizer/scores\.json is inside .*/copy/tokenizer, which is a tokenizer \(tokenizer\.json\)"),
+    ("report", out_into("report", a_run_dir), r"--out .*runs/a is a training run's dir \(metrics\.jsonl\)"),
+    ("report", out_into("report", a_foreign_report), r"--out .*/mine holds a report\.html that trainer\.report did "
+                                                     r"not write: it would be overwritten"),
+    ("export", out_into("export", copied("demo_data", "hf")),
+     r"--out .*copy/hf is inside .*/copy, which is a prepared dataset \(manifest\.json\): give a directory of its "),
 ]
 
 

@@ -65,6 +65,14 @@ def test_a_local_multiple_choice_task_scores_as_trainer_evaluate(checkpoint, tas
     assert results["acc,none"] == pytest.approx(ours["acc"], abs=1e-12)
     assert results["acc_norm,none"] == pytest.approx(ours["acc_norm"], abs=1e-12)
     assert 0 < ours["acc"] < 1  # items the model neither always gets nor always misses: the equality says something
+    # --out replaces its own earlier output; someone else's file only with --overwrite (issue 54)
+    assert evaluate_main([str(checkpoint), "--tasks", str(tasks / "mc.jsonl"), "--out", str(out)]) == 0
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    assert evaluate_main([str(checkpoint), "--tasks", str(tasks / "mc.jsonl"), "--out", str(notes)]) == 2
+    assert notes.read_text() == '{"mine": 1}'
+    assert evaluate_main([str(checkpoint), "--tasks", str(tasks / "mc.jsonl"), "--out", str(notes), "--overwrite"]) == 0
+    assert json.loads(notes.read_text())["tasks"]["mc"]["metrics"] == ours
 
 
 def test_the_rolling_log_likelihood_is_the_models_own(checkpoint, tasks):

@@ -257,7 +257,8 @@ def test_text_page_in_browser(browser, tokenizer_dir: Path, tmp_path: Path) -> N
 def test_out_inside_a_run_a_dataset_or_through_a_link_to_one_is_refused(inside: str, tmp_path: Path) -> None:
     """Before: only --out naming the run dir or the dataset itself was refused; a directory inside one (a run's
     checkpoints/ or .hydra/, a dataset's tokenizer/), also reached through a symlink, got mask.png and mask.html."""
-    from trainer.inspect_mask import InspectError, inspect_row, synthetic_documents, write_outputs
+    from trainer.inspect_mask import inspect_row, synthetic_documents, write_outputs
+    from trainer.outputs import OutputError
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / ".hydra").mkdir()
@@ -267,6 +268,6 @@ def test_out_inside_a_run_a_dataset_or_through_a_link_to_one_is_refused(inside: 
     (tmp_path / "link").symlink_to(tmp_path / "data" / "tokenizer")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     what = "a training run's dir" if inside.startswith("run") else "a prepared dataset"
-    with pytest.raises(InspectError, match=rf"--out .*{inside}.* is inside .* which is {what}"):
+    with pytest.raises(OutputError, match=rf"--out .*{inside}.* is inside .* which is {what}"):
         write_outputs(inspect_row(synthetic_documents([3, 2]), 8), tmp_path / inside)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

@@ -15,6 +15,7 @@ generate are thin shells; inspect_mask still holds its own rendering):
     config        the typed config (RunConfig) and the rules that span sections
     errors        UserError and the one way a command prints a user's mistake
     registry      which config keys preserve the loss; every metric and summary key, with its meaning
+    outputs       where a command may write: never inside an input, never over a file it did not write
 
 The rooms, from the bottom up (each imports only from rooms listed before it; tests/test_architecture.py):
     data/         shards -> documents -> packed rows -> batches; data/prepare/: the offline preparation

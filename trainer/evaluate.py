@@ -17,7 +17,6 @@ item `loglikelihoods`, one per choice in the file's order. A user mistake ends a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from trainer.distributed.groups import init_distributed, shutdown_distributed
 from trainer.errors import UserError, command
 from trainer.generate import check_device, load
 from trainer.model.attention import BACKENDS, resolve_backend
+from trainer.outputs import check_out_file, write_json_output, written_by
 from trainer.tasks.builtins import BUILTINS
 from trainer.tasks.scoring import LAYOUTS
 from trainer.tasks.suite import BuiltinOptions, load_tasks, score_tasks
@@ -79,6 +79,9 @@ def table(results: dict) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+COMMAND = "trainer.evaluate"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("path", type=Path, metavar="CHECKPOINT_OR_EXPORT",
@@ -87,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"task files (.jsonl) or built-ins ({', '.join(BUILTINS)})")
     p.add_argument("--packing", choices=LAYOUTS, default="packed", help="row layout of the scored sequences")
     p.add_argument("--out", type=Path, default=None, help="write the metrics and per-item log-likelihoods here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")
     p.add_argument("--data", type=Path, default=None,
                    help="prepared data directory whose val split the built-ins use (default: the checkpoint's)")
     p.add_argument("--builtin-docs", type=int, default=500, help="held-out documents read for the built-ins")
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         raise EvaluateError(f"--batch-tokens, --builtin-docs and --builtin-items must be >= 1, got "
                             f"{args.batch_tokens}, {args.builtin_docs} and {args.builtin_items}")
     check_device(args.device)
+    if args.out is not None:
+        check_out_file(args.out, COMMAND, written_by(COMMAND), args.overwrite)
     info = init_distributed(DistributedConfig(device=torch.device(args.device).type))
     try:
         model, tok_dir = load(args.path, info.device)
@@ -119,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         if args.out is not None:
             report = {"checkpoint": str(args.path), "packing": args.packing, "tasks": results}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=1) + "\n")
+            write_json_output(args.out, report, COMMAND)
     return 0
 
 

@@ -41,6 +41,7 @@ from trainer.data.tokenizer import (
 )
 from trainer.errors import command
 from trainer.model import GPT
+from trainer.outputs import check_not_inside_input
 from trainer.registry import METRICS_FILE
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,6 +75,7 @@ def check_out_dir(out: Path) -> None:
                                  "train.resume looks for checkpoints: give a directory outside it (e.g. exports/NAME)")
     if out.exists() and not out.is_dir():
         raise hf.ExportError(f"--out {out} is a file: give a new directory")
+    check_not_inside_input(out, itself=False)  # inside a dataset, a tokenizer, a model; `out` itself below
     if not out.is_dir() or not any(out.iterdir()):
         return
     foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())

@@ -35,6 +35,7 @@ from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.errors import UserError, command
 from trainer.generate import check_device, generate, load
 from trainer.model.attention import resolve_backend
+from trainer.outputs import check_out_file, write_json_output, written_by
 from trainer.tasks.scoring import Candidate, score
 
 
@@ -179,6 +180,9 @@ def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Pa
     return results["results"] if results is not None else {}  # None: lm-eval reports on LOCAL_RANK 0 only
 
 
+COMMAND = "trainer.harness"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.harness", description=__doc__.split("\n")[0])
     p.add_argument("path", type=Path, metavar="CHECKPOINT_OR_EXPORT")
@@ -189,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--packing", choices=("packed", "unpacked"), default="packed")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None, help="write lm-eval's results as JSON here")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")
     return p.parse_args(argv)
 
 
@@ -196,12 +201,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_device(args.device)
+    if args.out is not None:
+        check_out_file(args.out, COMMAND, written_by(COMMAND), args.overwrite)
     results = run_harness(args.path, args.tasks, args.include_path, args.device, args.batch_tokens, args.packing,
                           args.limit)
     print(json.dumps(results, indent=1, default=str))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        write_json_output(args.out, results, COMMAND)
     return 0
 
 

@@ -35,12 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.checkpoint.store import META_FILE
 from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
-from trainer.data.shards import MANIFEST_FILE
 from trainer.errors import UserError, command
 from trainer.model.attention import block_diagonal_mask, document_ids
-from trainer.registry import METRICS_FILE
+from trainer.outputs import check_not_inside_input
 
 DEFAULT_TOKENIZER = "data/demo/tokenizer"
 DEFAULT_OUT = "mask_inspector"
@@ -254,14 +252,7 @@ def check_out_dir(out_dir: Path) -> None:
     """--out never clobbers or confuses something else: not a prepared dataset, a run dir or a checkpoint, nor a
     directory anywhere inside one (RUN/checkpoints, RUN/.hydra, DATA/tokenizer), judged where a symlink leads; and
     no mask.html this command did not write."""
-    resolved = out_dir.resolve()
-    for directory in (resolved, *resolved.parents):
-        for name, what in ((MANIFEST_FILE, "a prepared dataset"), (METRICS_FILE, "a training run's dir"),
-                           (META_FILE, "a checkpoint")):
-            if (directory / name).is_file():
-                shown = out_dir if resolved == out_dir.absolute() else f"{out_dir} (a link to {resolved})"
-                where = "is" if directory == resolved else f"is inside {directory}, which is"
-                raise InspectError(f"--out {shown} {where} {what} ({name}): give a directory of its own")
+    check_not_inside_input(out_dir)
     page = out_dir / "mask.html"
     if page.is_file() and PAGE_MARK not in page.read_text(encoding="utf-8", errors="replace")[:4096]:
         raise InspectError(f"--out {out_dir} holds a mask.html that inspect_mask did not write: it would be "

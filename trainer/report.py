@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer.errors import command
-from trainer.reporting.html import make_report
+from trainer.outputs import OutputError, check_not_inside_input
+from trainer.reporting.html import default_out, make_report
 from trainer.reporting.runs import DEFAULT_TOLERANCE, ReportError
 
 
@@ -44,7 +45,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reference", default=None, help="run name to compare against (default: the unpacked run)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="max |loss difference| for 'same objective' (default 1e-4, fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a report.md / report.html report did not write")
     return p.parse_args(argv)
+
+
+REPORT_MARKS = {"report.md": "# Training runs report", "report.html": "<title>Training runs report</title>"}
+"""What every report this command writes holds near its top: a file without it is someone else's."""
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """--out is no input (a run dir, a checkpoint, a dataset, ...: trainer.outputs) and holds no report.md or
+    report.html that this command did not write (unless --overwrite)."""
+    check_not_inside_input(out)
+    for name, mark in REPORT_MARKS.items():
+        page = out / name
+        if page.exists() and not overwrite and (
+                not page.is_file() or mark not in page.read_text(encoding="utf-8", errors="replace")[:4096]):
+            raise OutputError(f"--out {out} holds a {name} that trainer.report did not write: it would be "
+                              "overwritten; give another directory, or --overwrite to replace it")
 
 
 @command()
@@ -52,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not (0 <= args.tolerance < math.inf):
         raise ReportError(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
-    for path in make_report(args.dirs, args.out, args.reference, args.tolerance):
+    out = args.out or default_out(args.dirs)
+    check_out_dir(out, args.overwrite)
+    for path in make_report(args.dirs, out, args.reference, args.tolerance):
         print(path)
     return 0
 

@@ -6,6 +6,7 @@
     safe_io    plain-data + tensor files written by torch.save and read with weights_only=True
     weights    a checkpoint's model alone (shape, safetensors weights, tokenizer): init_from, export, generate
     integrity  confinement (a checkpoint reads nothing outside itself) and the sha256 of every file it holds
+    tensors    tensors read from elsewhere checked before use: finite, and as many as their config says
     hf         Hugging Face model directories both ways: GPT-2, Llama, Qwen2 (config, names, streamed safetensors)
 
 Must not import: the run or config modules, or any command (it may import distributed, model and data).

@@ -52,16 +52,6 @@ def _named_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]
             yield from _named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
-    """The optimizer's live state keyed by its parameters' names in `module` (by position where a parameter is not
-    the module's own, e.g. DeepSpeed's flat partitions): what a non-finite message names."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    out = {}
-    for i, (param, state) in enumerate(optimizer.state.items()):
-        out[names.get(id(param), f"param {i}")] = state
-    return out
-
-
 def config_params(cfg) -> int:
     """The number of parameters (a tied head counted once) of the model `cfg` describes, computed without building
     it: on the meta device, a one- and a two-layer model; the count grows by the same amount for every layer.

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.checkpoint import hf
-from trainer.checkpoint.tensors import check_fits, first_nonfinite, numel
 from trainer.checkpoint.store import (
     CONVENTIONS_FILE,
     DCP_DIR,
@@ -29,6 +28,7 @@ from trainer.checkpoint.store import (
     WEIGHTS_FILE,
     verify_file,
 )
+from trainer.checkpoint.tensors import check_fits, first_nonfinite, numel
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig, build_model
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,16 @@ def forward_backward(module, inputs: dict, loss_scale: float, backward=torch.Ten
     objective = out.loss_sum if out.weighted_loss_sum is None else out.weighted_loss_sum
     backward(objective * loss_scale)
     return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
+    """The optimizer's live state keyed by its parameters' names in `module` (by position where a parameter is not
+    the module's own, e.g. DeepSpeed's flat partitions): what a non-finite message names."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    out = {}
+    for i, (param, state) in enumerate(optimizer.state.items()):
+        out[names.get(id(param), f"param {i}")] = state
+    return out
 
 
 class ClientOptimizerSteps:
@@ -73,8 +84,6 @@ class ClientOptimizerSteps:
     def local_state(self) -> dict:
         """This rank's live weights and optimizer state (local shards, by parameter name), not copied: what a load
         checks for non-finite values."""
-        from trainer.checkpoint.tensors import optimizer_state_by_name
-
         return {"model": dict(self.module.named_parameters()),
                 "optimizer": optimizer_state_by_name(self.optimizer, self.module)}
 

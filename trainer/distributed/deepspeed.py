@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.ddp import forward_backward
+from trainer.distributed.ddp import forward_backward, optimizer_state_by_name
 from trainer.distributed.groups import DistInfo
 from trainer.errors import NonFiniteError
 
@@ -139,8 +139,6 @@ class DeepSpeedEngine:
     def local_state(self) -> dict:
         """The module's parameters (empty placeholders under ZeRO-3) and this rank's partition of the optimizer:
         its fp32 master weights and their state (flat partitions, named by position)."""
-        from trainer.checkpoint.tensors import optimizer_state_by_name
-
         base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # ZeRO's wrapper holds torch's optimizer
         return {"model": dict(self.module.named_parameters()),
                 "master": [p for group in base.param_groups for p in group["params"]],
