@@ -369,3 +369,39 @@ def test_the_command_decorator_returns_the_exit_status(capsys):
 
     assert main.__name__ == "main" and main() == 0
     assert main(["x"]) == 2 and capsys.readouterr().err == "error: x: no such file\n"
+
+
+WORKERS_ALIVE = r"""
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from trainer.errors import UserError, run_command
+
+class Forever(IterableDataset):
+    def __iter__(self):
+        while True:
+            yield torch.zeros(4)
+
+def fail(batches):
+    next(batches)  # the workers are up, registered with torch's SIGCHLD handler
+    raise UserError("a user's mistake")
+
+codes = []
+for _ in range(20):
+    batches = iter(DataLoader(Forever(), batch_size=2, num_workers=2))
+    try:
+        codes.append(run_command(lambda: fail(batches)))
+    except BaseException as e:
+        codes.append(type(e).__name__)
+    del batches
+print(codes)
+"""
+
+
+def test_a_user_error_while_dataloader_workers_live_is_one_line_twenty_times_in_a_row():
+    """Issue 54: stopping the workers raced torch's SIGCHLD handler, which raised "DataLoader worker (pid N) is killed
+    by signal" (exit 1, an 80-line traceback, no error line: 20 of 20 here before the fix). 20 user errors, each
+    raised while a 2-worker DataLoader lives: 20 exit statuses 2, 20 lines, no traceback."""
+    proc = subprocess.run([sys.executable, "-c", WORKERS_ALIVE], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == str([EXIT_USER_ERROR] * 20), (proc.stdout, proc.stderr[-3000:])
+    assert proc.stderr.splitlines() == ["error: a user's mistake"] * 20, proc.stderr[-3000:]

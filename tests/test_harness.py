@@ -95,3 +95,35 @@ def test_the_rolling_log_likelihood_is_the_models_own(checkpoint, tasks):
         total += logits.log_softmax(-1)[torch.arange(len(ids)), torch.tensor(ids)].sum().item()
         words += len(re.split(r"\s+", text))  # lm-eval's count_words
     assert results["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+
+
+def test_a_task_pack_that_would_run_python_is_refused_unless_trusted(checkpoint, tasks, tmp_path, capsys):
+    """A YAML holding `!function utils.process_docs` (here in a file another YAML `include`s): refused in one line
+    naming file:line before lm-eval imports utils.py (before: utils.py ran, its marker file appeared, exit 0);
+    with --trust-include-path it runs, and scores as the same task without the tag."""
+    from trainer.harness import main
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    marker = tmp_path / "ran"
+    (pack / "utils.py").write_text(f"import pathlib\n\ndef process_docs(ds):\n    pathlib.Path({str(marker)!r})"
+                                   ".write_text('ran')\n    return ds\n")
+    base = (tasks / "packtrain_mc.yaml").read_text().replace("task: packtrain_mc", "task: coded")
+    (pack / "base.yaml").write_text(base.replace("test_split: test\n",
+                                                 "test_split: test\nprocess_docs: !function utils.process_docs\n"))
+    (pack / "coded.yaml").write_text("include: base.yaml\n")
+    (pack / "base.yaml").rename(pack / "base.inc")  # an included file of another suffix is read too
+    (pack / "coded.yaml").write_text("include: base.inc\n")
+    out = tmp_path / "scores.json"
+    capsys.readouterr()
+    assert main([str(checkpoint), "--tasks", "coded", "--include-path", str(pack), "--limit", "4", "--out",
+                 str(out)]) == 2
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"error: {re.escape(str(pack / 'base.inc'))}:7: !function utils\.process_docs would import "
+                        r"and run Python code from .*pack \(a task pack with such tags is code\): pass "
+                        r"--trust-include-path if you trust that directory as you would a script, else remove the "
+                        r"tag", line), line
+    assert not marker.exists() and not out.exists()
+    assert main([str(checkpoint), "--tasks", "coded", "--include-path", str(pack), "--limit", "4", "--out",
+                 str(out), "--trust-include-path"]) == 0
+    assert marker.read_text() == "ran" and json.loads(out.read_text())["coded"]["acc,none"] >= 0

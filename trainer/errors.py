@@ -18,7 +18,9 @@ import functools
 import math
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
@@ -141,9 +143,22 @@ def stop_worker_processes() -> None:
     (Trainer.fit, and trainer/data/workers.py at exit). The workers ignore SIGTERM, so if one were left,
     multiprocessing's exit handler, which terminates and then joins them without a timeout, would wait forever.
     """
-    for child in multiprocessing.active_children():
-        child.kill()
-        child.join(timeout=5)
+    children = multiprocessing.active_children()
+    if not children:
+        return
+    # torch's DataLoader installs a SIGCHLD handler that raises "DataLoader worker (pid N) is killed by signal" in
+    # the main thread for any of its registered workers that dies of a signal: our own kill below would turn this
+    # one-line error into that traceback (exit 1). The handler is put aside until the children are reaped.
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if main_thread else None
+    try:
+        for child in children:
+            child.kill()
+        for child in children:
+            child.join(timeout=5)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL if handler is None else handler)
 
 
 def original_message(error: BaseException) -> str:

@@ -158,10 +158,73 @@ def write_task_yaml(name: str, items: str | Path, directory: str | Path) -> Path
     return path
 
 
+STANDARD_TAG = "tag:yaml.org,2002:"
+"""The prefix of YAML's own tags (str, int, map, ...): every other tag is an application's, e.g. lm-eval's
+`!function module.name`, which imports and runs a Python file beside the YAML."""
+
+
+def code_in_task_yamls(directory: Path) -> tuple[Path, int, str, str] | None:
+    """(file, line, tag, its value) of the first YAML tag under `directory` (or in a file a YAML there `include`s)
+    that is not one of YAML's own: lm-eval's `!function` imports and runs Python from the directory. Composed with
+    PyYAML's safe composer: nothing is constructed, nothing imported. A YAML that does not parse: HarnessError.
+
+    Example: DIR/t.yaml with `process_docs: !function utils.process_docs` on line 4
+        -> (DIR/t.yaml, 4, '!function', 'utils.process_docs')."""
+    import yaml
+
+    pending = sorted([*directory.rglob("*.yaml"), *directory.rglob("*.yml")])
+    seen: set[Path] = set()
+    while pending:
+        file = pending.pop(0).resolve()
+        if file in seen or not file.is_file():
+            continue
+        seen.add(file)
+        try:
+            roots = list(yaml.compose_all(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+            raise HarnessError(f"{file}: not a readable task YAML ({str(e).splitlines()[0] if str(e) else e})") from e
+        for node in _nodes(roots):
+            if not node.tag.startswith(STANDARD_TAG):
+                return file, node.start_mark.line + 1, node.tag, str(getattr(node, "value", ""))
+            if isinstance(node, yaml.MappingNode):
+                pending += [file.parent / v.value for k, v in node.value
+                            if k.value == "include" and isinstance(v, yaml.ScalarNode)]
+    return None
+
+
+def _nodes(roots):
+    import yaml
+
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, yaml.SequenceNode):
+            stack += node.value
+        elif isinstance(node, yaml.MappingNode):
+            stack += [part for pair in node.value for part in pair]
+
+
+def check_include_path(directory: Path, trusted: bool) -> None:
+    """Refuse --include-path `directory` if a task YAML in it would run Python (`code_in_task_yamls`), unless the
+    user said they trust it (--trust-include-path): a task pack with `!function` is code, and runs as the user."""
+    if not directory.is_dir():
+        raise HarnessError(f"--include-path {directory} is not a directory")
+    found = code_in_task_yamls(directory)
+    if found is not None and not trusted:
+        file, line, tag, value = found
+        raise HarnessError(f"{file}:{line}: {tag} {value} would import and run Python code from {directory} (a task "
+                           "pack with such tags is code): pass --trust-include-path if you trust that directory as "
+                           "you would a script, else remove the tag")
+
+
 def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Path | None = None,
                 device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed", limit: int | None = None,
-                attention: str = "auto") -> dict:
-    """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results')."""
+                attention: str = "auto", trust_include_path: bool = False) -> dict:
+    """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results'). Task
+    YAMLs under `include_path` that would run Python are refused unless `trust_include_path`."""
+    if include_path:
+        check_include_path(Path(include_path), trust_include_path)
     lm = packtrain_lm_class()(str(checkpoint), device=device, batch_tokens=batch_tokens, layout=layout,
                               attention=attention)
     from lm_eval import simple_evaluate
@@ -176,7 +239,13 @@ def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Pa
     if unknown:
         where = f" nor under --include-path {include_path}" if include_path else ""
         raise HarnessError(f"--tasks {unknown}: not tasks lm-eval knows{where}")
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    try:
+        results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=False)
+    except ValueError as e:
+        if "Sample larger than population" not in str(e):
+            raise
+        raise HarnessError(f"--tasks {tasks}: a task's num_fewshot asks for more few-shot examples than its "
+                           f"documents hold ({e}): lower num_fewshot in its YAML") from None
     return results["results"] if results is not None else {}  # None: lm-eval reports on LOCAL_RANK 0 only
 
 
@@ -188,6 +257,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("path", type=Path, metavar="CHECKPOINT_OR_EXPORT")
     p.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names")
     p.add_argument("--include-path", type=Path, default=None, help="a directory of task YAMLs of your own")
+    p.add_argument("--trust-include-path", action="store_true",
+                   help="let --include-path's YAMLs run Python (lm-eval's !function tags import files from it)")
     p.add_argument("--limit", type=int, default=None, help="at most this many items per task")
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--packing", choices=("packed", "unpacked"), default="packed")
@@ -200,11 +271,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @command(extra_user_errors=(OSError,))
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (args.limit is not None and args.limit < 1) or args.batch_tokens < 1:
+        raise HarnessError(f"--limit and --batch-tokens must be >= 1, got {args.limit} and {args.batch_tokens}")
     check_device(args.device)
     if args.out is not None:
         check_out_file(args.out, COMMAND, written_by(COMMAND), args.overwrite)
     results = run_harness(args.path, args.tasks, args.include_path, args.device, args.batch_tokens, args.packing,
-                          args.limit)
+                          args.limit, trust_include_path=args.trust_include_path)
     print(json.dumps(results, indent=1, default=str))
     if args.out is not None:
         write_json_output(args.out, results, COMMAND)
