@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, run_sweep
+from tests.helpers import metrics, run_sweep, run_train
 from trainer.checkpoint.store import latest_checkpoint
 from trainer.evaluate import main as evaluate_main
 
@@ -81,3 +81,21 @@ def test_the_report_shows_each_arms_scores_with_an_interval_and_a_plot(sweep, tm
     assert all(re.search(r"\| \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\] \|", row) for row in rows), rows
     assert not any(line.startswith("| 0 |") for line in section.splitlines())
     assert tmp_path / "report" / "task_accuracy.png" in written
+
+
+def test_a_task_file_changed_before_a_resume_is_named(sweep, demo_data, tmp_path):
+    """Issue 54: the run's checkpoint records each task's items (sha256); a resume whose task file holds other items
+    under the same name says so in a warning line (before: silent, the scores after the resume of other items than
+    those before it); the unchanged built-in is not named."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep[0] / "1", run_dir)
+    changed = tmp_path / "snippets.jsonl"
+    changed.write_text("".join(json.dumps({**item, "gold": 1}) + "\n" for item in ITEMS))
+    proc = run_train(run_dir, demo_data, f"train.max_steps={STEPS + 1}", "train.eval_every=0", "train.eval_docs=8",
+                     f"train.eval_tasks=[continuation4,{changed}]", "train.resume=true")
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("resume: warning:")]
+    assert len(warnings) == 1 and "train.eval_tasks: snippets's items changed since the checkpoint" in warnings[0], \
+        proc.stdout
+    assert metrics(run_dir)[-1]["step"] == STEPS + 1

@@ -43,6 +43,16 @@ BAD_ROWS = {
     "bad JSON": (b'{"query": "q",', "not JSON (Expecting"),
     "not UTF-8": (b'{"query": "caf\xe9"}', "not UTF-8 (byte 14: b'\\xe9')"),
     "mixed forms": (LM, "a language-modeling row in a multiple-choice file"),
+    # issue 54: raw tracebacks, or silently one reading of the row
+    "gold of 5000 digits": (b'{"query": "q", "choices": ["a", "b"], "gold": ' + b"9" * 5000 + b"}",
+                            "Exceeds the limit (4300 digits) for integer string conversion"),
+    "nested 200k deep": (b'{"query": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "JSON nested too deeply"),
+    "lone surrogate": (b'{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}',
+                       "query holds a lone surrogate ('\\ud800' at character 1)"),
+    "duplicate key": (b'{"query": "q", "choices": ["a", "b"], "gold": 0, "gold": 1}',
+                      "key 'gold' appears twice in one object"),
+    "both forms": ({**MC, **LM}, "holds keys of both forms (['query', 'choices', 'gold', 'context', 'continuation'])"),
+    "gold's twin": ({**MC, "choices": [" 4", " 4"]}, "choice 1 is the gold choice 0's text again (' 4')"),
 }
 
 

@@ -145,6 +145,19 @@ class TaskScorer:
     def due(self, step: int, last: bool) -> bool:
         return last or (self.every > 0 and step % self.every == 0)
 
+    def digests(self) -> dict[str, str]:
+        """{task name: the sha256 of its items}: recorded in each checkpoint's meta (TASKS_KEY)."""
+        return {task.name: task.digest() for task in self.tasks}
+
+    def changed_since(self, recorded: dict) -> list[str]:
+        """One line per task whose items differ from those `recorded` (a checkpoint's digests) or that it lacks."""
+        out = []
+        for name, digest in self.digests().items():
+            if name in recorded and recorded[name] != digest:
+                out.append(f"train.eval_tasks: {name}'s items changed since the checkpoint (sha256 {recorded[name][:12]} "
+                           f"-> {digest[:12]}): its scores after the resume are of other items than before")
+        return out
+
     def run(self, engine: Engine) -> dict[str, dict]:
         """Each task's metrics (trainer.tasks.metrics), scored on `engine.module` (the model as built: a
         replicated engine's, which every rank holds whole, or split over a tensor group, whose ranks score the same

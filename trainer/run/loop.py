@@ -58,6 +58,9 @@ from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlo
 from trainer.run.step import train_step
 from trainer.tasks.suite import load_suite
 
+TASKS_KEY = "eval_tasks"
+"""meta.json's {task name: sha256 of its items} of train.eval_tasks (TaskScorer.digests)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -200,6 +203,9 @@ class Trainer:
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
                   + " ".join(f"{k}={v}" for k, v in read.items()), flush=True)
+            recorded = meta.get(TASKS_KEY)
+            for line in self.task_scorer.changed_since(recorded) if self.task_scorer and isinstance(recorded, dict) else ():
+                print(f"resume: warning: {line}", flush=True)
             written = ((meta.get("config") or {}).get("train") or {}).get("tokens_per_step")
             if written is not None and written != self.cfg.train.tokens_per_step:
                 print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the global batch "
@@ -450,6 +456,8 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"counters": self.counters, "engine": self.engine.name, "config": self.cfg.resolved}
+        if self.task_scorer is not None:
+            meta[TASKS_KEY] = self.task_scorer.digests()
         self.checkpointer.save(
             self.step, self.engine,
             rank_state={"data": self.data.rows.state_dict()},

@@ -12,6 +12,7 @@ query or choice, a gold index outside the choices) is one `TaskFileError` naming
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,14 @@ class Task:
     source: str = ""
     """The file it was read from, or the built-in's description."""
 
+    def digest(self) -> str:
+        """sha256 of the items as scored (queries, choices, golds; not the file's bytes): what a checkpoint records,
+        so that a resume can tell a task file changed since (its scores before and after are of other items)."""
+        h = hashlib.sha256(self.kind.encode())
+        for item in self.items:
+            h.update(json.dumps([item.query, list(item.choices), item.gold]).encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
 
 def load_task_file(path: str | Path) -> Task:
     """The task in jsonl file `path`, named by the file's stem; a TaskFileError names the first bad line."""
@@ -84,16 +93,35 @@ def _json_object(line_bytes: bytes, where: str) -> dict:
         raise TaskFileError(f"{where}: not UTF-8 (byte {e.start}: {line_bytes[e.start:e.start + 1]!r}): task files "
                             "are UTF-8 JSON lines") from None
     try:
-        row = json.loads(text)
+        row = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise TaskFileError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise TaskFileError(f"{where}: JSON nested too deeply to read (a task row is one flat object)") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's int conversion limit); a duplicate key
+        raise TaskFileError(f"{where}: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(row, dict):
         raise TaskFileError(f"{where}: a JSON {type(row).__name__}, not an object")
     return row
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: a key given twice is refused (json.loads would keep the last one silently)."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {twice!r} appears twice in one object: which one is meant is unclear")
+    return row
+
+
 def _form(row: dict, where: str) -> str:
-    """The form whose keys the row holds: the one it holds the most keys of, if it holds them all."""
+    """The form whose keys the row holds: the one it holds the most keys of, if it holds them all (and no key of
+    the other form)."""
+    both = [key for keys in FORMS.values() for key in keys if key in row]
+    if all(any(key in row for key in keys) for keys in FORMS.values()):
+        raise TaskFileError(f"{where}: holds keys of both forms ({both}): a row is either {{\"query\", \"choices\", "
+                            "\"gold\"} (multiple choice) or {\"context\", \"continuation\"} (language modeling)")
     kind = max(FORMS, key=lambda k: sum(key in row for key in FORMS[k]))
     missing = [key for key in FORMS[kind] if key not in row]
     if missing:
@@ -119,6 +147,17 @@ def _item(row: dict, kind: str, number: int, where: str) -> Item:
             label = names[1] if kind == LANGUAGE_MODELING else f"choice {i}"
             raise TaskFileError(f"{where}: {label} must be a non-empty string, got {choice!r}")
     if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+        shown = repr(gold) if len(repr(gold)) <= 40 else f"{repr(gold)[:20]}... ({len(repr(gold))} characters)"
         raise TaskFileError(f"{where}: gold must be an index into the {len(choices)} choices (0 to "
-                            f"{len(choices) - 1}), got {gold!r}")
+                            f"{len(choices) - 1}), got {shown}")
+    for label, text in ((names[0], query), *((f"choice {i}", c) for i, c in enumerate(choices))):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TaskFileError(f"{where}: {label} holds a lone surrogate ({text[e.start]!r} at character {e.start}), "
+                                "which is no Unicode character and cannot be tokenized") from None
+    twins = [i for i, c in enumerate(choices) if c == choices[gold] and i != gold]
+    if twins:
+        raise TaskFileError(f"{where}: choice {twins[0]} is the gold choice {gold}'s text again ({choices[gold]!r}): "
+                            "the gold can never win alone, so the item scores no better than a coin")
     return Item(query=query, choices=tuple(choices), gold=gold, line=number)
