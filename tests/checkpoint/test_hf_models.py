@@ -254,6 +254,11 @@ def test_real_configs_on_the_meta_device_have_transformers_shapes_and_counts(tra
     ({"attention_bias": True}, "mlp_bias=False"),
     ({"head_dim": 128}, "head_dim=128"),
     ({"use_sliding_window": True}, "use_sliding_window=True"),
+    # issue 54: -4 heads named head_dim; a string vocabulary size a TypeError deep inside the build
+    ({"num_attention_heads": -4}, "config.json: num_attention_heads must be a positive integer, got -4"),
+    ({"vocab_size": "49152"}, "config.json: vocab_size must be a positive integer, got '49152'"),
+    ({"vocab_size": 49152.5}, "config.json: vocab_size must be a positive integer, got 49152.5"),
+    ({"num_key_value_heads": 0}, "config.json: num_key_value_heads must be a positive integer, got 0"),
 ])
 def test_unsupported_configs_are_one_line_naming_what_is_supported(change, needle):
     with pytest.raises(hf.ExportError, match=needle.replace("(", r"\(").replace("[", r"\[")):
@@ -340,3 +345,23 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert_one_error_line(proc.returncode, proc.stderr, "is a Hugging Face model whose config.json gives the model",
                           "model.bias=True (config.json: False)")
+
+
+def test_an_hf_init_from_whose_vocabulary_is_smaller_than_the_datas_tokenizer_gives_the_right_advice(
+        transformers, demo_data, tmp_path):
+    """Issue 54: a Hugging Face model of 100 tokens, the data's tokenizer of 512: one ConfigError naming its
+    config.json and the data's tokenizer, advising to prepare the data with the model's tokenizer (before: "set
+    model.vocab_size=null", which the Hugging Face init_from then refuses)."""
+    from tests.helpers import make_trainer
+    from trainer.errors import ConfigError
+
+    model_dir = tmp_path / "small_vocab"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=128, n_embd=32, n_layer=1,
+                                                         n_head=2)).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_bytes((demo_data / "tokenizer" / name).read_bytes())
+    with pytest.raises(ConfigError) as refused:
+        make_trainer(demo_data, tmp_path / "run", f"train.init_from={model_dir}")
+    message = str(refused.value)
+    assert f"its config.json says vocab_size 100, fewer than the 512 ids of the data's tokenizer" in message, message
+    assert f"--tokenizer {model_dir}" in message and "vocab_size=null" not in message, message

@@ -179,10 +179,16 @@ def config_from_hf(config: dict, where: str | Path) -> GPTConfig:
     return cfg
 
 
-def _required(config: dict, keys: tuple[str, ...], where: str | Path) -> None:
+def _required(config: dict, keys: tuple[str, ...], where: str | Path, optional: tuple[str, ...] = ()) -> None:
+    """Every key of `keys` present, and each of them (and of `optional`, where present and not null) a positive
+    integer: one line naming `where` and the key otherwise (a size read as a string, or -4 heads)."""
     missing = [k for k in keys if k not in config]
     if missing:
         raise ExportError(f"{where}: no {missing} in the {config.get('model_type')} config")
+    for key in (*keys, *(k for k in optional if config.get(k) is not None)):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ExportError(f"{where}: {key} must be a positive integer, got {value!r}")
 
 
 def _refuse_variants(config: dict, unsupported: dict, where: str | Path) -> None:
@@ -193,7 +199,7 @@ def _refuse_variants(config: dict, unsupported: dict, where: str | Path) -> None
 
 
 def _gpt2_config(config: dict, where: str | Path) -> GPTConfig:
-    _required(config, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"), where)
+    _required(config, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"), where, ("n_inner",))
     n_embd = config["n_embd"]
     _refuse_variants(config, {
         "activation_function": (config.get("activation_function", GPT2_ACTIVATIONS[0]), GPT2_ACTIVATIONS),
@@ -210,7 +216,7 @@ def _gpt2_config(config: dict, where: str | Path) -> GPTConfig:
 
 def _llama_config(config: dict, kind: str, where: str | Path) -> GPTConfig:
     _required(config, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads"), where)
+                       "num_attention_heads"), where, ("num_key_value_heads", "head_dim", "max_position_embeddings"))
     n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
     attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
     _refuse_variants(config, {

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from trainer.checkpoint import store
+from trainer.checkpoint import hf, store
 from trainer.checkpoint.weights import (
     checkpoint_conventions,
     checkpoint_tokenizer_hash,
@@ -105,6 +105,7 @@ class Trainer:
         # (trainer.distributed.engine.materialize), the whole model never built. A resumed or init_from run loads
         # whole weights anyway; DeepSpeed takes a built model.
         meta = self.resume_path is None and not cfg.train.init_from and cfg.distributed.engine != "deepspeed"
+        self._check_hf_vocabulary()
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
                             loss_chunk_tokens=cfg.loss.chunk_tokens, meta=meta)
         self.init_record = self._init_from(model) if self.resume_path is None else None
@@ -158,6 +159,18 @@ class Trainer:
         every = cfg.train.eval_every if cfg.train.eval_tasks_every is None else cfg.train.eval_tasks_every
         return TaskScorer(tasks, tok, self.info, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
                           self.data.pad_id, every)
+
+    def _check_hf_vocabulary(self) -> None:
+        """A Hugging Face train.init_from whose config.json's vocabulary cannot hold the data's tokenizer: the data was
+        prepared with another tokenizer (model.vocab_size comes from that config.json: setting it is refused)."""
+        source, vocab = self.cfg.train.init_from, self.cfg.model.vocab_size
+        if not source or vocab is None or vocab >= self.data.vocab_size or not hf.is_hf_dir(source) or (
+                Path(source) / store.META_FILE).is_file():
+            return
+        raise ConfigError(f"train.init_from={source}: its {hf.CONFIG_FILE} says vocab_size {vocab}, fewer than the "
+                          f"{self.data.vocab_size} ids of the data's tokenizer ({self.data.tokenizer_dir}): the data was "
+                          f"prepared with another tokenizer; prepare it with the model's (python -m trainer.prepare ... "
+                          f"--tokenizer {source})")
 
     def _init_from(self, model) -> dict | None:
         """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
