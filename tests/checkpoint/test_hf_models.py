@@ -363,5 +363,5 @@ def test_an_hf_init_from_whose_vocabulary_is_smaller_than_the_datas_tokenizer_gi
     with pytest.raises(ConfigError) as refused:
         make_trainer(demo_data, tmp_path / "run", f"train.init_from={model_dir}")
     message = str(refused.value)
-    assert f"its config.json says vocab_size 100, fewer than the 512 ids of the data's tokenizer" in message, message
+    assert "its config.json says vocab_size 100, fewer than the 512 ids of the data's tokenizer" in message, message
     assert f"--tokenizer {model_dir}" in message and "vocab_size=null" not in message, message
