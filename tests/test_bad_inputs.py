@@ -819,6 +819,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("report", out_into("report", a_run_dir), r"--out .*runs/a is a training run's dir \(metrics\.jsonl\)"),
     ("report", out_into("report", a_foreign_report), r"--out .*/mine holds a report\.html that trainer\.report did "
                                                      r"not write: it would be overwritten"),
+    ("harness", command_main(harness.main, "{tmp}/x", "--tasks", "a", "--limit", "-1"),  # lm-eval's own traceback
+     r"--limit and --batch-tokens must be >= 1, got -1 and 8192"),
     ("export", out_into("export", copied("demo_data", "hf")),
      r"--out .*copy/hf is inside .*/copy, which is a prepared dataset \(manifest\.json\): give a directory of its "),
 ]

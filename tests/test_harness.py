@@ -127,3 +127,20 @@ def test_a_task_pack_that_would_run_python_is_refused_unless_trusted(checkpoint,
     assert main([str(checkpoint), "--tasks", "coded", "--include-path", str(pack), "--limit", "4", "--out",
                  str(out), "--trust-include-path"]) == 0
     assert marker.read_text() == "ran" and json.loads(out.read_text())["coded"]["acc,none"] >= 0
+
+
+def test_a_num_fewshot_larger_than_the_task_is_one_line(checkpoint, tasks, tmp_path, capsys):
+    """Issue 54: lm-eval's "Sample larger than population" traceback."""
+    from trainer.harness import main
+
+    pack = tmp_path / "pack"
+    pack.mkdir()
+    text = (tasks / "packtrain_mc.yaml").read_text().replace("task: packtrain_mc", "task: greedy_shots")
+    (pack / "greedy_shots.yaml").write_text(text + "num_fewshot: 100000\nfewshot_split: test\n")
+    capsys.readouterr()
+    assert main([str(checkpoint), "--tasks", "greedy_shots", "--include-path", str(pack), "--limit", "2"]) == 2
+    err = capsys.readouterr().err  # beside datasets' progress bars
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: --tasks ['greedy_shots']: a task's num_fewshot asks for more few-shot examples") \
+        and "lower num_fewshot" in lines[0], err

@@ -93,8 +93,14 @@ def test_a_mistake_under_torchrun_is_printed_once_not_once_per_rank(demo_data, t
 RANK_ENDS = {
     "mistake": ("import sys, time\nif RANK == '1':\n    sys.stderr.write('error: a mistake\\n'); sys.exit(2)\n"
                 "time.sleep(60)", 2, ["error: a mistake"]),
-    "killed": ("import os, signal, time\nif RANK == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)",
-               128 + 9, [r"error: rank 1 \(pid \d+\) was killed by SIGKILL \(the kernel's out-of-memory killer"]),
+    # Rank 0 waits in a gloo collective, as a training rank would (issue 54: its "Connection closed by peer" traceback
+    # stood above the launcher's line): one line of its own, no traceback.
+    "killed": ("import os, signal, sys, torch, torch.distributed as dist\nfrom trainer.errors import run_command\n"
+               "dist.init_process_group('gloo')\nif RANK == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "sys.exit(run_command(lambda: dist.all_reduce(torch.ones(1))))",
+               128 + 9, [r"^error: rank 0 stopped: a peer rank left the collective this rank was in \(Connection "
+                         r"(closed|reset) by peer\): another rank ended first",
+                         r"error: rank 1 \(pid \d+\) was killed by SIGKILL \(the kernel's out-of-memory killer"]),
     "bug": ("import time\nif RANK == '1':\n    raise ValueError('a bug')\ntime.sleep(60)", 1,
             ["Traceback", "ValueError: a bug", r"error: rank 1 \(pid \d+\) failed with exit status 1 \(its traceback "
              r"is above\); the other ranks were stopped"]),
@@ -121,3 +127,15 @@ def test_the_launcher_ends_as_the_first_failed_rank_ended(tmp_path, end):
         proc.stderr
     if end == "mistake":
         assert lines == ["error: a mistake"]
+    if end == "killed":
+        assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_nproc_per_node_torchrun_cannot_take_is_one_line(capsys):
+    """Issue 54: --nproc_per_node=two was torchrun's ValueError traceback."""
+    from trainer.launcher import main
+
+    for value in ("two", "0", "-1"):
+        assert main([f"--nproc_per_node={value}", "-m", "trainer.train"]) == 2
+        assert capsys.readouterr().err == (f"error: --nproc_per_node must be a number of processes >= 1 or one of auto, "
+                                           f"cpu, gpu, xpu; got {value!r}\n")

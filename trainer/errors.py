@@ -29,6 +29,12 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C (SIGINT), as a shell reports a process killed by it."""
 
+EXIT_PEER_LOST = 3
+"""A rank whose collective failed because a peer rank ended first (gloo's "Connection closed by peer"): one line,
+not the collective's traceback; the launcher names the rank that ended (trainer.launcher)."""
+PEER_LOST_MARKS = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's error says when the other end of a collective went away."""
+
 ErrorTypes = tuple[type[BaseException], ...]
 
 
@@ -105,9 +111,21 @@ def run_command(
             raise
         print_user_error("interrupted (SIGINT)" + (f": {e}" if str(e) else ""))
         return EXIT_INTERRUPTED
-    except BaseException:  # a bug (its traceback follows) or an exit: the process must still end
+    except BaseException as e:  # a bug (its traceback follows) or an exit: the process must still end
+        if (mark := peer_lost(e)) is not None:
+            print_user_error(f"rank {os.environ.get('RANK', '?')} stopped: a peer rank left the collective this rank "
+                             f"was in ({mark}): another rank ended first, and its own line or the launcher's says why")
+            return EXIT_PEER_LOST
         stop_worker_processes()
         raise
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """The mark of a collective that failed because a peer rank went away (PEER_LOST_MARKS), under a launch of several
+    ranks (WORLD_SIZE > 1); None for anything else."""
+    if not isinstance(error, RuntimeError) or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return next((mark for mark in PEER_LOST_MARKS if mark in str(error)), None)
 
 
 def command(*, extra_user_errors: ErrorTypes = ()) -> Callable[[Callable[..., int | None]], Callable[..., int]]:

@@ -24,7 +24,7 @@ import logging
 import signal
 import sys
 
-from trainer.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, print_user_error
+from trainer.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_USER_ERROR, print_user_error
 
 QUIET_WHEN_FAILED = ("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                      "Sending process %s closing signal %s")
@@ -45,7 +45,7 @@ def exit_status(exitcode: int) -> int:
 
 def failure_line(rank: int, exitcode: int, pid: int) -> str | None:
     """The line for a rank's end that the rank did not explain itself (None: it did, or Ctrl-C)."""
-    if exitcode in (EXIT_USER_ERROR, EXIT_INTERRUPTED):
+    if exitcode in (EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_PEER_LOST):
         return None
     if exitcode < 0:
         try:
@@ -58,14 +58,31 @@ def failure_line(rank: int, exitcode: int, pid: int) -> str | None:
             "were stopped")
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+"""torchrun's own words for --nproc_per_node (torch.distributed.run.determine_local_world_size)."""
+
+
+def nproc_problem(value: str) -> str | None:
+    """The line for an --nproc_per_node torchrun cannot take (a ValueError traceback from deep inside it), or None.
+
+    Example: 'two' -> "--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"."""
+    if value in NPROC_WORDS or (value.isdigit() and int(value) >= 1):
+        return None
+    return f"--nproc_per_node must be a number of processes >= 1 or one of {', '.join(NPROC_WORDS)}; got {value!r}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     logging.getLogger(REPORTING_LOGGER).addFilter(_DropFailureReport())
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if (problem := nproc_problem(str(args.nproc_per_node))) is not None:
+        print_user_error(problem)
+        return EXIT_USER_ERROR
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if (line := failure_line(rank, failure.exitcode, failure.pid)) is not None:
