@@ -378,3 +378,22 @@ def test_the_weights_readers_refuse_damaged_or_outside_weights(checkpoint, tmp_p
     with pytest.raises(OutsideCheckpointError, match=r"its entry 'model.safetensors' leaves the checkpoint \(a "
                                                      r"symlink to .*outside.safetensors\)"):
         load_weights(linked)
+
+
+def test_the_single_file_readers_verify_every_file_they_read(two_checkpoints, tmp_path):
+    """export, generate, evaluate and init_from read meta.json, conventions.json and the tokenizer beside the
+    weights: each is verified as the weights are (before: only the weights file), so a tokenizer.json damaged
+    after the save is refused, not used to decode."""
+    from trainer.checkpoint.weights import load_model, tokenizer_dir
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(store.checkpoint_dir(two_checkpoints, 2), path)
+    load_model(path) and tokenizer_dir(path)  # intact: read
+    tok = path / store.TOKENIZER_DIR / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"<|endoftext|>"', '"<|endofbext|>"', 1))
+    with pytest.raises(DamagedCheckpointError, match=r"tokenizer/tokenizer\.json: checksum mismatch"):
+        tokenizer_dir(path)
+    meta = path / store.META_FILE
+    meta.write_text(meta.read_text().replace('"n_layer": 2', '"n_layer": 3'))
+    with pytest.raises(DamagedCheckpointError, match=r"meta\.json: checksum mismatch"):
+        load_model(path)

@@ -51,12 +51,16 @@ def _read_json(path: Path) -> dict:
 
 
 def checkpoint_meta(path: str | Path) -> dict:
-    """The meta file of a checkpoint directory (step, counters, engine, the resolved run config)."""
+    """The meta file of a checkpoint directory (step, counters, engine, the resolved run config), verified."""
+    if (Path(path) / META_FILE).is_file():
+        verify_file(path, META_FILE)
     return _read_json(Path(path) / META_FILE)
 
 
 def checkpoint_conventions(path: str | Path) -> dict:
     """The conventions of a checkpoint directory (layout, labels, loss, tokenizer hash and size)."""
+    if (Path(path) / CONVENTIONS_FILE).is_file():
+        verify_file(path, CONVENTIONS_FILE)
     conv = _read_json(Path(path) / CONVENTIONS_FILE)
     tok = conv.get("tokenizer")
     if not (isinstance(tok, dict) and isinstance(tok.get("sha256"), str) and isinstance(tok.get("vocab_size"), int)):
@@ -166,6 +170,8 @@ def tokenizer_dir(path: str | Path) -> Path:
     out = Path(path) / TOKENIZER_DIR
     if not (out / "tokenizer.json").is_file():
         raise WeightsError(f"{Path(path)} holds no {TOKENIZER_DIR}/tokenizer.json: not a packtrain checkpoint")
+    for file in sorted(out.iterdir()):
+        verify_file(path, f"{TOKENIZER_DIR}/{file.name}")
     return out
 
 
