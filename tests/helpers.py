@@ -468,9 +468,9 @@ LAYERS: list[set[str]] = [
     {"trainer.config"},  # the typed config, assembled from the rooms' sections
     {"trainer.reporting"},  # runs compared from their files (reads the registry and manifests only)
     {"trainer.run"},  # the loop and its parts
+    {"trainer.outputs"},  # where a command may write
     {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
-     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer.outputs",
-     "trainer"},  # the commands (and where they may write: trainer.outputs)
+     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer"},  # the commands
 ]
 """Each module may import from its own layer and the layers above it in this list (lower = more basic).
 A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""

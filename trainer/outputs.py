@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from trainer.checkpoint import hf
 from trainer.checkpoint.store import META_FILE
 from trainer.data.shards import MANIFEST_FILE
 from trainer.data.tokenizer import TOKENIZER_FILE
@@ -27,7 +28,7 @@ from trainer.registry import METRICS_FILE
 INPUTS = ((META_FILE, "a checkpoint"), (METRICS_FILE, "a training run's dir"), (MANIFEST_FILE, "a prepared dataset"),
           (TOKENIZER_FILE, "a tokenizer"))
 """A directory holding this file is this input: nothing is written at or under it."""
-HF_FILES = ("config.json", "model.safetensors")
+HF_FILES = (hf.CONFIG_FILE, hf.WEIGHTS_FILE)
 """A directory holding both is a Hugging Face model."""
 
 

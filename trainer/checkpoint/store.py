@@ -434,6 +434,8 @@ def _recorded_checksums(path: Path) -> dict[str, str] | None:
                                      f"{integrity.DAMAGED}")
     if not files:
         raise DamagedCheckpointError(f"{file} lists no files: {integrity.DAMAGED}")
+    for name in files:  # a name leading outside is refused as such, before the listing is compared
+        integrity.inside(path, name, f"its {CHECKSUMS_FILE} names")
     unlisted = [n for n in integrity.files_of(path, exclude={CHECKSUMS_FILE}) if n not in files]
     if unlisted:
         raise DamagedCheckpointError(f"{path / unlisted[0]} is not listed in its {CHECKSUMS_FILE} (every file of a "
