@@ -235,9 +235,11 @@ def test_a_bias_free_model_exports_zero_biases(transformers, demo_data, tmp_path
     assert diff <= 1e-5
 
 
-def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(checkpoint, exported, tmp_path):
+def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(checkpoint, exported, tmp_path, capsys):
     """A run directory, a checkpoint's tokenizer/ and a directory of one's own files are refused, untouched; an
-    earlier export is replaced (tests/fixtures are not needed: the refusals come before any weight is read)."""
+    earlier export is replaced (tests/fixtures are not needed: the refusals come before any weight is read). The
+    command's main in this process (its one line and status; tests/test_errors.py runs it as a process)."""
+    from trainer.export import main
     run_dir = checkpoint.parent.parent
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     mine = tmp_path / "mine"
@@ -252,9 +254,8 @@ def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(ch
         checkpoint.parent / "step_000099": f"is inside the run's checkpoint directory {checkpoint.parent.resolve()}",
     }
     for out, words in cases.items():
-        proc = run_export(checkpoint, out)
-        assert proc.returncode == 2 and proc.stderr.startswith(f"error: --out {out} ") and words in proc.stderr, \
-            proc.stderr
+        status, err = main([str(checkpoint), "--out", str(out)]), capsys.readouterr().err
+        assert status == 2 and err.startswith(f"error: --out {out} ") and words in err and err.count("\n") == 1, err
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     assert not (checkpoint.parent / "step_000099").exists()
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
@@ -263,5 +264,5 @@ def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(ch
     for p in exported.iterdir():
         (again / p.name).write_bytes(p.read_bytes())
     (again / hf.WEIGHTS_FILE).write_bytes(b"stale")
-    assert run_export(checkpoint, again).returncode == 0  # over an earlier export
+    assert main([str(checkpoint), "--out", str(again)]) == 0  # over an earlier export
     assert (again / hf.WEIGHTS_FILE).read_bytes() == (exported / hf.WEIGHTS_FILE).read_bytes()
