@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainer.distributed.config as distributed_config
 from tests.helpers import ENV, LLAMA3, ROOT, SMALL, TRAIN_CLI_DRIVER, assert_one_error_line, hf_tokenizer_dir
 from tests.shards import NEGATIVE, PLAIN, damaged_shard, ids_of, read_stored, with_size
-from trainer import evaluate, export, generate, harness, inspect_mask, prepare, report
+from trainer import evaluate, export, generate, harness, inspect_mask, launcher, prepare, report
 from trainer.checkpoint import store
 from trainer.checkpoint.safe_io import save_state
 from trainer.checkpoint.weights import checkpoint_conventions
@@ -677,6 +677,25 @@ def a_foreign_report(tmp: Path, fixture) -> Path:
     return tmp / "mine"
 
 
+def unlisted(name: str) -> Callable[[Path], None]:
+    """`name`'s entry removed from checksums.json (the file itself damaged, as the entry's removal would hide)."""
+    def damage(path: Path) -> None:
+        manifest = json.loads((path / store.CHECKSUMS_FILE).read_text())
+        del manifest["files"][name]
+        (path / store.CHECKSUMS_FILE).write_text(json.dumps(manifest))
+        overwrite_middle(name)(path)
+    return damage
+
+
+def task_file_row(text: bytes) -> Call:
+    """trainer.evaluate on the session's checkpoint with a task file holding `text`."""
+    def call(tmp: Path, fixture) -> int:
+        (tmp / "task.jsonl").write_bytes(text)
+        return evaluate.main([str(fixture("checkpoint")), "--tasks", str(tmp / "task.jsonl")])
+    call.fixtures = ("checkpoint",)
+    return call
+
+
 def nan_in(file: str, key: str, value: float = math.nan) -> Callable[[Path], None]:
     def edit(path: Path) -> None:
         from safetensors.torch import load_file, save_file
@@ -819,6 +838,22 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("report", out_into("report", a_run_dir), r"--out .*runs/a is a training run's dir \(metrics\.jsonl\)"),
     ("report", out_into("report", a_foreign_report), r"--out .*/mine holds a report\.html that trainer\.report did "
                                                      r"not write: it would be overwritten"),
+    ("train.resume", damaged_checkpoint(unlisted(store.ENGINE_FILE)),  # resumed with exit 0, NaN a step later
+     r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): the checkpoint is damaged"),
+    ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).write_text(
+        '{"algorithm": "sha256", "files": {}}')), r"checksums\.json lists no files: the checkpoint is damaged"),
+    ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).unlink()),  # loaded unverified
+     r"checksums\.json is missing \(its meta\.json says it was written\): the checkpoint is damaged"),
+    ("evaluate", task_file_row(b'{"query": "q", "choices": ["a", "b"], "gold": 0, "gold": 1}\n'),
+     r"task\.jsonl:1: key 'gold' appears twice in one object"),
+    ("evaluate", task_file_row(b'{"query": "q\\ud800", "choices": ["a", "b"], "gold": 0}\n'),  # a traceback
+     r"task\.jsonl:1: query holds a lone surrogate"),
+    ("evaluate", task_file_row(b'{"query": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n"),  # a RecursionError
+     r"task\.jsonl:1: JSON nested too deeply to read"),
+    ("generate", edited_export(json_edit("config.json", lambda c: c.update(n_head=-4))),  # named head_dim
+     r"hf/config\.json: n_head must be a positive integer, got -4"),
+    ("launcher", command_main(launcher.main, "--nproc_per_node=two", "-m", "trainer.train"),
+     r"--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"),
     ("harness", command_main(harness.main, "{tmp}/x", "--tasks", "a", "--limit", "-1"),  # lm-eval's own traceback
      r"--limit and --batch-tokens must be >= 1, got -1 and 8192"),
     ("export", out_into("export", copied("demo_data", "hf")),

@@ -117,6 +117,14 @@ def resumed_run(name: str, info: DistInfo, shares, root: Path) -> dict:
             checkpoint.load_checkpoint(checkpoint.checkpoint_root(root / "ddp") / path.name, info, engine)
         except ValueError as e:
             result["wrong_engine_error"] = str(e)
+    # Issue 54: a NaN in rank 1's share of the optimizer state, as a load would leave it: named on both ranks.
+    if info.rank == 1:
+        states = engine.local_state()["optimizer"]
+        next(s["exp_avg"] for s in states.values() if s["exp_avg"].numel()).view(-1)[0] = float("nan")
+    try:
+        checkpoint.check_finite(path, engine)
+    except checkpoint.NonFiniteCheckpointError as e:
+        result["nonfinite_error"] = str(e)
     return result
 
 
@@ -190,6 +198,16 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
         assert checkpoint.WEIGHTS_FILE in run["files"]
         if engine != "ddp":
             assert "written by engine 'ddp'" in run["wrong_engine_error"]
+
+
+def test_non_finite_optimizer_state_on_one_rank_is_one_line_on_every_rank(results):
+    """store.check_finite over each engine's local state (DeepSpeed's: its partition of the fp32 master weights and
+    their AdamW state): rank 1's NaN named alike on both ranks, with the checkpoint's state directory."""
+    for name in ENGINES:
+        errors = [r[("adamw_resumed", name)].get("nonfinite_error") for r in results]
+        where = "engine.pt" if name == "ddp" else "deepspeed"
+        assert errors[0] == errors[1] and errors[0] is not None, (name, errors)
+        assert f"/{where}: optimizer." in errors[0] and "exp_avg holds NaN values" in errors[0], errors[0]
 
 
 def test_a_ddp_engine_never_imports_deepspeed():
