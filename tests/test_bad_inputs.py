@@ -696,6 +696,19 @@ def task_file_row(text: bytes) -> Call:
     return call
 
 
+def prepared_into_a_checkpoint(tmp: Path, _) -> int:
+    """prepare --out a new directory inside a checkpoint (its checksums would no longer cover it): refused."""
+    fake_checkpoint(tmp / "ckpt", {"step": 3, "world_size": 1})
+    ckpt = store.checkpoint_dir(tmp / "ckpt", 3)
+    shutil.move(ckpt, tmp / "ckpt2")
+    shutil.rmtree(tmp / "ckpt")
+    (tmp / "ckpt2").rename(tmp / "ckpt")
+    try:
+        return prepare.main(["--source", "demo", "--out", str(tmp / "ckpt" / "data"), "--max-docs", "10"])
+    finally:
+        assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == [store.META_FILE]
+
+
 def nan_in(file: str, key: str, value: float = math.nan) -> Callable[[Path], None]:
     def edit(path: Path) -> None:
         from safetensors.torch import load_file, save_file
@@ -854,6 +867,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"hf/config\.json: n_head must be a positive integer, got -4"),
     ("launcher", command_main(launcher.main, "--nproc_per_node=two", "-m", "trainer.train"),
      r"--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"),
+    ("prepare", prepared_into_a_checkpoint,
+     r"--out .*ckpt/data is inside .*/ckpt, which is a checkpoint \(meta\.json\): give a directory of its own"),
     ("harness", command_main(harness.main, "{tmp}/x", "--tasks", "a", "--limit", "-1"),  # lm-eval's own traceback
      r"--limit and --batch-tokens must be >= 1, got -1 and 8192"),
     ("export", out_into("export", copied("demo_data", "hf")),

@@ -1,6 +1,6 @@
 """Where a command may write: never into something the user owns as an input, never over a file it did not write.
 
-Every command's output path (evaluate and harness --out FILE, report and inspect_mask --out DIR, export --out DIR)
+Every command's output path (evaluate and harness --out FILE; report, inspect_mask, export and prepare --out DIR)
 is checked here before anything is written:
 
 - not inside an input: a checkpoint (meta.json), a training run's dir (metrics.jsonl), a prepared dataset
@@ -18,18 +18,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.checkpoint import hf
-from trainer.checkpoint.store import META_FILE
-from trainer.data.shards import MANIFEST_FILE
-from trainer.data.tokenizer import TOKENIZER_FILE
 from trainer.errors import UserError
-from trainer.registry import METRICS_FILE
 
-INPUTS = ((META_FILE, "a checkpoint"), (METRICS_FILE, "a training run's dir"), (MANIFEST_FILE, "a prepared dataset"),
-          (TOKENIZER_FILE, "a tokenizer"))
-"""A directory holding this file is this input: nothing is written at or under it."""
-HF_FILES = (hf.CONFIG_FILE, hf.WEIGHTS_FILE)
-"""A directory holding both is a Hugging Face model."""
+
+def inputs() -> tuple[tuple[tuple[str, ...], str], ...]:
+    """((the files that make a directory this input, what it is), ...): nothing is written at or under one.
+    Imported here, not at the top: trainer.prepare checks its --out with this module and never imports torch
+    (its workers stay light), which the checkpoint's names would import with it."""
+    from trainer.checkpoint import hf
+    from trainer.checkpoint.store import META_FILE
+    from trainer.data.shards import MANIFEST_FILE
+    from trainer.data.tokenizer import TOKENIZER_FILE
+    from trainer.registry import METRICS_FILE
+
+    return (((META_FILE,), "a checkpoint"), ((METRICS_FILE,), "a training run's dir"),
+            ((MANIFEST_FILE,), "a prepared dataset"), ((TOKENIZER_FILE,), "a tokenizer"),
+            ((hf.CONFIG_FILE, hf.WEIGHTS_FILE), "a Hugging Face model"))
 
 
 class OutputError(UserError):
@@ -40,13 +44,11 @@ def enclosing_input(path: Path, itself: bool = True) -> tuple[Path, str, str] | 
     """(directory, what it is, the file that says so) of the nearest input at or above `path` (resolved), or None.
 
     Example: RUN/checkpoints/step_000100/scores.json -> (RUN/checkpoints/step_000100, 'a checkpoint', 'meta.json')."""
-    resolved = path.resolve()
+    resolved, kinds = path.resolve(), inputs()
     for directory in (resolved, *resolved.parents) if itself else resolved.parents:
-        for name, what in INPUTS:
-            if (directory / name).is_file():
-                return directory, what, name
-        if all((directory / name).is_file() for name in HF_FILES):
-            return directory, "a Hugging Face model", HF_FILES[0]
+        for names, what in kinds:
+            if all((directory / name).is_file() for name in names):
+                return directory, what, names[0]
     return None
 
 

@@ -30,6 +30,7 @@ from trainer.data.prepare.assemble import LONG_THRESHOLDS, length_stats  # noqa:
 from trainer.data.prepare.dataset import DEFAULT_MAX_DOC_MB, DEFAULT_SAMPLE_MB, merge, prepare, usable_cores
 from trainer.data.shards import PrepareError
 from trainer.errors import command
+from trainer.outputs import check_not_inside_input
 
 __all__ = ["main", "merge", "prepare"]
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                "--out: drop them (or drop --merge to prepare)")
         print(format_report(merge(args.merge), args.merge))
         return 0
+    check_not_inside_input(Path(args.out), itself=False)  # `out` itself may be an earlier dataset (prepared again)
     manifest = prepare(
         args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
         val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
