@@ -127,6 +127,7 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("data.max_doc_mb", ("data.max_doc_mb=0",), r"data.max_doc_mb must be a finite number > 0, got 0"),
     ("data.loss_on", ("data.loss_on=user",), r"data.loss_on must be one of \('all', 'assistant'\)"),
     ("data.prefetch", ("data.prefetch=maybe",), r"data.prefetch must be true or false, got 'maybe'"),
+    ("data.balance", ("data.balance=tokens",), r"data.balance must be one of \('none', 'rows'\), got 'tokens'"),
     ("data.epoch_lockstep", ("data.epoch_lockstep=2",), r"data.epoch_lockstep must be true or false, got 2"),
     ("data.sources", ("data.sources=[]",), r"data.sources must be a non-empty list of \{name, path or urls, weight\}"),
     ("data.sources", ("data.sources=[{name:a,weight:1}]",), r"data.sources\[0\] \(a\) needs path \(a directory"),

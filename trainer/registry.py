@@ -92,6 +92,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "data.prefetch": (SAME_OBJECTIVE, "the same rows and order, drawn in a background thread"),
     "data.sources": (OTHER, "different data: other sources or other weights"),
     "data.mix_exhausted": (OTHER, "changes which documents a mixture's epochs hold"),
+    "data.balance": (SAME_OBJECTIVE, "whole rows move between the ranks of one step: the same documents, targets and "
+                                     "denominator"),
     "data.epoch_lockstep": (OTHER, "changes which documents the steps after a reader's first epoch see"),
     # packing
     "packing.layout": (SAME_OBJECTIVE, "the same documents per step in every layout"),
@@ -244,6 +246,11 @@ METRIC_KEYS: dict[str, str] = {
     "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention pairs of its "
                     "queries, under distributed.context_parallel_split) of the ranks of rank 0's group on its "
                     "micro-batches of the step; 0 = even (logged steps)",
+    "dp_imbalance": "several data ranks only: max / mean - 1 of the modeled work (the model FLOPs of each data rank's "
+                    "rows: 6 N per token + each document's attention pairs) over the data ranks; 0 = even; with "
+                    "data.balance=rows after the deal (logged steps)",
+    "dp_imbalance_drawn": "data.balance=rows only: dp_imbalance of the rows as the ranks drew them, before the deal "
+                          "(logged steps)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",

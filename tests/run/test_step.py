@@ -22,12 +22,14 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, build_model
+from trainer.run.inputs import RowDealer
 from trainer.run.step import train_step
 
 
 def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
-          normalization: str = "global_tokens") -> dict:
-    """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents."""
+          normalization: str = "global_tokens", balance: bool = False) -> dict:
+    """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents (packed into rows,
+    then, with `balance`, the step's rows dealt over the ranks by modeled work: trainer.run.inputs.RowDealer)."""
     torch.manual_seed(0)
     info = init_distributed(DistributedConfig(device="cpu")) if world_size > 1 else DistInfo(0, 1, 0, torch.device("cpu"))
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
@@ -35,15 +37,19 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
     cfg = PackingConfig(layout=layout)
-    losses, counts = [], []
+    losses, counts, dealt = [], [], []
+    dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
     for step_docs in shares:
         rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(step_docs[rank]))
+        if dealer is not None:
+            rows = dealer.deal(rows)
+            dealt.append(([d.key for row in rows for d in row], dealer.drawn_imbalance))
         mbs = micro_batches(rows, cfg, SEQ_LEN, mb_tokens, PAD)
         stats = train_step(engine, mbs, info, PAD, normalization)
         losses.append(stats.loss)
         counts.append(stats.valid_tokens)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
-            "valid": counts}
+            "valid": counts, "dealt": dealt}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +72,10 @@ SCENARIOS = {  # name: (fractions of each step's documents for rank 0 and rank 1
 
 def train_scenarios(rank: int, world_size: int, steps) -> dict:
     """All two-rank scenarios in one spawn of the process group (spawning costs seconds per rank)."""
-    return {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
-                        else "global_tokens") for name, (fr, layout, mb) in SCENARIOS.items()}
+    out = {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
+                       else "global_tokens") for name, (fr, layout, mb) in SCENARIOS.items()}
+    out["balanced"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +123,27 @@ def test_document_mean_over_two_uneven_ranks_equals_one_rank(steps, two_ranks):
     for r in two_ranks:
         np.testing.assert_allclose(r["document_mean"]["losses"], one["losses"], rtol=1e-6)
         assert_same_params(r["document_mean"]["params"], one["params"])
+
+
+def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(steps, one_rank, two_ranks):
+    """data.balance=rows (issue 55): the rows the two uneven ranks drew are re-dealt by modeled work (here sum s^2:
+    rows moved, the drawn imbalance shrunk); the losses, valid targets and final weights are the one-rank run's,
+    and step 0's loss is each document alone in plain PyTorch, summed, over the step's targets."""
+    from tests.helpers import plain_document_loss
+
+    ranks = [r["balanced"] for r in two_ranks]
+    for r in ranks:
+        np.testing.assert_allclose(r["losses"], one_rank["losses"], rtol=1e-6)
+        assert r["valid"] == one_rank["valid"]
+        assert_same_params(r["params"], one_rank["params"])
+    for s, step_docs in enumerate(steps):  # every document of the step trained once, on one rank
+        keys = ranks[0]["dealt"][s][0] + ranks[1]["dealt"][s][0]
+        assert sorted(keys) == sorted(d.key for d in step_docs)
+    drawn = [split(steps, [0.25, 0.75])[s][1] for s in range(len(steps))]
+    assert any(set(ranks[1]["dealt"][s][0]) != {d.key for d in drawn[s]} for s in range(len(steps)))  # rows moved
+    torch.manual_seed(0)
+    params = dict(build_model(MODEL, AttentionConfig(backend="sdpa_docs")).named_parameters())
+    with torch.no_grad():
+        total = sum(plain_document_loss(params, MODEL, torch.as_tensor(d.tokens)) for d in steps[0])
+    targets = sum(len(d) - 1 for d in steps[0])
+    assert abs(total.item() / targets - ranks[0]["losses"][0]) <= 1e-6 * abs(total.item() / targets)

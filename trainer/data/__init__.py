@@ -22,6 +22,7 @@ The training stream:
     pipeline          `RowSource`, the interface every row source implements; documents -> rows -> micro-batches
                       for each layout (`RowStream`), the prefetch thread
     mixture           data.sources: rows drawn from several row streams by weight, per-source passes
+    deal              data.balance=rows: a step's rows dealt over the data ranks by modeled work (equal compute)
     epochs            every rule of when an epoch ends, for readers, loaders, mixtures and the ranks (lockstep)
     state             the stream's state as typed, versioned objects, and their checkpoint form
     reshape           a stream state written on W x K readers, dealt to W' x K' at a resume (a mixture's by source)

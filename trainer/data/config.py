@@ -18,6 +18,8 @@ LONG_DOC_POLICIES = ("split", "truncate", "drop")
 
 ON_ERROR = ("raise", "skip")
 """What a bad sample or an unreadable shard does: raise (an error naming shard and key) or skip (warn, count)."""
+BALANCE = ("none", "rows")
+"""data.balance: each rank its own rows, or the step's rows dealt by modeled work (trainer.data.deal)."""
 
 LOSS_ON = ("all", "assistant")
 
@@ -98,12 +100,18 @@ class DataConfig:
     its end; what the other sources had left of their pass is not trained in it), 'restart' reads that source again
     (a new pass) and ends the epoch when every source has been read through once. Each epoch every source starts
     a new pass."""
+    balance: str = "none"
+    """How a step's rows are dealt over the data ranks: 'none' (each rank computes the rows it drew) or 'rows' (the
+    rows the data ranks drew for a step are re-dealt by modeled work, so every rank computes about the same:
+    trainer.data.deal; the same documents per step, the same loss)."""
     epoch_lockstep: bool = True
     """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
     readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
     document is trained on exactly once per epoch. False: each reader runs its own epochs (they drift apart)."""
 
     def __post_init__(self) -> None:
+        if self.balance not in BALANCE:
+            raise ValueError(f"data.balance must be one of {BALANCE}, got {self.balance!r}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"data.on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.retries < 0:

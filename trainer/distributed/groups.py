@@ -167,6 +167,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's `obj` of `group` (the world: None), in the group's rank order; [obj] without a process group."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     """Rank `src`'s value of a picklable object, on every rank."""
     if not dist.is_initialized():

@@ -9,14 +9,25 @@ their positions under context parallelism (Batch.plan), and pins them when bound
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from trainer.config import RunConfig
-from trainer.data.feed import Batch, DataSource, RowPrefetcher, StepRows, check_token_ids, micro_batches
+from trainer.data.feed import (
+    Batch,
+    DataSource,
+    RowPrefetcher,
+    StepRows,
+    check_token_ids,
+    deal_rows,
+    drawn_rows,
+    imbalance_of,
+    micro_batches,
+)
 from trainer.data.feed import build_data as build_data_source
 from trainer.distributed.context import with_row_plans
-from trainer.distributed.groups import DistInfo, dist_sum
+from trainer.distributed.groups import DistInfo, dist_sum, gather_objects
 
 
 def build_data(cfg: RunConfig, info: DistInfo) -> DataSource:
@@ -30,10 +41,38 @@ def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
     return rows_per_step // info.data_world + (info.data_rank < rows_per_step % info.data_world)
 
 
+class RowDealer:
+    """data.balance=rows: the rows every data rank drew for a step, gathered over the data group and dealt by
+    modeled work (trainer.data.deal.deal_rows; `cost(row)`: the row's model FLOPs, trainer.run.flops). Every rank
+    computes the same deal from the same rows (the ranks of a context or tensor group, which drew the same rows, too),
+    and keeps as many rows as it drew. Collective over the data group: one all-gather of the rows per step.
+
+    The data stream's state is what each rank read, not what it trained: a checkpoint holds each rank's read
+    position, and a resume deals the same drawn rows the same way."""
+
+    def __init__(self, cost: Callable[[list], float], info: DistInfo) -> None:
+        self.cost, self.info = cost, info
+        self.drawn_imbalance: float | None = None
+        """The last step's modeled imbalance (max / mean - 1 over the data ranks) of the rows as drawn."""
+
+    def deal(self, rows: list) -> list:
+        """This rank's rows of the step after the deal (its heaviest first)."""
+        shares = gather_objects(rows, self.info.data_group)
+        flat = [row for share in shares for row in share]
+        counts = [len(share) for share in shares]
+        costs = [self.cost(row) for row in flat]
+        drawn, dealt = drawn_rows(counts), deal_rows(costs, counts)
+        self.drawn_imbalance = imbalance_of(costs, drawn)
+        if imbalance_of(costs, dealt) >= self.drawn_imbalance:  # LPT is a heuristic: never worse than as drawn
+            dealt = drawn
+        return [flat[i] for i in dealt[self.info.data_rank]]
+
+
 class StepInputs:
     """This rank's micro-batches of each optimizer step (see the module docstring)."""
 
-    def __init__(self, data: DataSource, cfg: RunConfig, info: DistInfo, vocab_size: int) -> None:
+    def __init__(self, data: DataSource, cfg: RunConfig, info: DistInfo, vocab_size: int,
+                 cost: Callable[[list], float] | None = None) -> None:
         self.data = data
         self.cfg = cfg
         self.info = info
@@ -44,18 +83,22 @@ class StepInputs:
         # context rank's column agrees alike, on the same streams).
         self.rows = StepRows(data.rows, info.data_world, cfg.train.rows_per_step, cfg.data.epoch_lockstep,
                              lambda values: dist_sum(values, info.device, info.data_group))
+        self.dealer = RowDealer(cost, info) if cfg.data.balance == "rows" and info.data_world > 1 else None
+        """data.balance=rows over several data ranks (`cost`: a row's modeled work); None: each rank its own rows."""
 
     def next(self, prefetch_next: bool) -> tuple[list, list[Batch], float]:
         """(this step's rows, its micro-batches, seconds spent waiting for them). Collective (the lockstep
         all-reduces). prefetch_next: start drawing the next step's rows in the background (data.prefetch)."""
         t0 = time.perf_counter()
         rows = self.rows.take(self.rows_per_rank)
+        if self.dealer is not None:  # other rows than drawn: laid out below, never in the background
+            rows = self.dealer.deal(rows)
         prefetcher = self.data.rows if isinstance(self.data.rows, RowPrefetcher) else None
         mbs = prefetcher.prepared(rows) if prefetcher else None  # laid out in the background with the rows
         if mbs is None:
             mbs = self.lay_out(rows)
-        if prefetcher and prefetch_next:
-            prefetcher.prefetch(self.rows_per_rank, self.lay_out)  # drawn while this step computes
+        if prefetcher and prefetch_next:  # drawn while this step computes
+            prefetcher.prefetch(self.rows_per_rank, self.lay_out if self.dealer is None else None)
         return rows, mbs, time.perf_counter() - t0
 
     def lay_out(self, rows: list) -> list[Batch]:

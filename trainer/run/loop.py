@@ -40,6 +40,7 @@ from trainer.data.feed import (
     interrupt_reads,
     load_eval_docs,
 )
+from trainer.distributed.context import imbalance
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError, NonFiniteError
@@ -111,9 +112,10 @@ class Trainer:
         self.init_record = self._init_from(model) if self.resume_path is None else None
         if not meta:
             model = model.to(info.device)
-        self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size)
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
+        self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size,
+                                 cost=lambda row: self.flops.model_flops(len(doc) for doc in row))
         optimizer = build_optimizer(model, cfg.optim, info.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
@@ -407,10 +409,17 @@ class Trainer:
     def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
         """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
         Collective: one all-reduce of two numbers, on logged steps only."""
-        model_flops, hardware_flops = dist_sum(  # over the data group: each row once
-            list(self.flops.step_flops(rows, mbs)), self.info.device, self.info.data_group)
+        model_flops, hardware_flops = self.flops.step_flops(rows, mbs)
+        per_rank = [0.0] * self.info.data_world  # each data rank's modeled work, for dp_imbalance
+        per_rank[self.info.data_rank] = model_flops
+        model_flops, hardware_flops, *per_rank = dist_sum(  # over the data group: each row once
+            [model_flops, hardware_flops, *per_rank], self.info.device, self.info.data_group)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         out = flop_metrics(model_flops, hardware_flops, step_time, peak)
+        if self.info.data_world > 1:
+            out["dp_imbalance"] = imbalance(per_rank)
+        if self.inputs.dealer is not None:
+            out["dp_imbalance_drawn"] = self.inputs.dealer.drawn_imbalance
         if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)
             out["cp_imbalance"] = self.flops.context_imbalance(mbs, self.info.context_size, self.info.context.split)
         return out
