@@ -3,6 +3,7 @@ ranks draw them vs dealt by trainer.data.deal, on a real length mix, at several 
 
     .venv/bin/python bench/deal.py                                   # bench/lengths/mix.txt.gz, T = 1024 8192 32768
     .venv/bin/python bench/deal.py --ranks 8 --rows-per-rank 4 --steps 400 --lengths bench/lengths/docstrings.txt.gz
+    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --measure     # + 2 real gloo ranks at T = 8192 on the CPU
 
 The documents (their lengths, in the file's order, split into chunks of at most T as packing.long_docs=split does)
 are packed by the trainer's online packer (OnlinePacker, packing.buffer_size 1000) into rows of T; consecutive rows
@@ -10,6 +11,12 @@ form the steps, rank r drawing rows r*k .. r*k+k-1 of each step (k = --rows-per-
 trainer deals by: its model FLOPs (trainer.run.flops.FlopModel.model_flops, gpt2-124m: 6 N per token + 6 n_layer
 d s^2 per document). Per T: the mean, median and p95 over steps of max / mean - 1 of the ranks' work, as drawn and
 as dealt (deal_rows, or the drawn split when LPT is not better, as trainer.run.inputs.RowDealer does).
+
+--measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256, per-document
+SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the same steps of rows at
+--measure-seq-len, each step drawn and then dealt (so both see the same machine state): each rank times its forward + backward of its
+rows (its compute), then waits at a barrier (the faster rank's wait: what a gradient all-reduce would cost it).
+Per arm: the mean step compute of the slower rank, the mean wait of the faster one, and the modeled imbalance.
 """
 
 from __future__ import annotations
@@ -59,6 +66,74 @@ def step_imbalances(rows: list[list[int]], ranks: int, per_rank: int) -> tuple[n
     return np.array(drawn), np.array(dealt)
 
 
+def _measure_rank(rank: int, world: int, port: int, steps: list, seq_len: int, out: str) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.data.batch import collate_rows
+    from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=512, n_layer=4, n_head=4, n_embd=256, max_seq_len=seq_len),
+                        AttentionConfig(backend="sdpa_docs"))
+    rng = np.random.default_rng(rank)
+    times = {"drawn": [], "dealt": []}
+    for s, (costs, rows) in enumerate(steps):
+        arm = "drawn" if s % 2 == 0 else "dealt"
+        counts = [len(rows) // world] * world
+        deal = drawn_rows(counts) if arm == "drawn" else deal_rows(costs, counts)
+        mine = [[Document(key=f"{i}.{j}", tokens=rng.integers(0, 512, n)) for j, n in enumerate(rows[i])]
+                for i in deal[rank]]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for row in mine:  # one row a micro-batch
+            batch = collate_rows([row], seq_len, pad_id=0, layout="packed")
+            model(**model_inputs(batch)).loss_sum.backward()
+        t1 = time.perf_counter()
+        dist.barrier()  # the faster rank waits here for the slower
+        times[arm].append((t1 - t0, time.perf_counter() - t1, imbalance_of(costs, deal)))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+MEASURED = FlopModel(matmul_params=4 * 12 * 256 * 256 + 512 * 256, n_layer=4, n_embd=256, kernel="sdpa_docs")
+"""The measured runs' GPT (4 layers, width 256, vocabulary 512): the deal there models its own FLOPs, as a run's does."""
+
+
+def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) -> None:
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = 2
+    rows = rows_of(lengths, seq_len, steps * world * rows_per_rank)
+    plan = [([MEASURED.model_flops(r) for r in rows[s * world * rows_per_rank:(s + 1) * world * rows_per_rank]],
+             rows[s * world * rows_per_rank:(s + 1) * world * rows_per_rank]) for s in range(steps)]
+    plan = [p for p in plan for _ in range(2)]  # each step twice: drawn, then dealt
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_measure_rank, args=(world, port, plan, seq_len, out), nprocs=world)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    print(f"measured: 2 gloo ranks, T = {seq_len}, {rows_per_rank} rows a rank, {steps} steps each arm, GPT 4 x 256 "
+          "(sdpa_docs), forward + backward on the CPU")
+    print(f"{'arm':>6} | {'modeled imbalance':>17} | {'slower compute s':>16} | {'faster rank waits s':>19} | wait share")
+    for arm in ("drawn", "dealt"):
+        per_step = list(zip(*(r[arm] for r in ranks), strict=True))
+        slow = np.mean([max(a[0], b[0]) for a, b in per_step])
+        wait = np.mean([(a[1] if a[0] < b[0] else b[1]) for a, b in per_step])
+        modeled = np.mean([a[2] for a, _ in per_step])
+        print(f"{arm:>6} | {modeled:>16.2%} | {slow:>16.3f} | {wait:>19.3f} | {wait / slow:>9.1%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=Path, default=Path(__file__).parent / "lengths" / "mix.txt.gz")
@@ -66,6 +141,10 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--rows-per-rank", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--measure", action="store_true", help="also time 2 real gloo ranks (see the docstring)")
+    p.add_argument("--measure-seq-len", type=int, default=8192)
+    p.add_argument("--measure-steps", type=int, default=8)
+    p.add_argument("--measure-rows-per-rank", type=int, default=4)
     args = p.parse_args()
     lengths = read_lengths(args.lengths)
     print(f"{args.lengths.name}: {len(lengths):,} documents; {args.ranks} ranks x {args.rows_per_rank} rows a step; "
@@ -80,6 +159,8 @@ def main() -> None:
         print(f"{seq_len:>6} {len(drawn):>6} | {drawn.mean():>9.2%} {np.median(drawn):>7.2%} "
               f"{np.percentile(drawn, 95):>7.2%} | {dealt.mean():>9.2%} {np.median(dealt):>7.2%} "
               f"{np.percentile(dealt, 95):>7.2%} | {ms:.2f}")
+    if args.measure:
+        measure(lengths, args.measure_seq_len, args.measure_steps, args.measure_rows_per_rank)
 
 
 if __name__ == "__main__":
