@@ -4,6 +4,7 @@ ranks draw them vs dealt by trainer.data.deal, on a real length mix, at several 
     .venv/bin/python bench/deal.py                                   # bench/lengths/mix.txt.gz, T = 1024 8192 32768
     .venv/bin/python bench/deal.py --ranks 8 --rows-per-rank 4 --steps 400 --lengths bench/lengths/docstrings.txt.gz
     OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --measure     # + 2 real gloo ranks at T = 8192 on the CPU
+    .venv/bin/python bench/deal.py --seq-lens 32768 --cp 4          # + context parallelism: documents kept whole
 
 The documents (their lengths, in the file's order, split into chunks of at most T as packing.long_docs=split does)
 are packed by the trainer's online packer (OnlinePacker, packing.buffer_size 1000) into rows of T; consecutive rows
@@ -11,6 +12,11 @@ form the steps, rank r drawing rows r*k .. r*k+k-1 of each step (k = --rows-per-
 trainer deals by: its model FLOPs (trainer.run.flops.FlopModel.model_flops, gpt2-124m: 6 N per token + 6 n_layer
 d s^2 per document). Per T: the mean, median and p95 over steps of max / mean - 1 of the ranks' work, as drawn and
 as dealt (deal_rows, or the drawn split when LPT is not better, as trainer.run.inputs.RowDealer does).
+
+--cp N: the same rows over a context-parallel group of N (distributed.context_parallel_split): per split, the
+positions whose keys and values a rank receives per layer (ContextShard.received_rows, allgather: every split but
+`documents` all-gathers whole rows) relative to the whole rows', and the mean attention-work imbalance over the group
+(rank_pairs: max / mean - 1), one row a micro-batch.
 
 --measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256, per-document
 SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the same steps of rows at
@@ -134,6 +140,25 @@ def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) ->
         print(f"{arm:>6} | {modeled:>16.2%} | {slow:>16.3f} | {wait:>19.3f} | {wait / slow:>9.1%}")
 
 
+def context_parallel(rows: list[list[int]], seq_len: int, size: int) -> None:
+    import torch
+
+    from trainer.distributed.context import ContextGroup, ContextShard, imbalance, rank_pairs
+
+    print(f"context parallelism: CP = {size}, T = {seq_len}, {len(rows)} rows, one a micro-batch")
+    print(f"{'split':>10} | {'K/V rows received / whole rows':>30} | {'attention imbalance (mean)':>26}")
+    for split in ("balanced", "zigzag", "documents"):
+        received, whole, imbalances = 0, 0, []
+        for row in rows:
+            cu = np.concatenate([[0], np.cumsum(row), [seq_len]]) if sum(row) < seq_len else \
+                np.concatenate([[0], np.cumsum(row)])
+            shard = ContextShard(ContextGroup(None, size, 0, "allgather", split), torch.as_tensor(cu), 1, seq_len)
+            received += shard.received_rows()
+            whole += (size - 1) * seq_len // size
+            imbalances.append(imbalance(rank_pairs(cu, 1, seq_len, size, split)))
+        print(f"{split:>10} | {received / whole:>30.1%} | {np.mean(imbalances):>26.2%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=Path, default=Path(__file__).parent / "lengths" / "mix.txt.gz")
@@ -142,6 +167,7 @@ def main() -> None:
     p.add_argument("--rows-per-rank", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--measure", action="store_true", help="also time 2 real gloo ranks (see the docstring)")
+    p.add_argument("--cp", type=int, default=0, help="also the keys and values a CP group of this size exchanges")
     p.add_argument("--measure-seq-len", type=int, default=8192)
     p.add_argument("--measure-steps", type=int, default=8)
     p.add_argument("--measure-rows-per-rank", type=int, default=4)
@@ -159,6 +185,9 @@ def main() -> None:
         print(f"{seq_len:>6} {len(drawn):>6} | {drawn.mean():>9.2%} {np.median(drawn):>7.2%} "
               f"{np.percentile(drawn, 95):>7.2%} | {dealt.mean():>9.2%} {np.median(dealt):>7.2%} "
               f"{np.percentile(dealt, 95):>7.2%} | {ms:.2f}")
+    if args.cp:
+        for seq_len in args.seq_lens:
+            context_parallel(rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank), seq_len, args.cp)
     if args.measure:
         measure(lengths, args.measure_seq_len, args.measure_steps, args.measure_rows_per_rank)
 

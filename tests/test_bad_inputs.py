@@ -216,7 +216,7 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("distributed.tensor_parallel", ("distributed=deepspeed_zero2", "distributed.tensor_parallel=2"),
      r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole model"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
-     r"distributed.context_parallel_split must be one of \('balanced', 'zigzag'\), got 'random'"),
+     r"distributed.context_parallel_split must be one of \('balanced', 'zigzag', 'documents'\), got 'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),
      r"ulysses splits the heads over the group: model.n_head \(4\) must be a multiple of"),
     ("distributed.context_parallel", ("distributed.context_parallel=2", "attention=flex"),

@@ -246,6 +246,9 @@ METRIC_KEYS: dict[str, str] = {
     "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention pairs of its "
                     "queries, under distributed.context_parallel_split) of the ranks of rank 0's group on its "
                     "micro-batches of the step; 0 = even (logged steps)",
+    "cp_kv_bytes": "context parallelism only: bytes of keys and values this rank received in the step (forward "
+                   "all-gathers, and their gradients' reduce-scatters back, every layer; its tensor rank's heads): "
+                   "distributed.context_parallel_split=documents exchanges only split documents' (logged steps)",
     "dp_imbalance": "several data ranks only: max / mean - 1 of the modeled work (the model FLOPs of each data rank's "
                     "rows: 6 N per token + each document's attention pairs) over the data ranks; 0 = even; with "
                     "data.balance=rows after the deal (logged steps)",

@@ -10,6 +10,8 @@ softmax attention with an explicit causal mask, cross entropy of each next token
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -124,12 +126,16 @@ CASES = [  # (world, CP size, strategy, layout, pos_emb, split)
     (2, 2, "ulysses", "bucketed", "learned", "zigzag"),
     (2, 2, "allgather", "packed", "llama", "balanced"),
     (4, 4, "ulysses", "packed", "llama", "zigzag"),
+    (2, 2, "allgather", "packed", "learned", "documents"),  # issue 55: short documents whole
+    (4, 4, "allgather", "packed", "rope", "documents"),
+    (4, 2, "allgather", "packed", "learned", "documents"),  # DP 2 x CP 2
+    (2, 2, "ulysses", "packed", "llama", "documents"),
 ]
 
 
-PLAIN = [("allgather", "zigzag"), ("ulysses", "zigzag")]
+PLAIN = [("allgather", "zigzag"), ("ulysses", "zigzag"), ("allgather", "documents")]
 """(strategy, split) of the comparisons with the plain-PyTorch reference (packed, learned positions, CP = 2)."""
-PROBES = [("allgather", "balanced"), ("ulysses", "zigzag")]
+PROBES = [("allgather", "balanced"), ("ulysses", "zigzag"), ("allgather", "documents")]
 """(strategy, split) of the leakage probe."""
 
 
@@ -137,7 +143,7 @@ def _all_runs(rank, world, cases, plain, probes):
     """Every run of one world size in one spawn (a spawn costs seconds; each run makes its own groups)."""
     out = {("case", c): _cp_rank(rank, world, *c[1:5], True, "sdpa_docs", None, c[5]) for c in cases}
     for strategy, split in plain:
-        out[("plain", strategy)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs", None, split)
+        out[("plain", strategy, split)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs", None, split)
     for strategy, split in probes:
         for isolate in (True, False):
             for change in (None, (0, 3)):
@@ -181,9 +187,9 @@ def test_the_cp1_model_equals_the_plain_pytorch_reference():
         torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("strategy", [strategy for strategy, _ in PLAIN])
-def test_cp_equals_the_plain_pytorch_reference(cp_runs, strategy):
-    loss, count, g, _, _ = cp_runs[2][0][("plain", strategy)]
+@pytest.mark.parametrize("strategy, split", PLAIN)
+def test_cp_equals_the_plain_pytorch_reference(cp_runs, strategy, split):
+    loss, count, g, _, _ = cp_runs[2][0][("plain", strategy, split)]
     ref_model = model()
     ref = reference_loss(ref_model, make_batch())
     ref.backward()
@@ -348,3 +354,29 @@ def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_l
     contiguous = [query_pairs(one, np.arange(0, 32)), query_pairs(one, np.arange(32, 64))]
     assert contiguous[1] / contiguous[0] == pytest.approx((32 * 33 / 2 + 32 * 32) / (32 * 33 / 2))
     assert imbalance([10.0, 12.0]) == pytest.approx(12 / 11 - 1)
+
+
+def test_the_documents_split_keeps_short_documents_whole_and_exchanges_only_split_ones():
+    """distributed.context_parallel_split=documents (issue 55): every position once, as many per rank; a document
+    longer than a rank's share (16) zigzagged over every rank, the short ones whole but for the few split to fill a
+    rank's last room; and each rank receives only the split documents' keys and values: on 16 rows of 64 positions
+    holding one document of 20 and short ones, CP = 4, under half of what the all-gather of whole rows moves."""
+    from trainer.distributed.context import ContextShard, document_positions
+
+    assert document_positions(np.array([0, 3, 6, 7, 8]), 8, 2).tolist() == [[0, 1, 2, 6], [3, 4, 5, 7]]
+    assert document_positions(np.array([0, 8]), 8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]  # zigzag's
+    lengths = [[20, 5, 6, 3, 4, 6, 8, 7, 5], [7, 20, 2, 9, 3, 8, 8, 1, 6]] * 8
+    cu = np.concatenate([[0], np.cumsum([n for row in lengths for n in row])])
+    size, seq_len = 4, 64
+    shards = {split: ContextShard(ContextGroup(None, size, 0, "allgather", split), torch.as_tensor(cu), 16, seq_len)
+              for split in ("balanced", "documents")}
+    positions = shards["documents"].positions
+    for b, row in enumerate(lengths):
+        assert sorted(positions[:, b].reshape(-1).tolist()) == list(range(seq_len))
+        starts = np.concatenate([[0], np.cumsum(row)])
+        holders = [len({r for r in range(size) if np.isin(np.arange(s, e), positions[r, b]).any()})
+                   for s, e in itertools.pairwise(starts)]
+        assert [h for h, n in zip(holders, row, strict=True) if n > 16] == [size]  # the long one over every rank
+        assert sum(h > 1 for h, n in zip(holders, row, strict=True) if n <= 16) <= size - 1, holders
+    ratio = shards["documents"].received_rows() / shards["balanced"].received_rows()
+    assert ratio <= 0.5, ratio

@@ -76,6 +76,10 @@ class RowShare(Protocol):
         """The model's forward kwargs of the whole rows (trainer.model.model_inputs) -> this rank's."""
         ...
 
+    def received_rows(self) -> int:
+        """Positions whose keys and values this rank receives from the others, per layer (the cp_kv_bytes metric)."""
+        ...
+
 
 @dataclass
 class Batch:

@@ -10,7 +10,7 @@ ENGINES = ("ddp", "deepspeed", "fsdp2")
 BACKENDS = ("auto", "nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
 CP_STRATEGIES = ("allgather", "ulysses")
-CP_SPLITS = ("balanced", "zigzag")
+CP_SPLITS = ("balanced", "zigzag", "documents")
 ALLGATHER_KERNELS = ("flash", "sdpa_docs", "dense")
 """The attention kernels the allgather strategy runs: they take separate query and key lengths (bottom-right
 causal)."""
@@ -48,7 +48,9 @@ class DistributedConfig:
     context_parallel_split: str = "balanced"
     """How each row's positions are dealt to the group: 'balanced' (8N chunks dealt by attention work, row by row:
     even work on rows packed with many documents) or 'zigzag' (chunks r and 2N - 1 - r of 2N: even for one long
-    document per row). Both give each rank as many positions; trainer.distributed.context.row_positions."""
+    document per row) or 'documents' (a document no longer than a rank's share stays whole on one rank, dealt by its
+    work; only longer ones are split, zigzag: under allgather only the split documents' keys and values cross the
+    group). Each gives each rank as many positions; trainer.distributed.context.row_positions."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

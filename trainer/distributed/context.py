@@ -64,8 +64,9 @@ BALANCED_CHUNKS = 8
 
 
 def split_chunks(split: str, size: int) -> int:
-    """Chunks a row is cut into: 2N (zigzag) or BALANCED_CHUNKS x N (balanced)."""
-    return 2 * size if split == "zigzag" else BALANCED_CHUNKS * size
+    """What a row's length must be a multiple of: 2N chunks (zigzag), BALANCED_CHUNKS x N (balanced), or N equal
+    shares (documents: cut at any position)."""
+    return {"zigzag": 2 * size, "documents": size}.get(split, BALANCED_CHUNKS * size)
 
 
 def row_positions(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, split: str = "zigzag") -> np.ndarray:
@@ -83,6 +84,9 @@ def row_positions(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, s
         raise ValueError(f"a row of {seq_len} positions cannot be cut into {chunks} equal chunks ({split} split over "
                          f"{size} ranks)")
     width = seq_len // chunks
+    if split == "documents":
+        return np.stack([document_positions(cu_seqlens[(cu_seqlens >= b * seq_len) & (cu_seqlens <= (b + 1) * seq_len)]
+                                            - b * seq_len, seq_len, size) for b in range(batch)], axis=1)
     if split == "zigzag":
         one = np.stack([zigzag_positions(seq_len, size, r) for r in range(size)])
         return np.broadcast_to(one[:, None, :], (size, batch, seq_len // size)).copy()
@@ -101,6 +105,54 @@ def row_positions(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, s
         for r in range(size):
             out[r, b] = np.concatenate([np.arange(c * width, (c + 1) * width) for c in sorted(owned[r])])
     return out
+
+
+WHOLE_SLACK = 0.05
+"""The `documents` split keeps a document whole on one rank only if that rank's attention work stays within this
+fraction above the group's mean; a dearer one is zigzagged over every rank instead (its work even)."""
+
+
+def document_positions(cu_row: np.ndarray, seq_len: int, size: int) -> np.ndarray:
+    """(size, seq_len / size): the positions of one row (its segments' boundaries `cu_row`, from 0 to seq_len) each
+    rank holds under the `documents` split. Segments go dearest first (length); one stays whole on the rank with the
+    least attention work that has room for it, if that rank's work then stays within WHOLE_SLACK of the group's
+    mean (the row's pairs over the ranks); else (longer than a rank's share, or too dear) it is cut into 2N nearly
+    equal pieces, rank r taking pieces r and 2N - 1 - r (zigzag: its work even). Where the rooms left do not take a
+    segment that way, it fills them, largest first. Only split segments' keys and values cross the group.
+
+    Example: segments [3, 3, 1, 1] over 2 ranks of 4 positions -> [0 1 2 6] and [3 4 5 7] (each 3-token document
+    whole on its own rank); one segment of 8 -> zigzag's [0 1 6 7] and [2 3 4 5]."""
+    share = seq_len // size
+    segments = sorted(itertools.pairwise(cu_row.tolist()), key=lambda se: (-(se[1] - se[0]), se[0]))
+    limit = (1 + WHOLE_SLACK) * sum((e - s) * (e - s + 1) / 2 for s, e in segments) / size
+    owned: list[list[np.ndarray]] = [[] for _ in range(size)]
+    room, work = np.full(size, share), np.zeros(size)
+
+    def give(r: int, positions: np.ndarray, start: int) -> None:
+        owned[r].append(positions)
+        room[r] -= len(positions)
+        work[r] += float((positions - start + 1).sum())
+
+    for s, e in segments:
+        n = e - s
+        fits = [r for r in range(size) if room[r] >= n]
+        r = min(fits, key=lambda r: (work[r], r)) if fits else None
+        if r is not None and work[r] + n * (n + 1) / 2 <= limit:
+            give(r, np.arange(s, e), s)
+            continue
+        pieces = np.array_split(np.arange(s, e), 2 * size)
+        shares = [np.concatenate([pieces[r], pieces[2 * size - 1 - r]]) for r in range(size)]
+        if all(room[r] >= len(shares[r]) for r in range(size)):
+            for r in range(size):
+                give(r, shares[r], s)
+            continue
+        start = s  # the rooms left, largest first
+        for r in sorted(range(size), key=lambda r: (-room[r], r)):
+            take = int(min(room[r], e - start))
+            if take:
+                give(r, np.arange(start, start + take), s)
+                start += take
+    return np.stack([np.sort(np.concatenate(parts)) for parts in owned])
 
 
 def query_pairs(cu_seqlens: np.ndarray, positions: np.ndarray) -> float:
@@ -177,6 +229,9 @@ class RowPlan:
             self.shard.segments()
         else:
             self.shard.pieces()
+
+    def received_rows(self) -> int:
+        return self.shard.received_rows()
 
     def cut(self, inputs: dict) -> dict:
         """The model's forward kwargs of the whole micro-batch (trainer.model.model_inputs) -> this rank's share,
@@ -264,10 +319,55 @@ class ContextShard:
         return self._cache["order"]
 
     def _whole(self, local_NHD: torch.Tensor) -> torch.Tensor:
-        """All-gather a local (N_loc, H, D) tensor into the whole rows' flat order, differentiably."""
+        """All-gather a local (N_loc, H, D) tensor into the whole rows' flat order, differentiably. Under the
+        `documents` split only the positions of split documents cross the group (`exchange`): the others' rows of
+        the result are zeros, which no local query attends to (their documents are on other ranks)."""
+        if self.cp.split == "documents":
+            return self._whole_documents(local_NHD)
         self.gathered_order()
         gathered = _AllGather.apply(local_NHD.contiguous(), self.cp.group)
         return gathered.index_select(0, self._cache["inverse"].to(local_NHD.device))
+
+    def exchange(self) -> dict:
+        """The `documents` split's exchange: the positions of segments held by several ranks (split documents) are
+        the only ones other ranks attend to. `send`: indices into this rank's local positions of its such positions;
+        `width`: the most any rank sends (each sends that many rows, padded, so the all-gather is even); `recv_pos`
+        / `recv_rows`: the flat positions of the other ranks' sent rows and their rows in the gathered tensor."""
+        if "exchange" in self._cache:
+            return self._cache["exchange"]
+        flats = [flat_index(self.positions[r], self.seq_len) for r in range(self.cp.size)]
+        segs = [np.searchsorted(self.cu[1:], f, side="right") for f in flats]
+        holders = np.zeros(len(self.cu) - 1, dtype=np.int64)
+        for s in segs:
+            holders[np.unique(s)] += 1
+        sent = [np.flatnonzero(holders[s] > 1) for s in segs]
+        width = max(len(x) for x in sent)
+        others = [r for r in range(self.cp.size) if r != self.cp.rank]
+        recv_pos = np.concatenate([flats[r][sent[r]] for r in others] + [np.zeros(0, np.int64)])
+        recv_rows = np.concatenate([r * width + np.arange(len(sent[r])) for r in others] + [np.zeros(0, np.int64)])
+        out = {"send": torch.as_tensor(sent[self.cp.rank]), "width": width, "own": torch.as_tensor(self.local),
+               "recv_pos": torch.as_tensor(recv_pos), "recv_rows": torch.as_tensor(recv_rows)}
+        self._cache["exchange"] = out
+        return out
+
+    def received_rows(self) -> int:
+        """Rows of each exchanged tensor (K, V; their gradients the same back) this rank receives per layer: the
+        other ranks' rows of the all-gather (`documents`: only their split documents' positions, padded)."""
+        if self.cp.split == "documents" and self.cp.strategy == "allgather":
+            return (self.cp.size - 1) * self.exchange()["width"]
+        return (self.cp.size - 1) * self.num_tokens // self.cp.size
+
+    def _whole_documents(self, local_NHD: torch.Tensor) -> torch.Tensor:
+        ex = self.exchange()
+        device = local_NHD.device
+        whole = local_NHD.new_zeros((self.num_tokens, *local_NHD.shape[1:]))
+        whole = whole.index_copy(0, ex["own"].to(device), local_NHD)
+        if ex["width"] == 0:  # no document is split: nothing crosses the group (every rank knows it)
+            return whole
+        send = local_NHD.index_select(0, ex["send"].to(device))
+        send = F.pad(send, (0, 0, 0, 0, 0, ex["width"] - send.shape[0]))
+        gathered = _AllGather.apply(send.contiguous(), self.cp.group)
+        return whole.index_copy(0, ex["recv_pos"].to(device), gathered.index_select(0, ex["recv_rows"].to(device)))
 
     def allgather_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
         k_all, v_all = self._whole(k), self._whole(v)

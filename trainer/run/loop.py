@@ -114,6 +114,10 @@ class Trainer:
             model = model.to(info.device)
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
+        self.kv_row_bytes = (2 * 2 * model.cfg.n_layer * model.cfg.kv_heads * model.cfg.head_dim // info.tensor_size
+                             * (2 if self.dtype == "bf16" else 4))
+        """Bytes one position's keys and values cost to exchange under context parallelism: K and V, all-gathered
+        forward and their gradients reduce-scattered backward, in every layer (this rank's heads)."""
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size,
                                  cost=lambda row: self.flops.model_flops(len(doc) for doc in row))
         optimizer = build_optimizer(model, cfg.optim, info.device)
@@ -422,6 +426,7 @@ class Trainer:
             out["dp_imbalance_drawn"] = self.inputs.dealer.drawn_imbalance
         if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)
             out["cp_imbalance"] = self.flops.context_imbalance(mbs, self.info.context_size, self.info.context.split)
+            out["cp_kv_bytes"] = self.kv_row_bytes * sum(mb.plan.received_rows() for mb in mbs)
         return out
 
     preemption: PreemptionHandler
