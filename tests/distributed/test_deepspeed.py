@@ -75,11 +75,17 @@ def build_engine(name: str, info: DistInfo, optimizer: str, num_steps: int, seed
     return parallelize(model, opt, sched, info, ENGINES[name], grad_clip=clip, dtype="fp32")
 
 
-def run_steps(engine, info: DistInfo, shares) -> list[dict]:
-    """One optimizer step per logical batch; `shares[step][rank]` are this rank's documents."""
+def run_steps(engine, info: DistInfo, shares, balance: bool = False) -> list[dict]:
+    """One optimizer step per logical batch; `shares[step][rank]` are this rank's documents (with `balance`, the
+    step's rows dealt over the ranks by modeled work: data.balance=rows)."""
+    from trainer.run.inputs import RowDealer
+
+    dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
     out = []
     for step_docs in shares:
         rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(step_docs[info.rank]))
+        if dealer is not None:
+            rows = dealer.deal(rows)
         mbs = micro_batches(rows, PackingConfig(layout="packed"), SEQ_LEN, SEQ_LEN, PAD)  # one row each
         lr = engine.lr()
         stats = train_step(engine, mbs, info, PAD)
@@ -143,6 +149,9 @@ def scenarios(rank: int, world_size: int, steps, root: str) -> dict:
     except NonFiniteError as e:
         out["nan"] = str(e)
     out["nan_params"] = full_params(engine)
+    engine = build_engine("zero2", info, "sgd", len(steps))  # issue 55: the rows dealt by work under ZeRO-2
+    out[("sgd_balanced", "zero2")] = {"steps": run_steps(engine, info, split(steps, UNEVEN), balance=True),
+                                      "params": full_params(engine)}
     engine = build_engine("ddp", info, "adamw", len(steps))  # AdamW reference, uninterrupted
     out[("adamw", "ddp")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": full_params(engine)}
     for name in ENGINES:
@@ -170,6 +179,18 @@ def test_zero_ends_with_the_same_parameters_as_ddp(results, stage):
         np.testing.assert_allclose([s["loss"] for s in zero["steps"]], [s["loss"] for s in ddp["steps"]], rtol=1e-6)
         np.testing.assert_allclose([s["grad_norm"] for s in zero["steps"]], [s["grad_norm"] for s in ddp["steps"]],
                                    rtol=1e-5)
+
+
+def test_zero2_with_rows_dealt_by_work_ends_as_ddp_on_the_rows_as_drawn(results):
+    """data.balance=rows under ZeRO-2 (issue 55): the same losses, gradient norms and parameters as DDP without
+    the deal (and so as one rank: tests/run/test_step.py), the micro-batch counts as drawn."""
+    for r in results:
+        ddp, dealt = r[("sgd", "ddp")], r[("sgd_balanced", "zero2")]
+        assert_same_params(dealt["params"], ddp["params"])
+        np.testing.assert_allclose([s["loss"] for s in dealt["steps"]], [s["loss"] for s in ddp["steps"]], rtol=1e-6)
+        np.testing.assert_allclose([s["grad_norm"] for s in dealt["steps"]], [s["grad_norm"] for s in ddp["steps"]],
+                                   rtol=1e-5)
+        assert [s["micro_batches"] for s in dealt["steps"]] == [s["micro_batches"] for s in ddp["steps"]]
 
 
 def test_a_nonfinite_loss_stops_before_deepspeeds_step_and_changes_nothing(results):

@@ -27,7 +27,7 @@ from trainer.run.step import train_step
 
 
 def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
-          normalization: str = "global_tokens", balance: bool = False) -> dict:
+          normalization: str = "global_tokens", balance: bool = False, engine: str = "ddp") -> dict:
     """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents (packed into rows,
     then, with `balance`, the step's rows dealt over the ranks by modeled work: trainer.run.inputs.RowDealer)."""
     torch.manual_seed(0)
@@ -35,7 +35,8 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
+    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu", engine=engine), grad_clip=0.0,
+                         dtype="fp32")
     cfg = PackingConfig(layout=layout)
     losses, counts, dealt = [], [], []
     dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
@@ -48,7 +49,8 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
         stats = train_step(engine, mbs, info, PAD, normalization)
         losses.append(stats.loss)
         counts.append(stats.valid_tokens)
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses,
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}  # FSDP2
+    return {"params": {k: v.detach().clone() for k, v in whole.items()}, "losses": losses,
             "valid": counts, "dealt": dealt}
 
 
@@ -75,6 +77,8 @@ def train_scenarios(rank: int, world_size: int, steps) -> dict:
     out = {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
                        else "global_tokens") for name, (fr, layout, mb) in SCENARIOS.items()}
     out["balanced"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True)
+    out["balanced_fsdp2"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True,
+                                  engine="fsdp2")
     return out
 
 
@@ -132,7 +136,7 @@ def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(st
     from tests.helpers import plain_document_loss
 
     ranks = [r["balanced"] for r in two_ranks]
-    for r in ranks:
+    for r in ranks + [r["balanced_fsdp2"] for r in two_ranks]:  # DDP and FSDP2
         np.testing.assert_allclose(r["losses"], one_rank["losses"], rtol=1e-6)
         assert r["valid"] == one_rank["valid"]
         assert_same_params(r["params"], one_rank["params"])
