@@ -277,8 +277,19 @@ def test_speed_up_and_time_to_reach_by_hand(tmp_path):
     assert table["p"]["valid tokens/s"] == "800"
     assert table["p"]["allocated tokens/s"] == "1,600"
     assert table["p"]["peak mem (GB)"] == "0.60"
+    assert table["p"]["work imbalance (data / context)"] == "— / —"  # one data rank, no context parallelism
     assert table["u"]["notes"] == "reference"
 
+
+def test_the_work_imbalance_column_is_the_mean_of_the_logged_steps(tmp_path):
+    """dp_imbalance and cp_imbalance (issue 55), averaged over the steps that logged them."""
+    run_dir = make_run(tmp_path, "b")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for i, m in enumerate(lines):
+        m.update(dp_imbalance=0.01 * i, **({"cp_imbalance": 0.5} if i == 0 else {}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    run = load_runs([run_dir])[0]
+    assert report_tables.work_imbalance(run) == "2.5% / 50.0%"  # mean of 0, 1, ..., 5 %
 
 def test_unpacked_match_prefers_the_closest_settings(tmp_path):
     runs = load_runs([

@@ -27,8 +27,18 @@ from trainer.reporting.verdicts import fmt_num, ratio, verdict
 TABLE_COLUMNS = [
     "run", "differs", "steps", "ranks", "final train loss", "final val loss", "max |Δ train loss|",
     "token utilization", "valid tokens/s", "allocated tokens/s", "speed-up vs unpacked",
-    "time to ref. loss", "peak mem (GB)", "notes",
+    "time to ref. loss", "peak mem (GB)", "work imbalance (data / context)", "notes",
 ]
+
+
+def work_imbalance(run: Run) -> str:
+    """The mean modeled work imbalance over the data ranks (dp_imbalance) and over a context group (cp_imbalance),
+    e.g. "3.2% / —"; "—" where the run has none (one data rank, no context parallelism)."""
+    means = []
+    for key in ("dp_imbalance", "cp_imbalance"):
+        values = list(series(run, key).values())
+        means.append(fmt_num(sum(values) / len(values), ".1%") if values else "—")
+    return " / ".join(means)
 
 
 def ranks(run: Run) -> str:
@@ -66,6 +76,7 @@ def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERAN
             f"{speed:.2f}x vs {match.name}" if speed is not None and match else "n/a",
             f"{reached[0]:.1f} s (step {reached[1]})" if reached else "n/a",
             fmt_num(peak_memory(run), ".2f"),
+            work_imbalance(run),
             "; ".join(notes),
         ])
     return rows
