@@ -42,10 +42,11 @@ def rows_for_rank(rows_per_step: int, info: DistInfo) -> int:
 
 
 class RowDealer:
-    """data.balance=rows: the rows every data rank drew for a step, gathered over the data group and dealt by
-    modeled work (trainer.data.deal.deal_rows; `cost(row)`: the row's model FLOPs, trainer.run.flops). Every rank
-    computes the same deal from the same rows (the ranks of a context or tensor group, which drew the same rows, too),
-    and keeps as many rows as it drew. Collective over the data group: one all-gather of the rows per step.
+    """data.balance=rows: the rows every data rank drew for a step, dealt over the data group by modeled work
+    (trainer.data.deal.deal_rows; `cost(row)`: the row's model FLOPs, trainer.run.flops). Every rank computes the
+    same deal from the same costs (the ranks of a context or tensor group, which drew the same rows, too), and keeps
+    as many rows as it drew. Collective over the data group: an all-gather of the rows' costs, then, if the deal
+    moves any, one of the rows that leave their rank (the rows that stay never cross the network).
 
     The data stream's state is what each rank read, not what it trained: a checkpoint holds each rank's read
     position, and a resume deals the same drawn rows the same way."""
@@ -56,16 +57,19 @@ class RowDealer:
         """The last step's modeled imbalance (max / mean - 1 over the data ranks) of the rows as drawn."""
 
     def deal(self, rows: list) -> list:
-        """This rank's rows of the step after the deal (its heaviest first)."""
-        shares = gather_objects(rows, self.info.data_group)
-        flat = [row for share in shares for row in share]
-        counts = [len(share) for share in shares]
-        costs = [self.cost(row) for row in flat]
+        """This rank's rows of the step after the deal (its heaviest first; as drawn if the deal is no better)."""
+        shares = gather_objects([self.cost(row) for row in rows], self.info.data_group)
+        counts, costs = [len(share) for share in shares], [c for share in shares for c in share]
         drawn, dealt = drawn_rows(counts), deal_rows(costs, counts)
         self.drawn_imbalance = imbalance_of(costs, drawn)
         if imbalance_of(costs, dealt) >= self.drawn_imbalance:  # LPT is a heuristic: never worse than as drawn
-            dealt = drawn
-        return [flat[i] for i in dealt[self.info.data_rank]]
+            return rows
+        rank = self.info.data_rank
+        mine = dict(zip(drawn[rank], rows, strict=True))  # {index in the step: row}
+        staying = set(dealt[rank])
+        for moved in gather_objects({i: row for i, row in mine.items() if i not in staying}, self.info.data_group):
+            mine.update(moved)
+        return [mine[i] for i in dealt[rank]]
 
 
 class StepInputs:
