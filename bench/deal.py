@@ -5,6 +5,7 @@ ranks draw them vs dealt by trainer.data.deal, on a real length mix, at several 
     .venv/bin/python bench/deal.py --ranks 8 --rows-per-rank 4 --steps 400 --lengths bench/lengths/docstrings.txt.gz
     OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --measure     # + 2 real gloo ranks at T = 8192 on the CPU
     .venv/bin/python bench/deal.py --seq-lens 32768 --cp 4          # + context parallelism: documents kept whole
+    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --seq-lens 1024 --metric-cost   # dp_imbalance's cost, on vs off
 
 The documents (their lengths, in the file's order, split into chunks of at most T as packing.long_docs=split does)
 are packed by the trainer's online packer (OnlinePacker, packing.buffer_size 1000) into rows of T; consecutive rows
@@ -17,6 +18,10 @@ as dealt (deal_rows, or the drawn split when LPT is not better, as trainer.run.i
 positions whose keys and values a rank receives per layer (ContextShard.received_rows, allgather: every split but
 `documents` all-gathers whole rows) relative to the whole rows', and the mean attention-work imbalance over the group
 (rank_pairs: max / mean - 1), one row a micro-batch.
+
+--metric-cost: what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's FLOPs
+all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and its max / mean taken,
+alternating, 2,000 of each; the median of each.
 
 --measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256, per-document
 SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the same steps of rows at
@@ -159,6 +164,52 @@ def context_parallel(rows: list[list[int]], seq_len: int, size: int) -> None:
         print(f"{split:>10} | {received / whole:>30.1%} | {np.mean(imbalances):>26.2%}")
 
 
+def _metric_cost_rank(rank: int, world: int, port: int, repeats: int, out: str) -> None:
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.distributed.context import imbalance
+    from trainer.distributed.groups import dist_sum
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device, times = torch.device("cpu"), {"off": [], "on": []}
+    for i in range(2 * repeats):
+        arm = "off" if (i + (i // 2)) % 2 == 0 else "on"  # off-on, on-off, ...: neither always first
+        t0 = time.perf_counter()
+        if arm == "off":
+            dist_sum([1.0, 2.0], device)
+        else:
+            per_rank = [0.0] * world
+            per_rank[rank] = 3.0
+            _, _, *per_rank = dist_sum([1.0, 2.0, *per_rank], device)
+            imbalance(per_rank)
+        times[arm].append(time.perf_counter() - t0)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def metric_cost(repeats: int = 2000) -> None:
+    import json
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_metric_cost_rank, args=(2, port, repeats, out), nprocs=2)
+        times = json.loads(Path(out, "rank0.json").read_text())
+    off, on = np.median(times["off"]) * 1e6, np.median(times["on"]) * 1e6
+    print(f"dp_imbalance on a logged step, 2 gloo ranks, median of {repeats}: FLOPs all-reduce alone {off:.1f} us, "
+          f"with the per-rank work and its imbalance {on:.1f} us: +{on - off:.1f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=Path, default=Path(__file__).parent / "lengths" / "mix.txt.gz")
@@ -167,6 +218,7 @@ def main() -> None:
     p.add_argument("--rows-per-rank", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--measure", action="store_true", help="also time 2 real gloo ranks (see the docstring)")
+    p.add_argument("--metric-cost", action="store_true", help="also time dp_imbalance on vs off (see the docstring)")
     p.add_argument("--cp", type=int, default=0, help="also the keys and values a CP group of this size exchanges")
     p.add_argument("--measure-seq-len", type=int, default=8192)
     p.add_argument("--measure-steps", type=int, default=8)
@@ -185,6 +237,8 @@ def main() -> None:
         print(f"{seq_len:>6} {len(drawn):>6} | {drawn.mean():>9.2%} {np.median(drawn):>7.2%} "
               f"{np.percentile(drawn, 95):>7.2%} | {dealt.mean():>9.2%} {np.median(dealt):>7.2%} "
               f"{np.percentile(dealt, 95):>7.2%} | {ms:.2f}")
+    if args.metric_cost:
+        metric_cost()
     if args.cp:
         for seq_len in args.seq_lens:
             context_parallel(rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank), seq_len, args.cp)
