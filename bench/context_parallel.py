@@ -37,7 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.distributed.context import imbalance, query_pairs, rank_pairs  # noqa: E402
+from trainer.data.deal import imbalance  # noqa: E402
+from trainer.distributed.context import query_pairs, rank_pairs  # noqa: E402
 
 LENGTHS = ROOT / "bench" / "lengths"
 

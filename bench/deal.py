@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.batch import Document
-from trainer.data.deal import deal_rows, drawn_rows, imbalance_of
+from trainer.data.deal import deal_rows, drawn_rows, imbalance, imbalance_of
 from trainer.data.packing import OnlinePacker
 from trainer.run.flops import FlopModel
 
@@ -148,7 +148,7 @@ def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) ->
 def context_parallel(rows: list[list[int]], seq_len: int, size: int) -> None:
     import torch
 
-    from trainer.distributed.context import ContextGroup, ContextShard, imbalance, rank_pairs
+    from trainer.distributed.context import ContextGroup, ContextShard, rank_pairs
 
     print(f"context parallelism: CP = {size}, T = {seq_len}, {len(rows)} rows, one a micro-batch")
     print(f"{'split':>10} | {'K/V rows received / whole rows':>30} | {'attention imbalance (mean)':>26}")
@@ -171,7 +171,6 @@ def _metric_cost_rank(rank: int, world: int, port: int, repeats: int, out: str) 
     import torch
     import torch.distributed as dist
 
-    from trainer.distributed.context import imbalance
     from trainer.distributed.groups import dist_sum
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -224,7 +224,8 @@ def test_no_logit_of_another_document_changes_on_any_rank(cp_runs, strategy, spl
 def test_the_balanced_split_deals_chunks_by_work_with_equal_positions_per_rank():
     """row_positions('balanced'): every rank as many positions, every position once, and on rows of many documents
     a smaller work imbalance than zigzag's (here the test's rows at N = 2 and 4, and one long document: even)."""
-    from trainer.distributed.context import imbalance, rank_pairs, row_positions
+    from trainer.data.deal import imbalance
+    from trainer.distributed.context import rank_pairs, row_positions
 
     batch = make_batch()
     cu = batch.cu_seqlens.numpy().astype(np.int64)
@@ -338,7 +339,8 @@ def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_l
     """rank_pairs against a count written here (each query at p of a document from s sees p - s + 1 keys); a row
     that is one document is split exactly evenly by zigzag, a contiguous split is not (rank 1 of 2 has 3x the
     pairs of rank 0)."""
-    from trainer.distributed.context import imbalance, query_pairs, rank_pairs
+    from trainer.data.deal import imbalance
+    from trainer.distributed.context import query_pairs, rank_pairs
 
     cu = np.array([0, 5, 6, 16])  # documents of 5, 1, 10 positions in one row of 16
     expected = []

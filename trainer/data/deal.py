@@ -46,9 +46,13 @@ def drawn_rows(counts: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def imbalance_of(costs: Sequence[float], dealt: Sequence[Sequence[int]]) -> float:
-    """max / mean - 1 of the ranks' work under `dealt`: 0.0 when even. Example: costs [9, 8, 1, 1], [[0, 3], [1, 2]]
-    -> work [10, 9] -> 10 / 9.5 - 1 = 0.0526."""
-    work = [sum(costs[i] for i in rows) for rows in dealt]
-    mean = sum(work) / len(work) if work else 0.0
+def imbalance(work: Sequence[float]) -> float:
+    """max / mean - 1 of the ranks' work: 0.0 when even. Example: [10, 12] -> 12 / 11 - 1 = 0.0909."""
+    mean = sum(work) / len(work) if len(work) else 0.0
     return max(work) / mean - 1 if mean > 0 else 0.0
+
+
+def imbalance_of(costs: Sequence[float], dealt: Sequence[Sequence[int]]) -> float:
+    """`imbalance` of the ranks' work under `dealt`. Example: costs [9, 8, 1, 1], [[0, 3], [1, 2]] -> work [10, 9]
+    -> 10 / 9.5 - 1 = 0.0526."""
+    return imbalance([sum(costs[i] for i in rows) for rows in dealt])

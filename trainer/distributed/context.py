@@ -169,12 +169,6 @@ def rank_pairs(cu_seqlens: np.ndarray, batch: int, seq_len: int, size: int, spli
     return [query_pairs(cu_seqlens, flat_index(positions[r], seq_len)) for r in range(size)]
 
 
-def imbalance(work: list[float]) -> float:
-    """max / mean - 1 of the ranks' work: 0.0 when even. Example: [10, 12] -> 12 / 11 - 1 = 0.0909."""
-    mean = sum(work) / len(work)
-    return max(work) / mean - 1 if mean > 0 else 0.0
-
-
 def flat_index(positions_BP: np.ndarray, seq_len: int) -> np.ndarray:
     """(B, P) positions of each row -> flat (row * seq_len + position) indices, row by row."""
     return (np.arange(positions_BP.shape[0])[:, None] * seq_len + positions_BP).reshape(-1)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.data.feed import Batch
-from trainer.distributed.context import imbalance, rank_pairs, split_chunks
+from trainer.data.feed import Batch, imbalance
+from trainer.distributed.context import rank_pairs, split_chunks
 from trainer.model import GPT, compute_dtype
 from trainer.model.attention import (
     FLEX_BLOCK_SIZE,

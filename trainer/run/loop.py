@@ -37,10 +37,10 @@ from trainer.data.feed import (
     ReadInterrupted,
     StepInterrupted,
     allow_reads,
+    imbalance,
     interrupt_reads,
     load_eval_docs,
 )
-from trainer.distributed.context import imbalance
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, broadcast_object, dist_sum
 from trainer.errors import ConfigError, NonFiniteError
