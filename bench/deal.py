@@ -19,7 +19,8 @@ positions whose keys and values a rank receives per layer (ContextShard.received
 `documents` all-gathers whole rows) relative to the whole rows', and the mean attention-work imbalance over the group
 (rank_pairs: max / mean - 1), one row a micro-batch.
 
---metric-cost: what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's FLOPs
+--metric-cost: what ComputeClock (dp_compute_imbalance, dp_wait_s) adds to every step's forward + backward, on vs
+off in one process; and what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's FLOPs
 all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and its max / mean taken,
 alternating, 2,000 of each; the median of each.
 
@@ -209,6 +210,49 @@ def metric_cost(repeats: int = 2000) -> None:
           f"with the per-rank work and its imbalance {on:.1f} us: +{on - off:.1f} us")
 
 
+def clock_cost(seq_len: int = 1024, repeats: int = 40) -> None:
+    """ComputeClock (dp_compute_imbalance, dp_wait_s) on vs off: one process, the measured runs' GPT, one packed row
+    a step; the clock's marks and its hook on the embedding around the forward + backward, arms interleaved."""
+    import torch
+
+    from trainer.data.batch import collate_rows
+    from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
+    from trainer.run.step import ComputeClock
+
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=512, n_layer=4, n_head=4, n_embd=256, max_seq_len=seq_len),
+                        AttentionConfig(backend="sdpa_docs"))
+    clock = ComputeClock(model, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    row = [Document(key=str(j), tokens=rng.integers(0, 512, seq_len // 4)) for j in range(4)]
+    inputs = model_inputs(collate_rows([row], seq_len, pad_id=0, layout="packed"))
+    times = {"off": [], "on": []}
+    for i in range(2 * repeats + 2):
+        arm = "off" if (i + (i // 2)) % 2 == 0 else "on"  # off-on, on-off, ...: pairs of neighbours
+        t0 = time.perf_counter()
+        if arm == "on":
+            clock.mark("start")
+            with clock.last_micro_batch():
+                model(**inputs).loss_sum.backward()
+            clock.read()
+        else:
+            model(**inputs).loss_sum.backward()
+        if i >= 2:  # the first two warm up
+            times[arm].append(time.perf_counter() - t0)
+    off, on = np.median(times["off"]), np.median(times["on"])
+    paired = np.median(np.array(times["on"]) - np.array(times["off"]))  # each on minus its neighbouring off
+    t0 = time.perf_counter()
+    for _ in range(1000):  # the clock's own work, without the model: the marks, the hook added and removed
+        clock.mark("start")
+        with clock.last_micro_batch():
+            pass
+        clock.read()
+    alone = (time.perf_counter() - t0) / 1000
+    print(f"ComputeClock on every step, 1 process, GPT 4 x 256, T = {seq_len}, median of {repeats}: forward + backward "
+          f"{off * 1e3:.2f} ms off, {on * 1e3:.2f} ms on; median paired difference {paired * 1e6:+.0f} us "
+          f"({paired / off:+.2%}); the clock's own marks and hook alone {alone * 1e6:.1f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", type=Path, default=Path(__file__).parent / "lengths" / "mix.txt.gz")
@@ -238,6 +282,7 @@ def main() -> None:
               f"{np.percentile(dealt, 95):>7.2%} | {ms:.2f}")
     if args.metric_cost:
         metric_cost()
+        clock_cost()
     if args.cp:
         for seq_len in args.seq_lens:
             context_parallel(rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank), seq_len, args.cp)

@@ -50,7 +50,9 @@ def torchrun_run(demo_data, tmp_path_factory) -> Path:
 
 
 def test_torchrun_sh_two_processes(torchrun_run):
-    check_run(torchrun_run, "ddp")
+    lines = check_run(torchrun_run, "ddp")
+    for m in lines:  # the measured imbalance of the two ranks (issue 55): a fraction and a time, finite
+        assert m["dp_compute_imbalance"] >= 0 and 0 <= m["dp_wait_s"] < m["step_time_s"], m
 
 
 def test_torchrun_sh_runs_fsdp2_unchanged_and_matches_ddp(demo_data, tmp_path, torchrun_run):

@@ -278,6 +278,7 @@ def test_speed_up_and_time_to_reach_by_hand(tmp_path):
     assert table["p"]["allocated tokens/s"] == "1,600"
     assert table["p"]["peak mem (GB)"] == "0.60"
     assert table["p"]["work imbalance (data / context)"] == "— / —"  # one data rank, no context parallelism
+    assert table["p"]["measured (compute imbalance / wait s)"] == "— / —"
     assert table["u"]["notes"] == "reference"
 
 
@@ -287,9 +288,11 @@ def test_the_work_imbalance_column_is_the_mean_of_the_logged_steps(tmp_path):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for i, m in enumerate(lines):
         m.update(dp_imbalance=0.01 * i, **({"cp_imbalance": 0.5} if i == 0 else {}))
+        m.update(dp_compute_imbalance=0.02 * i, dp_wait_s=0.1 * (i % 2))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     run = load_runs([run_dir])[0]
     assert report_tables.work_imbalance(run) == "2.5% / 50.0%"  # mean of 0, 1, ..., 5 %
+    assert report_tables.measured_imbalance(run) == "5.0% / 0.050"  # and the measured one (issue 55)
 
 def test_unpacked_match_prefers_the_closest_settings(tmp_path):
     runs = load_runs([

@@ -7,6 +7,8 @@ of the gradients (Adam's normalization would hide a wrong scale: it is invariant
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -23,13 +25,16 @@ from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, build_model
 from trainer.run.inputs import RowDealer
-from trainer.run.step import train_step
+from trainer.run.step import ComputeClock, train_step
 
 
 def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
-          normalization: str = "global_tokens", balance: bool = False, engine: str = "ddp") -> dict:
+          normalization: str = "global_tokens", balance: bool = False, engine: str = "ddp",
+          straggle: float = 0.0) -> dict:
     """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents (packed into rows,
-    then, with `balance`, the step's rows dealt over the ranks by modeled work: trainer.run.inputs.RowDealer)."""
+    then, with `balance`, the step's rows dealt over the ranks by modeled work: trainer.run.inputs.RowDealer).
+    `straggle`: rank 1's first block sleeps that long in every forward (a slow rank); each step's ComputeClock
+    reading is returned under "clock"."""
     torch.manual_seed(0)
     info = init_distributed(DistributedConfig(device="cpu")) if world_size > 1 else DistInfo(0, 1, 0, torch.device("cpu"))
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
@@ -38,7 +43,10 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu", engine=engine), grad_clip=0.0,
                          dtype="fp32")
     cfg = PackingConfig(layout=layout)
-    losses, counts, dealt = [], [], []
+    clock = ComputeClock(model, info.device)
+    if straggle and rank == 1:
+        model.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(straggle))
+    losses, counts, dealt, clocked = [], [], [], []
     dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
     for step_docs in shares:
         rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(step_docs[rank]))
@@ -46,12 +54,13 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
             rows = dealer.deal(rows)
             dealt.append(([d.key for row in rows for d in row], dealer.drawn_imbalance))
         mbs = micro_batches(rows, cfg, SEQ_LEN, mb_tokens, PAD)
-        stats = train_step(engine, mbs, info, PAD, normalization)
+        stats = train_step(engine, mbs, info, PAD, normalization, clock=clock)
+        clocked.append(clock.read())
         losses.append(stats.loss)
         counts.append(stats.valid_tokens)
     whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}  # FSDP2
     return {"params": {k: v.detach().clone() for k, v in whole.items()}, "losses": losses,
-            "valid": counts, "dealt": dealt}
+            "valid": counts, "dealt": dealt, "clock": clocked}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,8 @@ SCENARIOS = {  # name: (fractions of each step's documents for rank 0 and rank 1
 def train_scenarios(rank: int, world_size: int, steps) -> dict:
     """All two-rank scenarios in one spawn of the process group (spawning costs seconds per rank)."""
     out = {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
-                       else "global_tokens") for name, (fr, layout, mb) in SCENARIOS.items()}
+                       else "global_tokens", straggle=0.2 if name == "uneven_packed" else 0.0)
+           for name, (fr, layout, mb) in SCENARIOS.items()}
     out["balanced"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True)
     out["balanced_fsdp2"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True,
                                   engine="fsdp2")
@@ -96,6 +106,17 @@ def test_two_uneven_ranks_equal_one_rank(steps, one_rank, two_ranks):
         assert_same_params(result["params"], one_rank["params"])
         np.testing.assert_allclose(result["losses"], one_rank["losses"], rtol=1e-6)
         assert result["valid"] == one_rank["valid"]
+
+
+def test_the_clock_measures_a_slow_rank_and_the_faster_ones_wait(two_ranks):
+    """ComputeClock (dp_compute_imbalance, dp_wait_s; issue 55): rank 1 of "uneven_packed" sleeps 0.2 s in its first
+    block's forward, every step. Its measured compute holds the sleep; rank 0 waits for it at the gradient
+    all-reduce, after its own backward, for most of that time; rank 1 itself barely waits."""
+    fast, slow = (r["uneven_packed"]["clock"] for r in two_ranks)
+    for (fast_compute, fast_wait), (slow_compute, slow_wait) in zip(fast, slow, strict=True):
+        assert slow_compute >= 0.2
+        assert fast_wait >= 0.15 and fast_wait > 3 * slow_wait, (fast, slow)
+        assert fast_compute + fast_wait >= 0.2  # rank 0's step lasted as long as the slow rank's compute
 
 
 def test_a_rank_without_documents_still_joins_the_step(one_rank, two_ranks):

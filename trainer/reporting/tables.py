@@ -27,18 +27,27 @@ from trainer.reporting.verdicts import fmt_num, ratio, verdict
 TABLE_COLUMNS = [
     "run", "differs", "steps", "ranks", "final train loss", "final val loss", "max |Δ train loss|",
     "token utilization", "valid tokens/s", "allocated tokens/s", "speed-up vs unpacked",
-    "time to ref. loss", "peak mem (GB)", "work imbalance (data / context)", "notes",
+    "time to ref. loss", "peak mem (GB)", "work imbalance (data / context)",
+    "measured (compute imbalance / wait s)", "notes",
 ]
+
+
+def mean_logged(run: Run, key: str, spec: str) -> str:
+    """The mean of `key` over the steps that logged it, formatted by `spec`; "—" where none did."""
+    values = list(series(run, key).values())
+    return fmt_num(sum(values) / len(values), spec) if values else "—"
 
 
 def work_imbalance(run: Run) -> str:
     """The mean modeled work imbalance over the data ranks (dp_imbalance) and over a context group (cp_imbalance),
     e.g. "3.2% / —"; "—" where the run has none (one data rank, no context parallelism)."""
-    means = []
-    for key in ("dp_imbalance", "cp_imbalance"):
-        values = list(series(run, key).values())
-        means.append(fmt_num(sum(values) / len(values), ".1%") if values else "—")
-    return " / ".join(means)
+    return f"{mean_logged(run, 'dp_imbalance', '.1%')} / {mean_logged(run, 'cp_imbalance', '.1%')}"
+
+
+def measured_imbalance(run: Run) -> str:
+    """The mean measured compute imbalance over the data ranks (dp_compute_imbalance) and the mean longest wait at the
+    gradient reduction in seconds (dp_wait_s), e.g. "4.1% / 0.012"; "— / —" with one data rank."""
+    return f"{mean_logged(run, 'dp_compute_imbalance', '.1%')} / {mean_logged(run, 'dp_wait_s', '.3f')}"
 
 
 def ranks(run: Run) -> str:
@@ -77,6 +86,7 @@ def table_rows(runs: Sequence[Run], ref: Run, tolerance: float = DEFAULT_TOLERAN
             f"{reached[0]:.1f} s (step {reached[1]})" if reached else "n/a",
             fmt_num(peak_memory(run), ".2f"),
             work_imbalance(run),
+            measured_imbalance(run),
             "; ".join(notes),
         ])
     return rows

@@ -56,7 +56,7 @@ from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summa
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import PreemptedAtStart, PreemptionHandler
 from trainer.run.run_dir import claim_run_dir, input_dirs, set_aside_after, unlock_run_dir
-from trainer.run.step import train_step
+from trainer.run.step import ComputeClock, train_step
 from trainer.tasks.suite import load_suite
 
 TASKS_KEY = "eval_tasks"
@@ -118,6 +118,8 @@ class Trainer:
                              * (2 if self.dtype == "bf16" else 4))
         """Bytes one position's keys and values cost to exchange under context parallelism: K and V, all-gathered
         forward and their gradients reduce-scattered backward, in every layer (this rank's heads)."""
+        self.clock = ComputeClock(model, info.device)
+        """Each rank's measured compute and wait of a step (dp_compute_imbalance, dp_wait_s)."""
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size,
                                  cost=lambda row: self.flops.model_flops(len(doc) for doc in row))
         optimizer = build_optimizer(model, cfg.optim, info.device)
@@ -343,7 +345,8 @@ class Trainer:
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
         try:
-            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups)
+            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
+                               clock=self.clock)
         except NonFiniteError as e:  # DeepSpeed's: stopped before its step
             if not self._first_after_resume(self.step + 1):
                 raise
@@ -411,17 +414,22 @@ class Trainer:
         return self.resume_read
 
     def _step_flops(self, rows: list, mbs: list, step_time: float) -> dict:
-        """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops).
-        Collective: one all-reduce of two numbers, on logged steps only."""
+        """The step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known (trainer.run.flops);
+        with several data ranks each one's modeled work and measured compute and wait (ComputeClock). Collective: one
+        all-reduce of 2 + 3 x data ranks numbers, on logged steps only."""
         model_flops, hardware_flops = self.flops.step_flops(rows, mbs)
-        per_rank = [0.0] * self.info.data_world  # each data rank's modeled work, for dp_imbalance
-        per_rank[self.info.data_rank] = model_flops
+        n, r = self.info.data_world, self.info.data_rank
+        per_rank = [0.0] * 3 * n  # each data rank's modeled work, measured compute s and wait s, in thirds
+        compute_s, wait_s = self.clock.read()
+        per_rank[r], per_rank[n + r], per_rank[2 * n + r] = model_flops, compute_s, wait_s
         model_flops, hardware_flops, *per_rank = dist_sum(  # over the data group: each row once
             [model_flops, hardware_flops, *per_rank], self.info.device, self.info.data_group)
         peak = self.peak_flops * self.info.world_size if self.peak_flops else None
         out = flop_metrics(model_flops, hardware_flops, step_time, peak)
-        if self.info.data_world > 1:
-            out["dp_imbalance"] = imbalance(per_rank)
+        if n > 1:
+            out["dp_imbalance"] = imbalance(per_rank[:n])
+            out["dp_compute_imbalance"] = imbalance(per_rank[n:2 * n])
+            out["dp_wait_s"] = max(per_rank[2 * n:])
         if self.inputs.dealer is not None:
             out["dp_imbalance_drawn"] = self.inputs.dealer.drawn_imbalance
         if self.info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)

@@ -29,11 +29,18 @@ before its step on a non-finite loss): `StepStats.finite` tells the loop, which 
 The same all-reduce carries each rank's micro-batch count: engines that communicate inside every
 micro-batch (FSDP2, DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones
 (`Engine.micro_steps`).
+
+`ComputeClock` measures what the ranks' unequal work costs (metrics `dp_compute_imbalance`, `dp_wait_s`): each rank's
+compute up to its last gradient, and its wait from there to the end of the step's gradient reduction, the first
+collective that needs every rank's backward (DDP's all-reduce, ZeRO's reduce-scatter). Under FSDP2 the ranks also meet
+at every layer's all-gather, so part of the wait hides inside the compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -151,8 +158,59 @@ def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[lis
     return counts[:g] if g else None, counts[g:g + s] if s else None, counts[g + s:] if s else None
 
 
+class ComputeClock:
+    """One rank's measured compute and wait of each step (host clock on CPU, CUDA events on a GPU; read after the
+    device is synchronized).
+
+        compute   from the step's counts (its first collective) to the gradient of the token embedding's output in
+                  the last micro-batch: every block's backward done, what this rank computes alone
+        wait      from there to the end of the last micro-batch's backward, which returns once the gradient
+                  reduction is complete: the embedding's own backward, the last bucket's communication, and the
+                  time this rank waits for slower ones
+
+    The marks cost a hook on the embedding (its output's gradient), two timestamps and, on CUDA, two events a step."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.embedding = module.wte  # the first module of the forward, so the last of the backward
+        self.cuda = device.type == "cuda"
+        self._marks: dict[str, float | torch.cuda.Event] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks[name] = event
+        else:
+            self._marks[name] = time.perf_counter()
+
+    @contextlib.contextmanager
+    def last_micro_batch(self) -> Iterator[None]:
+        """Around the step's last micro-step: marks 'computed' when its embedding output's gradient is ready and
+        'reduced' when the micro-step returns."""
+        def on_output(_module, _args, output):
+            if output.requires_grad:
+                output.register_hook(lambda grad: self.mark("computed"))
+        handle = self.embedding.register_forward_hook(on_output)
+        try:
+            yield
+        finally:
+            handle.remove()
+        self.mark("reduced")
+
+    def read(self) -> tuple[float, float]:
+        """(compute s, wait s) of the last step: after the device is synchronized (the loop does, on CUDA)."""
+        start, computed, reduced = (self._marks.get(k) for k in ("start", "computed", "reduced"))
+        if start is None or reduced is None:
+            return 0.0, 0.0
+        computed = reduced if computed is None else computed  # no gradient reached the embedding: all compute
+        if self.cuda:
+            return start.elapsed_time(computed) / 1e3, computed.elapsed_time(reduced) / 1e3
+        return computed - start, reduced - computed
+
+
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
-               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS) -> StepStats:
+               normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS,
+               clock: ComputeClock | None = None) -> StepStats:
     """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
     x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
     stats carry (metrics: the objective is unchanged). A micro-batch with a row plan (Batch.plan, context
@@ -161,7 +219,7 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     The ranks of a context or tensor group hold the same micro-batches: their counts are summed over the data group
     (one rank per data rank, trainer/distributed/dims.py), the losses over the loss group (data x context: each
     position's loss is computed on one of its ranks; the ranks of a tensor group compute the same value), so every
-    target is counted once."""
+    target is counted once. `clock`: marks this rank's compute and wait (ComputeClock)."""
     micro_batches, local_groups = group_counts(micro_batches, groups)
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.data_world  # micro-batches per data rank, e.g. [3, 0, 0, 0] on data rank 0 of 4
@@ -183,6 +241,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     if valid == 0:
         raise RuntimeError("the logical batch has no valid targets on any rank (data exhausted?)")
     loss_scale = engine.grad_average_factor / units
+    if clock is not None:
+        clock.mark("start")
 
     runs = engine.micro_steps(len(micro_batches), busiest)
     batches = list(micro_batches) + [empty_batch(pad_id)] * (runs - len(micro_batches))
@@ -192,7 +252,9 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
     group_sums = torch.zeros(num_groups)
     for i, (mb, w) in enumerate(zip(batches, weights, strict=True)):
         inputs = model_inputs(replace(mb, loss_weights=w).to_device(info.device))
-        mb_objective, mb_loss_sum, mb_groups = engine.micro_step(inputs, loss_scale, sync=i == len(batches) - 1)
+        last = i == len(batches) - 1
+        with clock.last_micro_batch() if clock is not None and last else contextlib.nullcontext():
+            mb_objective, mb_loss_sum, mb_groups = engine.micro_step(inputs, loss_scale, sync=last)
         objective_sum = objective_sum + mb_objective.float()
         loss_sum = loss_sum + mb_loss_sum.float()
         if mb_groups is not None:
