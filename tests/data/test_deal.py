@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.data.deal import deal_rows, drawn_rows, imbalance_of
+from trainer.data.batch import Document
+from trainer.data.deal import check_deal, deal_rows, drawn_rows, imbalance_of
+from trainer.distributed.groups import DistInfo
+from trainer.run.inputs import RowDealer
 
 
 def test_hand_checked_deals():
@@ -41,3 +45,20 @@ def test_with_equal_counts_no_two_ranks_differ_by_more_than_the_heaviest_row(cos
     dealt = deal_rows(costs, counts)
     work = [sum(costs[i] for i in rows) for rows in dealt]
     assert max(work) - min(work) <= max(costs) * 1.000001 + 1e-9
+
+
+def test_a_wrong_deal_is_refused_before_any_row_moves():
+    """A deal that gives a rank a row twice (and so another to no rank), or changes a rank's row count, would change
+    the step's objective: RowDealer checks every deal (check_deal) and stops with what is wrong."""
+    import numpy as np
+
+    rows = [[Document(key=f"r{i}", tokens=np.arange(n))] for i, n in enumerate([5, 3, 2])]
+    info = DistInfo(0, 1, 0, torch.device("cpu"))
+    cost = lambda row: sum(len(d) ** 2 for d in row)  # noqa: E731
+    assert RowDealer(cost, info).deal(rows) == rows  # one rank: the deal is the draw
+    for wrong, message in (([[0, 0, 2]], "row 0 dealt 2 times, row 1 to no rank"),
+                           ([[0, 1]], "row 2 to no rank, rank 0 holds 2 rows, drew 3"),
+                           ([[0, 1, 7]], "names row 7 of a step of 3 rows")):
+        with pytest.raises(RuntimeError, match=message):
+            RowDealer(cost, info, deal=lambda costs, counts, wrong=wrong: wrong).deal(rows)
+    check_deal(deal_rows([3.0, 2.0, 1.0], [2, 1]), [2, 1])  # the rule's own deals pass

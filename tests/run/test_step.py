@@ -43,6 +43,13 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu", engine=engine), grad_clip=0.0,
                          dtype="fp32")
     cfg = PackingConfig(layout=layout)
+    first = {}  # the first step's gradients (whole), as the optimizer is about to apply them
+
+    def keep_first(*_):
+        if not first:
+            first.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for n, p in model.named_parameters()})
+    opt.register_step_pre_hook(keep_first)
     clock = ComputeClock(model, info.device)
     if straggle and rank == 1:
         model.blocks[0].register_forward_pre_hook(lambda *_: time.sleep(straggle))
@@ -60,7 +67,7 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
         counts.append(stats.valid_tokens)
     whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}  # FSDP2
     return {"params": {k: v.detach().clone() for k, v in whole.items()}, "losses": losses,
-            "valid": counts, "dealt": dealt, "clock": clocked}
+            "valid": counts, "dealt": dealt, "clock": clocked, "first": first}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,8 @@ def train_scenarios(rank: int, world_size: int, steps) -> dict:
                        else "global_tokens", straggle=0.2 if name == "uneven_packed" else 0.0)
            for name, (fr, layout, mb) in SCENARIOS.items()}
     out["balanced"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True)
+    out["balanced_unpacked"] = train(rank, world_size, split(steps, [0.25, 0.75]), "unpacked", 3 * SEQ_LEN,
+                                     balance=True)
     out["balanced_fsdp2"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True,
                                   engine="fsdp2")
     return out
@@ -152,12 +161,14 @@ def test_document_mean_over_two_uneven_ranks_equals_one_rank(steps, two_ranks):
 
 def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(steps, one_rank, two_ranks):
     """data.balance=rows (issue 55): the rows the two uneven ranks drew are re-dealt by modeled work (here sum s^2:
-    rows moved, the drawn imbalance shrunk); the losses, valid targets and final weights are the one-rank run's,
-    and step 0's loss is each document alone in plain PyTorch, summed, over the step's targets."""
+    rows moved, the drawn imbalance shrunk), under DDP and FSDP2, and unpacked (the same packer rows dealt, then
+    each document laid out as its own row); the losses, valid targets and final weights are the one-rank run's,
+    and step 0's loss and every gradient are each document alone in plain PyTorch, summed, over the step's targets
+    (1e-6; the gradients to 1e-6 of each tensor's largest entry)."""
     from tests.helpers import plain_document_loss
 
     ranks = [r["balanced"] for r in two_ranks]
-    for r in ranks + [r["balanced_fsdp2"] for r in two_ranks]:  # DDP and FSDP2
+    for r in ranks + [r[arm] for r in two_ranks for arm in ("balanced_fsdp2", "balanced_unpacked")]:
         np.testing.assert_allclose(r["losses"], one_rank["losses"], rtol=1e-6)
         assert r["valid"] == one_rank["valid"]
         assert_same_params(r["params"], one_rank["params"])
@@ -168,7 +179,10 @@ def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(st
     assert any(set(ranks[1]["dealt"][s][0]) != {d.key for d in drawn[s]} for s in range(len(steps)))  # rows moved
     torch.manual_seed(0)
     params = dict(build_model(MODEL, AttentionConfig(backend="sdpa_docs")).named_parameters())
-    with torch.no_grad():
-        total = sum(plain_document_loss(params, MODEL, torch.as_tensor(d.tokens)) for d in steps[0])
     targets = sum(len(d) - 1 for d in steps[0])
-    assert abs(total.item() / targets - ranks[0]["losses"][0]) <= 1e-6 * abs(total.item() / targets)
+    loss = sum(plain_document_loss(params, MODEL, torch.as_tensor(d.tokens)) for d in steps[0]) / targets
+    assert abs(loss.item() - ranks[0]["losses"][0]) <= 1e-6 * abs(loss.item())
+    loss.backward()
+    for r in ranks + [r["balanced_fsdp2"] for r in two_ranks]:
+        for name, p in params.items():
+            assert (r["first"][name] - p.grad).abs().max().item() <= 1e-6 * p.grad.abs().max().item(), name

@@ -37,6 +37,25 @@ def deal_rows(costs: Sequence[float], counts: Sequence[int]) -> list[list[int]]:
     return dealt
 
 
+def check_deal(dealt: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
+    """Raise unless `dealt` gives every row of the step (0 .. sum(counts) - 1) to exactly one rank and rank r exactly
+    counts[r] rows: a row computed twice, or by no rank, would change the step's objective. Example: [[0, 0], [2]]
+    for counts [2, 1] -> "row 0 dealt 2 times, row 1 to no rank"."""
+    seen = [0] * sum(counts)
+    for rows in dealt:
+        for i in rows:
+            if not 0 <= i < len(seen):
+                raise RuntimeError(f"the deal names row {i} of a step of {len(seen)} rows")
+            seen[i] += 1
+    problems = [f"row {i} dealt {n} times" for i, n in enumerate(seen) if n > 1]
+    problems += [f"row {i} to no rank" for i, n in enumerate(seen) if n == 0]
+    problems += [f"rank {r} holds {len(rows)} rows, drew {n}" for r, (rows, n) in enumerate(zip(dealt, counts,
+                                                                                               strict=True))
+                 if len(rows) != n]
+    if problems:
+        raise RuntimeError(f"a wrong deal of the step's rows: {', '.join(problems)}")
+
+
 def drawn_rows(counts: Sequence[int]) -> list[list[int]]:
     """The deal without balancing: each rank its own rows, as drawn. Example: [2, 1] -> [[0, 1], [2]]."""
     out, start = [], 0

@@ -30,7 +30,7 @@ from trainer.data.batch import (
     source_counts,
 )
 from trainer.data.config import SINGLE_SOURCE, VAL_SPLIT, DataConfig, PackingConfig
-from trainer.data.deal import deal_rows, drawn_rows, imbalance, imbalance_of
+from trainer.data.deal import check_deal, deal_rows, drawn_rows, imbalance, imbalance_of
 from trainer.data.epochs import StepInterrupted, StepRows
 from trainer.data.loader import DocumentLoader
 from trainer.data.mixture import Mixture
@@ -54,7 +54,7 @@ __all__ = [
     "IGNORE_INDEX", "MANIFEST_FILE", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "FramedTokenizer",
     "LossGroups", "ReadInterrupted",
     "RowPrefetcher", "RowSource", "ShardSourceError", "StepInterrupted", "StepRows", "allow_reads", "build_data", "check_token_ids", "collate_rows",
-    "deal_rows", "drawn_rows", "imbalance", "imbalance_of",
+    "check_deal", "deal_rows", "drawn_rows", "imbalance", "imbalance_of",
     "eval_batches", "interrupt_reads", "length_bucket_names", "load_eval_docs", "micro_batches", "source_counts",
 ]
 

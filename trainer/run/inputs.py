@@ -19,6 +19,7 @@ from trainer.data.feed import (
     DataSource,
     RowPrefetcher,
     StepRows,
+    check_deal,
     check_token_ids,
     deal_rows,
     drawn_rows,
@@ -51,8 +52,10 @@ class RowDealer:
     The data stream's state is what each rank read, not what it trained: a checkpoint holds each rank's read
     position, and a resume deals the same drawn rows the same way."""
 
-    def __init__(self, cost: Callable[[list], float], info: DistInfo) -> None:
-        self.cost, self.info = cost, info
+    def __init__(self, cost: Callable[[list], float], info: DistInfo, deal: Callable = deal_rows) -> None:
+        """`deal(costs, counts)`: the rule (trainer.data.deal.deal_rows); whatever it returns is checked
+        (check_deal: every row once, each rank its count) before any row moves."""
+        self.cost, self.info, self.rule = cost, info, deal
         self.drawn_imbalance: float | None = None
         """The last step's modeled imbalance (max / mean - 1 over the data ranks) of the rows as drawn."""
 
@@ -60,7 +63,8 @@ class RowDealer:
         """This rank's rows of the step after the deal (its heaviest first; as drawn if the deal is no better)."""
         shares = gather_objects([self.cost(row) for row in rows], self.info.data_group)
         counts, costs = [len(share) for share in shares], [c for share in shares for c in share]
-        drawn, dealt = drawn_rows(counts), deal_rows(costs, counts)
+        drawn, dealt = drawn_rows(counts), self.rule(costs, counts)
+        check_deal(dealt, counts)
         self.drawn_imbalance = imbalance_of(costs, drawn)
         if imbalance_of(costs, dealt) >= self.drawn_imbalance:  # LPT is a heuristic: never worse than as drawn
             return rows
