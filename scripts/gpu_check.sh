@@ -12,8 +12,10 @@
 #    and backward tests and they passed, and no test failed. A skipped kernel is listed, never counted as a pass.
 # 4. bench/gpu_train.py: gpt2-124m, bf16, T=2048, packed on the best varlen kernel vs unpacked, the same
 #    documents (the demo corpus, built from this machine's standard library into DATA).
+# 5. python -m trainer.certify on gpt2-124m, bf16: every kernel this GPU runs against the unpacked fp32 reference;
+#    it fails unless a varlen kernel (flash-attn or torch's varlen_attn) ran and passed.
 # Everything lands in OUT (default runs/gpu_check/<time>): gpu_check.log, gpu_tests.{xml,md,json},
-# gpu_train.{json,md}. Exit 0 only if steps 3 and 4 both succeed.
+# gpu_train.{json,md}, certificate/. Exit 0 only if steps 3, 4 and 5 all succeed.
 # --quick (under 4 minutes): the flex tests are left out and the benchmark measures for 40 s instead of 120 s.
 # The whole script takes under 10 minutes on one H100/H200.
 # GPU_CHECK_REHEARSAL=1 runs every step on CPU instead (the tests skip, the benchmark is tiny; the verdict is
@@ -114,7 +116,30 @@ if [ "$bench_rc" = 0 ]; then
     timeout "$((budget + 120))" "$PY" bench/gpu_train.py --data "$DATA" --out "$OUT" "${bench_args[@]}" || bench_rc=$?
 fi
 
+# 5. The certificate: the same documents in every cell this GPU runs (each kernel, layout and accumulation, bf16)
+#    against the unpacked fp32 reference (python -m trainer.certify), on gpt2-124m; it counts only if a varlen
+#    kernel (flash-attn or torch's varlen_attn) was among the cells that ran and passed.
+echo "== certificate (python -m trainer.certify)"
+cert_args=(model=gpt2-124m train.seq_len=2048 train.micro_batch_tokens=4096 --steps 3 --rows 4)
+[ "$REHEARSAL" != 1 ] || cert_args=(train.seq_len=128 train.micro_batch_tokens=256 --steps 2 --rows 4)
+cert_rc=0
+if [ -f "$DATA/manifest.json" ]; then
+    timeout 600 "$PY" -m trainer.certify "data.path=$DATA" "${cert_args[@]}" --out "$OUT/certificate" || cert_rc=$?
+    [ "$cert_rc" != 0 ] || "$PY" - "$OUT/certificate/certificate.json" <<'PYEOF' || cert_rc=1
+import json, sys
+cells = json.load(open(sys.argv[1]))["cells"]
+ran = sorted({c["backend"] for c in cells if c["status"] == "pass" and c["backend"] in ("flash", "torch_varlen")})
+if not ran:
+    sys.exit("certificate: no varlen kernel (flash, torch_varlen) ran, so it certifies none: "
+             + "; ".join(f"{c['backend']}: {c['skipped']}" for c in cells if c["status"] == "skipped"))
+print(f"certificate: varlen kernels certified: {', '.join(ran)}")
+PYEOF
+else
+    cert_rc=1
+fi
+
 echo "== summary"
 cat "$OUT/gpu_tests.md" 2>/dev/null || echo "(no test report)"
 [ "$bench_rc" = 0 ] && echo "benchmark: $OUT/gpu_train.md" || echo "benchmark FAILED (exit $bench_rc)"
-[ "$report_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$cert_rc" = 0 ] && echo "certificate: $OUT/certificate/certificate.md" || echo "certificate FAILED (exit $cert_rc)"
+[ "$report_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$cert_rc" = 0 ]

@@ -470,7 +470,7 @@ LAYERS: list[set[str]] = [
     {"trainer.run"},  # the loop and its parts
     {"trainer.outputs"},  # where a command may write
     {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
-     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer"},  # the commands
+     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer.certify", "trainer"},
 ]
 """Each module may import from its own layer and the layers above it in this list (lower = more basic).
 A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""

@@ -74,7 +74,7 @@ def test_every_module_is_named_in_its_rooms_map(init):
 def test_the_root_holds_only_commands_and_shared_modules():
     root_modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert root_modules == {"train", "prepare", "report", "inspect_mask", "export", "generate", "evaluate",
-                            "harness", "launcher", "config", "errors", "registry", "outputs"}
+                            "harness", "launcher", "certify", "config", "errors", "registry", "outputs"}
 
 
 SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests.conftest", "tests.shards"}

@@ -252,6 +252,7 @@ COMMANDS = {  # trainer.<command> -> (argv, "{tmp}" for a fresh directory; a phr
     "generate": (["{tmp}/missing", "--prompt", "x"], "missing is neither a packtrain checkpoint"),
     "evaluate": (["{tmp}/missing", "--tasks", "cloze"], "missing is neither a packtrain checkpoint"),
     "harness": (["{tmp}/missing", "--tasks", "x"], "missing is neither a packtrain checkpoint"),
+    "certify": (["train.seq_len=1", "--out", "{tmp}/cert"], "train.seq_len must be >= 2, got 1"),
     "launcher": (["--standalone", "--nproc_per_node=1", "-m", "trainer.train", "train.seq_len=1",
                   "hydra.run.dir={tmp}/run"], "train.seq_len must be >= 2, got 1"),  # the rank's line, its status
 }

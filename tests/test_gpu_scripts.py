@@ -287,7 +287,8 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
     """fetch_wheels.sh for this Python (the registry is reachable here); then gpu_check.sh with WHEELS, in its
     CPU rehearsal, under a Python that has only the GPU machine's packages: the offline install keeps torch,
     trainer and its dependencies import from the installed site, the GPU tests run (skipping: no CUDA) into
-    the table, the benchmark writes its files, and the verdict is FAIL because no varlen kernel ran."""
+    the table, the benchmark writes its files, the certificate passes its CPU cells but certifies no varlen kernel,
+    and the verdict is FAIL because no varlen kernel ran."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     fetched = fetch_wheels(tmp_path, PYTHON_VERSION=version)
     assert fetched.returncode == 0, fetched.stderr
@@ -320,8 +321,12 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
         assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 10 | not run | not run | SKIPPED |" in table  # 10 tests each
     assert "GPU CHECK: FAIL" in table
     assert json.loads((out / "gpu_train.json").read_text())["measured_steps"] == 2
+    certificate = json.loads((out / "certificate" / "certificate.json").read_text())  # the CPU cells passed, but
+    assert certificate["passed"] and "certificate: no varlen kernel (flash, torch_varlen) ran" in log  # none varlen
+    assert "certificate FAILED (exit 1)" in log
     assert sorted(p.name for p in out.iterdir()) == [
-        "gpu_check.log", "gpu_tests.json", "gpu_tests.md", "gpu_tests.xml", "gpu_train.json", "gpu_train.md"]
+        "certificate", "gpu_check.log", "gpu_tests.json", "gpu_tests.md", "gpu_tests.xml", "gpu_train.json",
+        "gpu_train.md"]
 
 
 def test_install_wheels_refuses_a_torch_wheel(tmp_path):

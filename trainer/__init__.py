@@ -11,6 +11,8 @@ generate are thin shells; inspect_mask still holds its own rendering):
     evaluate      downstream scores of a checkpoint or an export on multiple-choice and continuation tasks
                   (trainer.tasks: every query+choice a document of a packed row)
     harness       lm-evaluation-harness on a checkpoint (PacktrainLM: lm-eval's model interface over trainer.tasks)
+    certify       the user's own config trained cell by cell (layouts, kernels, accumulation, parallel layouts)
+                  against the unpacked one-process fp32 reference: certificate.md / .json (trainer.run.certify)
     launcher      torchrun, ending as its first failed rank ended (its one line and exit status)
     config        the typed config (RunConfig) and the rules that span sections
     errors        UserError and the one way a command prints a user's mistake

@@ -134,6 +134,11 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     return dist.PrefixStore(f"packtrain/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
+def local_device(choice: str) -> torch.device:
+    """distributed.device for this process (LOCAL_RANK's GPU under a launcher), without joining any group."""
+    return _pick_device(choice, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"

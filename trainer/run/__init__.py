@@ -19,6 +19,8 @@
                   layout and attention kernel computed, padding and recompute included, for hfu)
     optim         the optimizer and the learning-rate schedule
     preemption    SIGTERM/SIGUSR1 -> one agreed checkpoint on every rank
+    certify       the certificate: a few steps of the run's config in every layout, kernel, accumulation and
+                  parallel layout, each against the unpacked one-process fp32 reference (python -m trainer.certify)
 
 Must not import: any command (trainer.train, trainer.prepare, trainer.report, ...).
 """
