@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import ROOT, torchrun
 from trainer.certify import main as certify_main
-from trainer.run.certify import Cell, Measured, judge
+from trainer.run.certify import Cell, Measured, Tolerance, judge
 
 TINY = ["train.seq_len=128", "train.micro_batch_tokens=256", "--steps", "2", "--rows", "4"]
 
@@ -79,16 +79,22 @@ def test_a_broken_configuration_fails_naming_its_cells(demo_data, tmp_path, over
 
 
 def test_bf16_cells_are_held_to_the_measured_noise_and_a_leak_fails_whatever_the_losses():
+    """The bf16 tolerance is 3x the unpacked bf16 run's own distance from fp32, the loss and the gradients each by
+    their own (a gradient noise of 1e-3 must not excuse a loss off by 2e-3)."""
     reference = Measured([1.0, 1.0], [1.0, 1.0], {"w": torch.tensor([1.0, -2.0])})
     near = Measured([1.0 + 2e-3, 1.0], [1.0, 1.0], {"w": torch.tensor([1.0, -2.002])})
     cell = Cell("packed", "flash", "bf16", 1024, 1)
-    assert judge(cell, near, reference, tolerance=3e-3).status == "pass"  # within 3 x a noise of 1e-3
-    failed = judge(cell, near, reference, tolerance=1e-5)
+    assert Tolerance.from_noise(1e-3, 1e-3) == Tolerance(3e-3, 3e-3)
+    assert Tolerance.from_noise(1e-9, 1e-3) == Tolerance(1e-5, 3e-3)  # never below fp32's
+    assert judge(cell, near, reference, Tolerance.from_noise(1e-3, 1e-3)).status == "pass"
+    loss_only = judge(cell, near, reference, Tolerance.from_noise(1e-6, 1e-3))
+    assert loss_only.status == "FAIL" and len(loss_only.problems) == 1 and "the loss differs" in loss_only.problems[0]
+    failed = judge(cell, near, reference)
     assert failed.status == "FAIL" and "step 1 at lr 0" in failed.problems[0] and "w differs by 0.001" in \
         failed.problems[1]
     leaky = Measured(reference.losses, reference.grad_norms, reference.grads,
                      probe={"moved": 3, "checked": 40, "noise": 0.0, "document": 1})
-    verdict = judge(cell, leaky, reference, tolerance=1e-5)
+    verdict = judge(cell, leaky, reference)
     assert verdict.status == "FAIL" and verdict.problems == [
         "document 2 of a packed row moved 3 logit positions of the row's other documents (of 40 checked; kernel "
         "noise 0)"]

@@ -23,12 +23,14 @@ gradient; then at the run's lr, where the losses must follow the reference's tra
 
 Tolerance: fp32 cells 1e-5 relative (FP32_RTOL). A bf16 cell is another rounding of the same sums, so it is held to
 BF16_NOISE_FACTOR times the distance of the unpacked one-process bf16 run from the fp32 reference (measured in the
-same run: the "noise" row of the certificate), never below the fp32 tolerance. A cell this machine cannot run (a
+same run: the "noise" row of the certificate), the loss and the gradients each by their own, never below the fp32
+tolerance. A cell this machine cannot run (a
 kernel missing, a parallel size the launch does not allow) is listed as skipped with the reason, never as passed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -99,6 +101,19 @@ class Measured:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """What a cell may differ from the reference by, relative: its loss, and each gradient tensor (of its scale)."""
+
+    loss: float = FP32_RTOL
+    gradient: float = FP32_RTOL
+
+    @classmethod
+    def from_noise(cls, loss_noise: float, gradient_noise: float) -> Tolerance:
+        """bf16: BF16_NOISE_FACTOR x the unpacked bf16 run's own distance from fp32, never below fp32's."""
+        return cls(max(FP32_RTOL, BF16_NOISE_FACTOR * loss_noise), max(FP32_RTOL, BF16_NOISE_FACTOR * gradient_noise))
+
+
 @dataclass
 class Verdict:
     cell: Cell
@@ -107,7 +122,7 @@ class Verdict:
     grad_cosine: float | None = None
     worst_tensor: str | None = None
     probe: dict | None = None
-    tolerance: float = FP32_RTOL
+    tolerance: Tolerance = Tolerance()
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -275,19 +290,20 @@ def distance(measured: Measured, reference: Measured) -> tuple[float, float | No
     return loss, worst, cosine, worst_name
 
 
-def judge(cell: Cell, measured: Measured, reference: Measured, tolerance: float) -> Verdict:
+def judge(cell: Cell, measured: Measured, reference: Measured, tolerance: Tolerance = Tolerance()) -> Verdict:
     """The cell's verdict: within `tolerance` in loss and gradients, and no logit of another document moved."""
     loss, grad, cosine, tensor = distance(measured, reference)
     v = Verdict(cell, loss, grad, cosine, tensor, measured.probe, tolerance, seconds=measured.seconds)
-    if not loss <= tolerance:
+    if not loss <= tolerance.loss:
         step = int(np.argmax([abs(a - b) / max(abs(b), 1e-12) for a, b in zip(measured.losses, reference.losses,
                                                                                strict=True)]))
         n = len(measured.losses) // 2
         when = f"step {step % n + 1} at {'lr 0' if step < n else 'the run lr'}"
         v.problems.append(f"the loss differs from the reference by {loss:.3g} relative ({when}; tolerance "
-                          f"{tolerance:.3g})")
-    if grad is not None and not grad <= tolerance:
-        v.problems.append(f"the gradient of {tensor} differs by {grad:.3g} of its scale (tolerance {tolerance:.3g}"
+                          f"{tolerance.loss:.3g})")
+    if grad is not None and not grad <= tolerance.gradient:
+        v.problems.append(f"the gradient of {tensor} differs by {grad:.3g} of its scale (tolerance "
+                          f"{tolerance.gradient:.3g}"
                           + (f"; lowest cosine {cosine:.6f})" if cosine is not None else ")"))
     if measured.probe and measured.probe["moved"]:
         p = measured.probe
@@ -386,15 +402,15 @@ def certify(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document
     reference_cell = Cell("unpacked", REFERENCE_BACKEND, "fp32", whole, 1, "reference")
     reference = run_cell(cfg, data, steps, reference_cell, alone, reference=True)
     progress(f"reference: unpacked, {REFERENCE_BACKEND}, fp32, one micro-batch ({reference.seconds:.1f} s)")
-    tolerance, noise = FP32_RTOL, None
+    tolerance, noise = Tolerance(), None
     if dtype == "bf16":
         noise_cell = Cell("unpacked", backend, "bf16", whole, 1)
         measured = run_cell(cfg, data, steps, noise_cell, alone, reference=True)
         loss, grad, cosine, _ = distance(measured, reference)
         noise = {"loss": loss, "gradient": grad, "cosine": cosine}
-        tolerance = max(FP32_RTOL, BF16_NOISE_FACTOR * max(loss, grad or 0.0))
+        tolerance = Tolerance.from_noise(loss, grad or 0.0)
         progress(f"bf16 noise (unpacked, {backend}, bf16 vs the fp32 reference): loss {loss:.3g}, gradient "
-                 f"{grad:.3g}; bf16 tolerance {tolerance:.3g}")
+                 f"{grad:.3g}; bf16 tolerance: loss {tolerance.loss:.3g}, gradient {tolerance.gradient:.3g}")
     verdicts = []
     for cell in one_process_cells(cfg, backend, dtype, steps, device):  # before any process group: sums stay here
         verdicts.append(_judged(cfg, data, steps, cell, alone, reference, tolerance, progress))
@@ -410,7 +426,7 @@ def certify(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document
     return Certificate(verdicts, noise, reference.seconds)
 
 
-def _judged(cfg, data, steps, cell: Cell, info: DistInfo | None, reference: Measured, tolerance: float,
+def _judged(cfg, data, steps, cell: Cell, info: DistInfo | None, reference: Measured, tolerance: Tolerance,
             progress: Callable[[str], None]) -> Verdict:
     if cell.skipped is not None:
         progress(f"skipped  {cell.name}: {cell.skipped}")
@@ -451,7 +467,7 @@ def as_json(cert: Certificate, facts: dict) -> dict:
                                                  "parallel", "balance", "skipped")}
         cells.append({"name": v.cell.name, "status": v.status, **cell, "loss_rdiff": v.loss_rdiff,
                       "grad_rdiff": v.grad_rdiff, "grad_cosine": v.grad_cosine, "worst_tensor": v.worst_tensor,
-                      "probe": v.probe, "tolerance": v.tolerance, "problems": v.problems, "seconds": v.seconds})
+                      "probe": v.probe, "tolerance": dataclasses.asdict(v.tolerance), "problems": v.problems, "seconds": v.seconds})
     return {**facts, "passed": cert.passed, "tolerance": {"fp32": FP32_RTOL, "bf16_noise_factor": BF16_NOISE_FACTOR},
             "bf16_noise": cert.noise, "reference": {"layout": "unpacked", "backend": REFERENCE_BACKEND,
                                                     "dtype": "fp32", "seconds": cert.reference_seconds},
