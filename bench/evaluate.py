@@ -1,9 +1,11 @@
-"""Items/s of downstream scoring, packed vs unpacked rows, on the same items (trainer.tasks.scoring).
+"""Items/s of downstream scoring, tree vs packed vs unpacked rows, on the same items (trainer.tasks.scoring).
 
-Not a test. Every query + choice is one sequence; packed puts several in a row of max_seq_len (documents isolated),
-unpacked gives each its own row, padded to the micro-batch's longest (what harnesses do). Both run the same
-forward budget (--batch-tokens positions a forward). The log-likelihoods of the two must agree (max |diff| is
-printed); rounds alternate the layouts and the median of each is reported, with the ratio.
+Not a test. Packed and unpacked score every query + choice as one sequence; packed puts several in a row of
+max_seq_len (documents isolated), unpacked gives each its own row, padded to the micro-batch's longest (what
+harnesses do); tree lays out an item's query once with its choices as branches (trainer.data.batch.Tree). All run
+the same forward budget (--batch-tokens positions a forward). The log-likelihoods must agree with packed's (max
+|diff| is printed); rounds rotate the layouts' order and the median of each is reported, with the ratios, and the
+forward positions per item (real tokens, and allocated: padding included).
 
 Items: a checkpoint or export with --checkpoint and --tasks (files or built-ins, as `python -m trainer.evaluate`
 takes them), or by default synthetic 4-choice items (queries of 16..160 tokens, choices of 4..32, lengths
@@ -29,9 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data.feed import eval_batches  # noqa: E402
+from trainer.data.packing import OnlinePacker  # noqa: E402
 from trainer.model import GPT, AttentionConfig, GPTConfig  # noqa: E402
 from trainer.model.attention import resolve_backend  # noqa: E402
-from trainer.tasks.scoring import Candidate, score, task_sequences  # noqa: E402
+from trainer.tasks.scoring import Candidate, score, task_sequences, trees_of  # noqa: E402
+
+LAYOUTS = ("tree", "packed", "unpacked")
 
 PAD_ID = 1
 
@@ -60,6 +65,18 @@ def from_checkpoint(args: argparse.Namespace) -> tuple[GPT, list[Candidate], int
     seqs = [s for t in tasks for s in task_sequences(t, lambda x: tok.encode(x, add_special_tokens=False).ids,
                                                      model.cfg.max_seq_len)]
     return model, seqs, special_ids(tok, tok_dir).pad, sum(len(t.items) for t in tasks)
+
+
+def forward_positions(seqs: list[Candidate], row_len: int, batch_tokens: int, pad: int) -> dict[str, tuple[int, int]]:
+    """{layout: (real token positions, allocated positions)} the forwards of each layout compute."""
+    docs = [s.document(i) for i, s in enumerate(seqs)]
+    out = {layout: (sum(b.num_tokens for b in batches), sum(b.num_allocated for b in batches))
+           for layout in ("packed", "unpacked")
+           for batches in [eval_batches(docs, 0, 1, row_len, layout, batch_tokens, pad)]}
+    trees = [tree.document() for tree, _ in trees_of(seqs, row_len)]
+    rows = list(OnlinePacker(row_len, buffer_size=max(1, len(trees))).pack(trees))
+    out["tree"] = (sum(len(t) for t in trees), len(rows) * row_len)
+    return out
 
 
 def main() -> None:
@@ -102,29 +119,32 @@ def main() -> None:
             torch.cuda.synchronize()
         return items / (time.perf_counter() - t0), lls
 
-    run("packed"), run("unpacked")  # warm-up
-    rates: dict[str, list[float]] = {"packed": [], "unpacked": []}
+    for layout in LAYOUTS:  # warm-up
+        run(layout)
+    rates: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
     lls = {}
     for r in range(args.rounds):
-        for layout in (("packed", "unpacked") if r % 2 == 0 else ("unpacked", "packed")):
+        for layout in LAYOUTS[r % 3:] + LAYOUTS[:r % 3]:  # each layout first once in three rounds
             rate, lls[layout] = run(layout)
             rates[layout].append(rate)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    diff = float(np.abs(np.array(lls["packed"]) - np.array(lls["unpacked"])).max())
-    lengths = [len(s.query) + len(s.choice) for s in seqs]
-    docs = [s.document(i) for i, s in enumerate(seqs)]
-    fill = {layout: sum(lengths) / sum(b.num_allocated for b in eval_batches(
-        docs, 0, 1, model.cfg.max_seq_len, layout, args.batch_tokens, pad)) for layout in rates}
-    result = {"items": items, "sequences": len(seqs), "mean_tokens": statistics.mean(lengths),
-              "max_seq_len": model.cfg.max_seq_len, "params": model.num_params(), "backend": model.attention.backend,
-              "device": str(device), "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-              "items_per_s": med, "rounds": rates, "packed_over_unpacked": med["packed"] / med["unpacked"],
-              "max_abs_ll_diff": diff, "real_token_share": fill}
-    print(f"{items} items, {len(seqs)} sequences of {result['mean_tokens']:.0f} tokens on average, rows of "
-          f"{model.cfg.max_seq_len}, {model.num_params() / 1e6:.1f} M params, {model.attention.backend}, {device}")
+    diff = {layout: float(np.abs(np.array(lls[layout]) - np.array(lls["packed"])).max()) for layout in LAYOUTS}
+    positions = forward_positions(seqs, model.cfg.max_seq_len, args.batch_tokens, pad)
+    result = {"items": items, "sequences": len(seqs), "max_seq_len": model.cfg.max_seq_len,
+              "params": model.num_params(), "backend": model.attention.backend, "device": str(device),
+              "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+              "items_per_s": med, "rounds": rates, "tree_over_packed": med["tree"] / med["packed"],
+              "packed_over_unpacked": med["packed"] / med["unpacked"], "max_abs_ll_diff_vs_packed": diff,
+              "positions_per_item": {k: {"real": r / items, "allocated": a / items} for k, (r, a) in positions.items()}}
+    print(f"{items} items, {len(seqs)} sequences, rows of {model.cfg.max_seq_len}, {model.num_params() / 1e6:.1f} M "
+          f"params, {model.attention.backend}, {device}")
     for layout, rate in med.items():
-        print(f"  {layout:9s} {rate:8.1f} items/s, {fill[layout]:.0%} of positions real  (rounds: {', '.join(f'{x:.1f}' for x in rates[layout])})")
-    print(f"  packed / unpacked = {result['packed_over_unpacked']:.2f}x; max |ll packed - ll unpacked| = {diff:.2g}")
+        real, allocated = (x / items for x in positions[layout])
+        print(f"  {layout:9s} {rate:8.1f} items/s, forward positions per item {real:6.1f} real, {allocated:6.1f} "
+              f"allocated (rounds: {', '.join(f'{x:.1f}' for x in rates[layout])}); max |ll - packed| {diff[layout]:.2g}")
+    tree_share = positions["tree"][0] / positions["packed"][0]
+    print(f"  tree / packed = {result['tree_over_packed']:.2f}x items/s at {tree_share:.2f}x the real positions; "
+          f"packed / unpacked = {result['packed_over_unpacked']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

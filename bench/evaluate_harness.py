@@ -1,5 +1,5 @@
-"""Items/s of one multiple-choice task through lm-evaluation-harness: packtrain's model (trainer.harness, packed
-and unpacked rows) against lm-eval's own Hugging Face backend (`hf`, batches padded) on the exported model.
+"""Items/s of one multiple-choice task through lm-evaluation-harness: packtrain's model (trainer.harness, tree,
+packed and unpacked rows) against lm-eval's own Hugging Face backend (`hf`, batches padded) on the exported model.
 
 Not a test. The task is written as an llm-foundry jsonl file and a task YAML (`target_delimiter: ""`, as
 packtrain's task files), so all three score the same (query, choice) pairs; their accuracies are printed beside
@@ -85,13 +85,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         n = write_task(args, root)
-        times: dict[str, list[float]] = {"packed": [], "unpacked": [], "hf": []}
+        times: dict[str, list[float]] = {"tree": [], "packed": [], "unpacked": [], "hf": []}
         accs: dict[str, float] = {}
         names = list(times)
         for backend in names:  # warm-up: imports, the dataset's cache, first-call allocations
             run(backend, args, root)
         for r in range(args.rounds):
-            for backend in names[r % 3:] + names[:r % 3]:  # rotated: no backend always first
+            for backend in names[r % 4:] + names[:r % 4]:  # rotated: no backend always first
                 seconds, accs[backend] = run(backend, args, root)
                 times[backend].append(seconds)
     print(f"# {n} items x 4 choices, {platform.processor() or platform.machine()}, torch {torch.__version__}, "

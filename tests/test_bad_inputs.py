@@ -100,6 +100,10 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"train.eval_tasks scores through the unwrapped model, which distributed.engine=fsdp2 shards: use "
      r"distributed=ddp, or score the run's checkpoints with python -m trainer.evaluate"),
     ("train.eval_tasks_every", ("train.eval_tasks_every=-2",), r"train.eval_tasks_every must be null or >= 0, got -2"),
+    ("train.eval_tasks_layout", ("train.eval_tasks_layout=dense",),  # issue 57
+     r"train.eval_tasks_layout must be tree, packed or unpacked, got 'dense'"),
+    ("train.eval_tasks", ("train.eval_tasks=[cloze]", "attention=flash"),  # issue 57: a tree layout refused at start
+     r"train.eval_tasks_layout=tree scores each item as a tree .* attention=flash cannot express"),
     ("train.on_nonfinite", ("train.on_nonfinite=ignore",), r"train.on_nonfinite must be 'stop' or 'skip'"),
     ("train.on_nonfinite", ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"),
      r"train.on_nonfinite=skip needs distributed.engine=ddp"),

@@ -27,7 +27,7 @@ def scored(checkpoint, tmp_path_factory) -> dict:
     task_file = tmp / "mine.jsonl"
     task_file.write_text("".join(json.dumps(row) + "\n" for row in FILE_TASK))
     out = {}
-    for layout in ("packed", "unpacked"):
+    for layout in ("packed", "unpacked", "tree"):
         code = main([str(checkpoint), "--tasks", "continuation4", "cloze", str(task_file), "--packing", layout,
                      "--builtin-docs", "24", "--out", str(tmp / f"{layout}.json")])
         assert code == 0
@@ -54,6 +54,17 @@ def test_packed_and_unpacked_give_the_same_scores(scored):
         other = scored["unpacked"]["tasks"][name]
         for a, b in zip(task["items"], other["items"], strict=True):
             assert a["loglikelihoods"] == pytest.approx(b["loglikelihoods"], abs=1e-5)
+
+
+def test_the_tree_layout_gives_the_packed_scores_on_the_builtins_and_a_task_file(scored):
+    """Issue 57: each item's query once, its choices as branches: the packed layout's log-likelihoods to 4e-6 and
+    the same greedy matches, on continuation4, cloze (one choice an item: a one-branch tree) and the task file."""
+    assert scored["tree"]["packing"] == "tree"
+    for name, task in scored["packed"]["tasks"].items():
+        other = scored["tree"]["tasks"][name]
+        assert task["metrics"]["acc"] == other["metrics"]["acc"]
+        for a, b in zip(task["items"], other["items"], strict=True):
+            assert a["loglikelihoods"] == pytest.approx(b["loglikelihoods"], abs=4e-6)
 
 
 def test_the_table_has_a_line_per_task(checkpoint, tmp_path, capsys):

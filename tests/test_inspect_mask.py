@@ -23,6 +23,7 @@ from trainer.data.tokenizer import load_tokenizer, special_ids
 from trainer.inspect_mask import (
     DocumentSet,
     inspect_row,
+    inspect_trees,
     main,
     synthetic_documents,
     text_documents,
@@ -123,6 +124,20 @@ def test_seed_example_by_hand() -> None:
     assert predicts == ["a1", "a2", None, "b1", None, "c1", "c2", "c3", "c4", None, "d1", None]
 
 
+def test_a_tree_by_hand() -> None:
+    """--tree 3:2,1 (issue 57): the query once, each choice reading it and itself, positions continuing from the
+    query's end in each branch, q2 predicting both first tokens; the right panel is the leak (one causal mask)."""
+    data = inspect_trees([(3, [2, 1])], row_len=8)
+    assert data["tokens"] == ["q0", "q1", "q2", "a0", "a1", "b0", "<pad>", "<pad>"]
+    assert data["position_ids_reset"] == [0, 1, 2, 3, 4, 3, 0, 1]
+    assert data["branches"] == [0, 0, 0, 1, 1, 2, 0, 0]
+    assert data["predicts"] == [[], [], [3, 5], [4], [], [], [], []]
+    assert data["labels"] == [-100, -100, -100, 4, 5, 6, -100, -100]
+    assert data["mask_isolated"][5] == [1, 1, 1, 0, 0, 1, 0, 0]  # b0 reads the query and itself, not a0 a1
+    assert data["mask_causal"][5] == [1, 1, 1, 1, 1, 1, 0, 0]
+    assert data["cu_seqlens"] == [0, 6, 8]
+
+
 def test_padding_tail_is_its_own_segment() -> None:
     data = inspect_row(synthetic_documents(SEED_LENGTHS), row_len=14)
     assert data["tokens"][12:] == ["<pad>", "<pad>"]
@@ -159,6 +174,9 @@ def test_cli_writes_both_files_and_prints_their_paths(tmp_path: Path) -> None:
         (["--lengths", "3,x"], "expected comma-separated integers"),
         (["--lengths", "3,0"], "at least one token"),
         (["--text", "a||b"], "piece 1"),
+        (["--tree", "4-2,3"], "expected QUERY:CHOICE,CHOICE,..."),
+        (["--tree", "4:2,0"], "at least one token"),
+        (["--tree", "4:2", "--row-len", "5"], "the trees hold 6 tokens"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv: list[str], says: str, tmp_path: Path, capsys) -> None:
@@ -236,6 +254,24 @@ def test_hover_highlights_exactly_the_allowed_cells_and_the_target(browser, seed
     assert shown == predicts
     targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target')).map(c => +c.dataset.t);")
     assert targets == ([] if predicts == "none" else [t + 1])
+    assert console_errors(browser) == []
+
+
+def test_a_tree_page_in_browser(browser, tmp_path: Path) -> None:
+    """Hovering the query's last token marks every choice's first token as what it predicts; hovering a later
+    choice's token lights the query and that choice only."""
+    data = inspect_trees([(4, [2, 3, 1])])
+    _, html_path = write_outputs(data, tmp_path)
+    browser.get(html_path.as_uri())
+    assert console_errors(browser) == []
+    assert browser.execute_script("return document.getElementById('title-isolated').textContent;") == \
+        data["panels"][0]
+    hover(browser, "#row td.tok[data-t='3']")  # q3
+    assert browser.execute_script("return document.getElementById('hover-target').textContent;") == "a0, b0, c0"
+    targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target')).map(c => +c.dataset.t);")
+    assert targets == [4, 6, 9]
+    hover(browser, "#grid-isolated th.qhead[data-t='8']")  # b2
+    assert highlighted(browser, "grid-isolated") == [(8, k) for k in (0, 1, 2, 3, 6, 7, 8)]
     assert console_errors(browser) == []
 
 

@@ -86,6 +86,9 @@ class TrainConfig:
     eval_tasks_every: int | None = None
     """Score train.eval_tasks every N steps and at the end; None: at the held-out eval's cadence (train.eval_every),
     0: at the end only."""
+    eval_tasks_layout: str = "tree"
+    """How train.eval_tasks are scored (trainer.tasks.scoring.LAYOUTS): tree (an item's query once, its choices as
+    branches), packed or unpacked; the same scores in every layout."""
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: 'stop' (exit with the step number, nothing applied, no
     checkpoint of it) or 'skip' (no update on any rank; optimizer and schedule untouched; counted)."""
@@ -111,6 +114,8 @@ class TrainConfig:
             raise ValueError(f"train.eval_layout must be 'packed' or 'unpacked', got {self.eval_layout!r}")
         if not isinstance(self.eval_tasks, list) or not all(isinstance(t, str) and t for t in self.eval_tasks):
             raise ValueError(f"train.eval_tasks must be a list of task files or built-in names, got {self.eval_tasks!r}")
+        if self.eval_tasks_layout not in ("tree", "packed", "unpacked"):
+            raise ValueError(f"train.eval_tasks_layout must be tree, packed or unpacked, got {self.eval_tasks_layout!r}")
         if self.eval_tasks_every is not None and self.eval_tasks_every < 0:
             raise ValueError(f"train.eval_tasks_every must be null or >= 0, got {self.eval_tasks_every}")
         if self.eval_every < 0 or (self.eval_docs is not None and self.eval_docs < 1):
@@ -316,6 +321,11 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
     if cfg.distributed.engine == "fsdp2" and cfg.distributed.offload and on_cpu:
         problems.append("distributed.offload=true keeps FSDP2's shards on the CPU between uses, and this run's device "
                         "is the CPU already: drop it (or run on CUDA)")
+    if cfg.train.eval_tasks and cfg.train.eval_tasks_layout == "tree" and cfg.attention.backend in (
+            "flash", "torch_varlen"):
+        problems.append(f"train.eval_tasks_layout=tree scores each item as a tree (its choices must not see each "
+                        f"other), which attention={cfg.attention.backend} cannot express: use attention=auto (it "
+                        "scores trees on flex or sdpa_docs) or train.eval_tasks_layout=packed")
     if cfg.model.max_seq_len < cfg.train.seq_len:
         problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")

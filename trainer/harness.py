@@ -36,7 +36,7 @@ from trainer.errors import UserError, command
 from trainer.generate import check_device, generate, load
 from trainer.model.attention import resolve_backend
 from trainer.outputs import check_out_file, write_json_output, written_by
-from trainer.tasks.scoring import Candidate, score
+from trainer.tasks.scoring import LAYOUTS, Candidate, score
 
 
 class HarnessError(UserError):
@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="let --include-path's YAMLs run Python (lm-eval's !function tags import files from it)")
     p.add_argument("--limit", type=int, default=None, help="at most this many items per task")
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--packing", choices=("packed", "unpacked"), default="packed")
+    p.add_argument("--packing", choices=LAYOUTS, default="packed")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None, help="write lm-eval's results as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")

@@ -3,6 +3,7 @@
     python -m trainer.inspect_mask --lengths 3,2,5,2                      # synthetic documents a, b, c, d
     python -m trainer.inspect_mask --text "def f():|return 1|x = 2"       # real tokens, the run's tokenizer
     python -m trainer.inspect_mask --lengths 3,2,5,2 --row-len 14 --out /tmp/insp   # 2 padding positions
+    python -m trainer.inspect_mask --tree "4:2,3,1;2:1,1"                # two multiple-choice items as trees
 
 Writes mask.png (two panels: isolated documents vs one causal mask per row) and mask.html (a self-contained
 page: both matrices, tokens, positions, labels, cu_seqlens; hovering a token highlights what it may read and
@@ -18,6 +19,11 @@ Worked example, the seed's --lengths 3,2,5,2 (T = 12):
     cu_seqlens   = [0, 3, 5, 10, 12] (int32)   max_seqlen = 5
     b1 (t = 4) may read b0 b1 when isolated, a0 .. b1 under one causal mask; it predicts nothing
     (labels[5] = -100: c0 starts a new document). a1 (t = 1) predicts a2.
+
+--tree "4:2,3,1" shows the scoring layout `tree` (trainer.data.batch.collate_trees, the mask of
+trainer.model.attention.TreeSegments): a query q0..q3 computed once, then choices a, b, c as branches, each reading
+the query and itself (left panel) instead of the choices before it (right: one causal mask per tree, a leak);
+positions continue from the query's end in every branch, and q3 predicts a0, b0 and c0.
 """
 
 from __future__ import annotations
@@ -35,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.data.batch import IGNORE_INDEX, Batch, Document, collate_rows
+from trainer.data.batch import IGNORE_INDEX, Batch, Document, Tree, collate_rows, collate_trees
 from trainer.errors import UserError, command
-from trainer.model.attention import block_diagonal_mask, document_ids
+from trainer.model.attention import TreeSegments, block_diagonal_mask, document_ids
 from trainer.outputs import check_not_inside_input
 
 DEFAULT_TOKENIZER = "data/demo/tokenizer"
@@ -185,6 +191,67 @@ def inspect_row(doc_set: DocumentSet, row_len: int | None = None) -> dict:
     }
 
 
+def parse_trees(text: str) -> list[tuple[int, list[int]]]:
+    """'4:2,3,1;2:1,1' -> [(4, [2, 3, 1]), (2, [1, 1])]: trees of a query length and its choices' lengths."""
+    out = []
+    for piece in text.split(";"):
+        query, _, choices = piece.strip().partition(":")
+        if not query.strip().isdigit() or not choices:
+            raise InspectError(f"--tree {text!r}: expected QUERY:CHOICE,CHOICE,... per tree (';' between trees), "
+                               "like 4:2,3,1")
+        out.append((int(query), parse_lengths(choices)))
+        if out[-1][0] < 1:
+            raise InspectError(f"--tree {text!r}: every query needs at least one token")
+    return out
+
+
+def inspect_trees(spec: Sequence[tuple[int, Sequence[int]]], row_len: int | None = None) -> dict:
+    """What the page shows for one row of trees (the `tree` scoring layout), from collate_trees and TreeSegments.
+    Tree k's query tokens are named q{k}_j (q_j for a single tree), its choices' tokens by letter: a0 a1, b0, ...
+    The left panel is the tree mask; the right one the same trees as one causal document each (the leak the
+    branch condition prevents). `predicts` lists, per position, the positions whose tokens its logits score."""
+    names, trees, next_id = ["<pad>"], [], 1
+    for k, (query, choices) in enumerate(spec):
+        tag = "" if len(spec) == 1 else str(k)
+        names += [f"q{tag}_{j}" if tag else f"q{j}" for j in range(query)]
+        trunk = np.arange(next_id, next_id + query, dtype=np.int64)
+        next_id += query
+        branches = []
+        for c, n in enumerate(choices):
+            names += [f"{doc_name(c)}{tag}_{j}" if tag else f"{doc_name(c)}{j}" for j in range(n)]
+            branches.append(np.arange(next_id, next_id + n, dtype=np.int64))
+            next_id += n
+        trees.append(Tree(key=str(k), trunk=trunk, branches=tuple(branches)))
+    total = sum(len(t) for t in trees)
+    row_len = total if row_len is None else row_len
+    if row_len < total or row_len > MAX_ROW_LEN:
+        raise InspectError(f"--row-len {row_len}: the trees hold {total} tokens and the inspector draws at most "
+                           f"{MAX_ROW_LEN}")
+    batch = collate_trees([trees], row_len, 0)
+    tree_mask = TreeSegments(batch.cu_seqlens, batch.max_seqlen, batch.branches.reshape(-1)).dense_mask(
+        torch.device("cpu"))
+    input_ids, predictors = batch.input_ids[0].tolist(), batch.predictors[0].tolist()
+    predicts = [[p for p, source in enumerate(predictors) if source == t] for t in range(row_len)]
+    return {
+        "tokens": [names[i] for i in input_ids],
+        "input_ids": input_ids,
+        "position_ids_reset": batch.position_ids[0].tolist(),
+        "position_ids_continuous": list(range(row_len)),
+        "labels": batch.labels[0].tolist(),
+        "targets": [input_ids[p[0]] if p else None for p in predicts],
+        "predicts": predicts,
+        "branches": batch.branches[0].tolist(),
+        "cu_seqlens": batch.cu_seqlens.tolist(),
+        "max_seqlen": batch.max_seqlen,
+        "segment_ids": document_ids(batch.cu_seqlens, row_len).tolist(),
+        "num_docs": batch.num_docs,
+        "num_tokens": batch.num_tokens,
+        "mask_isolated": tree_mask.int().tolist(),
+        "mask_causal": block_diagonal_mask(cu_seqlens=batch.cu_seqlens).int().tolist(),
+        "panels": ["tree: each choice reads the query and itself", "one causal mask per tree (choices leak)"],
+    }
+
+
 # ---------------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------------
@@ -201,7 +268,8 @@ def render_png(data: dict) -> bytes:
     T = len(data["tokens"])
     side = min(14.0, max(4.0, 0.32 * T + 1.5))  # inches per panel
     fig, axes = plt.subplots(1, 2, figsize=(2 * side, side + 0.8), constrained_layout=True)
-    panels = (("mask_isolated", "isolated documents (block-diagonal causal)"), ("mask_causal", "one causal mask per row"))
+    titles = data.get("panels") or ["isolated documents (block-diagonal causal)", "one causal mask per row"]
+    panels = (("mask_isolated", titles[0]), ("mask_causal", titles[1]))
     for ax, (key, title) in zip(axes, panels, strict=True):
         ax.imshow(data[key], cmap=ListedColormap(["#eef1f5", "#2f6fb0"]), vmin=0, vmax=1, interpolation="nearest")
         _draw_axes(ax, data, title)
@@ -280,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="documents separated by --sep, tokenized with the run's tokenizer + EOS")
     src.add_argument("--lengths", help="synthetic document lengths, e.g. 3,2,5,2")
+    src.add_argument("--tree", help="the tree scoring layout: QUERY:CHOICE,CHOICE,... lengths per item, ';' between "
+                                    "items, e.g. 4:2,3,1")
     p.add_argument("--sep", default="|", help="document separator for --text (default: |)")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=f"tokenizer directory (default: {DEFAULT_TOKENIZER})")
     p.add_argument("--row-len", type=int, default=None, help="row length T (default: the documents' total)")
@@ -290,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
 @command(extra_user_errors=(OSError,))  # OSError: --out cannot be written
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tree is not None:
+        paths = write_outputs(inspect_trees(parse_trees(args.tree), args.row_len), args.out)
+        for path in paths:
+            print(path)
+        return 0
     if args.lengths is not None:
         doc_set = synthetic_documents(parse_lengths(args.lengths))
     else:
@@ -352,8 +427,8 @@ _PAGE = r"""<!DOCTYPE html>
   <span><i class="sw" style="background:#d0342c"></i>document boundary (cu_seqlens)</span>
 </div>
 <div class="grids">
-  <div><h2>Isolated documents (block-diagonal causal)</h2><table class="grid" id="grid-isolated"></table></div>
-  <div><h2>One causal mask per row</h2><table class="grid" id="grid-causal"></table></div>
+  <div><h2 id="title-isolated">Isolated documents (block-diagonal causal)</h2><table class="grid" id="grid-isolated"></table></div>
+  <div><h2 id="title-causal">One causal mask per row</h2><table class="grid" id="grid-causal"></table></div>
 </div>
 
 <h2>Figure (mask.png)</h2>
@@ -436,10 +511,15 @@ function clearMarks() {
   }
 }
 
+function predicted(t) {  // the positions whose tokens t's logits score (a tree's query end scores every choice's first)
+  if (D.predicts) return D.predicts[t];
+  return D.targets[t] === null ? [] : [t + 1];
+}
+
 function describe(t) {
   const n = D.mask_isolated[t].reduce((a, b) => a + b, 0);
   const m = D.mask_causal[t].reduce((a, b) => a + b, 0);
-  const target = D.targets[t] === null ? "none" : D.tokens[t + 1];
+  const target = predicted(t).length ? predicted(t).map((i) => D.tokens[i]).join(", ") : "none";
   const box = document.getElementById("hover");
   box.textContent = "";
   box.append("t = " + t + " ", el("code", D.tokens[t]), " (segment " + D.segment_ids[t] + ", position " +
@@ -460,7 +540,7 @@ function highlight(t) {
     document.querySelector("#" + id + " th[data-t=\"" + t + "\"]").classList.add("query");
   }
   document.querySelector("#row td.tok[data-t=\"" + t + "\"]").classList.add("query");
-  if (D.targets[t] !== null) document.querySelector("#row td.tok[data-t=\"" + (t + 1) + "\"]").classList.add("target");
+  for (const i of predicted(t)) document.querySelector("#row td.tok[data-t=\"" + i + "\"]").classList.add("target");
   document.body.dataset.hovered = t;
   describe(t);
 }
@@ -470,6 +550,10 @@ function onPoint(event) {
   if (e && e.matches("td.tok, th.qhead")) highlight(Number(e.dataset.t));
 }
 
+if (D.panels) {
+  document.getElementById("title-isolated").textContent = D.panels[0];
+  document.getElementById("title-causal").textContent = D.panels[1];
+}
 buildRow();
 buildGrid("grid-isolated", D.mask_isolated);
 buildGrid("grid-causal", D.mask_causal);

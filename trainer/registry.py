@@ -69,6 +69,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "train.eval_tasks": (SAME_OBJECTIVE, "downstream scores: the model in eval mode, no random number drawn, no "
                                          "training document read"),
     "train.eval_tasks_every": (SAME_OBJECTIVE, "the downstream scores' cadence, like train.eval_every"),
+    "train.eval_tasks_layout": (SAME_OBJECTIVE, "how the downstream tasks are scored: the same scores in every layout"),
     "train.on_nonfinite": (SAME_OBJECTIVE, "decides only what a non-finite step does; finite steps are the same"),
     "train.activation_checkpointing": (SAME_OBJECTIVE, "recomputes activations: same loss and gradients"),
     "tokenizer.add_tokens": (OTHER, "a larger vocabulary"),

@@ -156,6 +156,14 @@ def candidates():
             for q, c in ((5, 3), (9, 1), (2, 7), (12, 4), (3, 3), (7, 6))]
 
 
+def shared_queries():
+    """Candidates that share their queries, as an item's choices do (the tree layout's trunks)."""
+    from trainer.tasks.scoring import Candidate
+
+    cands = candidates()
+    return cands + [Candidate(cands[3].query, choice.choice) for choice in cands[:3]]
+
+
 def _score_rank(rank, world):
     """Task scoring (trainer.tasks.scoring.score, as train.eval_tasks runs it) on a model split over 2 tensor ranks."""
     from trainer.tasks.scoring import score
@@ -166,9 +174,12 @@ def _score_rank(rank, world):
     model = build_model(GPTConfig(**GPT2), AttentionConfig(backend="sdpa_docs"), meta=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 0.0, "fp32")
-    got = score(model, candidates(), "packed", 0, 64, "cpu", info.dims.loss_rank, info.dims.loss_size,
-                info.loss_group)
-    return got.loglikelihoods, got.greedy
+    out = {}
+    for layout in ("packed", "tree"):
+        got = score(model, shared_queries(), layout, 0, 64, "cpu", info.dims.loss_rank, info.dims.loss_size,
+                    info.loss_group)
+        out[layout] = got.loglikelihoods, got.greedy
+    return out
 
 
 META = [("gpt2", "ddp", 1, 1), ("llama", "ddp", 2, 2), ("gpt2", "ddp", 2, 2), ("llama", "fsdp2", 1, 2),
@@ -399,15 +410,17 @@ def test_a_meta_build_has_the_one_rank_weights_bit_for_bit(spawned, i):
 
 def test_task_scoring_on_a_split_model_is_the_one_rank_scoring(spawned):
     """train.eval_tasks under tensor parallelism: the tensor group scores the same rows together, the logits gathered
-    over the vocabulary shards; every choice's log-likelihood and greedy match == the one-rank model's."""
+    over the vocabulary shards; every choice's log-likelihood and greedy match == the one-rank model's, packed and in
+    the tree layout (issue 57)."""
     from trainer.tasks.scoring import score
 
     torch.manual_seed(0)
     model = build_model(GPTConfig(**GPT2), AttentionConfig(backend="sdpa_docs"))
-    want = score(model, candidates(), "packed", 0, 64, "cpu")
-    for lls, greedy in spawned[4 + len(META)]:
-        np.testing.assert_allclose(lls, want.loglikelihoods, rtol=1e-6)
-        assert greedy == want.greedy
+    want = score(model, shared_queries(), "packed", 0, 64, "cpu")
+    for ranks in spawned[4 + len(META)]:
+        for lls, greedy in ranks.values():
+            np.testing.assert_allclose(lls, want.loglikelihoods, rtol=1e-6)
+            assert greedy == want.greedy
 
 
 def _step_docs(name: str, step: int, data_rank: int) -> list[torch.Tensor]:

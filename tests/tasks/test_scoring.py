@@ -17,8 +17,9 @@ from tests.harness import require_module, run_distributed
 from tests.helpers import LLAMA3, MODEL, PAD, SEQ_LEN, hf_tokenizer_dir
 from trainer.data.tokenizer import FramedTokenizer
 from trainer.model import GPT, AttentionConfig
+from trainer.model.attention import BackendUnavailable, TreeSegments
 from trainer.tasks.metrics import first_best, item_records, mean_stderr, task_metrics
-from trainer.tasks.scoring import Candidate, score, task_sequences
+from trainer.tasks.scoring import Candidate, score, task_sequences, trees_of
 from trainer.tasks.tasks import LANGUAGE_MODELING, MULTIPLE_CHOICE, Item, Task, TaskFileError
 
 TOL = 1e-5
@@ -85,17 +86,111 @@ def test_packed_scoring_refuses_a_model_whose_documents_see_each_other():
         score(model, random_candidates(2), "packed", PAD, batch_tokens=SEQ_LEN)
 
 
-def _score_on_rank(rank: int, world_size: int) -> list[float]:
+def _score_on_rank(rank: int, world_size: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
-    return score(tiny_model(), random_candidates(9), "packed", PAD, SEQ_LEN, rank=rank,
-                 world_size=world_size).loglikelihoods
+    return {layout: score(tiny_model(), cands, layout, PAD, SEQ_LEN, rank=rank, world_size=world_size).loglikelihoods
+            for layout, cands in (("packed", random_candidates(9)), ("tree", items(5)))}
 
 
 def test_two_ranks_split_the_items_and_gather_the_same_scores():
+    """Packed and tree: each rank scores its share (trees whole), the all-reduce gives both ranks every score."""
     results = run_distributed(_score_on_rank, world_size=2)
-    alone = score(tiny_model(), random_candidates(9), "packed", PAD, SEQ_LEN).loglikelihoods
     assert results[0] == results[1]
-    assert np.abs(np.array(results[0]) - np.array(alone)).max() <= TOL
+    alone = score(tiny_model(), random_candidates(9), "packed", PAD, SEQ_LEN).loglikelihoods
+    assert np.abs(np.array(results[0]["packed"]) - np.array(alone)).max() <= TOL
+    alone = score(tiny_model(), items(5), "packed", PAD, SEQ_LEN).loglikelihoods
+    assert np.abs(np.array(results[0]["tree"]) - np.array(alone)).max() <= TREE_TOL
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tree layout: an item's query once, its choices as branches (issue 57)
+# ---------------------------------------------------------------------------------------------------
+
+TREE_TOL = 4e-6
+
+
+def items(n: int, seed: int = 0, query: tuple[int, int] = (1, 13), choices: int = 4,
+          shared_prefix: int = 0) -> list[Candidate]:
+    """`n` items of `choices` candidates sharing one query (query lengths in [query), choices of 1..6 tokens after
+    `shared_prefix` tokens that every choice of the item starts with)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        q = tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=rng.integers(*query)))
+        prefix = tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=shared_prefix))
+        out += [Candidate(q, prefix + tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=rng.integers(1, 7))))
+                for _ in range(choices)]
+    return out
+
+
+TREE_CASES = {
+    "short items": items(12),
+    "long contexts": items(6, seed=1, query=(18, 25)),  # query + 4 choices > SEQ_LEN: an item over several trees
+    "shared prefixes": items(8, seed=2, shared_prefix=3),
+    "unordered": [c for pair in zip(items(4, seed=3), items(4, seed=4), strict=True) for c in pair],  # interleaved
+}
+
+
+@pytest.mark.parametrize("backend", ["sdpa_docs", "dense"])
+@pytest.mark.parametrize("case", list(TREE_CASES))
+def test_the_tree_layout_equals_packed_and_each_choice_alone(backend, case):
+    """Per-choice log-likelihoods and greedy matches of the tree layout: the packed layout's and each (query + choice)
+    alone in plain PyTorch, to 4e-6; several trees a row, several rows a forward."""
+    model = tiny_model(backend)
+    cands = TREE_CASES[case]
+    tree = score(model, cands, "tree", PAD, batch_tokens=2 * SEQ_LEN)
+    packed = score(model, cands, "packed", PAD, batch_tokens=2 * SEQ_LEN)
+    ref = [reference(model, c) for c in cands]
+    assert np.abs(np.array(tree.loglikelihoods) - np.array([r[0] for r in ref])).max() <= TREE_TOL
+    assert np.abs(np.array(tree.loglikelihoods) - np.array(packed.loglikelihoods)).max() <= TREE_TOL
+    assert tree.greedy == packed.greedy == [r[1] for r in ref]
+
+
+def test_the_tree_layout_on_flex():
+    model = tiny_model("flex")
+    cands = items(3, seed=5)
+    ref = [reference(model, c)[0] for c in cands]
+    assert np.abs(np.array(score(model, cands, "tree", PAD, SEQ_LEN).loglikelihoods) - ref).max() <= TREE_TOL
+
+
+def test_the_trees_share_each_query_once_and_split_only_what_does_not_fit():
+    cands = TREE_CASES["long contexts"] + TREE_CASES["unordered"]
+    trees = trees_of(cands, SEQ_LEN)
+    assert sorted(m for _, members in trees for m in members) == list(range(len(cands)))
+    assert all(len(tree) <= SEQ_LEN for tree, _ in trees)
+    assert all(all(cands[m].query == tuple(tree.trunk) for m in members) for tree, members in trees)
+    short = trees_of(TREE_CASES["short items"], SEQ_LEN)
+    assert len(short) == 12  # 4 choices of an item in one tree each: the query computed once, not 4 times
+    forward = sum(len(tree) for tree, _ in short)
+    assert forward < sum(len(c.query) + len(c.choice) for c in TREE_CASES["short items"])
+
+
+def test_changing_one_choice_moves_no_sibling_and_the_probe_sees_a_leak(monkeypatch):
+    """The leakage probe: one choice's tokens changed, its siblings' log-likelihoods do not move (its own does).
+    With the branch condition dropped from the mask (every branch sees the branches before it), they do: the test
+    can tell."""
+    model = tiny_model("dense")
+    cands = items(4, seed=6)
+    changed = list(cands)
+    changed[1] = Candidate(cands[1].query, tuple((t + 5) % MODEL.vocab_size or 2 for t in cands[1].choice))
+
+    def moved() -> np.ndarray:
+        a = np.array(score(model, cands, "tree", PAD, SEQ_LEN).loglikelihoods)
+        b = np.array(score(model, changed, "tree", PAD, SEQ_LEN).loglikelihoods)
+        return np.abs(a - b)
+
+    delta = moved()
+    assert delta[1] > 1e-3 and np.delete(delta, 1).max() <= 1e-6
+    monkeypatch.setattr(TreeSegments, "dense_mask", lambda self, device: self.segments.dense_mask(device))
+    leaky = moved()
+    assert leaky[2] > 1e-4 or leaky[3] > 1e-4  # a later sibling of choice 1 now reads it
+
+
+def test_a_varlen_kernel_is_refused_for_trees_naming_the_kernels_that_work():
+    model = tiny_model()
+    model.attention.backend = "flash"
+    with pytest.raises(BackendUnavailable, match="cannot score the tree layout.*sdpa_docs, dense, flex"):
+        score(model, items(1), "tree", PAD, SEQ_LEN)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,7 +222,7 @@ def memorizer() -> GPT:
     return model.eval()
 
 
-@pytest.mark.parametrize("layout", ["packed", "unpacked"])
+@pytest.mark.parametrize("layout", ["packed", "unpacked", "tree"])
 def test_a_model_that_memorized_the_sentences_picks_them(memorizer, layout):
     cut = 8
     mc = Task("memory", MULTIPLE_CHOICE, tuple(Item(s[:cut], tuple(t[cut:] for t in SENTENCES), gold=k)

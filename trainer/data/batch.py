@@ -96,7 +96,7 @@ class Batch:
     max_seqlen: int
     """Longest segment, a Python int computed on the host."""
     layout: str
-    """'packed', 'unpacked' or 'bucketed'."""
+    """'packed', 'unpacked' or 'bucketed'; 'tree' for scoring (collate_trees)."""
     num_docs: int
     """Documents (chunks of split documents count once each) in this micro-batch."""
     num_tokens: int
@@ -115,6 +115,12 @@ class Batch:
     """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for the
     per-group token losses: `LossGroups.ids`); None: no per-group sums."""
     num_loss_groups: int = 0
+    branches: torch.Tensor | None = None
+    """Tree layout only (collate_trees): (B, L) int64, 0 on a tree's trunk (and outside trees), i on its i-th
+    branch: a position attends within its document to the trunk and to its own branch."""
+    predictors: torch.Tensor | None = None
+    """Tree layout only: (B, L) int64, the row position whose logits predict this token, -1 where it is no target
+    (a branch's first token is predicted from the trunk's last position, as every other branch's is)."""
     plan: RowShare | None = None
     """This rank's share of the rows' positions, planned on the host when the micro-batch is laid out (context
     parallelism: trainer.distributed.context.RowPlan); trainer.model.model_inputs cuts the forward kwargs by it.
@@ -151,11 +157,13 @@ class Batch:
 
     def _map(self, fn) -> Batch:
         """A copy with `fn` applied to each tensor; the host-side fields are shared."""
-        weights = None if self.loss_weights is None else fn(self.loss_weights)
-        groups = None if self.loss_groups is None else fn(self.loss_groups)
+        def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
         return replace(self, input_ids=fn(self.input_ids), labels=fn(self.labels),
-                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens), loss_weights=weights,
-                       loss_groups=groups)
+                       position_ids=fn(self.position_ids), cu_seqlens=fn(self.cu_seqlens),
+                       loss_weights=maybe(self.loss_weights), loss_groups=maybe(self.loss_groups),
+                       branches=maybe(self.branches), predictors=maybe(self.predictors))
 
 
 def length_bucket_names(edges: Sequence[int]) -> list[str]:
@@ -411,3 +419,63 @@ def _segment_keys(batch: Batch) -> list[str | None] | None:
         return None
     keys = iter(batch.doc_keys)
     return [None if pad else next(keys) for pad in is_pad]
+
+
+@dataclass(frozen=True)
+class Tree:
+    """One item laid out as a tree document (the `tree` scoring layout): its context once, the trunk, then each
+    continuation, a branch, attending to the trunk and to itself only, its positions continuing from the trunk's
+    end. Scoring only: a branch's first token is predicted from the trunk's last position, so the shift is not
+    t - 1 there (Batch.predictors says where each target is predicted from).
+
+    Example, trunk [q0 q1 q2], branches [c0 c1] and [d0], at the start of a row:
+        input_ids    = [q0 q1 q2 c0 c1 d0]
+        position_ids = [ 0  1  2  3  4  3]
+        branches     = [ 0  0  0  1  1  2]
+        predictors   = [-1 -1 -1  2  3  2]      c0 and d0 are both predicted by q2's logits
+        labels       = [-100 -100 -100 c0 c1 d0]
+        attention    q* causal among themselves; c0, c1 see q* and the c before them; d0 sees q* and itself
+    """
+
+    key: str
+    trunk: np.ndarray
+    """(n,) int64 token ids of the shared context."""
+    branches: tuple[np.ndarray, ...]
+    """Each continuation's token ids (at least one token each)."""
+
+    def __len__(self) -> int:
+        return len(self.trunk) + sum(len(b) for b in self.branches)
+
+    def document(self) -> Document:
+        """The tree's tokens as one packable document: the trunk, then the branches in order."""
+        return Document(key=self.key, tokens=np.concatenate([self.trunk, *self.branches]).astype(np.int64))
+
+
+def collate_trees(rows: Sequence[Sequence[Tree]], row_len: int, pad_id: int) -> Batch:
+    """Lay out `rows` of trees (each row's trees left to right, a padding segment at its tail) as a tree batch:
+    each tree one segment of cu_seqlens, with its positions, branch ids, targets (every branch token) and the
+    position predicting each (`Tree` shows one); the attention mask follows from cu_seqlens and `branches`
+    (trainer.model.attention.TreeSegments)."""
+    batch = collate_rows([[tree.document() for tree in row] for row in rows], row_len, pad_id, "packed")
+    n = len(rows) * row_len
+    positions, branches = batch.position_ids.reshape(-1).numpy().copy(), np.zeros(n, dtype=np.int64)  # padding's kept
+    predictors, labels = np.full(n, -1, dtype=np.int64), np.full(n, IGNORE_INDEX, dtype=np.int64)
+    for r, row in enumerate(rows):
+        start = 0  # in the row
+        for tree in row:
+            trunk = len(tree.trunk)
+            positions[r * row_len + start:r * row_len + start + trunk] = np.arange(trunk)
+            at = start + trunk
+            for i, branch in enumerate(tree.branches, start=1):
+                span = slice(r * row_len + at, r * row_len + at + len(branch))
+                positions[span] = trunk + np.arange(len(branch))
+                branches[span] = i
+                predictors[span] = np.concatenate([[start + trunk - 1], at + np.arange(len(branch) - 1)])
+                labels[span] = branch
+                at += len(branch)
+            start = at
+    shape = batch.input_ids.shape
+    targets = int((labels != IGNORE_INDEX).sum())
+    return replace(batch, layout="tree", position_ids=torch.from_numpy(positions).view(shape),
+                   labels=torch.from_numpy(labels).view(shape), branches=torch.from_numpy(branches).view(shape),
+                   predictors=torch.from_numpy(predictors).view(shape), num_valid_targets=targets)

@@ -390,6 +390,98 @@ class AttentionContext(Protocol):
         ...
 
 
+TREE_KERNELS = ("sdpa_docs", "dense", "flex")
+"""The kernels that express a tree's mask (TreeSegments); the varlen kernels attend within whole segments only."""
+
+
+def tree_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel a tree layout runs on for `backend`: `auto` takes flex on CUDA (else sdpa_docs); an explicit
+    varlen kernel is refused naming the ones that work."""
+    if backend == "auto":
+        return "flex" if backend_unavailable_reason("flex", device, dtype, requires_grad=False) is None \
+            and device.type == "cuda" else "sdpa_docs"
+    if backend not in TREE_KERNELS:
+        raise BackendUnavailable(f"attention backend {backend!r} cannot score the tree layout: it attends within "
+                                 f"whole segments, and a tree's branches must not see each other; use one of "
+                                 f"{', '.join(TREE_KERNELS)} (or auto), or score in the packed layout")
+    return resolve_backend(backend, device, dtype, requires_grad=False)
+
+
+class TreeSegments:
+    """The attention context of a tree batch (trainer.data.batch.collate_trees): within a segment (a tree) a
+    position attends causally to the trunk and to its own branch, never to a sibling branch; segments are isolated
+    as in `Segments`. Forward only (scoring).
+
+        mask[q, k] = same segment and k <= q and (branch[k] == 0 or branch[k] == branch[q])
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int, branch_N: torch.Tensor) -> None:
+        self.segments = Segments(cu_seqlens, max_seqlen)
+        self.branch_N = branch_N
+        self._cache: dict = {}
+
+    def dense_mask(self, device: torch.device) -> torch.Tensor:
+        key = ("dense", device)
+        if key not in self._cache:
+            branch_N = self.branch_N.to(device)
+            siblings = (branch_N[None, :] == 0) | (branch_N[None, :] == branch_N[:, None])
+            self._cache[key] = self.segments.dense_mask(device) & siblings
+        return self._cache[key]
+
+    def block_mask(self, num_tokens: int, device: torch.device):
+        key = ("flex", num_tokens, device)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc_N = document_ids(self.segments.cu_on(device), num_tokens)
+            branch_N = self.branch_N.to(device)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                same = (doc_N[q_idx] == doc_N[kv_idx]) & (q_idx >= kv_idx)
+                return same & ((branch_N[kv_idx] == 0) | (branch_N[kv_idx] == branch_N[q_idx]))
+
+            self._cache[key] = create_block_mask(mask_mod, None, None, num_tokens, num_tokens, device=device,
+                                                 BLOCK_SIZE=FLEX_BLOCK_SIZE)
+        return self._cache[key]
+
+    def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, backend: str = "auto",
+               flex_compile: bool = True) -> torch.Tensor:
+        kernel = tree_kernel(backend, q_NHD.device, q_NHD.dtype)
+        if kernel == "flex":
+            return _flex(q_NHD, k_NHD, v_NHD, self.block_mask(q_NHD.shape[0], q_NHD.device), flex_compile)
+        if kernel == "dense":
+            return _dense(q_NHD, k_NHD, v_NHD, self.dense_mask(q_NHD.device))
+        return self._per_tree(q_NHD, k_NHD, v_NHD)
+
+    def _per_tree(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> torch.Tensor:
+        """sdpa_docs for trees: per segment, the trunk causal, then each branch's queries over the trunk's keys and
+        its own (causal within the branch), each an SDPA call; no (N, N) mask."""
+        if "host" not in self._cache:
+            self._cache["host"] = self.branch_N.reshape(-1).tolist()
+        branch = self._cache["host"]
+        outs = []
+        for start, end in itertools.pairwise(self.segments.host()):
+            ids = branch[start:end]
+            trunk = next((i for i, b in enumerate(ids) if b), len(ids))
+            outs.append(_sdpa_docs(q_NHD[start:start + trunk], k_NHD[start:start + trunk],
+                                   v_NHD[start:start + trunk], [0, trunk]) if trunk else q_NHD[start:start])
+            at = start + trunk
+            while at < end:
+                stop = at + 1
+                while stop < end and branch[stop] == branch[at]:
+                    stop += 1
+                m = stop - at
+                keys = torch.cat([k_NHD[start:start + trunk], k_NHD[at:stop]])
+                values = torch.cat([v_NHD[start:start + trunk], v_NHD[at:stop]])
+                mask = torch.ones(m, trunk + m, dtype=torch.bool, device=q_NHD.device)
+                mask[:, trunk:] = torch.ones(m, m, dtype=torch.bool, device=q_NHD.device).tril()
+                q_1HMD, k_1HKD, v_1HKD = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD[at:stop], keys, values))
+                out = F.scaled_dot_product_attention(q_1HMD, k_1HKD, v_1HKD, attn_mask=mask)
+                outs.append(out.squeeze(0).transpose(0, 1))
+                at = stop
+        return torch.cat(outs, dim=0)
+
+
 def attend_within(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, context: AttentionContext,
                   backend: str = "auto", flex_compile: bool = True) -> torch.Tensor:
     """The model's attention call per layer (CausalSelfAttention.attend; train.compile keeps it eager, see

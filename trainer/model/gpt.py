@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
-from trainer.model.attention import AttentionConfig, AttentionContext, Segments, attend_within
+from trainer.model.attention import AttentionConfig, AttentionContext, Segments, TreeSegments, attend_within
 from trainer.model.loss import chunked_cross_entropy_sums, cross_entropy_sums, next_token_targets
 
 POS_EMBS = ("learned", "rope")
@@ -625,6 +625,9 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
     Example: model(**model_inputs(batch)).loss_sum / batch.num_valid_targets
     A batch with a row plan (Batch.plan: context parallelism) gives this rank's share of its positions instead.
     """
+    if batch.layout == "tree":  # scoring: each tree's branches see its trunk and themselves (TreeSegments)
+        return dict(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                    attention_context=TreeSegments(batch.cu_seqlens, batch.max_seqlen, batch.branches.reshape(-1)))
     if packed is None:
         packed = batch.layout == "packed"
     inputs = dict(

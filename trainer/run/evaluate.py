@@ -15,7 +15,7 @@ untouched), runs the model in eval mode without gradients (no dropout, no RNG dr
 identically after a resume.
 
 Downstream tasks (train.eval_tasks, `TaskScorer`) are scored the way `python -m trainer.evaluate` scores a
-checkpoint (trainer.tasks.suite: the same tasks, rows and numbers), in train.eval_layout, items split over the
+checkpoint (trainer.tasks.suite: the same tasks, rows and numbers), in train.eval_tasks_layout, items split over the
 ranks, on the unwrapped model: the metrics line's `tasks` holds each task's metrics.
 """
 

@@ -165,7 +165,7 @@ class Trainer:
         tasks, tok = load_suite(cfg.train.eval_tasks, "train.eval_tasks", lambda: cfg.data, self.data.tokenizer_dir,
                                 cfg.model.max_seq_len)
         every = cfg.train.eval_every if cfg.train.eval_tasks_every is None else cfg.train.eval_tasks_every
-        return TaskScorer(tasks, tok, self.info, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
+        return TaskScorer(tasks, tok, self.info, cfg.train.eval_tasks_layout, cfg.train.micro_batch_tokens,
                           self.data.pad_id, every)
 
     def _check_hf_vocabulary(self) -> None:

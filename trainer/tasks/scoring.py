@@ -8,6 +8,12 @@ tokens only, so the rows are the training layouts' own (trainer.data.feed.eval_b
 
     packed     several sequences per row, block-diagonal attention, positions reset (any attention backend)
     unpacked   one sequence per row, padded to the micro-batch's longest (what harnesses do)
+    tree       the candidates sharing a query (an item's choices; lm-eval's requests of one context) as ONE
+               document: the query once, then each choice as a branch attending to the query and itself only, its
+               positions continuing from the query's end (trainer.data.batch.Tree); several per row. The query is
+               computed once instead of once per choice. Kernels that take a mask: sdpa_docs, dense, flex
+               (trainer.model.attention.TreeSegments); a choice's first token is scored from the query's last
+               position, each later one from the choice's previous position.
 
 Worked example, query [q0 q1], choice [c0 c1] (key "7"), packed after another sequence [a0 b0]:
     input_ids = [a0 b0 | q0 q1 c0 c1]    labels = [-100 b0 | -100 -100 c0 c1]
@@ -20,20 +26,21 @@ so the extra (rows, L, V) fp32 memory stays bounded. Under torch.distributed ran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from trainer.data.batch import Batch, Document
+from trainer.data.batch import Batch, Document, Tree, collate_trees
 from trainer.data.feed import IGNORE_INDEX, eval_batches
+from trainer.data.packing import OnlinePacker
 from trainer.distributed.groups import dist_sum
 from trainer.model import GPT, model_inputs
-from trainer.model.loss import shift_left, token_losses
+from trainer.model.loss import position_losses, shift_left, token_losses
 from trainer.tasks.tasks import Task, TaskFileError
 
-LAYOUTS = ("packed", "unpacked")
+LAYOUTS = ("packed", "unpacked", "tree")
 LOSS_ROWS = 8
 """Rows whose token losses are computed at once: bounds the fp32 log-softmax copy of the logits."""
 
@@ -86,16 +93,27 @@ def score(model: GPT, sequences: Sequence[Candidate], layout: str, pad_id: int, 
     under tensor parallelism the loss group, the ranks of a tensor group scoring the same rows together)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "packed" and not model.attention.isolate_documents:
-        raise ValueError("packed scoring needs attention.isolate_documents=True: each sequence must see only itself")
+    if layout != "unpacked" and not model.attention.isolate_documents:
+        raise ValueError(f"{layout} scoring needs attention.isolate_documents=True: each sequence must see only itself")
     n = len(sequences)
-    docs = [seq.document(i) for i, seq in enumerate(sequences)]
+    if layout == "tree":
+        parts = tree_parts(model, sequences, pad_id, batch_tokens, device, rank, world_size)
+    else:
+        docs = [seq.document(i) for i, seq in enumerate(sequences)]
+        parts = (batch_scores(model, batch.to_device(device), n) for batch in
+                 eval_batches(docs, rank, world_size, model.cfg.max_seq_len, layout, batch_tokens, pad_id))
+    return gathered_scores(model, parts, n, device, group)
+
+
+def gathered_scores(model: GPT, parts: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int,
+                    device: torch.device | str, group) -> Scores:
+    """Run `parts` (each batch's per-sequence summed token loss and greedy misses) with the model in eval mode, sum
+    them, and gather every rank's sums (one all-reduce: each sequence is scored on one rank)."""
     ll_sums, mismatches = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
-        for batch in eval_batches(docs, rank, world_size, model.cfg.max_seq_len, layout, batch_tokens, pad_id):
-            ce, wrong = batch_scores(model, batch.to_device(device), n)
+        for ce, wrong in parts:
             ll_sums -= ce.cpu()
             mismatches += wrong.cpu()
     finally:
@@ -133,3 +151,80 @@ def sequence_ids(batch: Batch) -> torch.Tensor:
     seg_S = torch.tensor([-1 if src < 0 else int(next(keys)) for src in batch.segment_sources], dtype=torch.long)
     seg_lens_S = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().cpu()
     return torch.repeat_interleave(seg_S, seg_lens_S).view(batch.shape).to(batch.labels.device)
+
+
+def trees_of(sequences: Sequence[Candidate], max_tokens: int) -> list[tuple[Tree, list[int]]]:
+    """The candidates as trees, with the candidate index of each branch: candidates with the same query share one
+    trunk (an item's choices; lm-eval's requests of one context, wherever they sit in the list), in the order the
+    queries first appear, as many choices per tree as fit `max_tokens` (the rest start another tree with the same
+    trunk). Example: queries [q, r, q, q], each 4 + a choice of 2 tokens, max 8 -> trees (q; 0, 2), (q; 3), (r; 1)."""
+    by_query: dict[tuple[int, ...], list[int]] = {}
+    for i, seq in enumerate(sequences):
+        by_query.setdefault(seq.query, []).append(i)
+    out: list[tuple[Tree, list[int]]] = []
+    for query, indices in by_query.items():
+        members: list[int] = []
+        used = len(query)
+        for i in [*indices, None]:
+            if members and (i is None or used + len(sequences[i].choice) > max_tokens):
+                branches = tuple(np.asarray(sequences[m].choice, dtype=np.int64) for m in members)
+                out.append((Tree(key=str(len(out)), trunk=np.asarray(query, dtype=np.int64), branches=branches),
+                            members))
+                members, used = [], len(query)
+            if i is not None:
+                if len(query) + len(sequences[i].choice) > max_tokens:  # task_sequences refuses these first
+                    raise ValueError(f"candidate {i} does not fit {max_tokens} tokens")
+                members.append(i)
+                used += len(sequences[i].choice)
+    return out
+
+
+def tree_parts(model: GPT, sequences: Sequence[Candidate], pad_id: int, batch_tokens: int,
+               device: torch.device | str, rank: int, world_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The tree layout's batches, scored one at a time (`gathered_scores` sums them): rank r takes trees r, r + W,
+    ...; rows of max_seq_len packed by the project's packer, `batch_tokens` positions a forward; each target's loss
+    from the logits of the position predicting it (Batch.predictors)."""
+    n, row_len = len(sequences), model.cfg.max_seq_len
+    trees = trees_of(sequences, row_len)[rank::world_size]
+    by_key = {tree.key: (tree, members) for tree, members in trees}
+    rows = [[by_key[doc.key] for doc in row]
+            for row in OnlinePacker(row_len, buffer_size=max(1, len(trees))).pack(t.document() for t, _ in trees)]
+    per_forward = max(1, batch_tokens // row_len)
+    for start in range(0, len(rows), per_forward):
+        chunk = rows[start:start + per_forward]
+        batch = collate_trees([[tree for tree, _ in row] for row in chunk], row_len, pad_id).to_device(device)
+        yield tree_scores(model, batch, candidate_ids(chunk, row_len), n)
+
+
+def candidate_ids(rows: Sequence[Sequence[tuple[Tree, list[int]]]], row_len: int) -> torch.Tensor:
+    """(B, L) int64: the candidate each branch position belongs to, -1 on trunks and padding."""
+    out = torch.full((len(rows), row_len), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for tree, members in row:
+            at += len(tree.trunk)
+            for branch, member in zip(tree.branches, members, strict=True):
+                out[r, at:at + len(branch)] = member
+                at += len(branch)
+    return out
+
+
+def tree_scores(model: GPT, batch: Batch, candidates_BL: torch.Tensor, num_sequences: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_sequences,) summed token loss and greedy misses of each candidate's targets in a tree batch."""
+    logits = model(**model_inputs(batch), return_logits=True).logits  # (B, L, V), whole
+    B, L, V = logits.shape
+    target_N = (batch.predictors >= 0).reshape(-1)
+    rows_N = torch.arange(B, device=logits.device).repeat_interleave(L)[target_N]
+    source_N = rows_N * L + batch.predictors.reshape(-1)[target_N]  # the flat position predicting each target
+    tokens_N = batch.input_ids.reshape(-1)[target_N]
+    seq_N = candidates_BL.to(logits.device).reshape(-1)[target_N]
+    flat = logits.reshape(B * L, V)
+    ce, miss = [], []
+    for i in range(0, len(source_N), LOSS_ROWS * L):  # bounded fp32 copies, as the other layouts
+        rows, tokens = flat[source_N[i:i + LOSS_ROWS * L]], tokens_N[i:i + LOSS_ROWS * L]
+        ce.append(position_losses(rows[None], tokens[None])[0])  # the model's own loss, as token_losses
+        miss.append((rows.argmax(-1) != tokens).float())
+    ce_N = torch.cat(ce) if ce else flat.new_zeros(0)
+    miss_N = torch.cat(miss) if miss else flat.new_zeros(0)
+    return per_sequence(ce_N, seq_N, num_sequences), per_sequence(miss_N, seq_N, num_sequences)
