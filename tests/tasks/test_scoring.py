@@ -54,7 +54,7 @@ def reference(model: GPT, cand: Candidate) -> tuple[float, bool]:
     start = len(cand.query) - 1  # the position predicting the choice's first token
     targets = ids[0, start + 1:]
     picked = logprobs[start:-1].gather(1, targets[:, None]).squeeze(1)
-    return float(picked.sum()), bool((logprobs[start:-1].argmax(-1) == targets).all())
+    return float(picked.double().sum()), bool((logprobs[start:-1].argmax(-1) == targets).all())  # summed as scored
 
 
 @pytest.mark.parametrize("backend", ["sdpa_docs", "dense"])  # flex: its CPU forward takes ~3 s
@@ -144,6 +144,21 @@ def test_the_tree_layout_equals_packed_and_each_choice_alone(backend, case):
     assert np.abs(np.array(tree.loglikelihoods) - np.array([r[0] for r in ref])).max() <= TREE_TOL
     assert np.abs(np.array(tree.loglikelihoods) - np.array(packed.loglikelihoods)).max() <= TREE_TOL
     assert tree.greedy == packed.greedy == [r[1] for r in ref]
+
+
+def test_the_tree_layout_on_a_llama_model_with_rope_and_grouped_heads():
+    """RoPE reads the branch positions (continuing from the query's end) as it reads positions alone."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    llama = replace(MODEL, pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, n_kv_head=1,
+                    tie_embeddings=False)
+    model = GPT(llama, AttentionConfig(backend="sdpa_docs")).eval()
+    cands = TREE_CASES["shared prefixes"]
+    ref = [reference(model, c) for c in cands]
+    tree = score(model, cands, "tree", PAD, SEQ_LEN)
+    assert np.abs(np.array(tree.loglikelihoods) - np.array([r[0] for r in ref])).max() <= TREE_TOL
+    assert tree.greedy == [r[1] for r in ref]
 
 
 def test_the_tree_layout_on_flex():
