@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="<run dir>/checkpoints/step_NNNNNN, or a directory written by python -m trainer.export")
     p.add_argument("--tasks", nargs="+", required=True, metavar="TASK",
                    help=f"task files (.jsonl) or built-ins ({', '.join(BUILTINS)})")
-    p.add_argument("--packing", choices=LAYOUTS, default="packed", help="row layout of the scored sequences")
+    p.add_argument("--packing", choices=LAYOUTS, default="tree",
+                   help="row layout of the scored sequences (default tree: an item's query once; the same scores)")
     p.add_argument("--out", type=Path, default=None, help="write the metrics and per-item log-likelihoods here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")
     p.add_argument("--data", type=Path, default=None,

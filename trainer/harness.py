@@ -70,7 +70,7 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
     class PacktrainLM(LM):
         """A packtrain checkpoint (or export) as an lm-eval model; `batch_tokens` positions a forward."""
 
-        def __init__(self, checkpoint: str, device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed",
+        def __init__(self, checkpoint: str, device: str = "cpu", batch_tokens: int = 8192, layout: str = "tree",
                      attention: str = "auto") -> None:
             super().__init__()
             self.model, tok_dir = load(checkpoint, device)
@@ -219,7 +219,7 @@ def check_include_path(directory: Path, trusted: bool) -> None:
 
 
 def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Path | None = None,
-                device: str = "cpu", batch_tokens: int = 8192, layout: str = "packed", limit: int | None = None,
+                device: str = "cpu", batch_tokens: int = 8192, layout: str = "tree", limit: int | None = None,
                 attention: str = "auto", trust_include_path: bool = False) -> dict:
     """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results'). Task
     YAMLs under `include_path` that would run Python are refused unless `trust_include_path`."""
@@ -261,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="let --include-path's YAMLs run Python (lm-eval's !function tags import files from it)")
     p.add_argument("--limit", type=int, default=None, help="at most this many items per task")
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--packing", choices=LAYOUTS, default="packed")
+    p.add_argument("--packing", choices=LAYOUTS, default="tree", help="scoring layout (the same scores in each)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None, help="write lm-eval's results as JSON here")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")
