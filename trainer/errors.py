@@ -23,6 +23,24 @@ import sys
 import threading
 from collections.abc import Callable
 
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""The signals that ask a run to checkpoint the step it reached and stop (Slurm's and torchrun's): the run's
+handler takes them (trainer.run.preemption); its DataLoader workers ignore them, and SIGINT (trainer.data.workers)."""
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: the kernel sends this process `sig` when the thread that forked it ends (prctl PR_SET_PDEATHSIG);
+    elsewhere nothing. The one place a parent-death signal is set outside a fork's child (trainer.data.sources sets
+    it between fork and exec with the same constant)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
 EXIT_USER_ERROR = 2
 """The exit status of a user's mistake (argparse uses 2 for its usage errors too); a bug exits 1."""
 

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.config import RunConfig, from_container, resolve_dtype
 from trainer.distributed.config import missing_engine_package
 from trainer.distributed.groups import DistInfo, init_distributed, shutdown_distributed
-from trainer.errors import ConfigError, UserError, one_line, original_message, run_command
+from trainer.errors import PREEMPTION_SIGNALS, ConfigError, UserError, one_line, original_message, run_command
 from trainer.model import compute_dtype, resolve_backend
 from trainer.run.loop import Trainer, shared_run_dir, write_summary
 from trainer.run.preemption import PreemptedAtStart, end_with_launcher
@@ -265,7 +265,7 @@ def cli() -> int:
         faulthandler.register(signal.SIGQUIT, file=sys.__stderr__, all_threads=True)
     # Signals a launcher left blocked (the mask survives fork and exec) would never reach the run: Ctrl-C and the
     # preemption signals must.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGQUIT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGQUIT})
     end_with_launcher()  # under torchrun: a rank whose agent dies is preempted, not orphaned
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs

@@ -60,8 +60,8 @@ from webdataset.gopen import gopen
 from trainer.data.config import VAL_SPLIT
 from trainer.data.shards import MANIFEST_FILE, load_manifest, shard_paths
 from trainer.data.tars import tar_samples
-from trainer.data.workers import INTERRUPT_CHECK_S, PR_SET_PDEATHSIG, ReadInterrupted, check_interrupt
-from trainer.errors import UserError
+from trainer.data.workers import INTERRUPT_CHECK_S, ReadInterrupted, check_interrupt
+from trainer.errors import PR_SET_PDEATHSIG, UserError
 
 if TYPE_CHECKING:
     from trainer.data.config import DataConfig

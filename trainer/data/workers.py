@@ -14,31 +14,28 @@ The trainer's preemption handler also interrupts shard reads that block, here an
 from __future__ import annotations
 
 import atexit
-import ctypes
 import mmap
 import os
 import signal
-import sys
 import time
 import weakref
 
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from trainer.errors import PREEMPTION_SIGNALS, set_parent_death_signal
+
+IGNORED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
+"""What a DataLoader worker ignores: the trainer alone decides how a run ends (trainer.errors.PREEMPTION_SIGNALS)."""
 
 
 def die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this process when its parent dies. If the parent is already gone, exit now."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
 def init_worker(parent_pid: int, _worker_id: int) -> None:
     """DataLoader worker_init_fn (bind the trainer's pid with functools.partial)."""
-    for sig in PREEMPTION_SIGNALS:
+    for sig in IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent_pid)
 

@@ -6,7 +6,8 @@
     dims       `ParallelDims`: the world as data x context x tensor ranks, its DeviceMesh and named groups
                (data, loss, fsdp, context, tensor), always built; whoever asks "which data rank am I" asks it
     engine     the `Engine` protocol the step, eval and checkpoint store talk to, and `parallelize`, the one
-               function that wraps a model (tensor parallel first, then compile, then DDP, FSDP2 or DeepSpeed)
+               function that wraps a model (tensor parallel first, then activation checkpointing, then compile, then
+               DDP, FSDP2 or DeepSpeed)
     tensor     tensor parallelism with sequence parallelism: column/row-parallel layers, the vocabulary split
                and padded, the loss on vocabulary shards, whole tensors gathered for checkpoints
     ddp        `DDPEngine` (torch DistributedDataParallel)

@@ -6,7 +6,7 @@ step (`no_sync` on every micro-batch but the last), so ranks may run different n
 Checkpoints: the state is replicated, so the engine returns it (`state_dict`, `full_weights`) and the checkpoint
 store writes it (trainer.checkpoint.store describes the files); the engine writes no file itself. Nothing in it
 depends on the number of ranks (the optimizer is not sharded, there is no loss scaler, and the gradient averaging
-factor is the running world size), so it loads unchanged on any number.
+factor is the running loss group's size), so it loads unchanged on any number.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ class ClientOptimizerSteps:
 class DDPEngine(ClientOptimizerSteps):
     """Model + optimizer + LR schedule under DistributedDataParallel (plain module for one process).
 
-    DDP averages gradients over ranks; `grad_average_factor` tells the step to multiply the loss by
-    the world size so that what remains is sum(token losses) / global valid targets. Gradients are
+    DDP averages gradients over the ranks it wraps (the loss group: data x context); `grad_average_factor` tells
+    the step to multiply the loss by that group's size so that what remains is sum(token losses) / global valid
+    targets. Gradients are
     all-reduced once, after the last micro-batch, so ranks may run different numbers of micro-batches.
     """
 

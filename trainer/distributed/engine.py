@@ -1,7 +1,7 @@
 """The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
 
 `parallelize` is the one place a built model (single-device code) is split and wrapped for several ranks (tensor
-parallelism first, then compile, then the data-parallel engine); it returns an
+parallelism first, then activation checkpointing, then compile, then the data-parallel engine); it returns an
 `Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
 imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py). Process groups are set up before, by
 `trainer.distributed.groups.init_distributed`; the engines only use them.

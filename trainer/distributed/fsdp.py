@@ -1,7 +1,8 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) behind the `Engine` interface (trainer.distributed.engine).
 
 The model is sharded (`apply_fsdp`, called by trainer.distributed.engine.parallelize in its order: after tensor
-parallelism and compile) over the run's DeviceMesh (trainer.distributed.groups.DistInfo.mesh), one `fully_shard`
+parallelism, activation checkpointing and compile) over the run's loss mesh (`ParallelDims.loss_mesh`, the
+`fsdp` dimension of trainer/distributed/dims.py's DeviceMesh), one `fully_shard`
 per transformer block and one on the root (the embeddings, the tied head, the final norm), as torchtitan does:
 every parameter becomes a DTensor holding 1/W of its rows, a block's weights are all-gathered for its forward
 and again for its backward, and its gradients are reduce-scattered. The shard dimension is the mesh's `fsdp` group

@@ -160,10 +160,11 @@ def dist_sum(values: list[float], device: torch.device, group: dist.ProcessGroup
     return t.tolist()
 
 
-def dist_max(value: float, device: torch.device) -> float:
+def dist_max(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """The largest `value` over all ranks (or `group`'s), as `dist_sum` sums."""
     t = torch.tensor([value], dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
 

@@ -16,7 +16,6 @@ ReadInterrupted within a fraction of a second, and the loop checkpoints the last
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -24,8 +23,9 @@ import threading
 
 from trainer.data.feed import allow_reads, interrupt_reads
 from trainer.distributed.groups import dist_max
+from trainer.errors import PREEMPTION_SIGNALS, set_parent_death_signal
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = PREEMPTION_SIGNALS
 
 
 class PreemptedAtStart(Exception):
@@ -61,9 +61,6 @@ class PreemptionHandler:
         allow_reads()
 
 
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
 def end_with_launcher() -> None:
     """Under torchrun (its agent is this process's parent): when the agent dies, however it dies (kill -9
     included), the kernel sends this rank SIGTERM, which the run takes as a preemption (every rank checkpoints the
@@ -72,8 +69,6 @@ def end_with_launcher() -> None:
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent or parent == 1:  # the agent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)

@@ -6,7 +6,7 @@ The default objective, `global_tokens`:
            / number of those targets
 
 The count is all-reduced once, before any micro-batch runs; each micro-batch's summed loss is then
-scaled by 1 / count (times the world size, to undo DDP's or DeepSpeed's averaging). There is no
+scaled by 1 / count (times the loss group's size, data x context ranks, to undo the engine's averaging). There is no
 per-row, per-micro-batch or per-rank mean anywhere, so the gradient is the same however the documents
 of the step are split into rows, micro-batches and ranks.
 
