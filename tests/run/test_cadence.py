@@ -10,7 +10,7 @@ import torch
 from trainer.distributed.groups import DistInfo
 from trainer.run import loop
 from trainer.run.checkpointer import Checkpointer
-from trainer.run.evaluate import Evaluator
+from trainer.run.evals import Evaluator
 from trainer.run.metrics import MetricsLogger
 
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Downstream tasks in the loop (train.eval_tasks, trainer.run.evaluate.TaskScorer): scored at their cadence, the
+"""Downstream tasks in the loop (train.eval_tasks, trainer.run.evals.TaskScorer): scored at their cadence, the
 same numbers as `python -m trainer.evaluate` gives for the run's checkpoint, and nothing else of the run changed.
 
 One real sweep of `python -m trainer.train` (two jobs in one process): the same 4 steps without tasks and with a

@@ -42,7 +42,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, build_model
-from trainer.run.evaluate import Evaluator
+from trainer.run.evals import Evaluator
 from trainer.run.metrics import by_group, by_source
 from trainer.run.step import train_step
 
@@ -237,7 +237,7 @@ def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, 
     ids = special_ids(load_tokenizer(tok))
     cfg = mixture_config({"name": "a", "urls": str(bare / shard.name)}, {"name": "b", "path": str(demo_data)},
                          tokenizer=str(tok))
-    with caplog.at_level(logging.WARNING, logger="trainer.run.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="trainer.run.evals"):
         docs = load_eval_docs(cfg, tok, ids.eos, SEQ_LEN, max_docs=3)
     assert {d.source for d in docs} == {1}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -273,7 +273,7 @@ def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
     sources = (f"data.sources=[{{name:short,path:'{short}',val_urls:'{short}/train-000000.tar',weight:0.7}},"
                f"{{name:long,path:'{long}',weight:0.3}}]")
     run_dir = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="trainer.run.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="trainer.run.evals"):
         trainer = make_trainer(short, run_dir, "data.path=null", sources, "train.max_steps=3", "train.eval_every=3",
                                "train.eval_docs=20", "logging.record_doc_keys=true", "logging.length_buckets=[16,64]")
     summary = trainer.fit()

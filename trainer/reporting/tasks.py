@@ -1,7 +1,7 @@
 """Downstream scores in the report: each run's accuracy per task with a 95 % interval, and whether two arms differ
 beyond what the task's items can resolve.
 
-A run's scores are its last metrics line with `tasks` (train.eval_tasks, trainer.run.evaluate.TaskScorer). The
+A run's scores are its last metrics line with `tasks` (train.eval_tasks, trainer.run.evals.TaskScorer). The
 interval of an accuracy p over n items is Wilson's score interval (z = 1.96): unlike p ± z sqrt(p(1-p)/n) it stays
 inside [0, 1] and is not empty at p = 0 or 1, which small tasks hit. Two runs' accuracies on a task differ beyond
 noise when |p1 - p2| > z sqrt(p1(1-p1)/n1 + p2(1-p2)/n2) (two independent binomials; the items are the same in

@@ -7,7 +7,8 @@
                   end by trainer.data.epochs.StepRows, laid out, checked, pinned, prefetched)
     step          one optimizer step: the loss weights of the normalization, the global counts reduced once
                   across ranks, then forward/backward over the micro-batches and the update
-    evaluate      the held-out eval (fixed val set, layout- and rank-invariant val_loss); `Evaluator.due`
+    evals         the in-loop evals: the held-out eval (fixed val set, layout- and rank-invariant val_loss;
+                  `Evaluator.due`) and the downstream tasks (`TaskScorer`, as the trainer.evaluate command scores)
     checkpointer  when the run saves and what it resumes from (`Checkpointer.due`); the files are the store's
     run_dir       one run per run dir: a fresh start, or another run's checkpoint, in a used one refused (or,
                   train.overwrite, the old run set aside); a resume from an older step sets the newer branch aside

@@ -3,7 +3,7 @@
     for each optimizer step until train.max_steps (or a preemption signal):
         micro-batches = inputs.next()                 trainer.run.inputs
         stats = train_step(engine, micro-batches)     trainer.run.step
-        evaluate    if evaluator.due(step)            trainer.run.evaluate
+        evaluate    if evaluator.due(step)            trainer.run.evals
         log         if metrics.due(step)              trainer.run.metrics
         checkpoint  if checkpointer.due(step)         trainer.run.checkpointer (files: trainer.checkpoint.store)
 
@@ -49,7 +49,7 @@ from trainer.model.compile import CompileCounter
 from trainer.registry import CONFIG_FILE, SUMMARY_FILE
 from trainer.run.checkpointer import Checkpointer, check_resumable
 from trainer.run.conventions import conventions
-from trainer.run.evaluate import EvalInterrupted, EvalResult, Evaluator, TaskScorer
+from trainer.run.evals import EvalInterrupted, EvalResult, Evaluator, TaskScorer
 from trainer.run.flops import flop_metrics, flop_model
 from trainer.run.inputs import StepInputs, build_data
 from trainer.run.metrics import DocKeysLog, MetricsLogger, peak_flops, run_summary, step_metrics

@@ -160,7 +160,7 @@ def run_summary(*, final_step: int, final_loss: float | None, last_eval, counter
                 source_weights: Sequence[float], mixture, epochs: StepRows | None, skipped_samples: dict,
                 packing_stats: dict, resume_read: dict, compile_counter, device: torch.device, **run) -> dict:
     """summary.json's run-specific keys (every key in trainer.registry.SUMMARY_KEYS; `MetricsLogger.summary` adds
-    the means over the logged steps): the final step, loss and eval (`last_eval`: trainer.run.evaluate.EvalResult or
+    the means over the logged steps): the final step, loss and eval (`last_eval`: trainer.run.evals.EvalResult or
     None), the run's totals (`counters`), what the readers skipped and read to resume, the packing counts, the
     lockstep waits by epoch (`epochs` as in `step_metrics`), train.compile's counts (`compile_counter`:
     trainer.model.compile.CompileCounter or None), a mixture's shares and per-source counts (`mixture`: its

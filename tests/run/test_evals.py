@@ -22,7 +22,7 @@ from trainer.distributed.config import DistributedConfig
 from trainer.distributed.engine import parallelize
 from trainer.distributed.groups import DistInfo, init_distributed
 from trainer.model import AttentionConfig, GPTConfig, build_model
-from trainer.run.evaluate import EvalInterrupted, Evaluator
+from trainer.run.evals import EvalInterrupted, Evaluator
 from trainer.run.preemption import PreemptionHandler
 
 SEQ_LEN = 64
