@@ -38,6 +38,14 @@ def forward_backward(module, inputs: dict, loss_scale: float, backward=torch.Ten
     return objective.detach(), out.loss_sum.detach(), out.group_loss_sums
 
 
+def repoint_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, names: dict[int, str]) -> None:
+    """After `model`'s parameters were replaced (split over the tensor group, sharded by FSDP2), point the optimizer's
+    groups at the new ones, in place, by name. `names`: id of each old parameter -> its name, taken before."""
+    current = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(p)]] for p in group["params"]]
+
+
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, Any]:
     """The optimizer's live state keyed by its parameters' names in `module` (by position where a parameter is not
     the module's own, e.g. DeepSpeed's flat partitions): what a non-finite message names."""

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.ddp import DDPEngine
+from trainer.distributed.ddp import DDPEngine, repoint_optimizer
 from trainer.distributed.groups import DistInfo
 from trainer.model.compile import compile_blocks
 from trainer.model.gpt import apply_activation_checkpointing, init_weights
@@ -147,9 +147,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
 
         names = {id(p): name for name, p in model.named_parameters()}
         tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size, info.dims.tensor_rank)
-        split = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [split[names[id(p)]] for p in group["params"]]
+        repoint_optimizer(optimizer, model, names)
     if activation_checkpointing != "none":  # "none": the blocks as built
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.distributed.config import DistributedConfig
-from trainer.distributed.ddp import ClientOptimizerSteps, forward_backward
+from trainer.distributed.ddp import ClientOptimizerSteps, forward_backward, repoint_optimizer
 from trainer.distributed.groups import DistInfo
 from trainer.errors import UserError
 
@@ -269,9 +269,7 @@ def apply_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInf
                     reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=root_precision, offload_policy=offload,
                 reshard_after_forward=cfg.reshard_after_forward)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:  # the DTensors into the client's optimizer, in place
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    repoint_optimizer(optimizer, model, names)  # the DTensors into the client's optimizer
 
 
 def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:
