@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         model.attention.backend = resolve_backend(args.attention, info.device, torch.float32, requires_grad=False)
         tok = FramedTokenizer.load(tok_dir)
         tasks = tasks_of(args, tok.tok, tok_dir, model.cfg.max_seq_len)
-        results = score_tasks(model, tasks, tok, tok.ids.pad, args.packing, args.batch_tokens, info.device, info.rank,
-                              info.world_size)
+        results = score_tasks(model, tasks, tok, tok.ids.pad, args.packing, args.batch_tokens, info.device, info)
     finally:
         shutdown_distributed()
     if info.is_main:

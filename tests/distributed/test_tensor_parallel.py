@@ -176,8 +176,7 @@ def _score_rank(rank, world):
     parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 0.0, "fp32")
     out = {}
     for layout in ("packed", "tree"):
-        got = score(model, shared_queries(), layout, 0, 64, "cpu", info.dims.loss_rank, info.dims.loss_size,
-                    info.loss_group)
+        got = score(model, shared_queries(), layout, 0, 64, "cpu", info)
         out[layout] = got.loglikelihoods, got.greedy
     return out
 

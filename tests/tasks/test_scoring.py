@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tests.harness import require_module, run_distributed
 from tests.helpers import LLAMA3, MODEL, PAD, SEQ_LEN, hf_tokenizer_dir
 from trainer.data.tokenizer import FramedTokenizer
+from trainer.distributed.groups import DistInfo
 from trainer.model import GPT, AttentionConfig
 from trainer.model.attention import BackendUnavailable, TreeSegments
 from trainer.tasks.metrics import first_best, item_records, mean_stderr, task_metrics
@@ -88,7 +89,8 @@ def test_packed_scoring_refuses_a_model_whose_documents_see_each_other():
 
 def _score_on_rank(rank: int, world_size: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
-    return {layout: score(tiny_model(), cands, layout, PAD, SEQ_LEN, rank=rank, world_size=world_size).loglikelihoods
+    info = DistInfo(rank, world_size, 0, torch.device("cpu"))  # the spawned world's: one data rank each
+    return {layout: score(tiny_model(), cands, layout, PAD, SEQ_LEN, info=info).loglikelihoods
             for layout, cands in (("packed", random_candidates(9)), ("tree", items(5)))}
 
 

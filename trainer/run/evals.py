@@ -162,7 +162,6 @@ class TaskScorer:
         """Each task's metrics (trainer.tasks.metrics), scored on `engine.module` (the model as built: a
         replicated engine's, which every rank holds whole, or split over a tensor group, whose ranks score the same
         rows together: the rows are dealt over the loss group)."""
-        dims = self.info.dims
         results = score_tasks(engine.module, self.tasks, self.tok, self.pad_id, self.layout, self.batch_tokens,
-                              self.info.device, dims.loss_rank, dims.loss_size, self.info.loss_group)
+                              self.info.device, self.info)
         return {name: result["metrics"] for name, result in results.items()}

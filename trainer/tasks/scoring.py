@@ -35,7 +35,7 @@ import torch
 from trainer.data.batch import Batch, Document, Tree, collate_trees
 from trainer.data.feed import IGNORE_INDEX, eval_batches
 from trainer.data.packing import OnlinePacker
-from trainer.distributed.groups import dist_sum
+from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import GPT, model_inputs
 from trainer.model.loss import position_losses, shift_left, token_losses
 from trainer.tasks.tasks import Task, TaskFileError
@@ -86,11 +86,13 @@ def task_sequences(task: Task, encode: Callable[[str], list[int]], max_tokens: i
 
 @torch.no_grad()
 def score(model: GPT, sequences: Sequence[Candidate], layout: str, pad_id: int, batch_tokens: int,
-          device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1, group=None) -> Scores:
+          device: torch.device | str = "cpu", info: DistInfo | None = None) -> Scores:
     """The choice log-likelihood and greedy match of every sequence, in order, on every rank (collective when
     torch.distributed is initialized). Rows are model.cfg.max_seq_len long; `batch_tokens` positions a forward.
-    rank / world_size: this rank's share of the rows; `group`: the ranks whose shares are summed (None: the world;
-    under tensor parallelism the loss group, the ranks of a tensor group scoring the same rows together)."""
+    `info`: this rank's layout; the rows are dealt over its loss group (data x context ranks: the ranks of a tensor
+    group score the same rows together) and the group's shares summed; None: one process."""
+    rank, world_size = (info.dims.loss_rank, info.dims.loss_size) if info is not None else (0, 1)
+    group = info.loss_group if info is not None else None
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout != "unpacked" and not model.attention.isolate_documents:

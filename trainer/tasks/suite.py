@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from trainer.data.config import DataConfig
 from trainer.data.tokenizer import FramedTokenizer, special_ids
+from trainer.distributed.groups import DistInfo
 from trainer.errors import UserError
 from trainer.model import GPT
 from trainer.tasks.builtins import BUILTINS, fitting, heldout_texts
@@ -86,13 +87,14 @@ def load_suite(names: Sequence[str], setting: str, heldout: Callable[[], DataCon
 
 
 def score_tasks(model: GPT, tasks: Sequence[Task], tok: FramedTokenizer, pad_id: int, layout: str, batch_tokens: int,
-                device: torch.device, rank: int = 0, world_size: int = 1, group=None) -> dict:
-    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective across ranks); each
-    query preceded by what the tokenizer's framing puts before a training document (its BOS, if any)."""
+                device: torch.device, info: DistInfo | None = None) -> dict:
+    """{task name: {kind, source, metrics, items}} for every task, scored in `layout` (collective over `info`'s loss
+    group: trainer.tasks.scoring.score); each query preceded by what the tokenizer's framing puts before a training
+    document (its BOS, if any)."""
     out = {}
     for task in tasks:
         sequences = task_sequences(task, tok.encode, model.cfg.max_seq_len, tok.ids.head)
-        scores = score(model, sequences, layout, pad_id, batch_tokens, device, rank, world_size, group)
+        scores = score(model, sequences, layout, pad_id, batch_tokens, device, info)
         records = item_records(task, scores.loglikelihoods, scores.greedy)
         out[task.name] = {"kind": task.kind, "source": task.source, "metrics": task_metrics(task, records),
                           "items": records}
