@@ -86,7 +86,7 @@ def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[in
     def recording_apply():  # the gradients the update uses: reduced, clipped, gathered whole
         g = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         g = {n: v.full_tensor() if isinstance(v, DTensor) else v for n, v in g.items()}
-        grads.append(g if engine.tensor is None else engine.tensor.full_state(g))
+        grads.append(engine.tensor.full_state(g))
         apply()
 
     engine.apply_gradients = recording_apply

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from trainer.distributed.groups import DistInfo
+from trainer.distributed.tensor import Unsplit
 from trainer.model import compute_dtype
 
 _REPLICATED = "DDP's state is replicated: the checkpoint store saves state_dict(); shard_format is None"
@@ -109,9 +110,10 @@ class DDPEngine(ClientOptimizerSteps):
     shard_format = None
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, grad_clip: float, dtype: str,
-                 tensor=None):
-        """`tensor`: the model's layers are split over a tensor group (a trainer.distributed.tensor.TensorParallel,
-        applied by parallelize); DDP then averages over the loss group (data x context) only."""
+                 tensor: Unsplit | None = None):
+        """`tensor`: the model's tensor layout (trainer.distributed.tensor: `Unsplit`, or a `TensorParallel` that
+        parallelize applied, DDP then averaging over the loss group, data x context, only); every state and
+        gradient operation goes through it."""
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -119,7 +121,8 @@ class DDPEngine(ClientOptimizerSteps):
         self.autocast_dtype = None if dtype == "fp32" else compute_dtype(dtype)
         self.device = info.device
         self.is_main = info.is_main
-        self.tensor = tensor
+        self.tensor = tensor or Unsplit()
+        self.gathers_weights = self.tensor.gathers
         self.writes = info.dims.loss_rank == 0
         """Whether this rank's tensor group holds rank 0, which writes checkpoints: only it gathers whole tensors."""
         replicas = info.dims.loss_size  # the ranks holding the same weights
@@ -158,10 +161,7 @@ class DDPEngine(ClientOptimizerSteps):
         """The global gradient norm (before clipping); clips in place. Gradients are already all-reduced, so
         every rank computes the same norm."""
         limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-        if self.tensor is not None:
-            self.tensor.reduce_partial_grads()
-            return self.tensor.clip_grad_norm_(list(self.module.named_parameters()), limit)
-        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit))
+        return self.tensor.clip_gradients(list(self.module.named_parameters()), limit)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -169,41 +169,26 @@ class DDPEngine(ClientOptimizerSteps):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def state_dict(self) -> dict:
-        """Model, optimizer and schedule state (the same on every rank); the tensors are the live ones. Called on
-        every rank: under tensor parallelism rank 0's tensor group gathers the whole tensors onto rank 0 (one
-        tensor at a time; {} on every other rank), so the state is a one-rank run's and loads on any layout."""
-        if self.tensor is not None:
-            from trainer.distributed.tensor import full_optimizer_state
-
-            if not self.writes:
-                return {}
-            model = self.tensor.full_state(self.module.state_dict(), everywhere=False)
-            optimizer = full_optimizer_state(self.tensor, self.optimizer, everywhere=False)
-            return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()} \
-                if self.is_main else {}
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+        """Model, optimizer and schedule state on rank 0 ({} on every other rank), the tensors the live ones or,
+        under tensor parallelism, the whole ones its tensor group gathered onto it (one tensor at a time): the state
+        is a one-rank run's and loads on any layout. Called on every rank (collective under tensor parallelism)."""
+        if not self.writes:
+            return {}
+        model = self.tensor.full_state(self.module.state_dict(), everywhere=False)
+        optimizer = self.tensor.full_optimizer_state(self.optimizer, everywhere=False)
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()} \
+            if self.is_main else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.tensor is not None:  # whole tensors: this rank keeps its shards
-            from trainer.distributed.tensor import shard_optimizer_state
-
-            self.module.load_state_dict(self.tensor.shard_state(state["model"]))
-            self.optimizer.load_state_dict(shard_optimizer_state(self.tensor, self.optimizer, state["optimizer"]))
-        else:
-            self.module.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a whole state (`state_dict`'s, on every rank): each rank keeps its own part of every tensor."""
+        self.module.load_state_dict(self.tensor.shard_state(state["model"]))
+        self.optimizer.load_state_dict(self.tensor.shard_optimizer_state(self.optimizer, state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights on the CPU, on rank 0 only (every rank has them: no communication; under tensor
         parallelism every rank calls it, and the tensor group gathers them)."""
-        state = self.module.state_dict()
-        if self.tensor is not None:
-            state = self.tensor.full_state(state, everywhere=False) if self.writes else {}
+        state = self.tensor.full_state(self.module.state_dict(), everywhere=False) if self.writes else {}
         if not self.is_main:
             return {}
         return {k: v.detach().cpu().contiguous() for k, v in state.items()}

@@ -85,6 +85,7 @@ class DeepSpeedEngine:
     """Model + client optimizer + client LR schedule under a DeepSpeed ZeRO engine."""
 
     shard_format = "deepspeed"  # even ZeRO-1 partitions the optimizer state
+    gathers_weights = False  # model.safetensors at every save (no tensor parallelism under DeepSpeed)
 
     def __init__(self, model: nn.Module, optimizer, scheduler, info: DistInfo, cfg: DistributedConfig,
                  grad_clip: float, dtype: str):

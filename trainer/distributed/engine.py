@@ -28,6 +28,7 @@ from torch import nn
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import DDPEngine, repoint_optimizer
 from trainer.distributed.groups import DistInfo
+from trainer.distributed.tensor import Unsplit, apply_tensor_parallel
 from trainer.model.compile import compile_blocks
 from trainer.model.gpt import apply_activation_checkpointing, init_weights
 
@@ -47,6 +48,9 @@ class Engine(Protocol):
     which loads on any number of ranks. Else each rank holds a part, which only the engine can write and read
     (`save_shards` / `load_shards`), into the directory the checkpoint store names by it: 'deepspeed' (DeepSpeed's
     own files) or 'dcp' (torch.distributed.checkpoint)."""
+    gathers_weights: bool
+    """Whether the whole model exists on no rank (FSDP2's shards, tensor parallelism's), so that writing its
+    weights (`full_weights`, model.safetensors) gathers every tensor: the loop then writes them less often."""
 
     def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
@@ -141,12 +145,11 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and cfg.engine == "deepspeed":
         raise ValueError("DeepSpeed takes a materialized model: build it with build_model(..., meta=False)")
-    tensor = None
+    tensor = Unsplit()  # the model's tensor layout: every engine's state and gradient operations go through it
     if info.tensor_size > 1:  # first: the layers split over the tensor group, the optimizer given the shards
-        from trainer.distributed.tensor import apply_tensor_parallel
-
         names = {id(p): name for name, p in model.named_parameters()}
-        tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size, info.dims.tensor_rank)
+        tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size, info.dims.tensor_rank,
+                                       info.dims.world_mesh)
         repoint_optimizer(optimizer, model, names)
     if activation_checkpointing != "none":  # "none": the blocks as built
         apply_activation_checkpointing(model, activation_checkpointing)
@@ -172,7 +175,7 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     raise ValueError(f"distributed.engine must be 'ddp', 'deepspeed' or 'fsdp2', got {cfg.engine!r}")
 
 
-def materialize(model: nn.Module, device: torch.device, tensor=None) -> None:
+def materialize(model: nn.Module, device: torch.device, tensor: Unsplit | None = None) -> None:
     """Give a model built on the meta device (build_model(meta=True)), already split (tensor parallelism) or
     sharded (FSDP2), its storage on `device` and this rank's part of the one-rank weights: trainer.model.gpt.
     init_weights draws each whole tensor on the CPU, in the one-rank order, from the RNG state the build began in,
@@ -196,9 +199,7 @@ def materialize(model: nn.Module, device: torch.device, tensor=None) -> None:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
     def shard(name: str, whole: torch.Tensor) -> torch.Tensor:
-        if tensor is not None and tensor.is_split(name):
-            whole = tensor.layouts[name].shard(whole, tensor.size, tensor.rank)
-        whole = whole.to(device)
+        whole = (tensor or Unsplit()).shard(name, whole).to(device)
         p = params[name]
         if isinstance(p, DTensor):  # FSDP2: this rank's rows of the (tensor-parallel) whole, no communication
             return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from trainer.distributed.config import DistributedConfig
 from trainer.distributed.ddp import ClientOptimizerSteps, forward_backward, repoint_optimizer
 from trainer.distributed.groups import DistInfo
+from trainer.distributed.tensor import Unsplit
 from trainer.errors import UserError
 
 
@@ -66,22 +67,21 @@ class FSDP2Engine(ClientOptimizerSteps):
 
     name = "fsdp2"
     shard_format = "dcp"
+    gathers_weights = True
     """What the checkpoint store writes the shards as (it names the directory)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
-                 grad_clip: float, tensor=None):
+                 grad_clip: float, tensor: Unsplit | None = None):
         """`model` already sharded by `apply_fsdp` (trainer.distributed.engine.parallelize does it, in its
-        order), `optimizer` over its DTensors. `tensor`: the layers were split over a tensor group first (a
-        trainer.distributed.tensor.TensorParallel): each rank's shards are sharded again over the fsdp group."""
+        order), `optimizer` over its DTensors. `tensor`: the model's tensor layout (trainer.distributed.tensor:
+        `Unsplit`, or a `TensorParallel` applied first, whose shards are sharded again over the fsdp group);
+        every state and gradient operation goes through it."""
         self.module = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.grad_clip = grad_clip
         self.is_main = info.is_main
-        self.tensor = tensor
-        self.world_mesh = info.dims.world_mesh
-        """Every rank, in order: a checkpoint under tensor parallelism holds the whole tensors, their rows split
-        over it (`_to_whole`)."""
+        self.tensor = tensor or Unsplit()
         self.mesh = info.dims.loss_mesh  # the fsdp group: data x context, flattened (trainer/distributed/dims.py)
         self.grad_average_factor = self.mesh.size()
 
@@ -103,19 +103,8 @@ class FSDP2Engine(ClientOptimizerSteps):
 
     def clip_gradients(self) -> float:
         """The global gradient norm before clipping (the shards' norms combined over the mesh); clips in place."""
-        from torch.distributed.tensor import DTensor
-
-        if self.tensor is not None:  # the partial gradients summed over the tensor group, its shards counted
-            self.tensor.reduce_partial_grads()
-            limit = self.grad_clip if self.grad_clip > 0 else float("inf")
-            return self.tensor.clip_grad_norm_(list(self.module.named_parameters()), limit, self.mesh.get_group())
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(norm, DTensor):  # a partial sum of squares per rank: reduced here
-            norm = norm.full_tensor()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
-        return float(norm)
+        limit = self.grad_clip if self.grad_clip > 0 else float("inf")
+        return self.tensor.clip_gradients(list(self.module.named_parameters()), limit, self.mesh.get_group())
 
     def state_dict(self) -> dict:
         raise NotImplementedError(_SHARDED)
@@ -131,49 +120,13 @@ class FSDP2Engine(ClientOptimizerSteps):
 
     def _dcp_state(self) -> dict:
         """Model and optimizer as DCP's state-dict helpers give them (DTensor shards keyed by parameter name,
-        the optimizer's state created if it has none yet), and the schedule. Under tensor parallelism every
-        tensor is the whole one, its rows split over all the ranks (`_to_whole`): what the ranks of a tensor
-        group hold under one name differs, and a checkpoint must load on any tensor size."""
+        the optimizer's state created if it has none yet), as the tensor layout writes them (under tensor
+        parallelism each whole tensor, its rows split over every rank: `TensorParallel.saved_dcp_state`), and
+        the schedule."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optimizer = get_state_dict(self.module, self.optimizer)
-        if self.tensor is not None:
-            model, optimizer = _copied(model, optimizer)
-            for entries, key, name in _dtensors(model, optimizer):
-                entries[key] = self._to_whole(name, entries[key])
+        model, optimizer = self.tensor.saved_dcp_state(*get_state_dict(self.module, self.optimizer))
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
-
-    def _to_whole(self, name: str, shard):
-        """Collective: this rank's FSDP2 shard of its tensor-parallel shard -> the whole tensor's rows for this
-        rank of the world mesh (one whole tensor held at a time)."""
-        from torch.distributed.tensor import distribute_tensor
-
-        whole = shard.full_tensor()  # the tensor-parallel shard, whole over the fsdp group
-        if self.tensor.is_split(name):
-            whole = self.tensor.full_state({name: whole})[name]
-        return _owned(distribute_tensor(whole, self.world_mesh, self._rows(), src_data_rank=None))
-
-    def _from_whole(self, name: str, rows, like):
-        """Collective: the inverse of `_to_whole`, placed as `like` (the live FSDP2 DTensor) is."""
-        from torch.distributed.tensor import distribute_tensor
-
-        whole = rows.full_tensor()
-        if self.tensor.is_split(name):
-            whole = self.tensor.shard_state({name: whole})[name]
-        return _owned(distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None))
-
-    def _empty_whole(self, name: str, shard):
-        """An empty DTensor laid out as `_to_whole` writes the tensor `shard` is a part of (DCP reads into it)."""
-        import torch.distributed.tensor as dt
-
-        shape = self.module.whole_shapes[name] if self.tensor.is_split(name) else shard.shape
-        return dt.empty(shape, dtype=shard.dtype, device_mesh=self.world_mesh, placements=self._rows())
-
-    @staticmethod
-    def _rows() -> list:
-        from torch.distributed.tensor import Shard
-
-        return [Shard(0)]  # rows split over every rank, in rank order
 
     def save_shards(self, directory: Path) -> None:
         """Collective: every rank writes its shards into `directory` (DCP: one .distcp file per rank, and rank
@@ -198,13 +151,7 @@ class FSDP2Engine(ClientOptimizerSteps):
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model, optimizer = get_state_dict(self.module, self.optimizer)
-        live = None
-        if self.tensor is not None:  # empty whole tensors to read into (`_dcp_state`), then this rank's parts
-            live = list(_dtensors(model, optimizer))
-            model, optimizer = _copied(model, optimizer)
-            for entries, key, name in _dtensors(model, optimizer):
-                entries[key] = self._empty_whole(name, entries[key])
+        model, optimizer, back = self.tensor.dcp_load_targets(*get_state_dict(self.module, self.optimizer))
         state = {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
         try:
             with dcp_logs_silenced():
@@ -212,33 +159,22 @@ class FSDP2Engine(ClientOptimizerSteps):
         except CheckpointException as e:  # a BaseException, raised on every rank once DCP gathered the failures
             raise DCPLoadError(f"cannot load the FSDP2 checkpoint {directory}: {_first_failure(e)}; resume from "
                                "another checkpoint") from None
-        if live is not None:
-            for (entries, key, name), (was, was_key, _) in zip(_dtensors(model, optimizer), live, strict=True):
-                entries[key] = self._from_whole(name, entries[key], was[was_key])
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        model, optimizer = back(state["model"], state["optimizer"])
+        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Collective: the whole model's weights on the CPU, on rank 0 ({} elsewhere), gathered from the shards
-        (under tensor parallelism one tensor at a time: over the fsdp group, then the tensor group)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Collective: the whole model's weights on the CPU, on rank 0 ({} elsewhere), gathered from the shards one
+        tensor at a time: over the fsdp group, then (tensor parallelism) the tensor group."""
         from torch.distributed.tensor import DTensor
 
-        if self.tensor is not None:
-            out = {}
-            for name, v in self.module.state_dict().items():
-                v = v.full_tensor() if isinstance(v, DTensor) else v
-                if self.tensor.is_split(name):
-                    v = self.tensor.full_state({name: v}, everywhere=False).get(name)
-                if self.is_main:
-                    out[name] = v.detach().cpu().contiguous()
-            return out
-
-        weights = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.is_main:
-            return {}
-        return {k: v.detach().contiguous() for k, v in weights.items()}
+        out = {}
+        for name, v in self.module.state_dict().items():
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            v = self.tensor.full_state({name: v}, everywhere=False).get(name)
+            if self.is_main:
+                out[name] = v.detach().cpu().contiguous()
+        return out
 
 
 def apply_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo, cfg: DistributedConfig,
@@ -271,32 +207,6 @@ def apply_fsdp(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInf
                 reshard_after_forward=cfg.reshard_after_forward)
     repoint_optimizer(optimizer, model, names)  # the DTensors into the client's optimizer
 
-
-def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:
-    """Shallow copies of a model and an optimizer state dict (as get_state_dict gives them), to replace entries of
-    without touching the optimizer's own."""
-    return dict(model), {**optimizer, "state": {fqn: dict(entry) for fqn, entry in optimizer["state"].items()}}
-
-
-def _dtensors(model: dict, optimizer: dict):
-    """(dict, key, parameter name) of every DTensor in a model and an optimizer state dict, in one order."""
-    from torch.distributed.tensor import DTensor
-
-    for name, v in model.items():
-        if isinstance(v, DTensor):
-            yield model, name, name
-    for name, entry in optimizer["state"].items():
-        for key, v in entry.items():
-            if isinstance(v, DTensor):
-                yield entry, key, name
-
-
-def _owned(t):
-    """A DTensor whose local part owns its storage (not a view keeping a whole tensor alive)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
 
 
 def read_dcp_weights(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -236,7 +236,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 @dataclass
 class VocabShard:
     """This rank's columns [start, start + n) of the logits over a vocabulary of `vocab_size` ids (the model's
-    `vocab_shard`: trainer.model.loss computes the token losses with it)."""
+    `vocab`: trainer.model.loss computes the token losses with it, as with its WholeVocab)."""
 
     group: object
     start: int
@@ -250,9 +250,10 @@ class VocabShard:
         chunked head)."""
         return softmax_stats(logits_nv, targets_n, self.start, self.vocab_size, self.group)
 
-    def gather(self, logits_BLv: torch.Tensor) -> torch.Tensor:
-        """The whole (B, L, V) logits on every rank (for a caller that asks for them; the loss never does)."""
-        return _GatherVocab.apply(logits_BLv, self.group)[..., :self.vocab_size]
+    def returned(self, logits_BLv: torch.Tensor, asked: bool | None) -> torch.Tensor | None:
+        """The logits a forward returns: only when asked for (True), then the whole (B, L, V) on every rank,
+        gathered (the loss never needs them)."""
+        return _GatherVocab.apply(logits_BLv, self.group)[..., :self.vocab_size] if asked else None
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -337,11 +338,70 @@ def layouts(model_cfg, size: int) -> dict[str, Layout]:
 # ---------------------------------------------------------------------------------------------------
 
 
-class TensorParallel:
+class Unsplit:
+    """The tensor layout of a model that is not split (distributed.tensor_parallel=1): what every engine asks of a
+    layout, each the identity or torch's own. Engines hold one layout (this, or `TensorParallel`) and call it
+    without asking which: no engine, checkpoint or loss code branches on tensor parallelism."""
+
+    size, rank = 1, 0
+    gathers = False
+    """Whether the whole model exists on no rank, so that writing it (model.safetensors) gathers every tensor."""
+
+    def is_split(self, name: str) -> bool:
+        return False
+
+    def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole tensor named `name`."""
+        return whole
+
+    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors (a model state dict) -> this rank's, by name."""
+        return {k: self.shard(k, v) for k, v in state.items()}
+
+    def full_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's tensors (a model state dict) -> the whole ones (`TensorParallel.full_state`)."""
+        return state
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
+        """optimizer.state_dict() as one rank's optimizer would hold it (`TensorParallel.full_optimizer_state`)."""
+        return optimizer.state_dict()
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        """A whole optimizer state -> this rank's."""
+        return state
+
+    def clip_gradients(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
+        """The whole model's gradient norm before clipping; clips to `max_norm` in place (inf: never). FSDP2's
+        gradients are DTensors: their norm is reduced over their own mesh (`shards` is for `TensorParallel`)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for _, p in named if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(norm, DTensor):  # a partial sum of squares per rank: reduced here
+            norm = norm.full_tensor()
+        if math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    def saved_dcp_state(self, model: dict, optimizer: dict) -> tuple[dict, dict]:
+        """Collective: FSDP2's model and optimizer state dicts (DCP's helpers') as a checkpoint holds them."""
+        return model, optimizer
+
+    def dcp_load_targets(self, model: dict, optimizer: dict):
+        """What DCP reads a checkpoint into (laid out as `saved_dcp_state` writes it), and the collective function
+        that turns what was read back into the layout of `model` and `optimizer`."""
+        return model, optimizer, lambda read_model, read_optimizer: (read_model, read_optimizer)
+
+
+class TensorParallel(Unsplit):
     """A model split over a tensor group (see the module docstring); built by `apply_tensor_parallel`."""
 
-    def __init__(self, model: nn.Module, group, size: int, rank: int) -> None:
+    gathers = True
+
+    def __init__(self, model: nn.Module, group, size: int, rank: int, world_mesh=None) -> None:
         self.model, self.group, self.size, self.rank = model, group, size, rank
+        self.world_mesh = world_mesh
+        """Every rank, in order: under FSDP2 a checkpoint holds each whole tensor's rows split over it."""
         self.layouts = layouts(model.cfg, size)
         self.partial: list[str] = []
         """The names of the whole parameters used on this rank's positions only: their gradients are summed over
@@ -350,9 +410,8 @@ class TensorParallel:
     def is_split(self, name: str) -> bool:
         return name in self.layouts
 
-    def shard_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole tensors (a model state dict) -> this rank's, by name; the others as they are."""
-        return {k: self.layouts[k].shard(v, self.size, self.rank) if k in self.layouts else v for k, v in state.items()}
+    def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return self.layouts[name].shard(whole, self.size, self.rank) if name in self.layouts else whole
 
     def full_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> dict[str, torch.Tensor]:
         """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name, on every
@@ -375,6 +434,32 @@ class TensorParallel:
                 out[k] = v
         return out
 
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
+        """Collective over the group: optimizer.state_dict() with every split parameter's state tensors (Adam's
+        moments, shaped like it) whole, as one rank's optimizer would hold them (`everywhere=False`: on the group's
+        first rank alone, {} on the others, as `full_state`)."""
+        state = optimizer.state_dict()
+        names = _optimizer_names(optimizer, self.model)
+        out = {}
+        for index, entry in state["state"].items():
+            name = names[index]
+            out[index] = {k: self.full_state({name: v}, everywhere).get(name) if self._moment(v, name) else v
+                          for k, v in entry.items()}
+        return {**state, "state": out} if everywhere or self.rank == 0 else {}
+
+    def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        """A whole optimizer state (as `full_optimizer_state` or one rank's optimizer wrote it) -> this rank's."""
+        names = _optimizer_names(optimizer, self.model)
+        out = {}
+        for index, entry in state["state"].items():
+            name = names[int(index)]
+            out[index] = {k: self.shard(name, v) if self._moment(v, name) else v for k, v in entry.items()}
+        return {**state, "state": out}
+
+    def _moment(self, value, name: str) -> bool:
+        """Whether an optimizer state entry is a per-element tensor of a split parameter (not a step count)."""
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and self.is_split(name)
+
     def reduce_partial_grads(self) -> None:
         """Sum the partial gradients of the whole parameters over the group (once per step, before the norm).
         Under FSDP2 each rank's gradient is a DTensor: its local shard is summed (the ranks of a tensor group
@@ -388,10 +473,12 @@ class TensorParallel:
                 for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                     g.copy_(part.view_as(g))
 
-    def clip_grad_norm_(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
-        """torch.nn.utils.clip_grad_norm_ of the whole model's gradients: the split ones' squares summed over the
-        group, the whole ones (already summed, the same on every rank) counted once. `shards`: the group whose
-        ranks hold different rows of every gradient (FSDP2's), over which both sums are summed first."""
+    def clip_gradients(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
+        """The partial gradients summed (`reduce_partial_grads`), then torch.nn.utils.clip_grad_norm_ of the whole
+        model's gradients: the split ones' squares summed over the group, the whole ones (already summed, the same
+        on every rank) counted once. `shards`: the group whose ranks hold different rows of every gradient
+        (FSDP2's), over which both sums are summed first."""
+        self.reduce_partial_grads()
         sq = torch.zeros(2, dtype=torch.float64)  # split, whole
         for name, p in named:
             if p.grad is not None:
@@ -410,6 +497,87 @@ class TensorParallel:
                     p.grad.detach().mul_(coef)
         return total
 
+    # Under FSDP2 (trainer/distributed/fsdp.py) what the ranks of a tensor group hold under one name differs, and a
+    # checkpoint must load on any tensor size: DCP writes each whole tensor, its rows split over every rank of the
+    # world mesh, one whole tensor held at a time.
+
+    def saved_dcp_state(self, model: dict, optimizer: dict) -> tuple[dict, dict]:
+        model, optimizer = _copied(model, optimizer)
+        for entries, key, name in _dtensors(model, optimizer):
+            entries[key] = self._to_whole(name, entries[key])
+        return model, optimizer
+
+    def dcp_load_targets(self, model: dict, optimizer: dict):
+        live = list(_dtensors(model, optimizer))
+        model, optimizer = _copied(model, optimizer)
+        for entries, key, name in _dtensors(model, optimizer):
+            entries[key] = self._empty_whole(name, entries[key])
+
+        def back(read_model: dict, read_optimizer: dict) -> tuple[dict, dict]:
+            for (entries, key, name), (was, was_key, _) in zip(_dtensors(read_model, read_optimizer), live,
+                                                                strict=True):
+                entries[key] = self._from_whole(name, entries[key], was[was_key])
+            return read_model, read_optimizer
+
+        return model, optimizer, back
+
+    def _to_whole(self, name: str, shard):
+        """Collective: this rank's FSDP2 shard of its tensor-parallel shard -> the whole tensor's rows for this
+        rank of the world mesh."""
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = shard.full_tensor()  # the tensor-parallel shard, whole over the fsdp group
+        if self.is_split(name):
+            whole = self.full_state({name: whole})[name]
+        return _owned(distribute_tensor(whole, self.world_mesh, _rows(), src_data_rank=None))
+
+    def _from_whole(self, name: str, rows, like):
+        """Collective: the inverse of `_to_whole`, placed as `like` (the live FSDP2 DTensor) is."""
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = self.shard(name, rows.full_tensor())
+        return _owned(distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None))
+
+    def _empty_whole(self, name: str, shard):
+        """An empty DTensor laid out as `_to_whole` writes the tensor `shard` is a part of (DCP reads into it)."""
+        import torch.distributed.tensor as dt
+
+        shape = self.model.whole_shapes[name] if self.is_split(name) else shard.shape
+        return dt.empty(shape, dtype=shard.dtype, device_mesh=self.world_mesh, placements=_rows())
+
+
+def _rows() -> list:
+    from torch.distributed.tensor import Shard
+
+    return [Shard(0)]  # rows split over every rank, in rank order
+
+
+def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:
+    """Shallow copies of a model and an optimizer state dict (as get_state_dict gives them), to replace entries of
+    without touching the optimizer's own."""
+    return dict(model), {**optimizer, "state": {fqn: dict(entry) for fqn, entry in optimizer["state"].items()}}
+
+
+def _dtensors(model: dict, optimizer: dict):
+    """(dict, key, parameter name) of every DTensor in a model and an optimizer state dict, in one order."""
+    from torch.distributed.tensor import DTensor
+
+    for name, v in model.items():
+        if isinstance(v, DTensor):
+            yield model, name, name
+    for name, entry in optimizer["state"].items():
+        for key, v in entry.items():
+            if isinstance(v, DTensor):
+                yield entry, key, name
+
+
+def _owned(t):
+    """A DTensor whose local part owns its storage (not a view keeping a whole tensor alive)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local part (a view of its storage); a plain tensor as it is."""
@@ -418,14 +586,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_mesh=None) -> TensorParallel:
     """Split a built GPT (trainer.model.gpt) over the tensor group in place: every rank holds the same whole
     weights (the same seed, or the same checkpoint) and keeps its shards. Parameter names are unchanged; the
     Parameters are new (an optimizer built before must take them: trainer.distributed.engine.parallelize)."""
     cfg = model.cfg
     if problems := tensor_parallel_problems(cfg, size):
         raise ValueError(problems[0])
-    tp = TensorParallel(model, group, size, rank)
+    tp = TensorParallel(model, group, size, rank, world_mesh)
     local = tp.shard_state({k: v.detach() for k, v in model.state_dict().items()})
     seq = SequenceShards(group)
     for i, block in enumerate(model.blocks):
@@ -446,7 +614,7 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int) -> Tens
         model.lm_head.weight = model.wte.weight  # tied again, to the shard
     else:
         model.lm_head.weight = nn.Parameter(local["lm_head.weight"])
-    model.vocab_shard = VocabShard(group, rank * shard_rows, cfg.vocab_size)
+    model.vocab = VocabShard(group, rank * shard_rows, cfg.vocab_size)
     model.drop.register_forward_hook(lambda _m, _i, out: seq.split(out))  # the residual stream split by position
     model.ln_f.register_forward_hook(lambda _m, _i, out: seq.gather(out))  # and whole again for the head
     return tp
@@ -456,32 +624,3 @@ def _optimizer_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list
     """The parameter name of each index of optimizer.state_dict()["state"] (its parameters in group order)."""
     names = {id(p): name for name, p in model.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def full_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
-    """Collective over the group: optimizer.state_dict() with every split parameter's state tensors (Adam's
-    moments, shaped like it) whole, as one rank's optimizer would hold them (`everywhere=False`: on the group's
-    first rank alone, {} on the others, as `TensorParallel.full_state`)."""
-    state = optimizer.state_dict()
-    names = _optimizer_names(optimizer, tp.model)
-    out = {}
-    for index, entry in state["state"].items():
-        name = names[index]
-        out[index] = {k: tp.full_state({name: v}, everywhere).get(name) if _moment(v, name, tp) else v
-                      for k, v in entry.items()}
-    return {**state, "state": out} if everywhere or tp.rank == 0 else {}
-
-
-def shard_optimizer_state(tp: TensorParallel, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """A whole optimizer state (as `full_optimizer_state` or one rank's optimizer wrote it) -> this rank's."""
-    names = _optimizer_names(optimizer, tp.model)
-    out = {}
-    for index, entry in state["state"].items():
-        name = names[int(index)]
-        out[index] = {k: tp.shard_state({name: v})[name] if _moment(v, name, tp) else v for k, v in entry.items()}
-    return {**state, "state": out}
-
-
-def _moment(value, name: str, tp: TensorParallel) -> bool:
-    """Whether an optimizer state entry is a per-element tensor of a split parameter (not a step count)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and tp.is_split(name)

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.data.batch import Batch
 from trainer.errors import ConfigError, require_range
 from trainer.model.attention import AttentionConfig, AttentionContext, Segments, TreeSegments, attend_within
-from trainer.model.loss import chunked_cross_entropy_sums, cross_entropy_sums, next_token_targets
+from trainer.model.loss import WHOLE_VOCAB, chunked_cross_entropy_sums, cross_entropy_sums, next_token_targets
 
 POS_EMBS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
@@ -414,9 +414,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # tied input and output embeddings
-        self.vocab_shard = None
-        """Tensor parallelism: the head's logits are this rank's vocabulary columns (a trainer.distributed.tensor.
-        VocabShard, set by apply_tensor_parallel), the loss computed on them; None: the whole vocabulary."""
+        self.vocab = WHOLE_VOCAB
+        """Which columns of the vocabulary the head's logits are, the loss computed on them: all of them
+        (trainer.model.loss.WholeVocab), or under tensor parallelism this rank's (a trainer.distributed.tensor.
+        VocabShard, set by apply_tensor_parallel)."""
         self.init_plan = init_plan(self)
         """(parameter name, 'normal' | 'fill', std or value), in the order the init draws them (`init_weights`)."""
         self.whole_shapes = {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)}
@@ -459,7 +460,7 @@ class GPT(nn.Module):
         loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of the
         num_loss_groups groups (a metric: per source x document-length bucket, trainer.data.batch.LossGroups).
         return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given) or
-        split over tensor ranks (vocab_shard), where they never exist whole; True always returns them (the plain
+        split over tensor ranks (`vocab`), where they never exist whole; True always returns them (the plain
         loss path; gathered over the tensor group); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
@@ -508,17 +509,15 @@ class GPT(nn.Module):
         if self.loss_chunk_tokens and targets is not None and not return_logits:  # the logits never exist whole
             loss_sum, num_targets, weighted, grouped = chunked_cross_entropy_sums(
                 h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups,
-                self.vocab_shard)
+                self.vocab)
             return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
                                group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V), or (B, L, V / N) under tensor parallelism
         loss_sum = num_targets = weighted = grouped = None
         if targets is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
             loss_sum, num_targets, weighted, grouped = cross_entropy_sums(
-                logits, targets, loss_weights, loss_groups, num_loss_groups, self.vocab_shard)
-        if self.vocab_shard is not None:  # whole logits only when asked for (True): the loss never needs them
-            logits = self.vocab_shard.gather(logits) if return_logits else None
-        return ModelOutput(logits=None if return_logits is False else logits, loss_sum=loss_sum, num_targets=num_targets,
+                logits, targets, loss_weights, loss_groups, num_loss_groups, self.vocab)
+        return ModelOutput(logits=self.vocab.returned(logits, return_logits), loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
 
 

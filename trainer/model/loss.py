@@ -20,6 +20,11 @@ or, as `plain_cross_entropy` / `chunked_cross_entropy`, from unshifted labels:
 micro-batch) and `groups` (B, L) (a group id per target, e.g. its document's source x length bucket) come aligned
 with the unshifted labels, like them, and are aligned with the targets by the same shift. The group sums are a
 metric: detached, they change no value or gradient.
+
+The logits hold the whole vocabulary (`WholeVocab`) or, under tensor parallelism, this rank's columns of it (a
+trainer.distributed.tensor.VocabShard, the model's `vocab`): both answer the same three questions (each target's
+cross entropy, a chunk's logsumexp and target logit, the logits the caller asked for), so no loss here branches
+on the layout.
 """
 
 from __future__ import annotations
@@ -29,6 +34,31 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from trainer.data.batch import IGNORE_INDEX
+
+
+class WholeVocab:
+    """Logits over every column of the vocabulary: the `vocab` of the losses below when the head is not split
+    (trainer.distributed.tensor.VocabShard answers the same calls for this rank's columns, joined over its group)."""
+
+    start = 0
+    """The vocabulary id of the logits' first column."""
+
+    def cross_entropy(self, logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+        """(N,) fp32 cross entropy of (N, V) logits against (N,) targets, 0 where -100."""
+        return F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
+
+    def chunk_stats(self, logits_nV: torch.Tensor, targets_n: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """fp32 (n, V) logits -> (the logits, their logsumexp (n,), each target's logit (n,); ignored targets read
+        column 0, never used)."""
+        safe_n = torch.where(targets_n != IGNORE_INDEX, targets_n, 0)[:, None]  # gather needs an index in [0, V)
+        return logits_nV, torch.logsumexp(logits_nV, dim=-1), logits_nV.gather(1, safe_n).squeeze(1)
+
+    def returned(self, logits_BLV: torch.Tensor, asked: bool | None) -> torch.Tensor | None:
+        """The logits a forward returns: these, unless the caller said False."""
+        return None if asked is False else logits_BLV
+
+
+WHOLE_VOCAB = WholeVocab()
 
 
 def shift_left(x_BL: torch.Tensor, fill: float) -> torch.Tensor:
@@ -52,17 +82,13 @@ def next_token_targets(labels: torch.Tensor, weights: torch.Tensor | None = None
             None if groups is None else shift_left(groups, -1))
 
 
-def position_losses(logits: torch.Tensor, targets: torch.Tensor, vocab=None) -> torch.Tensor:
+def position_losses(logits: torch.Tensor, targets: torch.Tensor, vocab: WholeVocab = WHOLE_VOCAB) -> torch.Tensor:
     """(B, L) fp32 cross entropy of each position's logits against its target (`next_token_targets`), 0 where it
-    is -100. One kernel over the contiguous (B * L, V) logits. `vocab`: the logits are this rank's columns of the
-    vocabulary (tensor parallelism: a trainer.distributed.tensor.VocabShard, whose cross_entropy joins the
-    group's), else None."""
+    is -100. One kernel over the contiguous (B * L, V) logits. `vocab`: which columns of the vocabulary the logits
+    are (this rank's under tensor parallelism: a trainer.distributed.tensor.VocabShard, whose cross_entropy joins
+    the group's)."""
     B, L, V = logits.shape
-    targets_N = targets.reshape(-1)
-    if vocab is not None:
-        return vocab.cross_entropy(logits.reshape(B * L, V), targets_N).view(B, L)
-    ce_N = F.cross_entropy(logits.reshape(B * L, V).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
-    return ce_N.view(B, L)
+    return vocab.cross_entropy(logits.reshape(B * L, V), targets.reshape(-1)).view(B, L)
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,7 +116,7 @@ def num_targets(targets: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy_sums(
     logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None, num_groups: int = 0, vocab=None,
+    groups: torch.Tensor | None = None, num_groups: int = 0, vocab: WholeVocab = WHOLE_VOCAB,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(summed fp32 cross entropy, number of targets, sum of weights[t] * ce(t) or None, per-group sums or None)
     of whole logits (B, L, V) (or of this rank's vocabulary columns: `vocab`, as `position_losses`) against
@@ -142,7 +168,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_NC, weight_VC, targets_N, weights_N, chunk_tokens: int, compute_dtype: torch.dtype,
-                want_grad: bool, groups_N=None, num_groups: int = 0, vocab=None):
+                want_grad: bool, groups_N=None, num_groups: int = 0, vocab: WholeVocab = WHOLE_VOCAB):
         need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
         weight_cd = weight_VC.to(compute_dtype)  # (V, C); a copy only under autocast
         loss_sum = torch.zeros((), dtype=torch.float32, device=h_NC.device)
@@ -157,16 +183,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             targets_n = targets_N[start:end]
             valid_n = targets_n != IGNORE_INDEX
             logits_nV = (h_nC @ weight_cd.T).float()
-            if vocab is None:
-                mine_n = valid_n
-                safe_n = torch.where(valid_n, targets_n, 0)[:, None]  # gather needs an index in [0, V)
-                lse_n = torch.logsumexp(logits_nV, dim=-1)
-                target_n = logits_nV.gather(1, safe_n).squeeze(1)
-            else:  # this rank's vocabulary columns: the logsumexp and the target's logit joined over the group
-                logits_nV, lse_n, target_n = vocab.chunk_stats(logits_nV, targets_n)
-                local_n = targets_n - vocab.start
-                mine_n = valid_n & (local_n >= 0) & (local_n < logits_nV.shape[1])  # the target is a column here
-                safe_n = torch.where(mine_n, local_n, 0)[:, None]
+            logits_nV, lse_n, target_n = vocab.chunk_stats(logits_nV, targets_n)  # joined over a vocab group
+            local_n = targets_n - vocab.start
+            mine_n = valid_n & (local_n >= 0) & (local_n < logits_nV.shape[1])  # the target is a column here
+            safe_n = torch.where(mine_n, local_n, 0)[:, None]
             ce_n = torch.where(valid_n, lse_n - target_n, 0.0)  # (n,), 0 if ignored
             loss_sum += ce_n.sum()
             if weights_N is not None:
@@ -210,7 +230,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
 def chunked_cross_entropy_sums(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None,
-    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0, vocab=None,
+    chunk_tokens: int, groups: torch.Tensor | None = None, num_groups: int = 0, vocab: WholeVocab = WHOLE_VOCAB,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`cross_entropy_sums` of the logits `hidden @ weight.T`, never all in memory.
 

@@ -504,11 +504,10 @@ class Trainer:
         )
 
     def _weights_due(self) -> bool:
-        """Whether this save writes model.safetensors: always, except under FSDP2 and tensor parallelism, where
-        gathering the whole model costs each save seconds (its weights are in dcp/ or engine.pt): there at the run's
-        last step, or at every save with train.save_weights=every."""
-        gathered = self.engine.shard_format == "dcp" or self.info.tensor_size > 1
-        return not gathered or self.cfg.train.save_weights == "every" or self.step >= self.cfg.train.max_steps
+        """Whether this save writes model.safetensors: always, except where the whole model exists on no rank
+        (FSDP2, tensor parallelism: `engine.gathers_weights`) and gathering it costs each save seconds (its weights
+        are in dcp/ or engine.pt): there at the run's last step, or at every save with train.save_weights=every."""
+        return not self.engine.gathers_weights or self.cfg.train.save_weights == "every" or self.step >= self.cfg.train.max_steps
 
 
 def _seed_everything(seed: int) -> None:
