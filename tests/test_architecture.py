@@ -205,3 +205,38 @@ def test_the_tests_mirror_the_rooms(tmp_path):
     (tmp_path / "tests" / "trainer").mkdir()
     assert misplaced_tests(tmp_path / "tests", tmp_path / "trainer") == [
         "run/test_a.py: tests no module of trainer.run", "trainer/: not a room of trainer/"]  # the check can fail
+
+
+TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tensor_size\s*>|tensor_parallel\s*>|\.is_split\(")
+"""A branch on tensor parallelism: `if self.tensor is not None`, `tensor_size > 1`, `vocab is None`, `is_split(`."""
+LAYOUT_FREE = ("trainer/distributed/ddp.py", "trainer/distributed/fsdp.py", "trainer/distributed/deepspeed.py",
+               "trainer/checkpoint/store.py", "trainer/model/loss.py", "trainer/model/gpt.py", "trainer/run/loop.py",
+               "trainer/run/step.py", "trainer/run/checkpointer.py")
+
+
+def test_engines_store_loss_and_loop_never_branch_on_tensor_parallelism():
+    """Issue 58: a split parameter is treated like any other; the tensor layout (trainer.distributed.tensor's
+    `Unsplit` / `TensorParallel`, the model's `vocab`) answers, and nobody asks which it is."""
+    found = [f"{path}:{i}: {line.strip()}" for path in LAYOUT_FREE
+             for i, line in enumerate((ROOT / path).read_text().splitlines(), 1) if TP_BRANCH.search(line)]
+    assert found == []
+    assert TP_BRANCH.search("        if self.tensor is not None:") and TP_BRANCH.search("if vocab is None:")
+
+
+MODULE_NAMES = re.compile(r"\b(c_attn|c_proj|c_fc|wte|wpe|lm_head|ln_f|ln_1|ln_2|blocks)\b")
+
+
+@pytest.mark.parametrize("path", ["trainer/distributed/tensor.py", "trainer/checkpoint/hf.py"])
+def test_tensor_parallelism_and_hf_import_name_no_module_of_the_model(path):
+    """The model's structure has one owner: its modules and `tensor_plan` (trainer/model/gpt.py) and its families'
+    name maps (trainer/model/families/); the code that applies them names no module (docstrings may)."""
+    tree = ast.parse((ROOT / path).read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    named = sorted({f"{node.lineno}: {node.value!r}" for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                    and isinstance(node.value, str) and id(node) not in docstrings and MODULE_NAMES.search(node.value)})
+    code_names = sorted({f"{node.lineno}: .{node.attr}" for node in ast.walk(tree)
+                         if isinstance(node, ast.Attribute) and MODULE_NAMES.fullmatch(node.attr)})
+    assert named == [] and code_names == []
+    assert MODULE_NAMES.search("blocks.0.attn.c_attn.weight")  # the check can fail

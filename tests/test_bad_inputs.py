@@ -173,6 +173,10 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("model.n_kv_head", ("model.n_kv_head=3",), r"model.n_head=4 is not divisible by model.n_kv_head=3"),
     ("model.qkv_bias", ("model.qkv_bias=maybe",), r"model.qkv_bias must be true or false or null, got 'maybe'"),
     ("model.tie_embeddings", ("model.tie_embeddings=maybe",), r"model.tie_embeddings must be true or false"),
+    ("model.family", ("model.family=falcon",), r"model.family='falcon' is not a family packtrain knows; families: "
+                                              r"gpt2, llama, qwen2, mistral"),
+    ("model.family", ("model.family=gpt2", "model=llama-tiny"), r"model.family=gpt2: GPT2LMHeadModel does not "
+                                                                r"compute this model \(pos_emb=rope"),
     ("model.rope_scaling", ("model.pos_emb=rope", "model.rope_scaling={rope_type:yarn,factor:2.0}"),
      r"model.rope_scaling: rope_type 'yarn' is not supported; supported: \('default', 'linear', 'llama3'\)"),
     ("model.rope_scaling", ("model.rope_scaling={rope_type:linear,factor:2.0}",),

@@ -32,6 +32,7 @@ from trainer.distributed.dims import dims_problem
 from trainer.distributed.tensor import tensor_parallel_problems
 from trainer.errors import ConfigError, require_range
 from trainer.model import AttentionConfig, GPTConfig
+from trainer.model.families import family_of
 from trainer.model.gpt import ACTIVATION_CHECKPOINTING
 
 DTYPES = ("auto", "fp32", "bf16")
@@ -326,6 +327,11 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
         problems.append(f"train.eval_tasks_layout=tree scores each item as a tree (its choices must not see each "
                         f"other), which attention={cfg.attention.backend} cannot express: use attention=auto (it "
                         "scores trees on flex or sdpa_docs) or train.eval_tasks_layout=packed")
+    if cfg.model.family is not None:
+        try:
+            family_of(cfg.model)
+        except ValueError as e:
+            problems.append(str(e))
     if cfg.model.max_seq_len < cfg.train.seq_len:
         problems.append(f"model.max_seq_len ({cfg.model.max_seq_len}) must be >= train.seq_len ({cfg.train.seq_len}): "
                         f"the model cannot take rows that long (set model.max_seq_len={cfg.train.seq_len} or more)")

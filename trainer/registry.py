@@ -121,6 +121,7 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "model.qkv_bias": (OTHER, "a different model"),
     "model.tie_embeddings": (OTHER, "a different model"),
     "model.rope_scaling": (OTHER, "a different model"),
+    "model.family": (SAME_OBJECTIVE, "names the Hugging Face class the weights export as: the same model"),
     # attention
     "attention.backend": (SAME_OBJECTIVE, "every kernel computes the same attention"),
     "attention.isolate_documents": (ABLATION, "documents of a packed row attend to earlier ones"),

@@ -1,4 +1,4 @@
-"""Hugging Face models in and out (trainer.checkpoint.hf): GPT-2, Llama and Qwen2 as packtrain's GPT.
+"""Hugging Face models in and out (trainer.checkpoint.hf): GPT-2, Llama, Qwen2 and Mistral as packtrain's GPT.
 
 The independent reference is `transformers` itself: tiny random models of each class are built inside the test
 (no hub), every weight perturbed so that a swapped norm, a misplaced slice of the fused q|k|v or gate|up rows, or a
@@ -31,7 +31,7 @@ VOCAB = 300
 ROW = 48
 DOC_LENS = ([9, 14, 6, 13], [17, 11, 20])  # two packed rows, each with a padding tail
 TOL = 1e-5
-KINDS = ("gpt2", "llama", "llama3_scaled", "qwen2", "qwen2_untied")
+KINDS = ("gpt2", "llama", "llama3_scaled", "qwen2", "qwen2_untied", "mistral")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,8 @@ def transformers():
 
 
 def hf_config(transformers, kind: str):
-    """A tiny config of each family: GQA (4 heads, 2 kv heads), an untied head for Llama, q/k/v biases for Qwen2."""
+    """A tiny config of each family: GQA (4 heads, 2 kv heads), an untied head for Llama, q/k/v biases for Qwen2,
+    Mistral without its sliding window."""
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -52,6 +53,8 @@ def hf_config(transformers, kind: str):
         scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}
         return transformers.LlamaConfig(**llama, tie_word_embeddings=True, rope_scaling=scaling)
+    if kind == "mistral":
+        return transformers.MistralConfig(**llama, tie_word_embeddings=False, sliding_window=None)
     return transformers.Qwen2Config(**llama, tie_word_embeddings=kind == "qwen2")
 
 
@@ -247,7 +250,9 @@ def test_real_configs_on_the_meta_device_have_transformers_shapes_and_counts(tra
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: GPT2LMHeadModel"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not supported; supported: GPT2LMHeadModel"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+     "mistral variant packtrain's GPT does not compute"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "is not a causal language model"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),

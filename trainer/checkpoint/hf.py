@@ -1,30 +1,17 @@
-"""Hugging Face model directories, both ways: GPT-2 and the Llama family as packtrain's GPT, and back.
+"""Hugging Face model directories, both ways: each family packtrain's GPT computes, and back.
 
-Three transformers classes compute what packtrain's GPT computes (trainer.model.gpt), each for one setting of its
-fields; `family` says which a config is:
+The families are declared in trainer/model/families/ (one file each: the class, which GPTConfig settings it
+computes, its config.json both ways, its tensor names); this module applies them and names no module itself:
 
-    gpt2    GPT2LMHeadModel    pos_emb=learned, norm=layernorm, mlp=gelu, tied head, n_kv_head = n_head
-    llama   LlamaForCausalLM   pos_emb=rope, norm=rmsnorm, mlp=swiglu; GQA, untied head, theta and rope
-                               scaling (linear, llama3) from the config; biases everywhere or nowhere
-    qwen2   Qwen2ForCausalLM   llama's, with biases on q, k and v alone (qkv_bias=true, bias=false)
+    gpt2     GPT2LMHeadModel     pos_emb=learned, norm=layernorm, mlp=gelu, tied head, n_kv_head = n_head
+    llama    LlamaForCausalLM    pos_emb=rope, norm=rmsnorm, mlp=swiglu; GQA, untied head, theta and rope
+                                 scaling (linear, llama3) from the config; biases everywhere or nowhere
+    qwen2    Qwen2ForCausalLM    llama's, with biases on q, k and v alone (qkv_bias=true, bias=false)
+    mistral  MistralForCausalLM  llama's without biases, sliding_window null
 
-The weights are the same tensors under other names (`pieces`). packtrain fuses two families of projections, so
-one of its tensors can be several Hugging Face tensors stacked along dim 0 (rows):
-
-    packtrain                         GPT-2                               Llama / Qwen2
-    wte.weight                        transformer.wte.weight              model.embed_tokens.weight
-    wpe.weight                        transformer.wpe.weight              -
-    blocks.N.ln_1.*                   transformer.h.N.ln_1.*              model.layers.N.input_layernorm.weight
-    blocks.N.attn.c_attn.* (q|k|v)    transformer.h.N.attn.c_attn.* (T)   ...self_attn.{q,k,v}_proj.*, stacked
-    blocks.N.attn.c_proj.*            transformer.h.N.attn.c_proj.* (T)   ...self_attn.o_proj.*
-    blocks.N.ln_2.*                   transformer.h.N.ln_2.*              ...post_attention_layernorm.weight
-    blocks.N.mlp.c_fc.* (gate|up)     transformer.h.N.mlp.c_fc.* (T)      ...mlp.{gate,up}_proj.*, stacked
-    blocks.N.mlp.c_proj.*             transformer.h.N.mlp.c_proj.* (T)    ...mlp.down_proj.*
-    ln_f.*                            transformer.ln_f.*                  model.norm.weight
-    lm_head.weight (untied only)      - (tied)                            lm_head.weight
-
-(T): GPT-2's Conv1D stores W as (in, out), nn.Linear as (out, in): transposed. Llama's q and k are already in the
-rotate-half layout packtrain's RoPE uses (transformers' conversion script permuted Meta's), so nothing is permuted.
+`family` says which a config is: `model.family` (set on import), else the first family that computes it. The
+weights are the same tensors under other names (`pieces`): packtrain fuses q|k|v and gate|up, so one of its
+tensors can be several Hugging Face tensors stacked along dim 0 (rows); GPT-2's Conv1D weights are transposed.
 
 Reading streams: one tensor at a time from safetensors (model.safetensors or a sharded index) into the built
 model's parameters, never a second full copy. Pickles (pytorch_model.bin) are refused: loading them runs code.
@@ -36,7 +23,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +33,7 @@ from trainer.checkpoint.tensors import check_fits, first_nonfinite, numel
 from trainer.data.tokenizer import SpecialIds
 from trainer.errors import UserError
 from trainer.model import GPT, AttentionConfig, GPTConfig
+from trainer.model.families import FAMILIES, Piece, family_of
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -56,9 +43,7 @@ store's WEIGHTS_FILE, but transformers' decision, not packtrain's (a checkpoint'
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded model's map of tensor name -> shard file (transformers' SAFE_WEIGHTS_INDEX_NAME)."""
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-"""transformers' names for the tanh approximation of GELU (F.gelu(approximate='tanh')); the first is written."""
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+CLASSES = {kind: family.hf_class for kind, family in FAMILIES.items()}
 SUPPORTED = ", ".join(f"{cls} (model_type {t!r})" for t, cls in CLASSES.items())
 IGNORED_KEYS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 """Buffers older transformers versions saved (GPT-2's causal mask, Llama's RoPE frequencies): not weights."""
@@ -69,34 +54,24 @@ class ExportError(UserError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Which class, and the config.json of each
+# Which class, and the config.json of each (the families' own: trainer.model.families)
 # ---------------------------------------------------------------------------------------------------
 
 
 def family(cfg: GPTConfig) -> str:
-    """'gpt2', 'llama' or 'qwen2': the transformers class that computes `cfg`'s model; an ExportError if none does."""
-    qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
-    if (cfg.pos_emb, cfg.norm, cfg.mlp) == ("learned", "layernorm", "gelu"):
-        if cfg.tie_embeddings and cfg.kv_heads == cfg.n_head and qkv_bias == cfg.bias and cfg.mlp_hidden in (
-                None, 4 * cfg.n_embd):
-            return "gpt2"
-    elif (cfg.pos_emb, cfg.norm, cfg.mlp) == ("rope", "rmsnorm", "swiglu"):
-        if qkv_bias == cfg.bias:
-            return "llama"
-        if qkv_bias and not cfg.bias:
-            return "qwen2"
-    raise ExportError(
-        f"no Hugging Face class computes this model (pos_emb={cfg.pos_emb}, norm={cfg.norm}, mlp={cfg.mlp}, "
-        f"tie_embeddings={cfg.tie_embeddings}, n_kv_head={cfg.n_kv_head}): GPT2LMHeadModel needs pos_emb=learned, "
-        "norm=layernorm, mlp=gelu, a tied head and no GQA; LlamaForCausalLM and Qwen2ForCausalLM need pos_emb=rope, "
-        "norm=rmsnorm, mlp=swiglu (configs/model/llama-tiny.yaml)")
+    """The model_type of the transformers class that computes `cfg`'s model (`model.family`, else the first family
+    that computes it); an ExportError if none does."""
+    try:
+        return family_of(cfg).model_type
+    except ValueError as e:
+        raise ExportError(str(e)) from None
 
 
 def hf_config(cfg: GPTConfig, ids: SpecialIds, dtype: torch.dtype = torch.float32) -> dict:
     """config.json of the transformers model that computes `cfg`'s (an ExportError if none does)."""
     kind = family(cfg)
     bos = ids.bos if getattr(ids, "bos", None) is not None else ids.eos
-    common = {
+    return {
         "architectures": [CLASSES[kind]],
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
@@ -109,46 +84,8 @@ def hf_config(cfg: GPTConfig, ids: SpecialIds, dtype: torch.dtype = torch.float3
         # The tensors' dtype, under both spellings (transformers 5 reads dtype, 4.x torch_dtype).
         "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **FAMILIES[kind].hf_config(cfg),
     }
-    if kind == "gpt2":
-        return {
-            **common,
-            "n_positions": cfg.max_seq_len,
-            "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head,
-            "n_inner": None,  # 4 * n_embd, as in packtrain's MLP
-            "activation_function": GPT2_ACTIVATIONS[0],
-            "layer_norm_epsilon": cfg.norm_eps,
-            "embd_pdrop": cfg.dropout,
-            "resid_pdrop": cfg.dropout,
-            "attn_pdrop": 0.0,  # packtrain has no dropout inside attention
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-        }
-    scaling = dict(cfg.rope_scaling or {})
-    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
-    out = {
-        **common,
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.hidden,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        # transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling: both, the same numbers.
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": {"rope_type": rope_type, **scaling} if rope_type != "default" else None,
-        "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **scaling},
-        "attention_dropout": 0.0,
-    }
-    if kind == "llama":
-        return {**out, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-    return {**out, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer}
 
 
 def generation_config(ids: SpecialIds) -> dict:
@@ -159,10 +96,11 @@ def generation_config(ids: SpecialIds) -> dict:
 
 
 def config_from_hf(config: dict, where: str | Path) -> GPTConfig:
-    """packtrain's GPTConfig of a transformers config.json; one line naming what is not supported otherwise.
+    """packtrain's GPTConfig of a transformers config.json (its family's `config_from_hf`); one line naming `where`
+    and what is not supported otherwise.
 
     Example: a SmolLM2-135M config -> GPTConfig(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
-    norm='rmsnorm', mlp='swiglu', pos_emb='rope', rope_theta=100000.0, tie_embeddings=True, ...).
+    norm='rmsnorm', mlp='swiglu', pos_emb='rope', rope_theta=100000.0, tie_embeddings=True, family='llama', ...).
     """
     kind = config.get("model_type")
     if kind not in CLASSES:
@@ -172,74 +110,11 @@ def config_from_hf(config: dict, where: str | Path) -> GPTConfig:
         raise ExportError(f"{where}: architectures {architectures} is not a causal language model packtrain "
                           f"computes; supported: {SUPPORTED}")
     try:
-        cfg = _gpt2_config(config, where) if kind == "gpt2" else _llama_config(config, kind, where)
-    except (ValueError, TypeError) as e:  # GPTConfig's own checks (sizes, rope scaling)
+        cfg = FAMILIES[kind].config_from_hf(config)
+        family(cfg)  # the class it came from computes it: a check of the mapping itself
+    except (ValueError, TypeError) as e:  # the family's checks, GPTConfig's own (sizes, rope scaling)
         raise ExportError(f"{where}: {e}") from e
-    family(cfg)  # the class it came from computes it: a check of the mapping itself
     return cfg
-
-
-def _required(config: dict, keys: tuple[str, ...], where: str | Path, optional: tuple[str, ...] = ()) -> None:
-    """Every key of `keys` present, and each of them (and of `optional`, where present and not null) a positive
-    integer: one line naming `where` and the key otherwise (a size read as a string, or -4 heads)."""
-    missing = [k for k in keys if k not in config]
-    if missing:
-        raise ExportError(f"{where}: no {missing} in the {config.get('model_type')} config")
-    for key in (*keys, *(k for k in optional if config.get(k) is not None)):
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ExportError(f"{where}: {key} must be a positive integer, got {value!r}")
-
-
-def _refuse_variants(config: dict, unsupported: dict, where: str | Path) -> None:
-    bad = [f"{k}={v!r}" for k, (v, ok) in unsupported.items() if v not in ok]
-    if bad:
-        raise ExportError(f"{where}: a {config.get('model_type')} variant packtrain's GPT does not compute "
-                          f"({', '.join(bad)})")
-
-
-def _gpt2_config(config: dict, where: str | Path) -> GPTConfig:
-    _required(config, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"), where, ("n_inner",))
-    n_embd = config["n_embd"]
-    _refuse_variants(config, {
-        "activation_function": (config.get("activation_function", GPT2_ACTIVATIONS[0]), GPT2_ACTIVATIONS),
-        "n_inner": (config.get("n_inner"), (None, 4 * n_embd)),
-        "scale_attn_weights": (config.get("scale_attn_weights", True), (True,)),
-        "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), (False,)),
-        "add_cross_attention": (config.get("add_cross_attention", False), (False,)),
-    }, where)
-    return GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
-                     n_embd=n_embd, max_seq_len=config["n_positions"], bias=True, pos_emb="learned",
-                     norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-                     init_std=float(config.get("initializer_range", 0.02)))
-
-
-def _llama_config(config: dict, kind: str, where: str | Path) -> GPTConfig:
-    _required(config, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads"), where, ("num_key_value_heads", "head_dim", "max_position_embeddings"))
-    n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
-    attention_bias, mlp_bias = config.get("attention_bias", False), config.get("mlp_bias", False)
-    _refuse_variants(config, {
-        "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
-        "head_dim": (config.get("head_dim", n_embd // n_head), (n_embd // n_head,)),
-        "attention_dropout": (config.get("attention_dropout", 0.0), (0, 0.0)),
-        "use_sliding_window": (config.get("use_sliding_window", False), (False,)),
-        "layer_types": (sorted(set(config.get("layer_types") or ["full_attention"])), (["full_attention"],)),
-        # Llama's biases: q, k, v and o together, the MLP's together; packtrain has one switch for both.
-        "mlp_bias": (mlp_bias, (attention_bias,)),
-    }, where)
-    rope = dict(config.get("rope_parameters") or {})  # transformers 5: theta and scaling in one dict
-    theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else config.get("rope_scaling")
-    qkv_bias = True if kind == "qwen2" else None
-    return GPTConfig(
-        vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=n_head, n_embd=n_embd,
-        n_kv_head=config.get("num_key_value_heads") or n_head, mlp_hidden=config["intermediate_size"],
-        max_seq_len=config.get("max_position_embeddings", 2048), bias=bool(attention_bias) if kind == "llama" else False,
-        qkv_bias=qkv_bias, pos_emb="rope", rope_theta=float(theta), rope_scaling=dict(scaling) if scaling else None,
-        norm="rmsnorm", norm_eps=float(config.get("rms_norm_eps", 1e-6)), mlp="swiglu",
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        init_std=float(config.get("initializer_range", 0.02)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,58 +122,10 @@ def _llama_config(config: dict, kind: str, where: str | Path) -> GPTConfig:
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Hugging Face tensor `hf` is rows [start, stop) of packtrain tensor `name` (all of it: None), transposed
-    (GPT-2's Conv1D) or not."""
-
-    hf: str
-    name: str
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
-
-
 def pieces(cfg: GPTConfig) -> list[Piece]:
-    """Every Hugging Face tensor of `cfg`'s class and where it lives in packtrain's model; the tied head absent.
-
-    Example (llama, n_head 4, n_kv_head 2, head_dim 8): Piece("model.layers.0.self_attn.k_proj.weight",
-    "blocks.0.attn.c_attn.weight", rows=(32, 48)).
-    """
-    kind = family(cfg)
-    if kind == "gpt2":
-        return _gpt2_pieces(cfg)
-    H, KV, inner = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.hidden  # rows of q, of k and v, of gate
-    qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
-    out = [Piece("model.embed_tokens.weight", "wte.weight")]
-    for i in range(cfg.n_layer):
-        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        out.append(Piece(hf + "input_layernorm.weight", ours + "ln_1.weight"))
-        for suffix in ("weight", "bias") if qkv_bias else ("weight",):
-            for proj, rows in (("q", (0, H)), ("k", (H, H + KV)), ("v", (H + KV, H + 2 * KV))):
-                out.append(Piece(f"{hf}self_attn.{proj}_proj.{suffix}", f"{ours}attn.c_attn.{suffix}", rows))
-        for suffix in ("weight", "bias") if cfg.bias else ("weight",):
-            out.append(Piece(f"{hf}self_attn.o_proj.{suffix}", f"{ours}attn.c_proj.{suffix}"))
-            out.append(Piece(f"{hf}mlp.gate_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (0, inner)))
-            out.append(Piece(f"{hf}mlp.up_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (inner, 2 * inner)))
-            out.append(Piece(f"{hf}mlp.down_proj.{suffix}", f"{ours}mlp.c_proj.{suffix}"))
-        out.append(Piece(hf + "post_attention_layernorm.weight", ours + "ln_2.weight"))
-    out.append(Piece("model.norm.weight", "ln_f.weight"))
-    if not cfg.tie_embeddings:
-        out.append(Piece("lm_head.weight", TIED_KEY))  # transformers' name; packtrain's is the store's
-    return out
-
-
-def _gpt2_pieces(cfg: GPTConfig) -> list[Piece]:
-    """GPT-2 always has biases: a bias-free packtrain model's are exported as zeros (`hf_state_dict`)."""
-    out = [Piece("transformer.wte.weight", "wte.weight"), Piece("transformer.wpe.weight", "wpe.weight")]
-    for i in range(cfg.n_layer):
-        hf, ours = f"transformer.h.{i}.", f"blocks.{i}."
-        for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
-            conv1d = not module.startswith("ln")
-            out.append(Piece(f"{hf}{module}.weight", f"{ours}{module}.weight", transpose=conv1d))
-            out.append(Piece(f"{hf}{module}.bias", f"{ours}{module}.bias"))
-    out += [Piece("transformer.ln_f.weight", "ln_f.weight"), Piece("transformer.ln_f.bias", "ln_f.bias")]
-    return out
+    """Every Hugging Face tensor of `cfg`'s class and where it lives in packtrain's model (its family's map); the
+    tied head absent."""
+    return FAMILIES[family(cfg)].pieces(cfg)
 
 
 def _view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -528,9 +528,10 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
         raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
                               "resume with the same distributed= config")
     if engine.shard_format is None:
-        # Under tensor parallelism each rank keeps a slice of every (whole) tensor: the file is mapped on the CPU,
-        # so a rank reads only its slices' pages (shared with the other ranks), and copies only them to its device.
-        split = info.tensor_size > 1
+        # Where the whole model exists on no rank (tensor parallelism: each keeps a slice of every whole tensor), the
+        # file is mapped on the CPU, so a rank reads only its slices' pages (shared with the other ranks), and
+        # copies only them to its device.
+        split = engine.gathers_weights
         engine.load_state_dict(load_state(path / ENGINE_FILE, map_location="cpu" if split else info.device,
                                           mmap=split))
     elif not engine.converts_from(meta["world_size"]):

@@ -46,6 +46,7 @@ from torch import nn
 
 from trainer.data.batch import IGNORE_INDEX
 from trainer.distributed.collectives import all_gather_along, reduce_scatter_along
+from trainer.model.gpt import tensor_plan
 
 
 def tensor_parallel_problems(model_cfg, size: int) -> list[str]:
@@ -318,18 +319,15 @@ def padded_vocab(vocab_size: int, size: int) -> int:
 
 def layouts(model_cfg, size: int) -> dict[str, Layout]:
     """Parameter name -> its Layout, for every split parameter of a GPT of `model_cfg` (a GPTConfig) over `size`
-    tensor ranks; the parameters not named are whole on every rank."""
-    H, KV, D = model_cfg.n_head, model_cfg.kv_heads, model_cfg.head_dim
-    hidden = model_cfg.hidden
+    tensor ranks, from the model's own plan (trainer.model.gpt.tensor_plan); the parameters not named are whole on
+    every rank."""
+    plan = tensor_plan(model_cfg)
     vp = padded_vocab(model_cfg.vocab_size, size)
-    fc = (hidden, hidden) if model_cfg.mlp == "swiglu" else (hidden,)
-    out = {"wte.weight": Layout(0, (vp,), vp), "lm_head.weight": Layout(0, (vp,), vp)}
-    for i in range(model_cfg.n_layer):
-        p = f"blocks.{i}."
-        out[p + "attn.c_attn.weight"] = out[p + "attn.c_attn.bias"] = Layout(0, (H * D, KV * D, KV * D))
-        out[p + "attn.c_proj.weight"] = Layout(1, (H * D,))
-        out[p + "mlp.c_fc.weight"] = out[p + "mlp.c_fc.bias"] = Layout(0, fc)
-        out[p + "mlp.c_proj.weight"] = Layout(1, (hidden,))
+    out = {f"{module}.weight": Layout(0, (vp,), vp) for module in plan.vocab}
+    for module, parts in plan.column.items():
+        out[f"{module}.weight"] = out[f"{module}.bias"] = Layout(0, parts)
+    for module, parts in plan.row.items():
+        out[f"{module}.weight"] = Layout(1, parts)
     return out
 
 
@@ -587,37 +585,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_mesh=None) -> TensorParallel:
-    """Split a built GPT (trainer.model.gpt) over the tensor group in place: every rank holds the same whole
-    weights (the same seed, or the same checkpoint) and keeps its shards. Parameter names are unchanged; the
-    Parameters are new (an optimizer built before must take them: trainer.distributed.engine.parallelize)."""
+    """Split a built GPT (trainer.model.gpt) over the tensor group in place, as its `tensor_plan` says: every rank
+    holds the same whole weights (the same seed, or the same checkpoint) and keeps its shards. Parameter names are
+    unchanged; the Parameters are new (an optimizer built before must take them: trainer.distributed.engine.
+    parallelize). `world_mesh`: every rank, for FSDP2's checkpoints of the split model."""
     cfg = model.cfg
     if problems := tensor_parallel_problems(cfg, size):
         raise ValueError(problems[0])
+    plan = tensor_plan(cfg)
     tp = TensorParallel(model, group, size, rank, world_mesh)
     local = tp.shard_state({k: v.detach() for k, v in model.state_dict().items()})
     seq = SequenceShards(group)
-    for i, block in enumerate(model.blocks):
-        p = f"blocks.{i}."
-        attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(local[p + "attn.c_attn.weight"], local.get(p + "attn.c_attn.bias"), seq)
-        attn.c_proj = RowParallelLinear(local[p + "attn.c_proj.weight"], local.get(p + "attn.c_proj.bias"), seq)
-        attn.n_head, attn.n_kv_head = cfg.n_head // size, cfg.kv_heads // size
-        mlp.c_fc = ColumnParallelLinear(local[p + "mlp.c_fc.weight"], local.get(p + "mlp.c_fc.bias"), seq)
-        mlp.c_proj = RowParallelLinear(local[p + "mlp.c_proj.weight"], local.get(p + "mlp.c_proj.bias"), seq)
-        tp.partial += [p + name for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
-                                             "attn.c_proj.bias", "mlp.c_proj.bias")]
-    tp.partial += ["ln_f.weight", "ln_f.bias"]
-    tp.partial = [name for name in tp.partial if name in model.whole_shapes]  # RMSNorm, bias=False: fewer
+    for name, style in [*((n, ColumnParallelLinear) for n in plan.column), *((n, RowParallelLinear) for n in plan.row)]:
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).set_submodule(child, style(local[f"{name}.weight"], local.get(f"{name}.bias"), seq))
+    for name, attributes in plan.counts.items():
+        module = model.get_submodule(name)
+        for attribute in attributes:
+            setattr(module, attribute, getattr(module, attribute) // size)
+    embedding, head = plan.vocab
+    tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
     shard_rows = padded_vocab(cfg.vocab_size, size) // size
-    model.wte = VocabParallelEmbedding(local["wte.weight"], rank * shard_rows, group)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.wte.weight  # tied again, to the shard
-    else:
-        model.lm_head.weight = nn.Parameter(local["lm_head.weight"])
+    model.set_submodule(embedding, VocabParallelEmbedding(local[f"{embedding}.weight"], rank * shard_rows, group))
+    new_embedding = model.get_submodule(embedding).weight
+    model.get_submodule(head).weight = new_embedding if tied else nn.Parameter(local[f"{head}.weight"])
     model.vocab = VocabShard(group, rank * shard_rows, cfg.vocab_size)
-    model.drop.register_forward_hook(lambda _m, _i, out: seq.split(out))  # the residual stream split by position
-    model.ln_f.register_forward_hook(lambda _m, _i, out: seq.gather(out))  # and whole again for the head
+    split, whole = plan.positions
+    model.get_submodule(split).register_forward_hook(lambda _m, _i, out: seq.split(out))  # split by position
+    model.get_submodule(whole).register_forward_hook(lambda _m, _i, out: seq.gather(out))  # and whole again
+    inside = [name for name, _ in model.named_modules() if _between(model, name, split, whole)]
+    tp.partial = [name for name in model.whole_shapes if name not in tp.layouts
+                  and any(name.startswith(module + ".") for module in inside)]
     return tp
+
+
+def _between(model: nn.Module, name: str, split: str, whole: str) -> bool:
+    """Whether top-level module `name` runs after `split` and up to `whole`, in the model's order of children (the
+    modules that see 1/N of the positions)."""
+    order = [n for n, _ in model.named_children()]
+    return name in order and order.index(split) < order.index(name) <= order.index(whole)
 
 
 def _optimizer_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:

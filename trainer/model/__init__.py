@@ -7,6 +7,9 @@
     flash      the flash-attn adapter, the only place flash_attn is imported
     loss       summed token cross entropy over unshifted labels: plain, weighted, chunked (logits never whole)
     compile    torch.compile of each block with the attention call left outside the graph
+    families/  the Hugging Face classes the GPT computes, one file each: the class, which settings, config.json
+               both ways, the tensor names (trainer.checkpoint.hf applies them); `gpt.tensor_plan` is how tensor
+               parallelism splits the modules (trainer.distributed.tensor applies it)
 
 It reads the data layer's batch format (trainer.data.batch) and nothing else of the package. Must not
 import: torch.distributed, deepspeed, or the distributed, checkpoint, run or config modules.

@@ -94,6 +94,10 @@ class GPTConfig:
     rope_scaling: dict | None = None
     """RoPE frequency scaling as transformers' config states it ({"rope_type": "llama3", "factor": 32.0, ...},
     or "linear"); None = plain RoPE. Only with pos_emb=rope."""
+    family: str | None = None
+    """The Hugging Face family the model is exported as (trainer.model.families: 'gpt2', 'llama', 'qwen2',
+    'mistral'), set when it was imported from one; None = the first family that computes it. Names a class, not a
+    weight: the model it builds is the same."""
 
     def __post_init__(self) -> None:
         for key, allowed in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS)):
@@ -112,6 +116,8 @@ class GPTConfig:
             raise ValueError(f"model.pos_emb=rope needs an even head dimension, got model.n_embd / model.n_head = "
                              f"{self.n_embd // self.n_head}")
         require_range("model.norm_eps", self.norm_eps, 0, low_open=True)
+        if self.family is not None and not isinstance(self.family, str):
+            raise ValueError(f"model.family must be a family's name or null, got {self.family!r}")
         if self.mlp_hidden is not None:
             require_range("model.mlp_hidden", self.mlp_hidden, 1)
         if self.n_kv_head is not None:
@@ -519,6 +525,48 @@ class GPT(nn.Module):
                 logits, targets, loss_weights, loss_groups, num_loss_groups, self.vocab)
         return ModelOutput(logits=self.vocab.returned(logits, return_logits), loss_sum=loss_sum, num_targets=num_targets,
                            weighted_loss_sum=weighted, group_loss_sums=grouped)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How tensor parallelism splits this model: declared here, beside the modules it names, and applied by
+    trainer/distributed/tensor.py, which names no module itself. N is the tensor group's size.
+
+    Example (2 layers, GPT-2 MLP, 4 heads of 16, 2 kv heads): column {"blocks.0.attn.c_attn": (64, 32, 32),
+    "blocks.0.mlp.c_fc": (256,), ...}, row {"blocks.0.attn.c_proj": (64,), "blocks.0.mlp.c_proj": (256,), ...}."""
+
+    column: dict[str, tuple[int, ...]]
+    """Linear modules split by output rows; the parts of the rows (fused q | k | v: three), each cut N ways, so that
+    rank t holds slice t of every part (its heads' q, k and v), and its bias with them."""
+    row: dict[str, tuple[int, ...]]
+    """Linear modules split by input columns (the parts, as `column`'s); their partial outputs are summed, their bias
+    whole."""
+    vocab: tuple[str, str]
+    """(the token embedding, the output head): their rows, the vocabulary padded to a multiple of N, cut N ways; a
+    head tied to the embedding stays tied."""
+    counts: dict[str, tuple[str, ...]]
+    """Module -> the attributes that count what a column split divides (attention's heads): each divided by N."""
+    positions: tuple[str, str]
+    """(the module after whose output the residual stream is split by position, the one after whose output it is
+    whole again): the modules between run on 1/N of the positions, their whole weights' gradients partial sums."""
+
+    def split_modules(self) -> dict[str, tuple[int, ...]]:
+        return {**self.column, **self.row}
+
+
+def tensor_plan(cfg: GPTConfig) -> TensorPlan:
+    """The `TensorPlan` of a GPT of `cfg`: attention and MLP in Megatron-LM's layout (q|k|v and gate|up each split by
+    part, so a rank holds whole heads and whole MLP columns), the vocabulary split, the blocks and the final norm
+    sequence-parallel."""
+    H, KV, D, hidden = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.hidden
+    fc = (hidden, hidden) if cfg.mlp == "swiglu" else (hidden,)  # gate | up
+    column, row, counts = {}, {}, {}
+    for i in range(cfg.n_layer):
+        block = f"blocks.{i}."
+        column[block + "attn.c_attn"], row[block + "attn.c_proj"] = (H * D, KV * D, KV * D), (H * D,)
+        column[block + "mlp.c_fc"], row[block + "mlp.c_proj"] = fc, (hidden,)
+        counts[block + "attn"] = ("n_head", "n_kv_head")
+    return TensorPlan(column=column, row=row, vocab=("wte", "lm_head"), counts=counts, positions=("drop", "ln_f"))
 
 
 def init_plan(model: GPT) -> list[tuple[str, str, float]]:

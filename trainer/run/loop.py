@@ -171,11 +171,11 @@ class Trainer:
     def _check_hf_vocabulary(self) -> None:
         """A Hugging Face train.init_from whose config.json's vocabulary cannot hold the data's tokenizer: the data was
         prepared with another tokenizer (model.vocab_size comes from that config.json: setting it is refused)."""
-        source, vocab = self.cfg.train.init_from, self.cfg.model.vocab_size
-        if not source or vocab is None or vocab >= self.data.vocab_size or not hf.is_hf_dir(source) or (
+        source, rows = self.cfg.train.init_from, self.cfg.model.vocab_size
+        if not source or rows is None or rows >= self.data.vocab_size or not hf.is_hf_dir(source) or (
                 Path(source) / store.META_FILE).is_file():
             return
-        raise ConfigError(f"train.init_from={source}: its {hf.CONFIG_FILE} says vocab_size {vocab}, fewer than the "
+        raise ConfigError(f"train.init_from={source}: its {hf.CONFIG_FILE} says vocab_size {rows}, fewer than the "
                           f"{self.data.vocab_size} ids of the data's tokenizer ({self.data.tokenizer_dir}): the data was "
                           f"prepared with another tokenizer; prepare it with the model's (python -m trainer.prepare ... "
                           f"--tokenizer {source})")
