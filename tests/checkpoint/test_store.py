@@ -44,12 +44,13 @@ NAMES = {
 """A checkpoint's names as code would spell them: in a string or an f-string (its fields read as `{}`)."""
 
 OWNER = "trainer/checkpoint/store.py"
-ALSO_ALLOWED = {("trainer/checkpoint/hf.py", "model.safetensors"), ("trainer/checkpoint/hf.py", "lm_head.weight"),
-                ("trainer/distributed/tensor.py", "lm_head.weight")}
+ALSO_ALLOWED = {("trainer/checkpoint/hf.py", "model.safetensors"),
+                ("trainer/model/families/llama.py", "lm_head.weight"),
+                ("trainer/model/families/family.py", "lm_head.weight")}
 """Hugging Face's own names for an export directory's weights and for Llama's untied head (transformers decides
-them): the same strings, another decision (hf.WEIGHTS_FILE, hf.pieces). And the head's parameter as the model names
-it, in the tensor-parallel layouts of every split parameter (trainer/distributed/tensor.py layouts: the model's
-state-dict keys, not a checkpoint's; the distributed room may not import the checkpoint room)."""
+them): the same strings, another decision (hf.WEIGHTS_FILE, the Llama family's pieces). And the head's parameter
+as the model names it (families/family.py HEAD: the model's state-dict key, not a checkpoint's; the model room may
+not import the checkpoint room)."""
 
 PENDING: set[tuple[str, str]] = set()
 """Files another change is editing; each must import the store's names instead (then leave this set)."""
