@@ -292,16 +292,16 @@ def test_a_non_finite_step_after_a_resume_with_no_save_since_names_the_checkpoin
     never "last good checkpoint: None" (what it said before)."""
     from types import SimpleNamespace
 
-    from trainer.run.loop import Trainer
+    from trainer.run.parts import NonFinite, Resumed
 
-    run = SimpleNamespace(resumed_at=4, resume_path=Path("run/checkpoints/step_000004"),
-                          checkpointer=SimpleNamespace(last=None))
-    run._first_after_resume = lambda step: Trainer._first_after_resume(run, step)
-    line = Trainer._nonfinite_message(run, 6, "non-finite loss")
+    checkpointer = SimpleNamespace(last=None)
+    resumed = Resumed(path=Path("run/checkpoints/step_000004"), at=4)
+    part = NonFinite("stop", resumed, checkpointer, {})
+    line = part.message(6, "non-finite loss")
     assert "2 steps after resuming from run/checkpoints/step_000004" in line and "None" not in line, line
-    assert "the first step after resuming" in Trainer._nonfinite_message(run, 5, "non-finite loss")
-    run.checkpointer.last, run.resumed_at = None, None
-    assert "last good checkpoint: none: this run saved none yet" in Trainer._nonfinite_message(run, 6, "x")
+    assert "the first step after resuming" in part.message(5, "non-finite loss")
+    resumed.at = None
+    assert "last good checkpoint: none: this run saved none yet" in part.message(6, "x")
 
 
 # ---------------------------------------------------------------------------------------------------

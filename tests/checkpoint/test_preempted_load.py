@@ -1,7 +1,7 @@
 """A preemption signal during the long phases of a resume that read no shard (hashing the checkpoint's files,
 reading every old rank's state, dealing a reshaped stream) stops them, as it stops a shard read
 (trainer.data.workers.ReadInterrupted); the trainer then ends the start on every rank (PreemptedAtStart,
-trainer.run.loop.Trainer._preemptible). Before, each phase ran to its end first: minutes for a checkpoint of a
+trainer.run.preemption.PreemptionHandler.during). Before, each phase ran to its end first: minutes for a checkpoint of a
 large run (thousands of rank files, gigabytes to hash) after a SIGTERM that gives a job seconds.
 
 The signal is a real SIGTERM to this process, through the run's own handler (trainer.run.preemption)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.distributed.groups import DistInfo
-from trainer.run import loop
+from trainer.run import loop, parts
 from trainer.run.checkpointer import Checkpointer
 from trainer.run.evals import Evaluator
 from trainer.run.metrics import MetricsLogger
@@ -37,11 +37,20 @@ def test_metrics_every_n_steps_at_the_end_and_when_forced(tmp_path):
 
 
 def test_the_loop_decides_no_cadence_itself():
-    """Trainer.fit and the step reach for the components' `due`; no `% every` arithmetic is left in the loop."""
-    source = inspect.getsource(loop)
-    assert "checkpointer.due(" in source and "evaluator.due(" in source and "metrics.due(" in source
-    for rule in ("checkpoint_every", "eval_every ==", "% cfg", "% self.cfg", "log_every =="):
-        assert rule not in source.replace("cfg.train.checkpoint_every, cfg.train.keep_last", ""), rule
+    """Trainer.fit runs the parts (trainer.run.parts), which reach for the components' `due`; no `% every`
+    arithmetic is left in the loop or the parts."""
+    loop_source, parts_source = inspect.getsource(loop), inspect.getsource(parts)
+    assert "part.due(" in loop_source
+    assert "checkpointer.due(" in parts_source and "evaluator.due(" in parts_source and "metrics.due(" in parts_source
+    for source in (loop_source, parts_source):
+        for rule in ("checkpoint_every", "eval_every ==", "% cfg", "% self.cfg", "log_every =="):
+            assert rule not in source.replace("cfg.train.checkpoint_every, cfg.train.keep_last", ""), rule
+
+
+def test_the_trainer_is_a_short_list_of_methods():
+    """What happens after a step is the parts' (trainer.run.parts); the Trainer builds, resumes and runs them."""
+    methods = [name for name, value in vars(loop.Trainer).items() if inspect.isfunction(value)]
+    assert len(methods) < 12, methods
 
 
 def test_resume_path(tmp_path: Path):

@@ -3,7 +3,8 @@
 Layout of `<run dir>/checkpoints/step_000050/` (the name of each entry is the constant beside it; nothing else
 in packtrain spells these names):
 
-    meta.json           META_FILE         step, token counters, world size, engine, the resolved run config
+    meta.json           META_FILE         step, token counters, the writer's world size and parallel sizes, engine,
+                                          the resolved run config (read back typed: `Record`)
     conventions.json    CONVENTIONS_FILE  how inputs and objective were built (decided in trainer.run)
     tokenizer/          TOKENIZER_DIR     the tokenizer files the weights were trained with
     model.safetensors   WEIGHTS_FILE      the whole model's weights, TIED_KEY left out: in every DDP and DeepSpeed
@@ -31,7 +32,8 @@ existed loads unverified.
 On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP reshards
 as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
 checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then reads
-every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them (trainer.data.reshape).
+every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them (trainer.checkpoint.streams,
+trainer.data.reshape).
 
 Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
 `engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its
@@ -50,6 +52,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +63,7 @@ from trainer.checkpoint import integrity, tensors
 from trainer.checkpoint.integrity import DamagedCheckpointError
 from trainer.checkpoint.safe_io import load_state, save_state
 from trainer.data.workers import ReadInterrupted, check_interrupt
+from trainer.distributed.dims import stream_ranks
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, barrier, dist_max
 from trainer.errors import UserError
@@ -105,6 +109,48 @@ safetensors refuses two names for one storage, and never expected by the readers
 def head_is_tied(meta: dict) -> bool:
     """Whether the run config in `meta` ties the head to the embedding (model.tie_embeddings, true when absent)."""
     return ((meta.get("config") or {}).get("model") or {}).get("tie_embeddings", True) is not False
+
+PARALLEL_KEY = "parallel"
+"""META_FILE's record of the writer's parallel sizes: {"context": C, "tensor": T} (its world size is "world_size")."""
+TASKS_KEY = "eval_tasks"
+"""META_FILE's {task name: sha256 of its items} of train.eval_tasks (trainer.run.evals.TaskScorer.digests)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """A checkpoint's META_FILE, typed: the step it ends, what the run counted, its config, the engine that wrote
+    it and the writer's parallel sizes, world_size = data x context x tensor (`streams`: the ranks that hold each
+    data stream's state). A checkpoint older than PARALLEL_KEY has its sizes read from its config."""
+
+    step: int
+    world_size: int
+    context: int = 1
+    tensor: int = 1
+    counters: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    engine: str | None = None
+    tasks: dict | None = None
+
+    @classmethod
+    def of(cls, meta: dict) -> Record:
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        written = config.get("distributed") or {}
+        sizes = meta.get(PARALLEL_KEY) or {"context": written.get("context_parallel"),
+                                           "tensor": written.get("tensor_parallel")}
+        tasks = meta.get(TASKS_KEY)
+        return cls(step=meta["step"], world_size=meta["world_size"], context=int(sizes.get("context") or 1),
+                   tensor=int(sizes.get("tensor") or 1), counters=dict(meta.get("counters") or {}), config=config,
+                   engine=meta.get("engine"), tasks=tasks if isinstance(tasks, dict) else None)
+
+    @property
+    def streams(self) -> list[int]:
+        """The written rank holding each data stream, in data-rank order (trainer.distributed.dims.stream_ranks)."""
+        return stream_ranks(self.world_size, self.context, self.tensor)
+
+    def section(self, name: str) -> dict:
+        """The written run config's section `name` ({} if the checkpoint has none)."""
+        return self.config.get(name) or {}
+
 
 PATH_HINT = f"<run dir>/{ROOT_DIR}/{STEP_PREFIX}NNNNNN"
 """How messages name a checkpoint directory to the user."""
@@ -226,8 +272,9 @@ def save_checkpoint(
             if weights:
                 tied = head_is_tied(meta)
                 save_file({k: v for k, v in whole.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
-            (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, "world_size": info.world_size,
-                                                     CHECKSUMS_KEY: integrity.HASH}, indent=2))
+            (tmp / META_FILE).write_text(json.dumps({
+                **meta, "step": step, "world_size": info.world_size, CHECKSUMS_KEY: integrity.HASH,
+                PARALLEL_KEY: {"context": info.context_size, "tensor": info.tensor_size}}, indent=2))
             (tmp / CONVENTIONS_FILE).write_text(json.dumps(conventions, indent=2))
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         except (OSError, RuntimeError) as e:

@@ -34,6 +34,14 @@ DIMS = ("data", "context", "tensor")
 GROUPS = ("data", "loss", "fsdp", "context", "tensor")
 
 
+def stream_ranks(world_size: int, context: int = 1, tensor: int = 1) -> list[int]:
+    """The first rank of each data rank of a world_size = data x context x tensor world, in data-rank order: the
+    ranks whose checkpointed state holds each data stream (the context and tensor ranks of a data rank read the
+    same rows). Example: 8 ranks as context 2 x tensor 2 -> [0, 4]."""
+    inner = context * tensor
+    return [data_rank * inner for data_rank in range(world_size // inner)]
+
+
 def dims_problem(world_size: int, context: int = 1, tensor: int = 1) -> str | None:
     """Why `context` x `tensor` ranks per data rank cannot tile `world_size` ranks, or None."""
     inner = context * tensor

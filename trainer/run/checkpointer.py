@@ -1,17 +1,21 @@
 """The run's side of checkpoints: when it saves, which checkpoint it resumes from, and what goes in.
 
 What a checkpoint directory holds, and how it is written and read, is the checkpoint store's
-(trainer.checkpoint.store); this component decides only the cadence (`due`) and the run's choices
-(train.resume, train.keep_last).
+(trainer.checkpoint.store); this component decides only the cadence (`due`, `weights_due`) and the run's choices
+(train.resume, train.keep_last, train.save_weights, train.init_from: `init_from`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint import integrity, store
+from trainer.checkpoint import hf, integrity, store
+from trainer.checkpoint.weights import init_from_checkpoint
+from trainer.config import RunConfig
+from trainer.data.feed import DataSource
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo
+from trainer.errors import ConfigError
 
 RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "data.loss_on", "model.vocab_size", "model.n_layer",
                "model.n_head", "model.n_embd", "model.max_seq_len", "model.bias", "model.pos_emb", "model.norm",
@@ -59,18 +63,27 @@ def _dotted(config: dict, key: str):
 class Checkpointer:
     """Saves every `every` steps and after the last one; keeps the newest `keep_last`."""
 
-    def __init__(self, run_dir: Path, info: DistInfo, every: int, keep_last: int, max_steps: int) -> None:
+    def __init__(self, run_dir: Path, info: DistInfo, every: int, keep_last: int, max_steps: int,
+                 save_weights: str = "end") -> None:
         self.run_dir = run_dir
         self.info = info
         self.every = every
         self.keep_last = keep_last
         self.max_steps = max_steps
+        self.save_weights = save_weights
         self.last: Path | None = None
         """The newest checkpoint this run wrote."""
 
     def due(self, step: int) -> bool:
         """Whether optimizer step `step` ends with a save. Example: every=50, max_steps=120 -> 50, 100, 120."""
         return bool(self.every and step % self.every == 0) or step == self.max_steps
+
+    def weights_due(self, step: int, engine: Engine) -> bool:
+        """Whether step `step`'s save writes model.safetensors: always, except where the whole model exists on no
+        rank (FSDP2, tensor parallelism: `engine.gathers_weights`) and gathering it costs each save seconds (its
+        weights are in dcp/ or engine.pt): there at the run's last step, or at every save with
+        train.save_weights=every."""
+        return not engine.gathers_weights or self.save_weights == "every" or step >= self.max_steps
 
     def resume_path(self, resume: bool | str) -> Path | None:
         """Collective: the checkpoint train.resume names, verified (store.verify_checkpoint), or None: a fresh
@@ -125,7 +138,37 @@ class Checkpointer:
                                           keep_last=self.keep_last, weights=weights)
         return self.last
 
-    def load(self, path: Path, engine: Engine) -> tuple[dict, dict[int, dict]]:
-        """Collective: the engine restored from `path`; returns (meta, {rank: state}: this rank's, or on another
-        number of ranks every written rank's; store.load_checkpoint)."""
-        return store.load_checkpoint(path, self.info, engine, verified=path == self._verified)
+    def load(self, path: Path, engine: Engine) -> tuple[store.Record, dict[int, dict]]:
+        """Collective: the engine restored from `path`; returns (its record, {rank: state}: this rank's, or on
+        another number of ranks every written rank's; store.load_checkpoint)."""
+        meta, states = store.load_checkpoint(path, self.info, engine, verified=path == self._verified)
+        return store.Record.of(meta), states
+
+
+def check_init_vocabulary(cfg: RunConfig, data: DataSource) -> None:
+    """A Hugging Face train.init_from whose config.json's vocabulary cannot hold the data's tokenizer: the data was
+    prepared with another tokenizer (model.vocab_size comes from that config.json: setting it is refused)."""
+    source, rows = cfg.train.init_from, cfg.model.vocab_size
+    if not source or rows is None or rows >= data.vocab_size or not hf.is_hf_dir(source) or (
+            Path(source) / store.META_FILE).is_file():
+        return
+    raise ConfigError(f"train.init_from={source}: its {hf.CONFIG_FILE} says vocab_size {rows}, fewer than the "
+                      f"{data.vocab_size} ids of the data's tokenizer ({data.tokenizer_dir}): the data was "
+                      f"prepared with another tokenizer; prepare it with the model's (python -m trainer.prepare ... "
+                      f"--tokenizer {source})")
+
+
+def init_from(model, cfg: RunConfig, data: DataSource, info: DistInfo) -> dict | None:
+    """train.init_from: the checkpoint's weights into the freshly built model (before any wrapping, so ZeRO-3
+    partitions the loaded weights); optimizer, schedule, step and data start fresh. A requeued run that finds its
+    own checkpoint resumes from that instead (train.resume), never from init_from again. Returns the record
+    conventions.json keeps of where the weights came from (None without init_from)."""
+    source, add = cfg.train.init_from, cfg.tokenizer.add_tokens
+    if not source:  # tokenizer.add_tokens without init_from is refused with the config (cross_section_rules)
+        return None
+    record = init_from_checkpoint(model, source, data.tokenizer_dir, data.tokenizer_hash, list(add))
+    if info.is_main:
+        grown = f"; tokenizer extended by {add} (new rows = mean of the old)" if add else ""
+        origin = record.get("architecture") or f"its step {record['step']}"
+        print(f"init_from: weights of {source} ({origin}){grown}; optimizer, schedule, step and data start fresh")
+    return record

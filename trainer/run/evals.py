@@ -28,21 +28,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.config import RunConfig
 from trainer.data.feed import (
     NO_GROUPS,
     Batch,
+    DataSource,
     Document,
     FramedTokenizer,
     LossGroups,
     ShardSourceError,
     eval_batches,
+    load_eval_docs,
 )
 from trainer.distributed.engine import Engine
 from trainer.distributed.groups import DistInfo, dist_sum
 from trainer.model import model_inputs
 from trainer.run.metrics import by_group
 from trainer.run.step import empty_batch, with_group_targets
-from trainer.tasks.suite import score_tasks
+from trainer.tasks.suite import load_suite, score_tasks
 from trainer.tasks.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -165,3 +168,26 @@ class TaskScorer:
         results = score_tasks(engine.module, self.tasks, self.tok, self.pad_id, self.layout, self.batch_tokens,
                               self.info.device, self.info)
         return {name: result["metrics"] for name, result in results.items()}
+
+
+def build_evaluator(cfg: RunConfig, data: DataSource, info: DistInfo, groups: LossGroups,
+                    read: Callable = lambda phase, run: run()) -> Evaluator | None:
+    """train.eval_every's Evaluator (None without): its documents read once, through `read(phase, run)` (the
+    start's preemptible phase, trainer.run.preemption.PreemptionHandler.during)."""
+    if not cfg.train.eval_every:
+        return None
+    docs = read("reading the held-out documents", lambda: load_eval_docs(
+        cfg.data, data.tokenizer_dir, data.eos_id, cfg.train.seq_len, cfg.train.eval_docs, cfg.data.on_error))
+    return Evaluator(docs, info, cfg.train.seq_len, cfg.train.eval_layout, cfg.train.micro_batch_tokens,
+                     data.pad_id, every=cfg.train.eval_every, groups=groups)
+
+
+def build_task_scorer(cfg: RunConfig, data: DataSource, info: DistInfo) -> TaskScorer | None:
+    """train.eval_tasks, loaded once (built-ins from the run's held-out data) and checked against the model's
+    context before the first step (None without tasks)."""
+    if not cfg.train.eval_tasks:
+        return None
+    tasks, tok = load_suite(cfg.train.eval_tasks, "train.eval_tasks", lambda: cfg.data, data.tokenizer_dir,
+                            cfg.model.max_seq_len)
+    every = cfg.train.eval_every if cfg.train.eval_tasks_every is None else cfg.train.eval_tasks_every
+    return TaskScorer(tasks, tok, info, cfg.train.eval_tasks_layout, cfg.train.micro_batch_tokens, data.pad_id, every)

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-from trainer.data.feed import allow_reads, interrupt_reads
+from trainer.data.feed import ReadInterrupted, allow_reads, interrupt_reads
 from trainer.distributed.groups import dist_max
 from trainer.errors import PREEMPTION_SIGNALS, set_parent_death_signal
 
@@ -51,6 +51,25 @@ class PreemptionHandler:
     def requested(self, device) -> bool:
         """Collective: True on every rank if any rank got a signal since training started."""
         return dist_max(float(self.signal_name is not None), device) > 0
+
+    def during(self, phase: str, run, device):
+        """Collective: `run()`, one phase of the start, then every rank stops (PreemptedAtStart) if a preemption
+        signal reached any rank meanwhile. A signal cuts the phase short where it reads (the checkpoint's files
+        hashed, every old rank's state read, the reshaped stream dealt: ReadInterrupted on that rank); the other
+        ranks finish it and stop with it. Returns what `run` returned."""
+        try:
+            result = run()
+        except ReadInterrupted:
+            self.stop_if_requested(phase, device)
+            raise
+        self.stop_if_requested(phase, device)
+        return result
+
+    def stop_if_requested(self, phase: str, device) -> None:
+        """Collective: every rank raises PreemptedAtStart if a preemption signal reached any rank so far."""
+        if self.requested(device):
+            raise PreemptedAtStart(f"preempted ({self.signal_name or 'a signal on another rank'}) while {phase}, "
+                                   "before training: nothing was trained or written; continue with the same command")
 
     def close(self) -> None:
         """The previous signal handlers back, and shard reads allowed again: what a signal interrupted was this
