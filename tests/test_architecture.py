@@ -211,7 +211,8 @@ TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tenso
 """A branch on tensor parallelism: `if self.tensor is not None`, `tensor_size > 1`, `vocab is None`, `is_split(`."""
 LAYOUT_FREE = ("trainer/distributed/ddp.py", "trainer/distributed/fsdp.py", "trainer/distributed/deepspeed.py",
                "trainer/checkpoint/store.py", "trainer/model/loss.py", "trainer/model/gpt.py", "trainer/run/loop.py",
-               "trainer/run/step.py", "trainer/run/checkpointer.py")
+               "trainer/run/step.py", "trainer/run/checkpointer.py", "trainer/run/parts.py",
+               "trainer/checkpoint/streams.py")
 
 
 def test_engines_store_loss_and_loop_never_branch_on_tensor_parallelism():

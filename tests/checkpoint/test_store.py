@@ -191,12 +191,32 @@ def test_a_ddp_checkpoint_holds_exactly_the_layout_and_loads_back(tmp_path, toke
     fresh = ddp_engine(1)
     meta, rank_states = store.load_checkpoint(path, CPU, fresh)
     assert (meta["step"], meta["world_size"], meta["counters"]) == (3, 1, {"tokens": 7})
+    record = store.Record.of(meta)  # the writer's parallel sizes, typed
+    assert (record.step, record.world_size, record.context, record.tensor, record.streams) == (3, 1, 1, 1, [0])
     assert rank_states == {0: {"data": {"read": 3}}}
     assert (random.random(), *torch.rand(2).tolist()) == (draws[0], *draws[1].tolist())
     assert all(torch.equal(v, state[k]) for k, v in fresh.module.state_dict().items())
     assert fresh.lr() == engine.lr() and fresh.optimizer.state_dict()["state"][0]["step"] == 1
     assert all(torch.equal(v, state[k]) for k, v in load_model(path).state_dict().items())  # the weights reader
     assert tokenizer_dir(path) == path / store.TOKENIZER_DIR
+
+
+@pytest.mark.parametrize("world, context, tensor", [(8, 2, 2), (8, 1, 2), (6, 3, 1), (4, 1, 1)])
+def test_a_records_streams_are_the_first_rank_of_each_data_rank(world, context, tensor):
+    """Which written rank holds each data stream: read from meta.json's parallel sizes, or from the run config of
+    a checkpoint written before they were recorded; checked against every rank's own ParallelDims."""
+    from trainer.distributed.dims import ParallelDims
+
+    firsts: dict[int, int] = {}
+    for rank in range(world):
+        firsts.setdefault(ParallelDims(world, rank, context, tensor).data_rank, rank)
+    expected = [firsts[d] for d in sorted(firsts)]
+    new = {"step": 5, "world_size": world, store.PARALLEL_KEY: {"context": context, "tensor": tensor}}
+    old = {"step": 5, "world_size": world,
+           "config": {"distributed": {"context_parallel": context, "tensor_parallel": tensor}}}
+    assert store.Record.of(new).streams == store.Record.of(old).streams == expected
+    assert store.Record.of({"step": 5, "world_size": world}).streams == list(range(world))  # DDP of old
+    assert len(expected) == world // (context * tensor)
 
 
 def test_saves_keep_the_newest_and_clear_interrupted_ones(tmp_path, tokenizer):

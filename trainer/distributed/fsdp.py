@@ -26,13 +26,13 @@ name; the optimizer has no state yet), so the schedule keeps its optimizer (acce
 Tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py) is applied first; FSDP2 then
 shards each rank's tensor-parallel shards over its fsdp group (the ranks of one tensor rank), so a rank holds
 1/(W x T) of a split weight. The partial gradients are summed over the tensor group and the norm combined over
-both groups (TensorParallel.clip_grad_norm_ with `shards`).
+both groups (the layout adapter's `clip_gradients`).
 
 Checkpoints: torch.distributed.checkpoint (DCP), every rank writing its shards in parallel into the directory
 the checkpoint store names (`save_shards`); DCP reshards on load, so a checkpoint written on W ranks loads on
 any number (`converts_from` is False: no conversion step). Under tensor parallelism the ranks of a tensor group hold
 different tensors under one name, so the checkpoint holds the whole tensors instead, their rows split over every
-rank (`_to_whole`, one whole tensor gathered at a time): it loads on any data, tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its
+rank (the layout adapter's `TensorParallel._to_whole`, one whole tensor gathered at a time): it loads on any data, tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its
 `.metadata` file with plain pickle and its non-tensor entries with `torch.load(weights_only=False)`;
 `SafeReader` and `SafePlanner` read them with an allow-list of DCP's own metadata classes and with
 `weights_only=True` instead, in the same read (nothing to re-check between a check and the load).

@@ -29,8 +29,15 @@ Gradients: a split weight's gradient is its own rows'. A whole weight used on th
 norms, the row-parallel biases) holds a partial gradient, summed over the group (`reduce_partial_grads`) before
 the norm; the norm sums the split weights' squares over the group and counts the whole ones once.
 
+Which modules split how is the model's declaration (trainer.model.gpt `tensor_plan`: column, row and vocabulary
+modules, the head counts divided, where sequence parallelism starts and ends); this module applies it and names
+no module of the model.
+
 Checkpoints hold whole tensors (`full_state` gathers, `shard_state` slices, by each parameter's `Layout`): a run
-saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's. Under FSDP2 (applied after
+saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's. Every engine holds a
+layout adapter and calls it unconditionally: `Unsplit` (no tensor parallelism: every method the identity, clipping
+torch's own) or `TensorParallel`, so no engine, the store, the loss or the loop branches on tensor parallelism
+(tests/test_architecture.py counts). Under FSDP2 (applied after
 the split, trainer/distributed/fsdp.py) each gradient is a DTensor: the partial sums and the norm use its local rows.
 """
 
