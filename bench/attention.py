@@ -158,7 +158,8 @@ def fmt_ratio(value: float, previous: float | None) -> str:
 def markdown_tables(results: list[dict], backends: list[str], ns: list[int]) -> str:
     by_key = {(r["backend"], r["n"]): r for r in results}
     lines = []
-    for title, key, scale, unit in (("time, median", "ms", 1.0, "ms"), ("peak extra memory", "peak_bytes", 2**-20, "MiB")):
+    for title, key, scale, unit in (("time, median", "ms", 1.0, "ms"),
+                                    ("peak extra memory", "peak_bytes", 2**-20, "MiB")):
         lines += [f"**{title} ({unit}; in brackets: growth from N/2)**", ""]
         lines.append("| N | docs | " + " | ".join(backends) + " |")
         lines.append("|---:|---:|" + "---:|" * len(backends))
@@ -235,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         n *= 2
 
     mode = "forward" if args.forward_only else "forward + backward"
-    print(f"# attention {mode}: {args.device} {dtype}, {args.heads} heads x {args.head_dim}, "
-          f"doc lengths {'from ' + args.lengths if pool else f'lognormal(median {args.median_len:g}, sigma {args.sigma:g})'}")
+    print(f"# attention {mode}: {args.device} {dtype}, {args.heads} heads x {args.head_dim}, doc lengths "
+          f"{'from ' + args.lengths if pool else f'lognormal(median {args.median_len:g}, sigma {args.sigma:g})'}")
     print(f"# {machine_description(args.device, args.threads)}")
     results = []
     for b in backends:
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_tables(results, backends, ns))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=args.device, dtype=dtype, mode=mode, machine=machine_description(args.device, args.threads),
+            json.dump(dict(device=args.device, dtype=dtype, mode=mode,
+                           machine=machine_description(args.device, args.threads),
                            args=vars(args), results=results), f, indent=1)
     failed = [r for r in results if "error" in r]
     for r in failed:

@@ -8,10 +8,10 @@
 Assignment: a manifest.json of --shards shards with log-normal token counts (median --median-tokens, sigma
 --sigma) is written to a temporary directory, and a `DocumentStream` over those shard paths, with the counts
 `manifest_tokens` reads from it (as trainer.data.feed.build_data does), gives every slot its shards, epoch by
-epoch, through `epoch_shards`: the rule the trainer runs. Beside it, the rule before issue 21: the same seeded permutation,
-slot s of S reading every S-th shard from s (kept here only). Per epoch: max / mean tokens per slot and per rank
-and the predicted lockstep wait. Each rank trains the same number of rows, so about the same tokens, per step:
-a rank holding T_r tokens finishes the epoch after ~T_r / c steps, the epoch after max T_r / c, and some rank
+epoch, through `epoch_shards`: the rule the trainer runs. Beside it, the rule before issue 21: the same seeded
+permutation, slot s of S reading every S-th shard from s (kept here only). Per epoch: max / mean tokens per slot and
+per rank and the predicted lockstep wait. Each rank trains the same number of rows, so about the same tokens, per
+step: a rank holding T_r tokens finishes the epoch after ~T_r / c steps, the epoch after max T_r / c, and some rank
 waits for the slowest in (max T_r - min T_r) / c of them: the predicted wait fraction is 1 - min T_r / max T_r.
 Mean and worst over --epochs epochs.
 

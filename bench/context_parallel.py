@@ -113,7 +113,8 @@ def balance(seq_len: int, sizes: list[int], dense: float = GPT2_124M) -> None:
             for split in SPLITS:
                 values = [r[split] for r in results]
                 cells.append(f"{100 * statistics.mean(values):.2f}% / {100 * max(values):.2f}%")
-            print(f"| {path.name.split('.')[0]} | {len(lengths):,} | {len(rows)} | {size} | " + " | ".join(cells) + " |")
+            print(f"| {path.name.split('.')[0]} | {len(lengths):,} | {len(rows)} | {size} | "
+                  + " | ".join(cells) + " |")
     print()
 
 

@@ -20,15 +20,16 @@ positions whose keys and values a rank receives per layer (ContextShard.received
 (rank_pairs: max / mean - 1), one row a micro-batch.
 
 --metric-cost: what ComputeClock (dp_compute_imbalance, dp_wait_s) adds to every step's forward + backward, on vs
-off in one process; and what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's FLOPs
-all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and its max / mean taken,
-alternating, 2,000 of each; the median of each.
+off in one process; and what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's
+FLOPs all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and its max / mean
+taken, alternating, 2,000 of each; the median of each.
 
 --measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256, per-document
 SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the same steps of rows at
---measure-seq-len, each step drawn and then dealt (so both see the same machine state): each rank times its forward + backward of its
-rows (its compute), then waits at a barrier (the faster rank's wait: what a gradient all-reduce would cost it).
-Per arm: the mean step compute of the slower rank, the mean wait of the faster one, and the modeled imbalance.
+--measure-seq-len, each step drawn and then dealt (so both see the same machine state): each rank times its forward +
+backward of its rows (its compute), then waits at a barrier (the faster rank's wait: what a gradient all-reduce would
+cost it). Per arm: the mean step compute of the slower rank, the mean wait of the faster one, and the modeled
+imbalance.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _measure_rank(rank: int, world: int, port: int, steps: list, seq_len: int, o
 
 
 MEASURED = FlopModel(matmul_params=4 * 12 * 256 * 256 + 512 * 256, n_layer=4, n_embd=256, kernel="sdpa_docs")
-"""The measured runs' GPT (4 layers, width 256, vocabulary 512): the deal there models its own FLOPs, as a run's does."""
+"""The measured runs' GPT (4 layers, width 256, vocabulary 512): the deal there models its own FLOPs, as a
+run's does."""
 
 
 def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) -> None:
@@ -137,7 +139,8 @@ def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) ->
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     print(f"measured: 2 gloo ranks, T = {seq_len}, {rows_per_rank} rows a rank, {steps} steps each arm, GPT 4 x 256 "
           "(sdpa_docs), forward + backward on the CPU")
-    print(f"{'arm':>6} | {'modeled imbalance':>17} | {'slower compute s':>16} | {'faster rank waits s':>19} | wait share")
+    print(f"{'arm':>6} | {'modeled imbalance':>17} | {'slower compute s':>16} | "
+          f"{'faster rank waits s':>19} | wait share")
     for arm in ("drawn", "dealt"):
         per_step = list(zip(*(r[arm] for r in ranks), strict=True))
         slow = np.mean([max(a[0], b[0]) for a, b in per_step])

@@ -141,7 +141,8 @@ def main() -> None:
     for layout, rate in med.items():
         real, allocated = (x / items for x in positions[layout])
         print(f"  {layout:9s} {rate:8.1f} items/s, forward positions per item {real:6.1f} real, {allocated:6.1f} "
-              f"allocated (rounds: {', '.join(f'{x:.1f}' for x in rates[layout])}); max |ll - packed| {diff[layout]:.2g}")
+              f"allocated (rounds: {', '.join(f'{x:.1f}' for x in rates[layout])}); "
+              f"max |ll - packed| {diff[layout]:.2g}")
     tree_share = positions["tree"][0] / positions["packed"][0]
     print(f"  tree / packed = {result['tree_over_packed']:.2f}x items/s at {tree_share:.2f}x the real positions; "
           f"packed / unpacked = {result['packed_over_unpacked']:.2f}x")

@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {layout: tp.build_engine(cfg, info, init_state) for layout in LAYOUTS}
     kernel = cfg.attention.backend
     print(f"# {args.model} ({n_params / 1e6:.1f} M params, vocab {cfg.model.vocab_size}), {args.dtype}, "
-          f"T={args.seq_len}, {cfg.train.rows_per_step} rows per step, micro-batches <= {args.micro_batch_tokens}, packed attention: "
-          f"{kernel}, unpacked padded to the longest of each micro-batch")
+          f"T={args.seq_len}, {cfg.train.rows_per_step} rows per step, micro-batches <= {args.micro_batch_tokens}, "
+          f"packed attention: {kernel}, unpacked padded to the longest of each micro-batch")
     print(f"# {tp.machine(device)}")
     if device.type == "cuda" and kernel not in VARLEN_KERNELS:
         print(f"# WARNING: no varlen kernel runs here; packed rows use {kernel}", file=sys.stderr)

@@ -23,8 +23,8 @@ them alike; the table gives the median round. Each reads one epoch of the traini
 Figures: tokens (EOS included) per second of wall time from the first row to the last (DataLoader workers started
 before), and per CPU second (this process and its workers: user + system), which gives the cores one GPU needs at
 --gpu-tokens-per-s. Ratios are to the tokenizer alone (its tokens per wall second, one core): of the medians, and
-paired (each round's figure over the same round's tokenizer alone; the targets are judged on their median). Also the shards' size
-on disk, text-only against text + ids, and each variant's peak resident memory (its workers included).
+paired (each round's figure over the same round's tokenizer alone; the targets are judged on their median). Also the
+shards' size on disk, text-only against text + ids, and each variant's peak resident memory (its workers included).
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def _cpu() -> float:
 
 
 def _result(tokens: int, seconds: float, cpu: float, **extra) -> dict:
-    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     return {"tokens": tokens, "seconds": seconds, "cpu_seconds": cpu, "peak_rss_mb": peak / 1024, **extra}
 
 
@@ -149,8 +150,9 @@ def run_one(variant: str, data: Path, workers: int, layout: bool, args: argparse
     variant = "tokenizer" if variant == "tokenizer64" else variant
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(root)}
-    cmd = [sys.executable, str(root / "bench" / "loader.py"), "--one", variant, "--data", str(data), "--seq-len", str(args.seq_len),
-           "--num-workers", str(workers), "--batch", str(batch)] + (["--layout"] if layout else [])
+    cmd = [sys.executable, str(root / "bench" / "loader.py"), "--one", variant, "--data", str(data),
+           "--seq-len", str(args.seq_len), "--num-workers", str(workers),
+           "--batch", str(batch)] + (["--layout"] if layout else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -167,8 +169,8 @@ def main() -> int:
     p.add_argument("--text-only-dir", default="/tmp/bench_loader_text_only")
     p.add_argument("--json", default=None)
     p.add_argument("--against", default=None, metavar="ROOT=DATA",
-                   help="also measure another checkout's stream (e.g. `git archive HEAD | tar -x -C /tmp/base` before a "
-                        "change) on a dataset its own prepare wrote, from ids and from text, 0 workers, in the same "
+                   help="also measure another checkout's stream (e.g. `git archive HEAD | tar -x -C /tmp/base` before "
+                        "a change) on a dataset its own prepare wrote, from ids and from text, 0 workers, in the same "
                         "rounds; prints each round's ratio of this checkout's figure to that one's")
     p.add_argument("--ab", type=int, default=0, metavar="N",
                    help="with --against: only N pairs of the stream from ids, 0 workers, this checkout and that one "
@@ -226,7 +228,8 @@ def main() -> int:
     ids0 = statistics.median(summary["stream, ids, 0 workers"]["paired"]) if 0 in workers else 0.0
     text0 = statistics.median(summary["stream, text, 0 workers"]["paired"]) if 0 in workers else 0.0
     ok = ids0 >= TARGET_IDS and text0 >= TARGET_TEXT
-    print(f"\nmedian of the paired ratios: stream from ids, 0 workers: {ids0:.2f}x the tokenizer alone (target >= {TARGET_IDS}): "
+    print(f"\nmedian of the paired ratios: stream from ids, 0 workers: {ids0:.2f}x the tokenizer alone "
+          f"(target >= {TARGET_IDS}): "
           f"{'PASS' if ids0 >= TARGET_IDS else 'FAIL'}; from text: {text0:.2f}x (target >= {TARGET_TEXT}): "
           f"{'PASS' if text0 >= TARGET_TEXT else 'FAIL'}")
     return 0 if ok else 1
@@ -246,7 +249,8 @@ def ab(data: Path, args: argparse.Namespace) -> int:
             raise SystemExit(f"the two read different tokens: {mine['tokens']} and {theirs['tokens']}")
         ratios["tok/s"].append(theirs["seconds"] / mine["seconds"])
         ratios["tok/CPU-s"].append(theirs["cpu_seconds"] / mine["cpu_seconds"])
-        print(f"pair {r + 1}: {mine['tokens'] / mine['seconds']:,.0f} against {theirs['tokens'] / theirs['seconds']:,.0f} "
+        print(f"pair {r + 1}: {mine['tokens'] / mine['seconds']:,.0f} "
+              f"against {theirs['tokens'] / theirs['seconds']:,.0f} "
               f"tok/s; CPU s {mine['cpu_seconds']:.3f} against {theirs['cpu_seconds']:.3f}", file=sys.stderr)
     for name, values in ratios.items():
         values.sort()
@@ -293,7 +297,8 @@ def _table(report: dict, base: float) -> str:
     d_ids, d_txt = report["disk"]["text+ids"], report["disk"]["text-only"]
     lines += ["", "| training shards | bytes on disk | txt members | ids members |", "|---|---:|---:|---:|",
               f"| text-only | {d_txt['shards']:,} | {d_txt.get('txt', 0):,} | - |",
-              f"| text + ids | {d_ids['shards']:,} ({d_ids['shards'] / d_txt['shards']:.2f}x) | {d_ids.get('txt', 0):,} "
+              f"| text + ids | {d_ids['shards']:,} ({d_ids['shards'] / d_txt['shards']:.2f}x) "
+              f"| {d_ids.get('txt', 0):,} "
               f"| {d_ids.get('ids', 0):,} ({d_ids.get('ids', 0) / max(d_ids.get('txt', 1), 1):.2f}x the text) |"]
     return "\n".join(lines)
 

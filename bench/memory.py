@@ -189,7 +189,8 @@ def head_worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - t0)
-    return dict(peak=_status_kib("VmHWM") * 1024 - base, seconds=seconds, loss=first_loss, valid=int((targets_N >= 0).sum()))
+    return dict(peak=_status_kib("VmHWM") * 1024 - base, seconds=seconds, loss=first_loss,
+                valid=int((targets_N >= 0).sum()))
 
 
 def run_worker(spec: dict, memory: bool) -> dict | None:
@@ -267,7 +268,8 @@ def table(results: dict[str, dict], baseline: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="configs/model/<name>.yaml, or a YAML path")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary rows (default: tiny/small 8192, gpt2-124m 50304)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary rows (default: tiny/small 8192, gpt2-124m 50304)")
     p.add_argument("--seq-len", type=int, default=512, help="row length T")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="positions per micro-batch (whole rows)")
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")

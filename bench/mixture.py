@@ -11,7 +11,8 @@ the single source and only the mixing differs. Each configuration builds the str
 --warmup-rows rows (every source's workers started before, and every packer's
 buffer full: a packer emits rows once it holds packing.buffer_size documents, and a mixture has one per source)
 to the last row is measured. Configurations run in turn, --repeats times
-(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per row, on in-memory sources. Shares: the mixture's trained
+(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per row,
+on in-memory sources. Shares: the mixture's trained
 tokens by source (Document.source: the two sources share their keys; tests/data/test_mixture.py checks the tag
 against the keys of distinct sources) over the first 25 %, 50 % and all of the rows.
 """

@@ -46,8 +46,8 @@ from trainer.data.packing import (
 
 SYNTHETIC = ("fortunes", "chapters", "code_tail")
 
-# Targets with the default buffer (the claims of trainer/data/packing.py and docs/training.md; see bench/RESULTS.md). Utilization and batch
-# construction are stated at T = 2048; the gap to BFD and the packing speed at every T.
+# Targets with the default buffer (the claims of trainer/data/packing.py and docs/training.md; see bench/RESULTS.md).
+# Utilization and batch construction are stated at T = 2048; the gap to BFD and the packing speed at every T.
 TARGET_UTILIZATION = 0.995
 TARGET_GAP_TO_BFD = 0.001
 TARGET_DOCS_PER_S = 200_000

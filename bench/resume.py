@@ -246,7 +246,8 @@ def position_sizes(mirrors: dict, args) -> list[dict]:
         whole_message = dataclasses.replace(slot, position=dataclasses.replace(
             pos, buffer=None, changes=(len(pos.buffer), dict(enumerate(pos.buffer)))))
         delta_message = dataclasses.replace(slot, position=dataclasses.replace(
-            pos, buffer=None, changes=(len(pos.buffer), {i: pos.buffer[i] for i in range(min(args.chunk_docs, len(pos.buffer)))})))
+            pos, buffer=None, changes=(len(pos.buffer),
+                                       {i: pos.buffer[i] for i in range(min(args.chunk_docs, len(pos.buffer)))})))
         rows.append({
             "fraction": f, "buffered": len(pos.buffer), "of_current_shard": current,
             "implemented_bytes": saved_bytes(pos.to_dict()), "samples_only_bytes": saved_bytes(as_samples),

@@ -40,9 +40,9 @@ kernels of packed rows (sdpa_docs runs one SDPA per document) far more than unpa
 --compile runs every layout twice, eager and with train.compile (trainer/model/compile.py: each block compiled, the
 attention kernel left eager), both from the same init on the same documents, interleaved like the layouts. A
 second table gives compiled / eager valid tok/s per layout, the compiled variant's first step (compilation
-included; "paired" = median of the per-step ratios), the recompilations during the measured steps (all compiled variants: they share dynamo's cache) and
-the largest loss difference between the two (float noise: same weights, same documents). Compiled variants get
-no CPU memory measurement.
+included; "paired" = median of the per-step ratios), the recompilations during the measured steps (all compiled
+variants: they share dynamo's cache) and the largest loss difference between the two (float noise: same weights, same
+documents). Compiled variants get no CPU memory measurement.
 
 Target: packed's valid-token speed-up over unpacked should be at least 90% of its saving in allocated
 positions, efficiency = (valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed).
@@ -321,7 +321,8 @@ def memory_worker(spec_path: str) -> int:
     engine = build_engine(cfg, info, spec["init_state"])
     batches = [lay_out(rows, layout, cfg, pad_id) for rows in spec["steps"]]
     del spec
-    train_step(engine, batches[0], info, pad_id, groups=groups)  # allocates the AdamW moments: held between steps, not counted
+    # allocates the AdamW moments: held between steps, not counted
+    train_step(engine, batches[0], info, pad_id, groups=groups)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark VmHWM to the current resident set
@@ -353,7 +354,8 @@ def cpu_peak_memory(cfg: RunConfig, steps: Steps, pad_id: int, init_state: dict,
 
 
 def efficiency(results: dict[str, LayoutResult]) -> float:
-    """(valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed): 1.0 = all saved positions became speed."""
+    """(valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed): 1.0 = all saved positions
+    became speed."""
     packed, unpacked = results["packed"], results[BASELINE]
     return (packed.valid_tps / unpacked.valid_tps) / (unpacked.allocated / packed.allocated)
 
@@ -478,7 +480,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="positions (padding included) per micro-batch")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps per layout")
     p.add_argument("--warmup", type=int, default=2, help="optimizer steps run first and not counted")
-    p.add_argument("--attention", default="auto", help="packed rows' kernel: auto (CPU: sdpa_docs) | dense | flex | ...")
+    p.add_argument("--attention", default="auto",
+                   help="packed rows' kernel: auto (CPU: sdpa_docs) | dense | flex | ...")
     p.add_argument("--model", default="tiny", help="configs/model/<name>.yaml, or a YAML path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--pad-to", default="longest", choices=["longest", "seq_len"], help="unpacked rows' padding")

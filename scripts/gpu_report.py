@@ -31,7 +31,8 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 @dataclass
 class TestResult:
     name: str
-    """pytest's test name with its parameter id, e.g. "test_kernel_forward_matches_fp32_reference[flash-torch.bfloat16]"."""
+    """pytest's test name with its parameter id, e.g.
+    "test_kernel_forward_matches_fp32_reference[flash-torch.bfloat16]"."""
     outcome: str
     """passed | failed | error | skipped"""
     message: str = ""

@@ -88,8 +88,8 @@ NEUTRAL_SWEEPS = {
 @pytest.fixture(scope="session")
 def neutral_sweeps(demo_data, tmp_path_factory) -> dict[str, Path]:
     """Two real sweeps over loss-preserving settings, run side by side (read by tests/test_registry.py and
-    tests/reporting/test_report.py): data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile on/off (inductor;
-    no eval, so one compilation). 3 steps each."""
+    tests/reporting/test_report.py): data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile on/off
+    (inductor; no eval, so one compilation). 3 steps each."""
 
     def run(root: Path) -> None:
         with ThreadPoolExecutor(len(NEUTRAL_SWEEPS)) as pool:

@@ -81,7 +81,8 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout_s: float 
                     process.kill()
                 for process in context.processes:
                     process.join(timeout=10)
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - done)} still running after {timeout_s:g} s "
+                raise AssertionError(f"ranks {sorted(set(range(world_size)) - done)} still running "
+                                     f"after {timeout_s:g} s "
                                      "(waiting in a collective for a rank that failed?); what the others reported:\n"
                                      + "\n".join(str(e)[-3000:] for e in errors))
         results = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]

@@ -278,9 +278,9 @@ LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>")
 def hf_tokenizer_dir(out: Path, specials: tuple[str, ...], *, eos: str, bos: str | None = None,
                      pad: str | None = None, post_processor: str | None = None, **config) -> Path:
     """A tiny byte-level BPE saved as transformers saves a model's tokenizer (tokenizer.json and
-    tokenizer_config.json), `specials` its first ids. `post_processor`: a TemplateProcessing single template such as "<s> $A" (Llama-3's
-    adds BOS so); `config`: keys written into tokenizer_config.json afterwards (None removes one), e.g.
-    add_bos_token=True, chat_template=... Example: ("<|endoftext|>",), eos="<|endoftext|>": GPT-2's layout."""
+    tokenizer_config.json), `specials` its first ids. `post_processor`: a TemplateProcessing single template such as
+    "<s> $A" (Llama-3's adds BOS so); `config`: keys written into tokenizer_config.json afterwards (None removes one),
+    e.g. add_bos_token=True, chat_template=... Example: ("<|endoftext|>",), eos="<|endoftext|>": GPT-2's layout."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -399,7 +399,8 @@ def doc_keys(run_dir: Path) -> dict[int, dict[int, list[str]]]:
     """{rank: {step: keys}} from a run's logging.record_doc_keys files."""
     out = {}
     for path in sorted((run_dir / "doc_keys").glob("rank_*.jsonl")):
-        out[int(path.stem.split("_")[1])] = {r["step"]: r["keys"] for r in map(json.loads, path.read_text().splitlines())}
+        out[int(path.stem.split("_")[1])] = {r["step"]: r["keys"]
+                                             for r in map(json.loads, path.read_text().splitlines())}
     return out
 
 

@@ -47,7 +47,8 @@ def test_the_model_knows_nothing_of_ranks():
 def test_each_room_says_what_it_owns_and_what_it_must_not_import(package):
     doc = importlib.import_module(f"trainer.{package}").__doc__ or ""
     assert len(doc.split()) >= 20, f"trainer/{package}/__init__.py needs a docstring: what the room owns"
-    assert "must not import" in " ".join(doc.lower().split()), f"trainer/{package}/__init__.py: say what the room must not import"
+    assert "must not import" in " ".join(doc.lower().split()), (
+        f"trainer/{package}/__init__.py: say what the room must not import")
 
 
 MAP_ENTRY = re.compile(r"^\s+((?:[\w/]+,\s*)*[\w/]+)\s{2,}\S", re.M)
@@ -68,7 +69,8 @@ def test_every_module_is_named_in_its_rooms_map(init):
     present |= {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
     missing = sorted(present - map_names(ast.get_docstring(ast.parse((ROOT / init).read_text())) or ""))
     assert missing == [], f"{init}: its docstring's map does not name {missing}"
-    assert map_names("Map:\n    stream, loader    the split\n    prepare/  offline\n") == {"stream", "loader", "prepare"}
+    assert map_names("Map:\n    stream, loader    the split\n    prepare/  offline\n") == {
+        "stream", "loader", "prepare"}
 
 
 def test_the_root_holds_only_commands_and_shared_modules():
@@ -207,7 +209,8 @@ def test_the_tests_mirror_the_rooms(tmp_path):
         "run/test_a.py: tests no module of trainer.run", "trainer/: not a room of trainer/"]  # the check can fail
 
 
-TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tensor_size\s*>|tensor_parallel\s*>|\.is_split\(")
+TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tensor_size\s*>|tensor_parallel\s*>"
+                       r"|\.is_split\(")
 """A branch on tensor parallelism: `if self.tensor is not None`, `tensor_size > 1`, `vocab is None`, `is_split(`."""
 LAYOUT_FREE = ("trainer/distributed/ddp.py", "trainer/distributed/fsdp.py", "trainer/distributed/deepspeed.py",
                "trainer/checkpoint/store.py", "trainer/model/loss.py", "trainer/model/gpt.py", "trainer/run/loop.py",

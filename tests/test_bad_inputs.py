@@ -72,8 +72,10 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("train.seq_len", ("train.seq_len=1",), r"train.seq_len must be >= 2, got 1"),
     ("train.tokens_per_step", ("train.tokens_per_step=1000",), r"train.tokens_per_step \(1000\) must be a positive "
                                                                r"multiple of train.seq_len \(128\)"),
-    ("train.tokens_per_step", ("train.tokens_per_step=-128",), r"train.tokens_per_step \(-128\) must be a positive .*use train.tokens_per_step=128 \(1 row\)$"),
-    ("train.micro_batch_tokens", ("train.micro_batch_tokens=64",), r"train.micro_batch_tokens \(64\) must hold one row"),
+    ("train.tokens_per_step", ("train.tokens_per_step=-128",), r"train.tokens_per_step \(-128\) must be a positive "
+                                                               r".*use train.tokens_per_step=128 \(1 row\)$"),
+    ("train.micro_batch_tokens", ("train.micro_batch_tokens=64",),
+     r"train.micro_batch_tokens \(64\) must hold one row"),
     ("train.max_steps", ("train.max_steps=-1",), r"train.max_steps must be >= 1, got -1"),
     ("train.max_steps", ("train.max_steps=0",), r"train.max_steps must be >= 1, got 0"),
     ("train.grad_clip", ("train.grad_clip=-1",), r"train.grad_clip must be >= 0, got -1"),
@@ -136,7 +138,8 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("data.sources", ("data.sources=[]",), r"data.sources must be a non-empty list of \{name, path or urls, weight\}"),
     ("data.sources", ("data.sources=[{name:a,weight:1}]",), r"data.sources\[0\] \(a\) needs path \(a directory"),
     ("data.sources", ("data.sources=[{name:a,path:x},{name:a,path:y}]",), r"data.sources\[1\].name 'a' names two"),
-    ("data.sources", ("data.sources=[{name:a,path:x,weight:0}]",), r"data.sources\[0\].weight \(a\) must be a number > 0"),
+    ("data.sources", ("data.sources=[{name:a,path:x,weight:0}]",),
+     r"data.sources\[0\].weight \(a\) must be a number > 0"),
     ("data.sources", ("data.sources=[{name:'a b',path:x}]",), r"data.sources\[0\].name must be a name of letters"),
     ("data.sources", ("data.sources=[{name:a,path:x,wieght:1}]",), r"data.sources\[0\]: unknown key\(s\) \['wieght'\]"),
     ("data.sources", ("data.sources=[{name:a,path:x}]", "data.path=y"), r"data.sources replaces data.path, data.urls"),
@@ -225,7 +228,8 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole model"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
      r"distributed.context_parallel_split must be one of \('balanced', 'zigzag', 'documents'\), got 'random'"),
-    ("distributed.context_parallel", ("distributed.context_parallel=8", "distributed.context_parallel_strategy=ulysses"),
+    ("distributed.context_parallel", ("distributed.context_parallel=8",
+                                      "distributed.context_parallel_strategy=ulysses"),
      r"ulysses splits the heads over the group: model.n_head \(4\) must be a multiple of"),
     ("distributed.context_parallel", ("distributed.context_parallel=2", "attention=flex"),
      r"allgather needs an attention backend that takes separate query and key lengths .* got attention.backend=flex"),
@@ -247,9 +251,11 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     # logging
     ("logging.log_every", ("logging.log_every=0",), r"logging.log_every must be >= 1, got 0"),
     ("logging.length_buckets", ("logging.length_buckets=[256,64]",), r"logging.length_buckets must be increasing "
-                                                                      r"positive integers, e.g. \[64, 256, 1024\], got \[256, 64\]"),
+                                                                      r"positive integers, e.g. \[64, 256, 1024\], "
+                                                                      r"got \[256, 64\]"),
     ("logging.position_buckets", ("logging.position_buckets=[0]",), r"logging.position_buckets must be increasing "
-                                                                   r"positive integers, e.g. \[64, 256, 1024\], got \[0\]"),
+                                                                   r"positive integers, e.g. \[64, 256, 1024\], "
+                                                                   r"got \[0\]"),
     ("logging.progress", ("logging.progress=maybe",), r"logging.progress must be true or false"),
     ("logging.record_doc_keys", ("logging.record_doc_keys=2",), r"logging.record_doc_keys must be true or false"),
     ("logging.wandb.mode", ("logging.wandb.mode=bogus",),
@@ -320,11 +326,13 @@ def test_the_fast_compose_is_hydra_s_compose(hydra_configs, capsys, tmp_path, ov
 
 
 def test_the_shipped_configs_still_build(hydra_configs, tmp_path):
-    for overrides in [(), ("experiment=demo",), ("experiment=sft", "train.init_from=x"), ("experiment=mixture_ablation",),
+    for overrides in [(), ("experiment=demo",), ("experiment=sft", "train.init_from=x"),
+                      ("experiment=mixture_ablation",),
                       ("model=small",),
                       ("model=gpt2-124m",),
                       ("distributed=deepspeed_zero1",), ("distributed=deepspeed_zero3", "distributed.offload=true")]:
-        if overrides and overrides[0].startswith("distributed=deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        if (overrides and overrides[0].startswith("distributed=deepspeed")
+                and importlib.util.find_spec("deepspeed") is None):
             continue  # refused where deepspeed is not installed (the next test)
         build_config(compose(config_name="config", overrides=[*SMALL, *overrides]), str(tmp_path))
 
@@ -851,7 +859,8 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
                                    command="generate"),
      r"meta\.json: describes a model of [\d,]+ parameters .*width 6,400"),
     ("evaluate", out_into("evaluate", copied("checkpoint", store.WEIGHTS_FILE)),  # replaced the weights, exit 0
-     r"--out .*copy/model\.safetensors is inside .*/copy, which is a checkpoint \(meta\.json\): give a path of its own"),
+     r"--out .*copy/model\.safetensors is inside .*/copy, which is a checkpoint \(meta\.json\): "
+     r"give a path of its own"),
     ("evaluate", out_into("evaluate", users_file("notes.json")),
      r"--out .*notes\.json exists and is not an earlier output of trainer\.evaluate: it would be overwritten; give "
      r"another path, or --overwrite to replace it"),
@@ -933,11 +942,13 @@ COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
         "train.resume", ["trainer.train", *SMALL, "train.resume={tmp}/ckpt/checkpoints/step_000003",
                          "hydra.run.dir={tmp}/runs/r"],
         r"runs/r already holds a run \(metrics.jsonl, config.json\) and train.resume=.*ckpt/checkpoints/step_000003 is "
-        r"another run's checkpoint: resume it in another hydra.run.dir, or with train.overwrite=true", "runs/r/metrics.jsonl"),
+        r"another run's checkpoint: resume it in another hydra.run.dir, or with train.overwrite=true",
+        "runs/r/metrics.jsonl"),
     "overwrite_and_resume_own_checkpoint": (
         "train.overwrite", ["trainer.train", *SMALL, "train.overwrite=true", "train.resume={tmp}/ckpt/checkpoints/"
                             "step_000003", "hydra.run.dir={tmp}/ckpt"],
-        r"train.overwrite=true would move .*step_000003 aside with the rest of the run it continues", "ckpt/checkpoints"),
+        r"train.overwrite=true would move .*step_000003 aside with the rest of the run it continues",
+        "ckpt/checkpoints"),
     "generate_temperature_nan": ("generate", ["trainer.generate", "{tmp}/ckpt/checkpoints/step_000003", "--prompt",
                                               "x", "--temperature", "nan"], r"--temperature a finite number", "ckpt"),
     "report_empty_config": ("report", ["trainer.report", "{tmp}/runs", "--out", "{tmp}/report"],

@@ -53,7 +53,8 @@ def code_blocks(text: str) -> str:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: "The report: `python -m trainer.report`" -> "the-report-python--m-trainerreport"."""
+    """GitHub's anchor for a heading:
+    "The report: `python -m trainer.report`" -> "the-report-python--m-trainerreport"."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
@@ -270,7 +271,8 @@ def test_missing_paths_reports_moved_modules_and_files():
     text = ("The loop was `trainer/loop.py`; now `trainer/run/loop.py`. Globs pass: `trainer/data/{reader,stream}.py`, "
             "`runs/<time>/x`. `trainer.run.loop.Trainer` exists, `trainer.checkpoint.no_such_name` does not.\n"
             "```bash\npython bench/packing.py && python bench/nope.py\npython -m trainer.nope\n```\n")
-    assert missing_paths(text) == ["trainer/loop.py", "bench/nope.py", "trainer.nope", "trainer.checkpoint.no_such_name"]
+    assert missing_paths(text) == ["trainer/loop.py", "bench/nope.py", "trainer.nope",
+                                   "trainer.checkpoint.no_such_name"]
 
 
 def test_table_overrides_reads_first_column_only():
@@ -296,7 +298,8 @@ def test_prose_overrides_finds_inline_and_command_overrides(composed_config):
 
 
 def test_readme_overrides_finds_the_table():
-    text = "## Quickstart\n| `a.b=N` | x |\n## The overrides\n| override | meaning |\n|---|---|\n| `c.d=N` | y |\n## Next\n"
+    text = ("## Quickstart\n| `a.b=N` | x |\n## The overrides\n| override | meaning |\n|---|---|\n"
+            "| `c.d=N` | y |\n## Next\n")
     assert readme_overrides(text) == ["c.d=N"]
 
 

@@ -110,7 +110,8 @@ CHEAP = {  # name -> (overrides, phrases the error line must hold)
     "flash_unavailable": (["attention=flash"], ["attention backend 'flash' is unavailable", "attention=auto"]),
     "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),
     "no_data_dir": (["data.path=MISSING"], ["no manifest", "python -m trainer.prepare"]),
-    "bad_tokenizer": (["data.path=NO_PAD"], ["tokenizer_config.json: pad_token '<|pad|>' is not in the vocabulary of tokenizer.json"]),
+    "bad_tokenizer": (["data.path=NO_PAD"],
+                      ["tokenizer_config.json: pad_token '<|pad|>' is not in the vocabulary of tokenizer.json"]),
     "optimizer_without_betas": (["optim._target_=torch.optim.SGD"],  # a ConfigError, not SGD's TypeError
                                 ["optim._target_=torch.optim.SGD does not take betas, eps"]),
 }
@@ -156,7 +157,8 @@ def test_a_truncated_shard_read_in_a_worker_is_one_error_line_and_the_process_en
 
 def test_a_shard_member_that_is_not_a_file_is_one_error_line_naming_the_shard(demo_data, tmp_path):
     data = copy_of(demo_data, tmp_path / "data")
-    rewrite_train_shards(data, symlink_second_sample)  # webdataset skips the symlink: 4 samples, not the manifest's count
+    # webdataset skips the symlink: 4 samples, not the manifest's count
+    rewrite_train_shards(data, symlink_second_sample)
     proc = train_cli(tmp_path / "run", data, "train.max_steps=2")
     assert_one_error_line(proc.returncode, proc.stderr, ".tar: read 4 samples but the manifest lists ")
 
@@ -175,7 +177,8 @@ cli()
 
 
 def test_a_bug_keeps_its_traceback_and_the_process_still_ends(demo_data, tmp_path):
-    cmd = [sys.executable, "-c", BUG, f"data.path={demo_data}", f"hydra.run.dir={tmp_path}", *SMALL, "train.max_steps=2"]
+    cmd = [sys.executable, "-c", BUG, f"data.path={demo_data}", f"hydra.run.dir={tmp_path}", *SMALL,
+           "train.max_steps=2"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -404,5 +407,6 @@ def test_a_user_error_while_dataloader_workers_live_is_one_line_twenty_times_in_
     raised while a 2-worker DataLoader lives: 20 exit statuses 2, 20 lines, no traceback."""
     proc = subprocess.run([sys.executable, "-c", WORKERS_ALIVE], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == str([EXIT_USER_ERROR] * 20), (proc.stdout, proc.stderr[-3000:])
+    assert (proc.returncode == 0
+            and proc.stdout.strip() == str([EXIT_USER_ERROR] * 20)), (proc.stdout, proc.stderr[-3000:])
     assert proc.stderr.splitlines() == ["error: a user's mistake"] * 20, proc.stderr[-3000:]

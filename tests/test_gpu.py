@@ -105,7 +105,8 @@ def compare_kernel(backend: str, dtype: torch.dtype, backward: bool, device: tor
             problems.append(f"{what}: relative error {err:.3g} > {tolerance:g}")
         worst, bound = worst_position_error(a, w), YARDSTICK_FACTOR * worst_position_error(y, w) + 1e-6
         if worst > bound:
-            problems.append(f"{what}: a position is {worst:.3g} off, above {bound:.3g} (sdpa_docs in {dtype}: x{YARDSTICK_FACTOR:g})")
+            problems.append(f"{what}: a position is {worst:.3g} off, above {bound:.3g} "
+                            f"(sdpa_docs in {dtype}: x{YARDSTICK_FACTOR:g})")
     return problems
 
 
@@ -267,7 +268,8 @@ class Deviation:
     """|grads - ref| / |ref|, all parameters as one vector."""
 
 
-def logits_loss_grads(model, batch: Batch, device: torch.device, dtype: torch.dtype | None, cu: torch.Tensor | None = None):
+def logits_loss_grads(model, batch: Batch, device: torch.device, dtype: torch.dtype | None,
+                      cu: torch.Tensor | None = None):
     model.zero_grad(set_to_none=True)
     inputs = model_inputs(batch)
     if cu is not None:
@@ -306,8 +308,8 @@ def _reference(device: torch.device, dtype: torch.dtype, family: str):
     return (ref_logits, ref_loss, ref_grads), yardstick
 
 
-def reference_check(device: torch.device, backend: str, leak: str | None = None,
-                    dtype: torch.dtype = torch.bfloat16, family: str = "gpt2") -> tuple[list[str], Deviation, Deviation]:
+def reference_check(device: torch.device, backend: str, leak: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                    family: str = "gpt2") -> tuple[list[str], Deviation, Deviation]:
     """(problems, packed, yardstick): packed rows on `backend` in `dtype` against the fp32 reference, with
     unpacked rows in `dtype` (the same weights, no packing) as the yardstick: packed may be at most
     YARDSTICK_FACTOR times further (the loss at least 1e-4 relative, as its rounding can cancel by chance).

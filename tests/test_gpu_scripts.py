@@ -133,7 +133,8 @@ def test_flash_skipped_and_torch_varlen_failing_fails():
       R(f"{BWD}[torch_varlen-torch.bfloat16]", "skipped", "?")], "backward never ran"),
     ([R(f"{FWD}[torch_varlen-torch.bfloat16]", "passed"), R(f"{BWD}[torch_varlen-torch.bfloat16]", "passed"),
       R("test_auto_picks_the_documented_kernel_and_says_why[torch.bfloat16]", "failed")], "another test failed"),
-    ([R(f"{FWD}[flex-torch.bfloat16]", "passed"), R(f"{BWD}[flex-torch.bfloat16]", "passed")], "flex is no varlen kernel"),
+    ([R(f"{FWD}[flex-torch.bfloat16]", "passed"), R(f"{BWD}[flex-torch.bfloat16]", "passed")],
+     "flex is no varlen kernel"),
     ([], "nothing ran"),
 ])
 def test_the_check_fails_whenever_it_could_pass_vacuously(results, why):
@@ -177,7 +178,8 @@ def test_the_report_reads_a_real_junit_file(tmp_path, backward_ok):
                 "--json", str(tmp_path / "t.json")])
     assert proc.returncode == (0 if backward_ok else 1), proc.stdout
     table = (tmp_path / "t.md").read_text()
-    assert "| flash | the flash-attn package does not import (ImportError: No module named 'flash_attn') | 0 | 0 | 0 | 2 " in table
+    assert ("| flash | the flash-attn package does not import (ImportError: No module named 'flash_attn') "
+            "| 0 | 0 | 0 | 2 " in table)
     if backward_ok:
         assert "| torch_varlen | yes | 2 | 2 | 0 | 0 | passed | passed | PASS |" in table
         assert "GPU CHECK: PASS" in proc.stdout
@@ -211,7 +213,8 @@ def test_fetch_wheels_dry_run_asks_for_binary_wheels_for_the_target_and_never_to
     proc = fetch_wheels(tmp_path, DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     build, download = printed_commands(proc.stdout)
-    assert build[1:4] == ["-m", "pip", "wheel"] and "--no-deps" in build and build[-1] == "antlr4-python3-runtime==4.9.3"
+    assert (build[1:4] == ["-m", "pip", "wheel"] and "--no-deps" in build
+            and build[-1] == "antlr4-python3-runtime==4.9.3")
     assert download[1:4] == ["-m", "pip", "download"]
     assert "--only-binary=:all:" in download and "--no-deps" not in download  # pip resolves the dependencies
     assert download[download.index("--python-version") + 1] == "3.12"
@@ -318,7 +321,8 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
 
     table = (out / "gpu_tests.md").read_text()
     for kernel in ("flash", "torch_varlen"):
-        assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 10 | not run | not run | SKIPPED |" in table  # 10 tests each
+        # 10 tests each
+        assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 10 | not run | not run | SKIPPED |" in table
     assert "GPU CHECK: FAIL" in table
     assert json.loads((out / "gpu_train.json").read_text())["measured_steps"] == 2
     certificate = json.loads((out / "certificate" / "certificate.json").read_text())  # the CPU cells passed, but

@@ -142,5 +142,6 @@ def test_a_num_fewshot_larger_than_the_task_is_one_line(checkpoint, tasks, tmp_p
     err = capsys.readouterr().err  # beside datasets' progress bars
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: --tasks ['greedy_shots']: a task's num_fewshot asks for more few-shot examples") \
+    assert lines[0].startswith("error: --tasks ['greedy_shots']: a task's num_fewshot asks for more "
+                               "few-shot examples") \
         and "lower num_fewshot" in lines[0], err

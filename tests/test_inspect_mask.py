@@ -252,7 +252,8 @@ def test_hover_highlights_exactly_the_allowed_cells_and_the_target(browser, seed
         assert highlighted(browser, grid) == [(t, k) for k in range(14) if mask[t, k]], grid
     shown = browser.execute_script("return document.getElementById('hover-target').textContent;")
     assert shown == predicts
-    targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target')).map(c => +c.dataset.t);")
+    targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target'))"
+                                     ".map(c => +c.dataset.t);")
     assert targets == ([] if predicts == "none" else [t + 1])
     assert console_errors(browser) == []
 
@@ -268,7 +269,8 @@ def test_a_tree_page_in_browser(browser, tmp_path: Path) -> None:
         data["panels"][0]
     hover(browser, "#row td.tok[data-t='3']")  # q3
     assert browser.execute_script("return document.getElementById('hover-target').textContent;") == "a0, b0, c0"
-    targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target')).map(c => +c.dataset.t);")
+    targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target'))"
+                                     ".map(c => +c.dataset.t);")
     assert targets == [4, 6, 9]
     hover(browser, "#grid-isolated th.qhead[data-t='8']")  # b2
     assert highlighted(browser, "grid-isolated") == [(8, k) for k in (0, 1, 2, 3, 6, 7, 8)]

@@ -150,5 +150,5 @@ def test_an_nproc_per_node_torchrun_cannot_take_is_one_line(capsys):
 
     for value in ("two", "0", "-1"):
         assert main([f"--nproc_per_node={value}", "-m", "trainer.train"]) == 2
-        assert capsys.readouterr().err == (f"error: --nproc_per_node must be a number of processes >= 1 or one of auto, "
-                                           f"cpu, gpu, xpu; got {value!r}\n")
+        assert capsys.readouterr().err == (f"error: --nproc_per_node must be a number of processes >= 1 or one of "
+                                           f"auto, cpu, gpu, xpu; got {value!r}\n")

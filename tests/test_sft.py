@@ -85,7 +85,8 @@ def test_step_targets_are_the_assistant_tokens_only(sft_runs, chat_data):
     texts = {s["__key__"]: s[TEXT_FIELD].decode() for s in wds.WebDataset(shard_paths(chat_data, "train"),
                                                                           shardshuffle=False)}
     lines = metrics(sft_runs["packed"])
-    steps = [json.loads(line) for line in (sft_runs["packed"] / "doc_keys" / "rank_00000.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)
+             for line in (sft_runs["packed"] / "doc_keys" / "rank_00000.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert any("#" in key for s in steps for key in s["keys"])  # split conversations are counted chunk by chunk
     assert [m["valid_tokens"] for m in lines] == [step_targets(s["keys"], texts, hf) for s in steps]

@@ -1,5 +1,5 @@
-"""The whole fine-tuning path as docs/checkpoints.md gives it, each step through its CLI: pretrain -> chat prepare with the
-checkpoint's tokenizer -> packed SFT from the checkpoint with assistant-only loss -> export -> load in
+"""The whole fine-tuning path as docs/checkpoints.md gives it, each step through its CLI: pretrain -> chat prepare with
+the checkpoint's tokenizer -> packed SFT from the checkpoint with assistant-only loss -> export -> load in
 transformers -> generate. transformers is the reference at both ends: its loss on the held-out conversations
 (assistant targets only) equals the run's final val_loss, and its greedy decoding equals `trainer.generate`'s."""
 

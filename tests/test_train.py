@@ -83,7 +83,8 @@ def test_checkpoint_holds_weights_tokenizer_and_conventions(layout_runs, demo_da
     assert conv["labels"]["ignore_index"] == -100
     assert conv["loss"]["normalization"] == "global_tokens" and conv["eval"]["split"] == "val"
     assert conv["tokenizer"]["sha256"] == manifest["tokenizer"]["sha256"]
-    assert (last / "tokenizer" / "tokenizer.json").read_bytes() == (demo_data / "tokenizer" / "tokenizer.json").read_bytes()
+    assert ((last / "tokenizer" / "tokenizer.json").read_bytes()
+            == (demo_data / "tokenizer" / "tokenizer.json").read_bytes())
     engine = load_state(last / "engine.pt")
     assert "wte.weight" in "".join(engine["model"]) and engine["optimizer"]["state"]
 

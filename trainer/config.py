@@ -114,9 +114,11 @@ class TrainConfig:
         if self.eval_layout not in ("packed", "unpacked"):
             raise ValueError(f"train.eval_layout must be 'packed' or 'unpacked', got {self.eval_layout!r}")
         if not isinstance(self.eval_tasks, list) or not all(isinstance(t, str) and t for t in self.eval_tasks):
-            raise ValueError(f"train.eval_tasks must be a list of task files or built-in names, got {self.eval_tasks!r}")
+            raise ValueError("train.eval_tasks must be a list of task files or built-in names, "
+                             f"got {self.eval_tasks!r}")
         if self.eval_tasks_layout not in ("tree", "packed", "unpacked"):
-            raise ValueError(f"train.eval_tasks_layout must be tree, packed or unpacked, got {self.eval_tasks_layout!r}")
+            raise ValueError("train.eval_tasks_layout must be tree, packed or unpacked, "
+                             f"got {self.eval_tasks_layout!r}")
         if self.eval_tasks_every is not None and self.eval_tasks_every < 0:
             raise ValueError(f"train.eval_tasks_every must be null or >= 0, got {self.eval_tasks_every}")
         if self.eval_every < 0 or (self.eval_docs is not None and self.eval_docs < 1):
@@ -137,7 +139,8 @@ class TrainConfig:
             )
         if self.micro_batch_tokens < self.seq_len:
             raise ValueError(
-                f"train.micro_batch_tokens ({self.micro_batch_tokens}) must hold one row of train.seq_len ({self.seq_len})"
+                f"train.micro_batch_tokens ({self.micro_batch_tokens}) must hold one row of train.seq_len "
+                f"({self.seq_len})"
             )
         for key, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_last", 1), ("warmup_marked_steps", 0),
                          ("grad_clip", 0)):
@@ -403,7 +406,8 @@ def model_from_hf(path: str, section: dict[str, Any], overrides: typing.Sequence
               if k in section and section.get(k) != theirs[k]]
     if differ:
         raise ConfigError(f"train.init_from={path} is a Hugging Face model whose {hf.CONFIG_FILE} gives the model, "
-                          f"and the command line says otherwise: {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}; leave model= out (or set only "
+                          f"and the command line says otherwise: {', '.join(differ[:4])}"
+                          f"{' ...' if len(differ) > 4 else ''}; leave model= out (or set only "
                           f"{' and '.join(f'model.{k}' for k in TRAINING_ONLY_MODEL_KEYS)})")
     return {**theirs, **{k: section[k] for k in TRAINING_ONLY_MODEL_KEYS if k in section}}
 

@@ -2,7 +2,8 @@
 
     python -m trainer.export runs/demo/<time>/0_layout=packed/checkpoints/step_000100 --out exports/demo
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer; \\
-               m = AutoModelForCausalLM.from_pretrained('exports/demo'); t = AutoTokenizer.from_pretrained('exports/demo')"
+               m = AutoModelForCausalLM.from_pretrained('exports/demo'); \\
+               t = AutoTokenizer.from_pretrained('exports/demo')"
 
 The class is the one that computes the model (trainer.checkpoint.hf.family): GPT2LMHeadModel for the GPT-2 family,
 LlamaForCausalLM or Qwen2ForCausalLM for the Llama family (a model started from one exports back to the same class).
@@ -58,7 +59,8 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32") -> Path
     return out
 
 
-EXPORT_FILES = frozenset({hf.CONFIG_FILE, hf.WEIGHTS_FILE, hf.GENERATION_CONFIG_FILE, CONVENTIONS_FILE, *TOKENIZER_FILES})
+EXPORT_FILES = frozenset({hf.CONFIG_FILE, hf.WEIGHTS_FILE, hf.GENERATION_CONFIG_FILE, CONVENTIONS_FILE,
+                          *TOKENIZER_FILES})
 
 
 def check_out_dir(out: Path) -> None:

@@ -5,8 +5,8 @@
     python -m trainer.generate exports/demo --chat --prompt "Write a haiku" --top-k 40 --seed 1
 
 The path is a packtrain checkpoint (meta.json; weights from its model.safetensors, never engine.pt) or a
-Hugging Face model directory (GPT-2, Llama, Qwen2: config.json + safetensors; what `python -m trainer.export` writes). `--chat`
-renders the prompt as one user message through the tokenizer's chat template (ChatML) with the assistant's
+Hugging Face model directory (GPT-2, Llama, Qwen2: config.json + safetensors; what `python -m trainer.export` writes).
+`--chat` renders the prompt as one user message through the tokenizer's chat template (ChatML) with the assistant's
 generation prompt. Decoding uses a KV cache and stops at <|endoftext|> or <|im_end|>, after --max-new-tokens,
 or when the model's context (max_seq_len) is full. --temperature 0 is greedy; --top-k K samples among the K
 likeliest tokens; --seed makes sampling reproducible. Only the new text is printed. A user mistake ends as
@@ -75,7 +75,8 @@ def prompt_ids(tok: Tokenizer, tok_dir: str | Path, prompt: str, chat: bool) -> 
                             "(forging a turn boundary); remove or escape it")
     if chat:
         try:
-            prompt, _ = render([{"role": "user", "content": prompt}], chat_template(tok_dir), add_generation_prompt=True)
+            prompt, _ = render([{"role": "user", "content": prompt}], chat_template(tok_dir),
+                               add_generation_prompt=True)
         except jinja2.TemplateError as e:  # the template's raise_exception, or an error inside it
             raise GenerateError(f"{tok_dir}: the chat template failed: {e}") from e
     return tok.encode(prompt, add_special_tokens=False).ids

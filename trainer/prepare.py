@@ -2,16 +2,18 @@
 
     python -m trainer.prepare --source demo --out data/demo
     python -m trainer.prepare --source 'jsonl:dolma/*.json.gz' --out data/dolma --workers 16
-    python -m trainer.prepare --source 'parquet:fineweb/*.parquet' --text-key text --out data/fw --tokenizer data/demo/tokenizer
+    python -m trainer.prepare --source 'parquet:fineweb/*.parquet' --text-key text --out data/fw \\
+        --tokenizer data/demo/tokenizer
     python -m trainer.prepare --source 'text:notes/**/*.md' --out data/notes --tokenizer data/demo/tokenizer
     python -m trainer.prepare --source chat:chats.jsonl --out data/chat --tokenizer data/demo/tokenizer
     sbatch --array=0-7 launch/prepare.sbatch --source ... --out /shared/data/x     # --part I --parts 8, then a merge
 
 Sources: `demo` (the standard library, split into functions/classes), `demo-modules` (the same modules whole:
-long documents, for a mixture with `demo`), `demo-chat` (questions about it answered from its docstrings), `text:GLOB` (one file = one document), `jsonl:GLOB` (one line = one document; .jsonl,
-.json, .gz, .zst), `parquet:GLOB` (one row = one document), `hf:DIR_OR_NAME` (a Hugging Face dataset saved with
-save_to_disk or in the local cache; needs the `hf` extra) and `chat:GLOB` (one line = one conversation,
-{"messages": [{"role": ..., "content": ...}, ...]}, rendered by the tokenizer's chat template; trainer.data.chat).
+long documents, for a mixture with `demo`), `demo-chat` (questions about it answered from its docstrings), `text:GLOB`
+(one file = one document), `jsonl:GLOB` (one line = one document; .jsonl, .json, .gz, .zst), `parquet:GLOB` (one row =
+one document), `hf:DIR_OR_NAME` (a Hugging Face dataset saved with save_to_disk or in the local cache; needs the `hf`
+extra) and `chat:GLOB` (one line = one conversation, {"messages": [{"role": ..., "content": ...}, ...]}, rendered by the
+tokenizer's chat template; trainer.data.chat).
 
 The work is trainer.data.prepare (plan, units, the merge; `prepare`, `merge`); this command parses the flags,
 calls it and prints the report. Memory does not grow with the corpus. Killed, it resumes: the same command again
@@ -55,15 +57,16 @@ def format_report(manifest: dict, out: str | Path) -> str:
     lines.append(f"  tokenizer: {Path(out) / tok['path']} (vocab {tok['vocab_size']}, "
                  f"{'trained' if tok['trained'] else 'copied'}, sha256 {tok['sha256'][:16]}...)")
     ids = manifest.get("ids")
-    lines.append(f"  token ids: stored beside the text ({'uint16' if ids['dtype'] == '<u2' else 'uint32'}; read instead "
-                 "of tokenizing by runs with this tokenizer)" if ids else "  token ids: not stored (--text-only)")
+    lines.append(f"  token ids: stored beside the text ({'uint16' if ids['dtype'] == '<u2' else 'uint32'}; "
+                 "read instead of tokenizing by runs with this tokenizer)" if ids
+                 else "  token ids: not stored (--text-only)")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--source", help="demo | demo-modules | demo-chat | text:GLOB | jsonl:GLOB | parquet:GLOB | hf:DIR_OR_NAME | "
-                   "chat:GLOB")
+    p.add_argument("--source", help="demo | demo-modules | demo-chat | text:GLOB | jsonl:GLOB | parquet:GLOB | "
+                   "hf:DIR_OR_NAME | chat:GLOB")
     p.add_argument("--out", help="output directory (shards, tokenizer/, manifest.json)")
     p.add_argument("--merge", metavar="DIR", default=None,
                    help="only merge the parts staged in DIR into its dataset (after every --part finished)")
@@ -110,15 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.merge is not None:
         if args.source is not None or args.out is not None:
-            raise PrepareError(f"--merge {args.merge} merges the parts staged for that dataset and takes no --source or "
-                               "--out: drop them (or drop --merge to prepare)")
+            raise PrepareError(f"--merge {args.merge} merges the parts staged for that dataset and takes no "
+                               "--source or --out: drop them (or drop --merge to prepare)")
         print(format_report(merge(args.merge), args.merge))
         return 0
     check_not_inside_input(Path(args.out), itself=False)  # `out` itself may be an earlier dataset (prepared again)
     manifest = prepare(
         args.source, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
         val_fraction=args.val_fraction, docs_per_shard=args.docs_per_shard, max_shard_bytes=args.shard_bytes,
-        seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs, max_doc_mb=args.max_doc_mb,
+        seed=args.seed, text_key=args.text_key, on_error=args.on_error, max_docs=args.max_docs,
+        max_doc_mb=args.max_doc_mb,
         add_tokens=args.add_tokens, workers=usable_cores() if args.workers is None else args.workers, part=args.part,
         parts=args.parts,
         unit_mb=args.unit_mb, tokenizer_sample_mb=args.tokenizer_sample_mb, resume=args.resume,

@@ -254,12 +254,13 @@ METRIC_KEYS: dict[str, str] = {
     "dp_imbalance": "several data ranks only: max / mean - 1 of the modeled work (the model FLOPs of each data rank's "
                     "rows: 6 N per token + each document's attention pairs) over the data ranks; 0 = even; with "
                     "data.balance=rows after the deal (logged steps)",
-    "dp_compute_imbalance": "several data ranks only: max / mean - 1 of the measured compute of each data rank (from the "
-                            "step's counts to its last block's gradient: trainer.run.step.ComputeClock), the measured "
-                            "counterpart of dp_imbalance (logged steps)",
+    "dp_compute_imbalance": "several data ranks only: max / mean - 1 of the measured compute of each data rank "
+                            "(from the step's counts to its last block's gradient: trainer.run.step.ComputeClock), "
+                            "the measured counterpart of dp_imbalance (logged steps)",
     "dp_wait_s": "several data ranks only: the longest time a data rank waited at the step's gradient reduction after "
-                 "its own backward (a faster rank waiting for the slowest; plus the last bucket's communication). Under "
-                 "FSDP2 the ranks also meet at every layer, so part of the wait is inside the compute (logged steps)",
+                 "its own backward (a faster rank waiting for the slowest; plus the last bucket's communication). "
+                 "Under FSDP2 the ranks also meet at every layer, so part of the wait is inside the compute "
+                 "(logged steps)",
     "dp_imbalance_drawn": "data.balance=rows only: dp_imbalance of the rows as the ranks drew them, before the deal "
                           "(logged steps)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",

@@ -64,15 +64,19 @@ SAME_ON_EVERY_RANK = (ConfigError, *HYDRA_ERRORS)
 """Mistakes every rank of a launch makes alike (the config, an override, a refusal rank 0 decided and broadcast):
 rank 0 alone prints them (trainer.errors.run_command)."""
 
-_GROUP_ONLY = "{key} exists only with {engines}, which the chosen distributed= option is not: choose {options}, then override {key}"
+_GROUP_ONLY = ("{key} exists only with {engines}, which the chosen distributed= option is not: choose {options}, "
+               "then override {key}")
 GROUP_ONLY_KEYS = {
     "distributed.zero_stage": _GROUP_ONLY.format(key="distributed.zero_stage", engines="distributed.engine=deepspeed",
-                                                 options="distributed=deepspeed_zero1, deepspeed_zero2 or deepspeed_zero3"),
-    "distributed.offload": _GROUP_ONLY.format(key="distributed.offload", engines="distributed.engine=deepspeed or fsdp2",
+                                                 options="distributed=deepspeed_zero1, deepspeed_zero2 or "
+                                                         "deepspeed_zero3"),
+    "distributed.offload": _GROUP_ONLY.format(key="distributed.offload",
+                                              engines="distributed.engine=deepspeed or fsdp2",
                                               options="distributed=deepspeed_zero1, deepspeed_zero2, deepspeed_zero3 "
                                                       "or fsdp2"),
     "distributed.reshard_after_forward": _GROUP_ONLY.format(key="distributed.reshard_after_forward",
-                                                            engines="distributed.engine=fsdp2", options="distributed=fsdp2"),
+                                                            engines="distributed.engine=fsdp2",
+                                                            options="distributed=fsdp2"),
 }
 """Keys that only some options of a config group set: an override of one under another option says so."""
 
@@ -94,7 +98,8 @@ def _hydra_main() -> None:
         if _job_started:
             raise
         raise RunDirError(f"cannot create the run directory or write Hydra's files into it ({e}): "
-                          "hydra.run.dir (or hydra.sweep.dir under -m) must name a directory that can be written") from e
+                          "hydra.run.dir (or hydra.sweep.dir under -m) must name a directory that can be "
+                          "written") from e
 
 
 def strip_launcher_args(argv: list[str]) -> list[str]:

@@ -220,7 +220,8 @@ def test_export_gives_back_the_same_class_weights_and_logits(reference, transfor
 
 SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M config.json
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
+    "initializer_range": 0.041666666666666664,
     "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False, "num_attention_heads": 9,
     "num_hidden_layers": 30, "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
     "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
@@ -320,7 +321,8 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     assert conv["init_from"]["architecture"] == "LlamaForCausalLM" and conv["init_from"]["hf_model"] == str(model_dir)
     assert conv["tokenizer"]["framing"]["add_bos"] is False and conv["tokenizer"]["framing"]["pad_from"] == "pad_token"
     saved = json.loads((ckpt / "meta.json").read_text())["config"]["model"]
-    assert (saved["n_kv_head"], saved["norm"], saved["tie_embeddings"], saved["max_seq_len"]) == (2, "rmsnorm", False, 256)
+    assert (saved["n_kv_head"], saved["norm"], saved["tie_embeddings"],
+            saved["max_seq_len"]) == (2, "rmsnorm", False, 256)
     out = tmp_path / "export"
     from trainer.export import export
 
@@ -345,8 +347,9 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     with pytest.raises(WeightsError, match="frames documents as"):
         init_from_checkpoint(model, framed, demo_data / "tokenizer", tokenizer_hash(demo_data / "tokenizer"), [])
 
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={tmp_path}/bad",
-                           f"train.init_from={model_dir}", "model=small", "logging.wandb.mode=disabled"],
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}",
+                           f"hydra.run.dir={tmp_path}/bad", f"train.init_from={model_dir}", "model=small",
+                           "logging.wandb.mode=disabled"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert_one_error_line(proc.returncode, proc.stderr, "is a Hugging Face model whose config.json gives the model",
                           "model.bias=True (config.json: False)")

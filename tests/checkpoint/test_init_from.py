@@ -138,7 +138,8 @@ def test_init_from_reads_a_checkpoint_from_before_model_safetensors(pretrained, 
     shutil.copytree(ckpt(pretrained, 4), old)
     (old / WEIGHTS).unlink()
     run_dir = tmp_path / "ft"
-    run_train(run_dir, demo_data, f"train.init_from={old}", "optim.lr=0", "train.max_steps=1", "train.checkpoint_every=1")
+    run_train(run_dir, demo_data, f"train.init_from={old}", "optim.lr=0", "train.max_steps=1",
+              "train.checkpoint_every=1")
     loaded, original = load_file(ckpt(run_dir, 1) / WEIGHTS), load_file(ckpt(pretrained, 4) / WEIGHTS)
     assert all(torch.equal(loaded[k], original[k]) for k in original)
 
@@ -182,8 +183,8 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
     Naming another token is refused."""
     source = ckpt(pretrained, 4)
     data = tmp_path / "extended"
-    prepare("demo", data, tokenizer=source / store.TOKENIZER_DIR, add_tokens=["<|tool|>"], max_docs=300, docs_per_shard=100,
-            val_fraction=0.05)
+    prepare("demo", data, tokenizer=source / store.TOKENIZER_DIR, add_tokens=["<|tool|>"], max_docs=300,
+            docs_per_shard=100, val_fraction=0.05)
     manifest = json.loads((data / "manifest.json").read_text())
     base = load_tokenizer(source / store.TOKENIZER_DIR)
     assert manifest["tokenizer"]["added_tokens"] == ["<|tool|>"]

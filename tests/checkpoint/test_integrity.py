@@ -192,7 +192,8 @@ def test_a_checkpoint_without_checksums_loads_unverified_and_says_so(fsdp_checkp
 def test_an_explicit_damaged_checkpoint_is_refused(fsdp_checkpoint, tmp_path):
     path = copy_of(fsdp_checkpoint, tmp_path / "run")
     overwrite(path / store.WEIGHTS_FILE, 200)
-    with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: checksum mismatch: the checkpoint is damaged"):
+    with pytest.raises(DamagedCheckpointError,
+                       match=r"model.safetensors: checksum mismatch: the checkpoint is damaged"):
         Checkpointer(tmp_path / "run", ONE, 0, 2, 10).resume_path(str(path))
 
 
@@ -265,8 +266,8 @@ def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resum
         (path / store.CHECKSUMS_FILE).write_text(json.dumps({**manifest(path), "files": {}}))
 
     cases = {
-        "unlisted": (unlisted, r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): the "
-                               r"checkpoint is damaged; resume from an earlier one$"),
+        "unlisted": (unlisted, r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): "
+                               r"the checkpoint is damaged; resume from an earlier one$"),
         "empty": (emptied, r"checksums\.json lists no files: the checkpoint is damaged"),
         "deleted": (lambda p: (p / store.CHECKSUMS_FILE).unlink(),
                     r"checksums\.json is missing \(its meta\.json says it was written\): the checkpoint is damaged"),

@@ -43,7 +43,8 @@ def test_old_checkpoint_resumes_to_the_losses_of_the_uninterrupted_old_run(tmp_p
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURES / version / kind / store.step_name(2), store.checkpoint_dir(run_dir, 2))
     if kind == "mixture":  # the data arguments it was written with, the corpus where this checkout holds it
-        data_args = [arg.replace(expected(version)["data"], str(data)) for arg in expected(version)["mixture_data_args"]]
+        data_args = [arg.replace(expected(version)["data"], str(data))
+                     for arg in expected(version)["mixture_data_args"]]
     else:
         data_args = [f"data.path={data}"]
     proc = _train(version, run_dir, data_args, "train.resume=true")

@@ -274,7 +274,8 @@ def test_a_sharded_engine_gets_the_deepspeed_directory_and_checked_files(tmp_pat
     path = save(tmp_path / "run", 1, engine, tokenizer)
     tmp = store.checkpoint_root(tmp_path / "run") / f"{store.TMP_PREFIX}{path.name}"
     assert engine.calls == [("save", tmp / store.DEEPSPEED_DIR)]
-    assert {p.name for p in path.iterdir()} == LAYOUT - {store.ENGINE_FILE} | {store.DEEPSPEED_DIR, store.CHECKSUMS_FILE}
+    assert {p.name for p in path.iterdir()} == LAYOUT - {store.ENGINE_FILE} | {store.DEEPSPEED_DIR,
+                                                                               store.CHECKSUMS_FILE}
     assert set(load_file(path / store.WEIGHTS_FILE)) == set(engine.module.state_dict()) - {store.TIED_KEY}
 
     fresh = ShardedEngine(ddp_engine(1))

@@ -193,7 +193,8 @@ def test_check_token_ids_names_documents_id_vocab_size_and_what_to_do():
         message = str(caught.value)
         assert "token id 700 is outside the model's vocabulary (vocab_size 512) in document(s) 'b', 'd'" in message
         assert "another tokenizer than the one the model was built for" in message
-        assert "python -m trainer.prepare --tokenizer" in message and "raise model.vocab_size to at least 701" in message
+        assert ("python -m trainer.prepare --tokenizer" in message
+                and "raise model.vocab_size to at least 701" in message)
         assert isinstance(caught.value, UserError)
 
 

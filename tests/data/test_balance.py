@@ -63,7 +63,8 @@ def test_every_shard_once_in_permutation_order_and_as_recomputed(tokens, world_s
 def test_equal_sizes_deal_the_permutation_out_like_cards(world_size, workers):
     order = [int(i) for i in np.random.default_rng(1).permutation(23)]
     slots = balance_shards(order, [7] * 23, world_size, workers)
-    assert slots == [order[rank::world_size][worker::workers] for rank in range(world_size) for worker in range(workers)]
+    assert slots == [order[rank::world_size][worker::workers]
+                     for rank in range(world_size) for worker in range(workers)]
 
 
 def test_log_normal_shards_are_shared_within_a_few_percent_of_the_mean():

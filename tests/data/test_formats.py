@@ -607,6 +607,7 @@ def test_spans_start_at_a_block_of_records_and_still_partition_the_file(tmp_path
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"text": str(i)} for i in range(400)]), tmp_path / "b.parquet", row_group_size=40)
+    pq.write_table(pa.Table.from_pylist([{"text": str(i)} for i in range(400)]), tmp_path / "b.parquet",
+                   row_group_size=40)
     groups = plan_spans(str(tmp_path / "b.parquet"), "parquet", 1, block=block)
     assert all((s.first - 1) % block == 0 for s in groups) and groups[-1].stop == 10

@@ -80,8 +80,8 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 def lockstep_takes(rows, epochs: int) -> list:
-    """One rank's takes over `epochs` epochs as trainer.data.epochs.StepRows.take makes them, prefetching after each take
-    when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the take)]."""
+    """One rank's takes over `epochs` epochs as trainer.data.epochs.StepRows.take makes them, prefetching after each
+    take when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the take)]."""
     out, epoch = [], 0
     while epoch < epochs:
         exhausted = rows.exhausted

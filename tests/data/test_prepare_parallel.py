@@ -83,7 +83,8 @@ def test_the_corpus_is_cut_into_units_and_every_document_is_there_once(corpus, r
     assert len(manifest["splits"]["train"]["shards"]) >= 10  # units each end a shard: there were many
     keys = Counter(s["__key__"] for split in ("train", "val")
                    for s in wds.WebDataset(shard_paths(reference, split), shardshuffle=False))
-    expected = {f"a--{i}" for i in range(1, 701)} | {f"b--{i}" for i in range(1, 501)} | {f"c--{i}" for i in range(1, 301)}
+    expected = ({f"a--{i}" for i in range(1, 701)} | {f"b--{i}" for i in range(1, 501)}
+                | {f"c--{i}" for i in range(1, 301)})
     assert set(keys) == expected and set(keys.values()) == {1}
     texts = {s["__key__"]: s[TEXT_FIELD].decode() for split in ("train", "val")
              for s in wds.WebDataset(shard_paths(reference, split), shardshuffle=False)}
@@ -441,6 +442,7 @@ def test_a_fifo_matched_by_a_glob_is_refused_or_skipped_never_opened(tmp_path, c
     os.mkfifo(src / "q.jsonl")
     for argv, where in ([f"text:{src}/*.txt"], src / "pipe.txt"), ([f"jsonl:{src}/*.jsonl"], src / "q.jsonl"):
         proc = cli("--source", argv[0], "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB))
-        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {where}: not a regular file (a FIFO)"), proc.stderr
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            f"error: {where}: not a regular file (a FIFO)"), proc.stderr
     manifest = prepare(f"text:{src}/*.txt", tmp_path / "skip", vocab_size=VOCAB, on_error="skip")
     assert manifest["skipped"] == {"not_a_file": 1} and manifest["splits"]["train"]["docs"] == 1

@@ -159,7 +159,8 @@ def test_connection_refused_is_retried_then_named(demo_data):
     "urls,message",
     [
         ("{root}/nowhere-*.tar", r"data\.urls='.*/nowhere-\*\.tar' matches no file"),
-        ("{root}/shard-{{000000..000004}}.tar", r"matches no shard: none of its 5 paths exists \(first: .*/shard-000000\.tar\)"),
+        ("{root}/shard-{{000000..000004}}.tar", r"matches no shard: none of its 5 paths exists "
+                                                r"\(first: .*/shard-000000\.tar\)"),
         ("{root}/train-{{000000..000009}}.tar", r"5 of its 10 shards do not exist \(first: .*/train-000005\.tar\)"),
         ("{root}/train-000000.tar::{root}/no.tar", r"1 of its 2 shards do not exist \(first: .*/no\.tar\)"),
     ],

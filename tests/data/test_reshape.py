@@ -3,7 +3,8 @@
 Each old rank's real stream (shards -> shuffle buffer -> tokenizer -> packer) takes some rows and is checkpointed
 (through safe_io, as a checkpoint is); every new rank deals itself a part of all old states and reads to the
 epoch's end. The chunks trained before and after must be the epoch's, each exactly once (counted against the
-shards read with tarfile and the tokenizers library, not the trainer's reader), and the next epoch must be the new shape's own, as if the run had started on it.
+shards read with tarfile and the tokenizers library, not the trainer's reader), and the next epoch must be the new
+shape's own, as if the run had started on it.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def _sample(shard: int, member: int, rng: np.random.Generator) -> dict:
         return {"__key__": key, "txt": b"  \n"}
     if bad == "not_utf8":
         return {"__key__": key, "txt": b"caf\xe9 \xff"}
-    words = rng.choice(["alpha", "beta", "resume", "shard", "buffer", "\u00e9t\u00e9", "\u03bb"], size=rng.integers(5, 40))
+    words = rng.choice(["alpha", "beta", "resume", "shard", "buffer", "\u00e9t\u00e9", "\u03bb"],
+                       size=rng.integers(5, 40))
     return {"__key__": key, "txt": " ".join(words).encode()}
 
 

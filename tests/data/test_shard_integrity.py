@@ -2,8 +2,8 @@
 
 Each case damages real shards of the demo dataset (tar members rewritten with tarfile) and reads them through the
 real stream: one error naming the shard (and the sample), or under data.on_error=skip a counted skip. "Forged"
-ids carry a check (a crc32) recomputed for their text (trainer.data.shards.ids_member), as a tool that rewrote them would:
-the checks that do not rest on the crc32 (vocabulary, dtype, size, manifest counts) still catch them."""
+ids carry a check (a crc32) recomputed for their text (trainer.data.shards.ids_member), as a tool that rewrote them
+would: the checks that do not rest on the crc32 (vocabulary, dtype, size, manifest counts) still catch them."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def _without_check(demo_data: Path, out: Path) -> Path:
     """The dataset as prepare wrote it before the crc32: ids members without it, a manifest without "check"."""
     shutil.copytree(demo_data, out)
     for shard in shard_paths(out, "train") + shard_paths(out, "val"):
-        rewrite_shard(shard, Path(shard + ".new"), lambda name, data: (name, data[:-4] if name.endswith(".ids") else data))
+        rewrite_shard(shard, Path(shard + ".new"),
+                      lambda name, data: (name, data[:-4] if name.endswith(".ids") else data))
         Path(shard + ".new").replace(shard)
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["ids"]["check"]

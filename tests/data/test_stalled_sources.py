@@ -140,8 +140,8 @@ def test_http_503_is_tried_exactly_retries_plus_one_times(demo_data, http, retri
 def start(run_dir: Path, demo_data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.Popen:
     """`python -m trainer.train` (or `launcher` + trainer.train) in the background (its own session), output to
     files beside run_dir."""
-    cmd = [*(launcher or [sys.executable, "-m"]), "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
-           "train.eval_every=0", "train.checkpoint_every=0", *overrides]
+    cmd = [*(launcher or [sys.executable, "-m"]), "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
+           *SMALL, "train.eval_every=0", "train.checkpoint_every=0", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (closed with the process)

@@ -224,7 +224,8 @@ def test_bad_input_raises_naming_shard_and_sample(corpus, bad_shards, case, patt
 
 @pytest.mark.parametrize(
     "case,reason,delivered",
-    [("missing_text", "missing_text", 5), ("not_utf8", "not_utf8", 5), ("empty", "empty", 5), ("missing", "unreadable_shard", 0)],
+    [("missing_text", "missing_text", 5), ("not_utf8", "not_utf8", 5), ("empty", "empty", 5),
+     ("missing", "unreadable_shard", 0)],
 )
 def test_bad_input_skipped_and_counted(corpus, bad_shards, case, reason, delivered):
     loader = DocumentLoader(_stream(corpus, shards=[bad_shards[case]], epochs=1, on_error="skip"))

@@ -90,8 +90,8 @@ def test_a_tar_without_end_blocks_ends_at_the_member_boundary():
                                                 "ids": b"\x01\x00\x02\x00"}]
 
 
-@pytest.mark.parametrize("damage", ["truncated data", "truncated padding", "truncated header", "bad checksum", "duplicate field",
-                                    "not a tar", "empty"])
+@pytest.mark.parametrize("damage", ["truncated data", "truncated padding", "truncated header", "bad checksum",
+                                    "duplicate field", "not a tar", "empty"])
 def test_damaged_shards_raise_where_webdataset_raises(damage):
     data = tar_of(CASES["plain"])
     if damage == "truncated data":

@@ -76,8 +76,8 @@ def damaged_tars(draw) -> bytes:
     start = block + draw(st.sampled_from(FIELDS))
     patch = draw(st.one_of(
         st.binary(min_size=1, max_size=12),
-        st.sampled_from([b"\xff" * 12, b"\x80" + b"\xff" * 11, b"\xff" + b"\x00" * 10 + b"\x01", b"-1\0", b"7777777777\0",
-                         b"x", b"L", b"K", b"g", b"S", b"5", b"\0", b"30 size=-5\n"]),
+        st.sampled_from([b"\xff" * 12, b"\x80" + b"\xff" * 11, b"\xff" + b"\x00" * 10 + b"\x01", b"-1\0",
+                         b"7777777777\0", b"x", b"L", b"K", b"g", b"S", b"5", b"\0", b"30 size=-5\n"]),
     ))
     data[start : start + len(patch)] = patch[: max(0, len(data) - start)]
     if draw(st.booleans()):  # the checksum made right again: the damage passes the first check

@@ -143,7 +143,8 @@ def _all_runs(rank, world, cases, plain, probes):
     """Every run of one world size in one spawn (a spawn costs seconds; each run makes its own groups)."""
     out = {("case", c): _cp_rank(rank, world, *c[1:5], True, "sdpa_docs", None, c[5]) for c in cases}
     for strategy, split in plain:
-        out[("plain", strategy, split)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs", None, split)
+        out[("plain", strategy, split)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs",
+                                                   None, split)
     for strategy, split in probes:
         for isolate in (True, False):
             for change in (None, (0, 3)):
@@ -298,7 +299,8 @@ def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp
     out = long_run(cp2, demo_data, launcher=torchrun()).stdout
     assert_same_losses(ref, cp2, range(1, 7))
     for src, dest, extra, launcher in ((cp2, "cp2_to_1", ["distributed.context_parallel=1"], None),
-                                       (ref, "cp1_to_2", ["distributed.context_parallel_strategy=ulysses"], torchrun())):
+                                       (ref, "cp1_to_2", ["distributed.context_parallel_strategy=ulysses"],
+                                        torchrun())):
         resumed = shutil.copytree(src, tmp_path / dest)  # resumed from step 3: steps 4-6 are set aside, then redone
         long_run(resumed, demo_data, *extra, f"train.resume={store.checkpoint_dir(resumed, 3)}", launcher=launcher)
         assert_same_losses(ref, resumed, range(1, 7))

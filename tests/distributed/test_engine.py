@@ -25,7 +25,8 @@ def protocol_members(proto: type) -> dict[str, object]:
     return {**methods, **{n: None for n in proto.__annotations__}}
 
 
-@pytest.mark.parametrize("module, cls", [("trainer.distributed.ddp", "DDPEngine"), ("trainer.distributed.deepspeed", "DeepSpeedEngine")])
+@pytest.mark.parametrize("module, cls", [("trainer.distributed.ddp", "DDPEngine"),
+                                         ("trainer.distributed.deepspeed", "DeepSpeedEngine")])
 def test_each_engine_implements_every_member_with_the_protocols_signature(module, cls):
     impl = getattr(__import__(module, fromlist=[cls]), cls)  # importing the module does not import deepspeed
     for name, proto_fn in protocol_members(Engine).items():
@@ -118,15 +119,16 @@ def test_a_built_ddp_engine_is_an_engine(tmp_path):
 
 def test_process_groups_know_nothing_of_engines():
     graph = import_graph()
-    assert not graph["trainer.distributed.groups"] & {"trainer.distributed.engine", "trainer.distributed.ddp", "trainer.distributed.deepspeed"}
+    assert not graph["trainer.distributed.groups"] & {"trainer.distributed.engine", "trainer.distributed.ddp",
+                                                      "trainer.distributed.deepspeed"}
     assert "trainer.distributed.engine" not in graph["trainer.distributed.ddp"] | graph["trainer.distributed.deepspeed"]
 
 
 def test_the_deepspeed_engine_never_sets_up_a_process_group():
     source = (PACKAGE / "distributed" / "deepspeed.py").read_text()
     assert "init_process_group(" not in source
-    code = ("import torch; from trainer.distributed.config import DistributedConfig; from trainer.distributed.groups import "
-            "init_distributed; import torch.distributed as dist; "
+    code = ("import torch; from trainer.distributed.config import DistributedConfig; "
+            "from trainer.distributed.groups import init_distributed; import torch.distributed as dist; "
             "init_distributed(DistributedConfig(engine='deepspeed', zero_stage=1, device='cpu')); "
             "assert dist.is_initialized() and dist.get_world_size() == 1; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

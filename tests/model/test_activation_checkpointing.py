@@ -133,6 +133,8 @@ def test_parameters_and_config_keys():
     with pytest.raises(ValueError, match="one of"):
         apply_activation_checkpointing(tiny(), "some")
     assert TrainConfig().activation_checkpointing == "none"
-    assert _build(TrainConfig, {"activation_checkpointing": "selective"}, "train").activation_checkpointing == "selective"
-    with pytest.raises(ConfigError, match=r"train.activation_checkpointing must be one of \('none', 'full', 'selective'\)"):
+    assert (_build(TrainConfig, {"activation_checkpointing": "selective"}, "train").activation_checkpointing
+            == "selective")
+    with pytest.raises(ConfigError,
+                       match=r"train.activation_checkpointing must be one of \('none', 'full', 'selective'\)"):
         _build(TrainConfig, {"activation_checkpointing": "true"}, "train")

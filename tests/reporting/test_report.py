@@ -346,7 +346,8 @@ def write_data(root: Path, histogram: bool = True) -> Path:
     if histogram:
         lengths["histogram"] = {"edges": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
                                 "counts": [0, 1, 4, 10, 30, 60, 50, 20, 8, 2]}
-    (data / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": lengths}}}))
+    (data / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                    "splits": {"train": {"lengths": lengths}}}))
     return data
 
 
@@ -641,7 +642,8 @@ def test_loss_by_source_table_and_verdicts_by_hand(tmp_path):
     assert report_tables.train_by_group(runs[0], by) == {"functions": (2.25, 1200), "modules": (2.0, 4200)}
     assert report_tables.train_by_group(runs[2], by)["modules"] == (pytest.approx(2.2), 3500)
     rows = report_tables.group_rows(runs, runs[0], by)
-    assert report_tables.SOURCE_COLUMNS[1] == "source" and report_tables.SOURCE_COLUMNS[-2:] == ["token share", "target share"]
+    assert (report_tables.SOURCE_COLUMNS[1] == "source"
+            and report_tables.SOURCE_COLUMNS[-2:] == ["token share", "target share"])
     assert rows[0] == ["unpacked", "functions", "2.2500", "—", "2.3000", "—", "1,200", "30.0%", "30.0%"]
     # +4e-5 on step 6's 300 of the 1200 targets: +1e-5.
     assert rows[2] == ["packed", "functions", "2.2500", "+1e-05", "2.3000", "+0", "1,200", "30.0%", "30.0%"]
@@ -689,7 +691,8 @@ def test_loss_by_source_plot_averages_over_logged_steps_by_targets(tmp_path):
     # then (1.0 + 4.0) / 2 at step 5 and 4.0 at step 6.
     assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 2) == pytest.approx(
         {1: 2.0, 2: 2.75, 3: 2.5, 5: 2.5, 6: 4.0})
-    assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 1) == {1: 2.0, 2: 3.0, 3: 1.0, 5: 4.0, 6: 4.0}
+    assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 1) == {
+        1: 2.0, 2: 3.0, 3: 1.0, 5: 4.0, 6: 4.0}
 
 
 def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary: dict | None = None) -> Path:
@@ -740,10 +743,11 @@ def test_mixture_report_sections_and_html(tmp_path):
     write_data(tmp_path)
     modules = tmp_path / "reportdata" / "modules"
     modules.mkdir()
-    (modules / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": {"histogram": {
-        "edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
+    (modules / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": {
+        "histogram": {"edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
     sweep = tmp_path / "multirun"
-    runs = [mixture_run(sweep, "0_w30_packed", (0.3, 0.7)), mixture_run(sweep, "1_w30_unpacked", (0.3, 0.7), "unpacked"),
+    runs = [mixture_run(sweep, "0_w30_packed", (0.3, 0.7)),
+            mixture_run(sweep, "1_w30_unpacked", (0.3, 0.7), "unpacked"),
             mixture_run(sweep, "2_w70_packed", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6})]
     for run in runs:
         with_flops(run, [3e9] * 6, [4e9] * 6)

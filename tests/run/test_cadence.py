@@ -1,4 +1,5 @@
-"""Each component owns its cadence: the checkpointer, the evaluator and the metrics logger say which steps are theirs."""
+"""Each component owns its cadence: the checkpointer, the evaluator and the metrics logger say which steps are
+theirs."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def trainer_ranks(torchrun_pid: int) -> dict[int, int]:
     for pid in descendants(torchrun_pid):
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         if int(stat[1]) == torchrun_pid:
-            env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
+            env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                       if b"=" in item)
             ranks[int(env[b"RANK"])] = pid
     return ranks
 

@@ -49,7 +49,8 @@ def test_fused_adamw_on_cpu_makes_the_default_update_up_to_rounding():
     each other (measured: 1 ulp), while the parameters moved by ~1e-2."""
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(300, 50, generator=g), torch.randn(50, generator=g)]
-    grads = [[torch.randn(300, 50, generator=g) * s, torch.randn(50, generator=g) * s] for s in (1, 1e-2, 1e-4, 1e-6, 1)]
+    grads = [[torch.randn(300, 50, generator=g) * s, torch.randn(50, generator=g) * s]
+             for s in (1, 1e-2, 1e-4, 1e-6, 1)]
     finals = {}
     for fused in (False, True):
         model = nn.Module()

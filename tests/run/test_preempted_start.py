@@ -1,5 +1,5 @@
-"""trainer.run.loop: a preemption signal while the trainer reads its held-out documents at the start (a stalled held-out source)
-ends the start on every rank as a preemption: exit status 0, one line saying so, nothing trained or written.
+"""trainer.run.loop: a preemption signal while the trainer reads its held-out documents at the start (a stalled held-out
+source) ends the start on every rank as a preemption: exit status 0, one line saying so, nothing trained or written.
 Before: load_eval_docs gave way (ReadInterrupted) but the Trainer let it out as a traceback, exit status 1."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Nothing of an earlier run is lost (trainer.run.run_dir): a fresh run, or a resume of another run's checkpoint, in a used run dir is
-refused (or, with train.overwrite=true, moves the old run aside whole), a resume from an older step sets the
-newer branch aside so that train.resume=true never picks it again, and a checkpoint without conventions.json
+"""Nothing of an earlier run is lost (trainer.run.run_dir): a fresh run, or a resume of another run's checkpoint, in a
+used run dir is refused (or, with train.overwrite=true, moves the old run aside whole), a resume from an older step sets
+the newer branch aside so that train.resume=true never picks it again, and a checkpoint without conventions.json
 still has its tokenizer checked against the data's. Real runs of `python -m trainer.train` on the tiny model
 (trainer/run/run_dir.py)."""
 
@@ -332,7 +332,8 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
     assert ours != theirs and checkpoint_tokenizer_hash(ckpt) == ours
     assert ours == json.loads((demo_data / "manifest.json").read_text())["tokenizer"]["sha256"]  # its own data fits
     before = snapshot(ckpt)
-    with pytest.raises(ConfigError) as refused:  # in-process (the command's one line: tests/checkpoint/test_init_from.py)
+    # in-process (the command's one line: tests/checkpoint/test_init_from.py)
+    with pytest.raises(ConfigError) as refused:
         make_trainer(other_tokenizer, tmp_path / "run", "train.max_steps=9", f"train.resume={ckpt}")
     assert "train.resume:" in str(refused.value) and ours in str(refused.value) and theirs in str(refused.value)
     assert snapshot(ckpt) == before and not (tmp_path / "run").exists()

@@ -36,7 +36,8 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
     `straggle`: rank 1's first block sleeps that long in every forward (a slow rank); each step's ComputeClock
     reading is returned under "clock"."""
     torch.manual_seed(0)
-    info = init_distributed(DistributedConfig(device="cpu")) if world_size > 1 else DistInfo(0, 1, 0, torch.device("cpu"))
+    info = (init_distributed(DistributedConfig(device="cpu")) if world_size > 1
+            else DistInfo(0, 1, 0, torch.device("cpu")))
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)

@@ -1,8 +1,8 @@
 """loss.chunk_tokens and train.activation_checkpointing through `python -m trainer.train`: the same run.
 
 Each option is checked against the plain path tensor by tensor in tests/model/; here they reach the model
-through Hydra, the config and the Trainer (trainer.run.loop), and the first steps of training and the held-out loss must be
-those of a plain run with the same seed.
+through Hydra, the config and the Trainer (trainer.run.loop), and the first steps of training and the held-out loss must
+be those of a plain run with the same seed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from tests.helpers import metrics, run_train
 
 pytestmark = pytest.mark.slow
 
-LOSS_TOL = 1e-5  # measured over the 3 steps: |loss difference| <= 7.6e-7 (losses ~6.2: a few fp32 ulps), val_loss 5.1e-7
+# measured over the 3 steps: |loss difference| <= 7.6e-7 (losses ~6.2: a few fp32 ulps), val_loss 5.1e-7
+LOSS_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-5  # measured: <= 1.0e-7
 
 

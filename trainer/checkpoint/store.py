@@ -30,10 +30,10 @@ by its reader), and every file has the sha256 recorded at save. A checkpoint wri
 existed loads unverified.
 
 On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP reshards
-as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX) beside the
-checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then reads
-every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them (trainer.checkpoint.streams,
-trainer.data.reshape).
+as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX)
+beside the checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then
+reads every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them
+(trainer.checkpoint.streams, trainer.data.reshape).
 
 Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
 `engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its

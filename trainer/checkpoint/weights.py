@@ -219,7 +219,8 @@ def checkpoint_tokenizer_hash(path: str | Path) -> str:
     if (path / CONVENTIONS_FILE).is_file():
         return checkpoint_conventions(path)["tokenizer"]["sha256"]
     raise WeightsError(f"{path} holds neither {TOKENIZER_DIR}/tokenizer.json nor {CONVENTIONS_FILE}: the tokenizer "
-                       f"its weights were trained with is unknown; copy that tokenizer's files into {path / TOKENIZER_DIR}")
+                       "its weights were trained with is unknown; copy that tokenizer's files into "
+                       f"{path / TOKENIZER_DIR}")
 
 
 def tokenizer_mismatch(path: str | Path, ckpt_hash: str, data_tokenizer: str | Path, data_hash: str,
@@ -228,8 +229,8 @@ def tokenizer_mismatch(path: str | Path, ckpt_hash: str, data_tokenizer: str | P
     supported path."""
     return (f"{purpose}: {path} was trained with tokenizer sha256 {ckpt_hash}, but the data's tokenizer "
             f"({data_tokenizer}) is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with "
-            f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / TOKENIZER_DIR}); to add "
-            "tokens, prepare with that --tokenizer and --add-tokens TOKEN ..., and train with "
+            f"the checkpoint's tokenizer (python -m trainer.prepare ... --tokenizer {Path(path) / TOKENIZER_DIR}); "
+            "to add tokens, prepare with that --tokenizer and --add-tokens TOKEN ..., and train with "
             "tokenizer.add_tokens=[TOKEN,...]")
 
 
@@ -270,7 +271,8 @@ def init_from_checkpoint(model: GPT, path: str | Path, data_tokenizer: str | Pat
                                f"{' '.join(add_tokens)}")
         for key in ("wte.weight", TIED_KEY):  # the head too, where it is its own (model.tie_embeddings=false)
             if key in weights:
-                weights[key] = grow_rows(weights[key], model.wte.weight.shape[0], base.get_vocab_size(), len(add_tokens))
+                weights[key] = grow_rows(weights[key], model.wte.weight.shape[0], base.get_vocab_size(),
+                                         len(add_tokens))
         record["extension"] = {"base_sha256": ckpt_hash, "added_tokens": list(add_tokens),
                                "new_ids": [base.get_vocab_size() + i for i in range(len(add_tokens))],
                                "new_rows": "mean of the checkpoint's token embedding rows (tied head alike)"}
@@ -295,9 +297,9 @@ def init_from_hf(model: GPT, path: Path, data_tokenizer: str | Path, data_hash: 
                            "with is unknown; copy the model's tokenizer files into it")
     own_hash = tokenizer_hash(path)
     if own_hash != data_hash:
-        raise WeightsError(f"train.init_from: {path}'s tokenizer is sha256 {own_hash}, but the data's ({data_tokenizer}) "
-                           f"is sha256 {data_hash}: the same ids would mean other tokens. Prepare the data with the "
-                           f"model's tokenizer (python -m trainer.prepare ... --tokenizer {path})")
+        raise WeightsError(f"train.init_from: {path}'s tokenizer is sha256 {own_hash}, but the data's "
+                           f"({data_tokenizer}) is sha256 {data_hash}: the same ids would mean other tokens. Prepare "
+                           f"the data with the model's tokenizer (python -m trainer.prepare ... --tokenizer {path})")
     own_ids, data_ids = tokenizer_ids(path), tokenizer_ids(data_tokenizer)
     if own_ids != data_ids:  # the same tokenizer.json, framed otherwise (tokenizer_config.json edited on one side)
         raise WeightsError(f"train.init_from: {path}'s tokenizer frames documents as {own_ids}, the data's "

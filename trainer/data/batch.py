@@ -301,7 +301,8 @@ def collate_rows(
             raise ValueError(f"row {r} holds {used} tokens, more than row_len={row_len}")
         if used:
             start = r * row_len
-            flat_ids[start : start + used] = np.concatenate([doc.tokens for doc in row]) if len(row) > 1 else row[0].tokens
+            flat_ids[start : start + used] = (np.concatenate([doc.tokens for doc in row]) if len(row) > 1
+                                              else row[0].tokens)
         if any(doc.loss_mask is not None for doc in row):
             if loss_mask is None:
                 loss_mask = np.ones(num_rows * row_len, dtype=bool)

@@ -5,7 +5,7 @@ It is rendered by the chat template in the tokenizer's tokenizer_config.json, wi
 `transformers` sets it up (a sandbox, trim_blocks, lstrip_blocks, the `{% generation %}` block), and the
 rendered text is stored as an ordinary document. The template must render ChatML (checked per conversation):
 
-    <|im_start|>system\\nBe brief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n
+    <|im_start|>system\\nBrief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n
 
 With data.loss_on=assistant the stream recomputes, from that text alone, which tokens are targets: the
 assistant's content and its closing <|im_end|> (`assistant_spans`); a token is a target iff its characters
@@ -326,7 +326,8 @@ def render(messages: list[dict], template: str, add_generation_prompt: bool = Fa
     token = _budget.set(budget)
     try:
         with extension.record(blocks, spans):
-            for block in compiled.generate(messages=_CountedList(messages), add_generation_prompt=add_generation_prompt):
+            for block in compiled.generate(messages=_CountedList(messages),
+                                           add_generation_prompt=add_generation_prompt):
                 blocks.append(block)
                 budget.chars += len(block)
                 budget.size(budget.chars, "wrote")

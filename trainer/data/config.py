@@ -93,8 +93,8 @@ class DataConfig:
     sources: list[dict] | None = None
     """A mixture instead of one source: [{name, path or urls, val_urls (optional), weight}, ...]. Each step's
     document tokens come from the sources in the proportions of their weights, within a row (trainer.data.mixture:
-    each source packed alone, its rows mixed), in every layout. data.path / data.urls / data.val_urls must then be null; data.tokenizer, data.split and the reading
-    settings apply to every source."""
+    each source packed alone, its rows mixed), in every layout. data.path / data.urls / data.val_urls must then be null;
+    data.tokenizer, data.split and the reading settings apply to every source."""
     mix_exhausted: str = "stop"
     """A mixture's epoch, when one source has no documents left: 'stop' ends the epoch there (the weights hold to
     its end; what the other sources had left of their pass is not trained in it), 'restart' reads that source again

@@ -29,7 +29,8 @@ FIRST = 0
 
 
 def after(epoch: int) -> int:
-    """The epoch that follows `epoch` (a reader read its shards, a loader's iteration ended, a mixture's epoch ended)."""
+    """The epoch that follows `epoch` (a reader read its shards, a loader's iteration ended, a mixture's epoch
+    ended)."""
     return epoch + 1
 
 

@@ -53,7 +53,8 @@ from trainer.errors import ConfigError
 __all__ = [
     "IGNORE_INDEX", "MANIFEST_FILE", "NO_GROUPS", "VAL_SPLIT", "Batch", "DataSource", "Document", "FramedTokenizer",
     "LossGroups", "ReadInterrupted",
-    "RowPrefetcher", "RowSource", "ShardSourceError", "StepInterrupted", "StepRows", "allow_reads", "build_data", "check_token_ids", "collate_rows",
+    "RowPrefetcher", "RowSource", "ShardSourceError", "StepInterrupted", "StepRows", "allow_reads", "build_data",
+    "check_token_ids", "collate_rows",
     "check_deal", "deal_rows", "drawn_rows", "imbalance", "imbalance_of",
     "eval_batches", "interrupt_reads", "length_bucket_names", "load_eval_docs", "micro_batches", "source_counts",
 ]
@@ -237,7 +238,8 @@ def _read_eval_docs(data: DataConfig, source: ShardSource, tokenizer_dir: Path, 
         read_timeout_s=data.read_timeout_s, name=name, source=index, max_doc_bytes=data.max_doc_bytes,
         # Held-out shards of data.val_urls may come from another dataset than the manifest's: their text is read,
         # and they are not checked against its entries.
-        stored_ids=None if data.val_urls is not None else _stored_ids(source, tokenizer_hash(tokenizer_dir), data.loss_on),
+        stored_ids=None if data.val_urls is not None else _stored_ids(source, tokenizer_hash(tokenizer_dir),
+                                                                      data.loss_on),
         manifest=None if data.val_urls is not None else source.manifest,
     )
     docs: list[Document] = []

@@ -10,8 +10,8 @@ Layout of a prepared directory:
 Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text, which webdataset reads back as
 {"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the manifest's
 tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the manifest's "ids"
-entry says which, and the tokenizer's sha256 they were encoded with; under the entry's "check": "crc32" the member ends with
-4 more bytes, a little-endian crc32 of the text's length and ends and of the ids, which ties the ids to their text:
+entry says which, and the tokenizer's sha256 they were encoded with; under the entry's "check": "crc32" the member ends
+with 4 more bytes, a little-endian crc32 of the text's length and ends and of the ids, which ties the ids to their text:
 `ids_check`), and for chat data `<key>.assistant`, the
 assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads the
 ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with (`StoredIds`). Keys
@@ -189,7 +189,8 @@ class ShardWriter:
 
     A shard closes after `docs_per_shard` documents, or before the text that would take it past
     `max_shard_bytes` of text (a single larger document still gets a shard of its own; other fields do not count,
-    so a dataset with stored ids has the same shards as without). `tokens` given to `add` are summed per shard. Use as a context manager: an error mid-shard leaves no temp file behind.
+    so a dataset with stored ids has the same shards as without). `tokens` given to `add` are summed per shard.
+    Use as a context manager: an error mid-shard leaves no temp file behind.
     Example: 5 documents, docs_per_shard=2 -> shards of 2, 2 and 1 documents; none -> no shards.
     """
 

@@ -18,10 +18,10 @@ lists, braces expand, `$WDS_*` variables substitute), then local globs by `glob`
 
 `read_shard` opens a shard (`open_shard`: a file, or the command that webdataset's `gopen` would run for the
 scheme, but each command in a process group of its own that dies with the trainer) and cuts it into samples as
-webdataset's tar iterators do (trainer.data.tars: the same samples in one pass, ~10x faster); a failure comes out as a `ShardReadError` that says whether reading again may help
-(`transient`), a command that sends nothing for data.read_timeout_s seconds included. The stream
-(trainer.data.stream, through trainer.data.reader) owns the retries: data.retries, 1 s, 2 s, 4 s ... apart, is
-the only retry policy.
+webdataset's tar iterators do (trainer.data.tars: the same samples in one pass, ~10x faster); a failure comes out as a
+`ShardReadError` that says whether reading again may help (`transient`), a command that sends nothing for
+data.read_timeout_s seconds included. The stream (trainer.data.stream, through trainer.data.reader) owns the retries:
+data.retries, 1 s, 2 s, 4 s ... apart, is the only retry policy.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Inside a slot, samples pass a shuffle buffer, are decoded and checked, tokenized
 tokenizer (or, when the shards store token ids encoded by the run's tokenizer, read as stored: the same tokens),
 and are framed as the tokenizer frames a document: EOS appended, and BOS first where the tokenizer starts
 every text with one (`bos_id`; trainer.data.tokenizer.SpecialIds.frame). With loss_on="assistant" (chat data)
-each document also gets a `loss_mask`: only the assistant turns' tokens are targets (trainer.data.chat.assistant_token_mask, from the text; or the ranges stored).
+each document also gets a `loss_mask`: only the assistant turns' tokens are targets
+(trainer.data.chat.assistant_token_mask, from the text; or the ranges stored).
 
 The reading itself (shard cursor, shuffle buffer, resumable positions) is trainer.data.reader; running the
 stream in DataLoader workers and handing out single documents is trainer.data.loader.
@@ -224,8 +225,8 @@ class DocumentStream(IterableDataset):
         itemsize = np.dtype(dtype).itemsize
         problem = None
         if self.max_doc_bytes is not None and len(ids) // itemsize > self.max_doc_bytes:
-            self._too_large(state, shard, key, f"has {len(ids) // itemsize:,} stored ids (a token covers a byte of text "
-                                               "at least)")
+            self._too_large(state, shard, key, f"has {len(ids) // itemsize:,} stored ids (a token covers a byte of "
+                                               "text at least)")
             return None
         if not ids or len(ids) % itemsize:
             problem = f"its ids are {len(ids)} bytes, not whole {dtype} values"
@@ -245,7 +246,8 @@ class DocumentStream(IterableDataset):
         """A sample over data.max_doc_mb; `what`, e.g. "is 30,000 bytes of text"."""
         self._bad(state, "too_large", f"{shard}: sample {key!r} {what}, over data.max_doc_mb="
                                       f"{self.max_doc_bytes / 2**20:.3g} (tokenizing one document takes ~200x its size "
-                                      "in memory): raise data.max_doc_mb, or skip such documents with data.on_error=skip")
+                                      "in memory): raise data.max_doc_mb, or skip such documents with "
+                                      "data.on_error=skip")
 
     def _out_of_vocabulary(self, items: list[Item], payloads: list[str | Stored], shards: list[str],
                            state: SlotState) -> set[int]:
@@ -255,7 +257,8 @@ class DocumentStream(IterableDataset):
         stored = [p for p in payloads if p.__class__ is tuple]
         if vocab is None or not stored or vocab >= 1 << 8 * np.dtype(stored[0][3]).itemsize:
             return set()
-        if len({p[3] for p in stored}) == 1 and np.frombuffer(b"".join(p[0] for p in stored), stored[0][3]).max() < vocab:
+        if (len({p[3] for p in stored}) == 1
+                and np.frombuffer(b"".join(p[0] for p in stored), stored[0][3]).max() < vocab):
             return set()
         bad = set()
         for i, (item, payload) in enumerate(zip(items, payloads, strict=True)):
@@ -324,7 +327,8 @@ class DocumentStream(IterableDataset):
         reader = self._reader(slot, num_slots, state, resumed.position)
         try:
             if self.report_restore:  # before any document: what restoring the position read
-                yield slot, self._snapshot(state, reader, restore_read=reader.restore_read if reader else (0, 0, 0.0)), []
+                yield slot, self._snapshot(state, reader,
+                                           restore_read=reader.restore_read if reader else (0, 0, 0.0)), []
             while reader is not None:
                 items: list[Item] = []  # the samples of `texts`
                 texts: list[str | Stored] = []

@@ -115,7 +115,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
     tokens whose special_ids(...) are SpecialIds(eos=0, pad=1, im_start=2, im_end=3).
     """
     if vocab_size < MIN_VOCAB_SIZE:
-        raise PrepareError(f"vocab size must be at least {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size}")
+        raise PrepareError(f"vocab size must be at least {MIN_VOCAB_SIZE} (256 bytes + special tokens), "
+                           f"got {vocab_size}")
     tok = Tokenizer(models.BPE())
     # No prefix space: it would change the text, and decode(encode(text)) must give it back exactly.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -139,7 +139,8 @@ class DDPEngine(ClientOptimizerSteps):
         """Ranks run their own number of micro-batches (at least one: the gradient all-reduce is collective)."""
         return max(1, own)
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def micro_step(self, inputs: dict, loss_scale: float,
+                   sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; gradients are all-reduced only when `sync`.
 
         Returns (objective sum, plain summed token loss, per-group sums or None): the objective is the weighted

@@ -78,7 +78,8 @@ def deepspeed_config(cfg: DistributedConfig, grad_clip: float, dtype: str, devic
     }
 
 
-_SHARDED = "ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); shard_format is 'deepspeed'"
+_SHARDED = ("ZeRO's state is sharded over the ranks: DeepSpeed saves it itself (save_shards); "
+            "shard_format is 'deepspeed'")
 
 
 class DeepSpeedEngine:
@@ -92,7 +93,8 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed(info.device)
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeed needs a process group, even for one process: call "
-                               "trainer.distributed.groups.init_distributed(cfg) with distributed.engine=deepspeed first")
+                               "trainer.distributed.groups.init_distributed(cfg) with distributed.engine=deepspeed "
+                               "first")
         self.name = f"deepspeed_zero{cfg.zero_stage}"
         self.zero_stage = cfg.zero_stage
         self.module = model
@@ -102,7 +104,8 @@ class DeepSpeedEngine:
         )
         self.grad_average_factor = self.ds.dp_world_size
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def micro_step(self, inputs: dict, loss_scale: float,
+                   sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
         self.ds.set_gradient_accumulation_boundary(sync)
         return forward_backward(self.ds, inputs, loss_scale, lambda loss: self.ds.backward(loss, scale_wrt_gas=False))

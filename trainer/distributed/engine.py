@@ -3,8 +3,8 @@
 `parallelize` is the one place a built model (single-device code) is split and wrapped for several ranks (tensor
 parallelism first, then activation checkpointing, then compile, then the data-parallel engine); it returns an
 `Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
-imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py). Process groups are set up before, by
-`trainer.distributed.groups.init_distributed`; the engines only use them.
+imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py).
+Process groups are set up before, by `trainer.distributed.groups.init_distributed`; the engines only use them.
 
 An engine returns its state; it never chooses a file name. The checkpoint store (trainer.checkpoint.store, the
 one description of the layout) writes a replicated engine's `state_dict()` and everyone's `full_weights()`
@@ -52,7 +52,8 @@ class Engine(Protocol):
     """Whether the whole model exists on no rank (FSDP2's shards, tensor parallelism's), so that writing its
     weights (`full_weights`, model.safetensors) gathers every tensor: the loop then writes them less often."""
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def micro_step(self, inputs: dict, loss_scale: float,
+                   sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
         over ranks only when `sync`. Returns (objective_sum, plain summed token loss, summed token loss per loss
         group or None: the inputs carry no loss_groups), detached."""
@@ -131,8 +132,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine, in
     one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), activation
     checkpointing (train.activation_checkpointing: trainer.model.apply_activation_checkpointing), compile, then
-    the data-parallel engine (DDP over the loss group, FSDP2: `fsdp.apply_fsdp`, or DeepSpeed). Context parallelism needs no wrapping: each
-    micro-batch carries this rank's share of its positions (Batch.plan: trainer.distributed.context.RowPlan).
+    the data-parallel engine (DDP over the loss group, FSDP2: `fsdp.apply_fsdp`, or DeepSpeed). Context parallelism
+    needs no wrapping: each micro-batch carries this rank's share of its positions (Batch.plan:
+    trainer.distributed.context.RowPlan).
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
     dtype: 'fp32' or 'bf16', train.dtype as the run resolved it (trainer.config.resolve_dtype). compile

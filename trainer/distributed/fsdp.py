@@ -32,10 +32,11 @@ Checkpoints: torch.distributed.checkpoint (DCP), every rank writing its shards i
 the checkpoint store names (`save_shards`); DCP reshards on load, so a checkpoint written on W ranks loads on
 any number (`converts_from` is False: no conversion step). Under tensor parallelism the ranks of a tensor group hold
 different tensors under one name, so the checkpoint holds the whole tensors instead, their rows split over every
-rank (the layout adapter's `TensorParallel._to_whole`, one whole tensor gathered at a time): it loads on any data, tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its
-`.metadata` file with plain pickle and its non-tensor entries with `torch.load(weights_only=False)`;
-`SafeReader` and `SafePlanner` read them with an allow-list of DCP's own metadata classes and with
-`weights_only=True` instead, in the same read (nothing to re-check between a check and the load).
+rank (the layout adapter's `TensorParallel._to_whole`, one whole tensor gathered at a time): it loads on any data,
+tensor and FSDP2 size. Loading never runs code: DCP's reader unpickles its `.metadata` file with plain pickle and its
+non-tensor entries with `torch.load(weights_only=False)`; `SafeReader` and `SafePlanner` read them with an allow-list of
+DCP's own metadata classes and with `weights_only=True` instead, in the same read (nothing to re-check between a check
+and the load).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class FSDP2Engine(ClientOptimizerSteps):
         """The busiest rank's number of micro-batches: each forward all-gathers a block's weights, on every rank."""
         return max(1, busiest)
 
-    def micro_step(self, inputs: dict, loss_scale: float, sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def micro_step(self, inputs: dict, loss_scale: float,
+                   sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; gradients are reduce-scattered only when `sync` (the step's last
         micro-batch), accumulated unsharded before it."""
         self.module.set_requires_gradient_sync(sync)
@@ -228,7 +230,8 @@ def read_dcp_weights(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dic
     return state["model"]
 
 
-_SHARDED = "FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); shard_format is 'dcp'"
+_SHARDED = ("FSDP2's state is sharded over the ranks: the engine saves it through DCP (save_shards); "
+            "shard_format is 'dcp'")
 
 
 # ---------------------------------------------------------------------------------------------------

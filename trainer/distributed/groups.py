@@ -144,7 +144,8 @@ def _pick_device(choice: str, local_rank: int) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("distributed.device=cuda but no CUDA device is visible: use distributed.device=auto or cpu")
+            raise ConfigError("distributed.device=cuda but no CUDA device is visible: "
+                              "use distributed.device=auto or cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if choice != "cpu":

@@ -251,7 +251,8 @@ def backend_unavailable_reason(
         if _torch_varlen_fn() is None:
             return f"this torch ({torch.__version__}) has no torch.nn.attention.varlen; it needs torch >= 2.9"
         if dtype not in VARLEN_DTYPES:
-            return f"varlen_attn runs in float16/bfloat16 only, got {dtype} (train under bf16 autocast: train.dtype=bf16)"
+            return (f"varlen_attn runs in float16/bfloat16 only, got {dtype} "
+                    "(train under bf16 autocast: train.dtype=bf16)")
         return None
     if backend == "flex":
         if _flex_fn() is None:

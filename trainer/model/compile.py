@@ -1,7 +1,7 @@
 """torch.compile for training (train.compile=true): each transformer block compiled on its own, as torchtitan does.
 
-`compile_blocks` runs once, from `trainer.distributed.engine.parallelize`, before any DDP / DeepSpeed wrapping. Every block
-has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards hold for each block).
+`compile_blocks` runs once, from `trainer.distributed.engine.parallelize`, before any DDP / DeepSpeed wrapping. Every
+block has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards hold for each block).
 
 What is compiled: a block's body (`Block._forward`: layer norms, qkv projection, RoPE, output projection,
 residuals, MLP). What is not: the attention kernel call, `segment_attention`, which `compile_blocks` wraps in
@@ -50,7 +50,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
             raise TypeError(f"{type(block).__name__} has no `attn.attend` (the attention call train.compile keeps out "
                             "of the graphs)")
         block.attn.attend = torch.compiler.disable(attend, reason=_EAGER_ATTENTION)  # eager, between the graphs
-        block._forward = torch.compile(body, **compile_kwargs)  # an instance attribute: not a parameter, not in the state dict
+        # an instance attribute: not a parameter, not in the state dict
+        block._forward = torch.compile(body, **compile_kwargs)
     return model
 
 

@@ -20,8 +20,8 @@ and the next one attends to them instead of recomputing the prefix.
 
 Two memory options, neither of which changes the loss or the gradients: `loss_chunk_tokens` (loss.chunk_tokens)
 computes the head and the loss a chunk of positions at a time, never holding all (B * L, V) logits
-(trainer.model.loss.chunked_cross_entropy); `apply_activation_checkpointing` (train.activation_checkpointing) makes the blocks
-recompute their activations in backward instead of storing them.
+(trainer.model.loss.chunked_cross_entropy); `apply_activation_checkpointing` (train.activation_checkpointing) makes the
+blocks recompute their activations in backward instead of storing them.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class GPTConfig:
     init_std: float = 0.02
     """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layer)."""
     norm: str = "layernorm"
-    """'layernorm' (GPT-2; its bias follows `bias`) or 'rmsnorm' (Llama; no bias), before each sub-block and the head."""
+    """'layernorm' (GPT-2; its bias follows `bias`) or 'rmsnorm' (Llama; no bias), before each sub-block and the
+    head."""
     norm_eps: float = 1e-5
     """The norms' epsilon (GPT-2 1e-5; Llama-family configs say theirs: rms_norm_eps)."""
     mlp: str = "gelu"
@@ -523,8 +524,8 @@ class GPT(nn.Module):
         if targets is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
             loss_sum, num_targets, weighted, grouped = cross_entropy_sums(
                 logits, targets, loss_weights, loss_groups, num_loss_groups, self.vocab)
-        return ModelOutput(logits=self.vocab.returned(logits, return_logits), loss_sum=loss_sum, num_targets=num_targets,
-                           weighted_loss_sum=weighted, group_loss_sums=grouped)
+        return ModelOutput(logits=self.vocab.returned(logits, return_logits), loss_sum=loss_sum,
+                           num_targets=num_targets, weighted_loss_sum=weighted, group_loss_sums=grouped)
 
 
 @dataclass(frozen=True)

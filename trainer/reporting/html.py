@@ -190,7 +190,8 @@ def render_html(report: Report, out: Path) -> str:
 </head>
 <body>
 <h1>Training runs report</h1>
-<p>Reference run: <strong>{e(report.reference)}</strong>. Tolerance for equal losses: {e(fmt_num(report.tolerance))} (absolute).</p>
+<p>Reference run: <strong>{e(report.reference)}</strong>. \
+Tolerance for equal losses: {e(fmt_num(report.tolerance))} (absolute).</p>
 <table>
 <thead><tr>{header}</tr></thead>
 <tbody>

@@ -93,7 +93,8 @@ def plot_loss_by_length(runs: Sequence[Run], by: Breakdown = BY_LENGTH) -> plt.F
         val, train = val_by_group(run, by), train_by_group(run, by)
         values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
         ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
-               label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}", hatch=None if val else "//")
+               label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}",
+               hatch=None if val else "//")
     ticks = [f"{n} tokens" if by is BY_LENGTH else f"position {n}" for n in names]
     ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], ticks)
     ax.set(ylabel="token loss", title=f"Token loss by {by.column} (final eval; train where no eval)")

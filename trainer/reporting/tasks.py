@@ -80,8 +80,8 @@ def task_rows(runs: Sequence[Run], ref: Run) -> list[list[str]]:
             theirs = (reference[1] if reference else {}).get(name)
             delta = ("" if run is ref or theirs is None or None in (m.get("acc"), theirs.get("acc"))
                      else f"{(m['acc'] - theirs['acc']) * 100:+.1f} points")
-            rows.append([run.name, name, str(step), str(m.get("n", "")), _interval(m), fmt_num(m.get("acc_norm"), ".3f"),
-                         fmt_num(m.get("bits_per_byte"), ".4f"), delta])
+            rows.append([run.name, name, str(step), str(m.get("n", "")), _interval(m),
+                         fmt_num(m.get("acc_norm"), ".3f"), fmt_num(m.get("bits_per_byte"), ".4f"), delta])
     return rows
 
 

@@ -189,7 +189,8 @@ def run_cell(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Documen
     t0 = time.perf_counter()
     losses, norms, grads, module = [], [], None, None
     isolate = True if reference else cfg.attention.isolate_documents
-    packing = replace(cfg.packing, layout=cell.layout, reset_positions=True if reference else cfg.packing.reset_positions)
+    packing = replace(cfg.packing, layout=cell.layout,
+                      reset_positions=True if reference else cfg.packing.reset_positions)
     for lr in (0.0, cfg.optim.lr):
         model = _fresh_model(cfg, data, cell.backend, isolate, info.device)
         optim = replace(cfg.optim, lr=lr)
@@ -467,7 +468,8 @@ def as_json(cert: Certificate, facts: dict) -> dict:
                                                  "parallel", "balance", "skipped")}
         cells.append({"name": v.cell.name, "status": v.status, **cell, "loss_rdiff": v.loss_rdiff,
                       "grad_rdiff": v.grad_rdiff, "grad_cosine": v.grad_cosine, "worst_tensor": v.worst_tensor,
-                      "probe": v.probe, "tolerance": dataclasses.asdict(v.tolerance), "problems": v.problems, "seconds": v.seconds})
+                      "probe": v.probe, "tolerance": dataclasses.asdict(v.tolerance), "problems": v.problems,
+                      "seconds": v.seconds})
     return {**facts, "passed": cert.passed, "tolerance": {"fp32": FP32_RTOL, "bf16_noise_factor": BF16_NOISE_FACTOR},
             "bf16_noise": cert.noise, "reference": {"layout": "unpacked", "backend": REFERENCE_BACKEND,
                                                     "dtype": "fp32", "seconds": cert.reference_seconds},
@@ -480,8 +482,8 @@ def as_markdown(cert: Certificate, facts: dict) -> str:
     head = "PASSED" if cert.passed else f"FAILED ({len(failed)} of {len(cert.verdicts) - len(skipped)} cells)"
     lines = [f"# packtrain certificate: {head}", ""]
     lines += [f"- {k}: {v}" for k, v in facts.items() if k != "config"]
-    lines += ["", f"Reference: unpacked, {REFERENCE_BACKEND} kernel, fp32, one process, the whole step one micro-batch. "
-              f"Tolerance: {FP32_RTOL:g} relative in fp32"
+    lines += ["", f"Reference: unpacked, {REFERENCE_BACKEND} kernel, fp32, one process, the whole step one "
+              f"micro-batch. Tolerance: {FP32_RTOL:g} relative in fp32"
               + (f"; bf16 {BF16_NOISE_FACTOR:g} x the unpacked bf16 run's distance from fp32 "
                  f"(loss {cert.noise['loss']:.3g}, gradient {cert.noise['gradient']:.3g})" if cert.noise else "")
               + ".", "", table(cert), ""]

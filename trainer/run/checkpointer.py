@@ -24,8 +24,8 @@ RESUME_KEYS = ("seed", "train.seq_len", "data.shuffle_buffer", "data.loss_on", "
 state must fit) and what each rank's data stream position is made of (seed and shuffle buffer order it, seq_len
 cuts it into rows, data.loss_on chose the targets: a resume that changed it went on training the old targets, step
 for step, while config.json said the new ones). The shape is not among them: the model and optimizer load on any
-number of ranks (trainer.checkpoint.store.load_engine), and the data stream is dealt over other ranks and DataLoader workers
-(trainer.data.reshape)."""
+number of ranks (trainer.checkpoint.store.load_engine), and the data stream is dealt over other ranks and DataLoader
+workers (trainer.data.reshape)."""
 
 
 def check_resumable(path: Path, config: dict) -> None:

@@ -39,7 +39,9 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
     return {
         "layout": cfg.packing.layout,
         "packing": {
-            "algorithm": "online: the oldest buffered document opens each row, best fit (or an exact pair of short documents) fills it, from a bounded buffer; offline best-fit-decreasing for the epoch's leftovers (trainer.data.packing.OnlinePacker)",
+            "algorithm": "online: the oldest buffered document opens each row, best fit (or an exact pair of short "
+                         "documents) fills it, from a bounded buffer; offline best-fit-decreasing for the epoch's "
+                         "leftovers (trainer.data.packing.OnlinePacker)",
             "buffer_size": cfg.packing.buffer_size,
             "row_length": cfg.train.seq_len,
             "long_docs": cfg.packing.long_docs,

@@ -157,7 +157,8 @@ class TaskScorer:
         out = []
         for name, digest in self.digests().items():
             if name in recorded and recorded[name] != digest:
-                out.append(f"train.eval_tasks: {name}'s items changed since the checkpoint (sha256 {recorded[name][:12]} "
+                out.append(f"train.eval_tasks: {name}'s items changed since the checkpoint "
+                           f"(sha256 {recorded[name][:12]} "
                            f"-> {digest[:12]}): its scores after the resume are of other items than before")
         return out
 

@@ -3,7 +3,8 @@
 `build_data` assembles the stream from the run's config (trainer.data.feed: shards -> documents -> packed rows);
 `StepInputs` draws a step's rows (agreed with the other ranks at an epoch's end: trainer.data.epochs.StepRows), lays
 them out as micro-batches for the configured layout, checks the token ids on the host, plans this rank's share of
-their positions under context parallelism (Batch.plan), and pins them when bound for a GPU, in the prefetch thread when data.prefetch draws the next step's rows while the current one computes.
+their positions under context parallelism (Batch.plan), and pins them when bound for a GPU, in the prefetch thread when
+data.prefetch draws the next step's rows while the current one computes.
 """
 
 from __future__ import annotations

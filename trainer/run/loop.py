@@ -141,8 +141,8 @@ class Trainer:
             accepted()
         self.wandb_group = cfg.logging.wandb.group or f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
         self.metrics = MetricsLogger(
-            self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend], self.wandb_group,
-            enabled=info.is_main, resume_step=self.step, log_every=cfg.logging.log_every,
+            self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend],
+            self.wandb_group, enabled=info.is_main, resume_step=self.step, log_every=cfg.logging.log_every,
         )
         if info.is_main:  # what trainer.report compares runs by
             (self.run_dir / CONFIG_FILE).write_text(json.dumps(cfg.resolved, indent=2, default=str))

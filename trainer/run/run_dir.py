@@ -14,9 +14,9 @@ A run dir is used when it holds one of RUN_FILES (what a run writes); Hydra's `.
 Hydra writes into every run dir (a fresh timestamped one, a sweep's job dir) before the job starts, never
 count. A directory that holds anything else and no run (someone's own files: `hydra.run.dir=.` from a source
 tree, a typo naming a home directory) is refused before a byte is written, unless train.overwrite=true allows
-it (the run's files go beside the user's, which are never moved). What is set aside stays inside the run dir: a rename on the run's own file system (no copy of
-checkpoints), where neither `train.resume=true` (the run dir's checkpoints/) nor a report of a sweep dir (run
-dirs one level down) looks, and nothing is deleted.
+it (the run's files go beside the user's, which are never moved). What is set aside stays inside the run dir: a rename
+on the run's own file system (no copy of checkpoints), where neither `train.resume=true` (the run dir's checkpoints/)
+nor a report of a sweep dir (run dirs one level down) looks, and nothing is deleted.
 """
 
 from __future__ import annotations

@@ -247,7 +247,8 @@ def at_least_one_rule(results: Mapping[int, dict], val_fraction: float) -> tuple
     highest-scoring val key moves). None when the split already satisfies both."""
     docs = {split: sum(r["splits"][split]["docs"] for r in results.values()) for split in SPLITS}
     if val_fraction > 0 and docs[VAL_SPLIT] == 0 and docs[TRAIN_SPLIT] >= 2:
-        score, key, unit = min((*r["extremes"]["train_min"], i) for i, r in results.items() if "train_min" in r["extremes"])
+        score, key, unit = min((*r["extremes"]["train_min"], i) for i, r in results.items()
+                               if "train_min" in r["extremes"])
         return unit, key, VAL_SPLIT
     if docs[TRAIN_SPLIT] == 0 and docs[VAL_SPLIT] >= 1:
         score, key, unit = max((*r["extremes"]["val_max"], i) for i, r in results.items() if "val_max" in r["extremes"])
@@ -330,7 +331,8 @@ def length_stats_of(distribution: Mapping[int, int]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def swap_into_place(out: Path, stage: Path, manifest: dict | None = None, moves: Sequence[tuple[str, str]] = ()) -> dict:
+def swap_into_place(out: Path, stage: Path, manifest: dict | None = None,
+                    moves: Sequence[tuple[str, str]] = ()) -> dict:
     """Make the staged dataset the dataset of `out` (see the module docstring); return its manifest. Without
     `manifest`, finish the swap swap.json describes."""
     swap_path = stage / SWAP_FILE

@@ -44,7 +44,8 @@ def message_problem(record: object) -> tuple[str, str, str] | None:
             if name not in message:
                 return "bad_message", f"{field}.{name}", f"is missing (fields: {sorted(message)[:8]})"
         if message["role"] not in ROLES:
-            return "unknown_role", f"{field}.role", f"is {json_kind(message['role'])}; expected one of {', '.join(ROLES)}"
+            return ("unknown_role", f"{field}.role",
+                    f"is {json_kind(message['role'])}; expected one of {', '.join(ROLES)}")
         content = message["content"]
         if not isinstance(content, str):
             return "content_not_string", f"{field}.content", f"is {json_kind(content)}, not a string"
@@ -63,7 +64,8 @@ def message_problem(record: object) -> tuple[str, str, str] | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def module_conversations(module: str, tree: ast.Module, policy: ErrorPolicy, template: str) -> Iterator[tuple[str, str]]:
+def module_conversations(module: str, tree: ast.Module, policy: ErrorPolicy,
+                         template: str) -> Iterator[tuple[str, str]]:
     """(name, rendered conversation) for each documented public top-level def/class of one module."""
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):

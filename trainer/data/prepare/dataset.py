@@ -312,7 +312,8 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     }
     if o.get("store_ids"):  # the stream reads them when the run's tokenizer is this one (trainer.data.shards)
         manifest["ids"] = {"field": IDS_FIELD, "dtype": ids_dtype(tok.get_vocab_size()),
-                           "tokenizer_sha256": tokenizer["sha256"], **({"assistant_field": ASSISTANT_FIELD} if chat else {}),
+                           "tokenizer_sha256": tokenizer["sha256"],
+                           **({"assistant_field": ASSISTANT_FIELD} if chat else {}),
                            **({"check": IDS_CHECK} if o.get("ids_check") else {})}
     if chat:  # the trainer's data.loss_on=assistant requires it
         manifest["chat"] = {"template": TEMPLATE_NAME, **totals["chat"]}
@@ -437,7 +438,8 @@ class _Status:
         self.last = time.monotonic()
         rate = self.nbytes / MB / self.elapsed
         left = max(self.total - self.nbytes, 0) / MB / rate if rate > 0 and not final else 0.0
-        print(f"{self.label}preparing: {self.done}/{self.units} units, {self.nbytes / MB:,.1f}/{self.total / MB:,.1f} MB, "
+        print(f"{self.label}preparing: {self.done}/{self.units} units, "
+              f"{self.nbytes / MB:,.1f}/{self.total / MB:,.1f} MB, "
               f"{rate:.2f} MB/s, {self.docs:,} docs ({self.docs / self.elapsed:,.0f}/s)"
               + ("" if final else f", ETA {left:,.0f} s"), file=sys.stderr, flush=True)
 

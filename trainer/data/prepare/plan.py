@@ -11,7 +11,7 @@ to remember the keys already seen (at 10^9 documents that set would not fit in m
 
     jsonl / parquet / hf   <file stem>--<record number>   "2024/part-01.json.gz", line 7 -> "2024__part-01--7"
     text                   the file's path               "notes/day 1.txt" -> "notes__day_1__txt"
-    demo                   module and definition         json/decoder.py, class JSONDecoder -> "json__decoder--JSONDecoder"
+    demo                   module and definition         json/decoder.py, JSONDecoder -> "json__decoder--JSONDecoder"
 
 The stem is the file's path relative to the glob's fixed directory without its format suffixes, so the same
 corpus as .jsonl, .jsonl.zst or .parquet gets the same keys (and the same train/val split). Record numbers are

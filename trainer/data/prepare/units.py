@@ -3,7 +3,8 @@
 A unit is read start to end by one process, in windows of a few MB (memory never holds more than one window,
 whatever the corpus or unit size). Each document goes to train or val by a hash of its key (`unit_hash`: a
 key's side never depends on the other documents), in input order (shuffling is the trainer stream's job: shard
-permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards (with its token ids, unless prepared with --text-only):
+permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards (with its token ids,
+unless prepared with --text-only):
 
     <stage>/u000003/train-0000.tar, train-0001.tar, ..., val-0000.tar    (final names are given at the merge)
     <stage>/u000003.json                                                  the result, written last
@@ -306,7 +307,8 @@ def _fits(size: int, where: str, job: Job, policy: ErrorPolicy) -> bool:
     """Whether a document of `size` bytes is within job.max_doc_bytes and, if large, within what this process may
     still allocate to tokenize it; if not, reported (an error, or a counted skip `too_large`)."""
     if job.max_doc_bytes is not None and size > job.max_doc_bytes:
-        policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb {job.max_doc_bytes / MB:.3g} "
+        policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb "
+                                       f"{job.max_doc_bytes / MB:.3g} "
                                        "(tokenizing one document takes ~200x its size in memory): split it, raise "
                                        "--max-doc-mb, or skip such documents with --on-error skip")
         return False

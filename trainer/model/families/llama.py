@@ -66,7 +66,8 @@ class Llama(Family):
         refuse_variants(config, self.variants(config))
         rope = dict(config.get("rope_parameters") or {})  # transformers 5: theta and scaling in one dict
         theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else config.get("rope_scaling")
+        scaling = (rope if rope.get("rope_type", rope.get("type", "default")) != "default"
+                   else config.get("rope_scaling"))
         return GPTConfig(
             vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
             n_embd=config["hidden_size"], n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
