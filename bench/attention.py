@@ -37,7 +37,8 @@ ALL_BACKENDS = ("flash", "torch_varlen", "flex", "sdpa_docs", "dense")
 
 
 def doc_lengths(n: int, seed: int, median: float, sigma: float, pool: list[int] | None) -> list[int]:
-    """Lengths that fill exactly n tokens: lognormal(median, sigma) or drawn from `pool`, clipped, last one cut."""
+    """Lengths that fill exactly n tokens: lognormal(median, sigma) or drawn from `pool`, clipped, last one
+    cut."""
     rng = np.random.default_rng(seed)
     lengths, used = [], 0
     while used < n:
@@ -190,7 +191,8 @@ def machine_description(device: str, threads: int | None = None) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({threads or torch.get_num_threads()} threads)"
+    text = (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"({threads or torch.get_num_threads()} threads)")
     if device == "cuda":
         text += f", {torch.cuda.get_device_name()}"
     return text
@@ -199,18 +201,24 @@ def machine_description(device: str, threads: int | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--backends", default=None, help=f"comma list from {ALL_BACKENDS}; default all available")
+    parser.add_argument("--backends", default=None,
+                        help=f"comma list from {ALL_BACKENDS}; default all available")
     parser.add_argument("--min-n", type=int, default=1024, help="smallest packed length N")
     parser.add_argument("--max-n", type=int, default=32768, help="largest packed length N (N doubles)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     parser.add_argument("--median-len", type=float, default=256.0, help="median document length (lognormal)")
-    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma: the heavier the tail, the larger")
-    parser.add_argument("--lengths", default=None, help="file of document lengths, one per line, sampled instead")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per (backend, N); the median is shown")
-    parser.add_argument("--forward-only", action="store_true", help="time the forward pass only (flex on CPU)")
-    parser.add_argument("--dense-max-gb", type=float, default=4.0, help="skip dense where its estimate exceeds this")
+    parser.add_argument("--sigma", type=float, default=1.0,
+                        help="lognormal sigma: the heavier the tail, the larger")
+    parser.add_argument("--lengths", default=None,
+                        help="file of document lengths, one per line, sampled instead")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed steps per (backend, N); the median is shown")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="time the forward pass only (flex on CPU)")
+    parser.add_argument("--dense-max-gb", type=float, default=4.0,
+                        help="skip dense where its estimate exceeds this")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per (backend, N) subprocess")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads in each worker")
     parser.add_argument("--seed", type=int, default=0)
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = "forward" if args.forward_only else "forward + backward"
     print(f"# attention {mode}: {args.device} {dtype}, {args.heads} heads x {args.head_dim}, doc lengths "
-          f"{'from ' + args.lengths if pool else f'lognormal(median {args.median_len:g}, sigma {args.sigma:g})'}")
+          f"{'from ' + args.lengths if pool else f'lognormal(median {args.median_len:g}, sigma {args.sigma:g})'}")  # noqa: E501
     print(f"# {machine_description(args.device, args.threads)}")
     results = []
     for b in backends:
@@ -249,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = dict(backend=b, n=n, skipped=f"> {args.dense_max_gb:g} GB")
             else:
                 spec = dict(backend=b, n=n, lengths=lengths, heads=args.heads, head_dim=args.head_dim,
-                            device=args.device, dtype=dtype, repeats=args.repeats, forward_only=args.forward_only,
-                            threads=args.threads)
+                            device=args.device, dtype=dtype, repeats=args.repeats,
+                            forward_only=args.forward_only, threads=args.threads)
                 result = run_one(spec, args.timeout)
             result.setdefault("docs", len(lengths))
             results.append(result)

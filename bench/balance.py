@@ -9,19 +9,20 @@ Assignment: a manifest.json of --shards shards with log-normal token counts (med
 --sigma) is written to a temporary directory, and a `DocumentStream` over those shard paths, with the counts
 `manifest_tokens` reads from it (as trainer.data.feed.build_data does), gives every slot its shards, epoch by
 epoch, through `epoch_shards`: the rule the trainer runs. Beside it, the rule before issue 21: the same seeded
-permutation, slot s of S reading every S-th shard from s (kept here only). Per epoch: max / mean tokens per slot and
-per rank and the predicted lockstep wait. Each rank trains the same number of rows, so about the same tokens, per
-step: a rank holding T_r tokens finishes the epoch after ~T_r / c steps, the epoch after max T_r / c, and some rank
-waits for the slowest in (max T_r - min T_r) / c of them: the predicted wait fraction is 1 - min T_r / max T_r.
-Mean and worst over --epochs epochs.
+permutation, slot s of S reading every S-th shard from s (kept here only). Per epoch: max / mean tokens per
+slot and per rank and the predicted lockstep wait. Each rank trains the same number of rows, so about the same
+tokens, per step: a rank holding T_r tokens finishes the epoch after ~T_r / c steps, the epoch after
+max T_r / c, and some rank waits for the slowest in (max T_r - min T_r) / c of them: the predicted wait
+fraction is 1 - min T_r / max T_r. Mean and worst over --epochs epochs.
 
 --real: a small skewed corpus for real runs: the first --real-docs demo documents, prepared once, re-cut into
---real-shards shards of log-normal document counts (manifest with tokens), then `trainer.train` under torchrun,
-2 ranks x 2 DataLoader workers, tiny model, ~--real-epochs epochs, `logging.record_doc_keys`: once with the
-manifest (tokens known: balanced) and once over the same shard files in a directory without one (data.urls:
-equal weights, the shards dealt out by count, as before issue 21). `lockstep_wait_steps` per epoch comes from
-summary.json; "idle" counts the steps in which a rank trained no document, beside the epoch's steps (from
-doc_keys, so also for --old-code, a checkout of packtrain before this change run on the manifest corpus).
+--real-shards shards of log-normal document counts (manifest with tokens), then `trainer.train` under
+torchrun, 2 ranks x 2 DataLoader workers, tiny model, ~--real-epochs epochs, `logging.record_doc_keys`: once
+with the manifest (tokens known: balanced) and once over the same shard files in a directory without one
+(data.urls: equal weights, the shards dealt out by count, as before issue 21). `lockstep_wait_steps` per epoch
+comes from summary.json; "idle" counts the steps in which a rank trained no document, beside the epoch's steps
+(from doc_keys, so also for --old-code, a checkout of packtrain before this change run on the manifest
+corpus).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def assignment(num_shards: int, ranks: int, workers: int, median: float, sigma: 
 
 
 def skewed_corpus(work: Path, docs: int, num_shards: int, sigma: float, seed: int) -> Path:
-    """<work>/skewed: the first `docs` demo documents in `num_shards` shards of log-normal document counts, with a
-    manifest holding each shard's tokens (`count_tokens`, as trainer.prepare counts them)."""
+    """<work>/skewed: the first `docs` demo documents in `num_shards` shards of log-normal document counts,
+    with a manifest holding each shard's tokens (`count_tokens`, as trainer.prepare counts them)."""
     from trainer.data.tokenizer import count_tokens, load_tokenizer
     from trainer.prepare import prepare
 
@@ -129,22 +130,23 @@ def skewed_corpus(work: Path, docs: int, num_shards: int, sigma: float, seed: in
                         "bytes": (out / name).stat().st_size})
         start = end
     manifest = load_manifest(src)
-    manifest["splits"]["train"] = {"shards": entries, "docs": start, "tokens": sum(e["tokens"] for e in entries)}
+    manifest["splits"]["train"] = {"shards": entries, "docs": start,
+                                   "tokens": sum(e["tokens"] for e in entries)}
     write_manifest(out, manifest)
     return out
 
 
 TRAIN = ("model=tiny", "train.seq_len=128", "train.tokens_per_step=2048", "train.micro_batch_tokens=1024",
          "data.num_workers=2", "data.shuffle_buffer=8", "packing.buffer_size=8", "attention=sdpa_docs",
-         "train.eval_every=0", "train.checkpoint_every=0", "logging.record_doc_keys=true", "logging.progress=false",
-         "logging.wandb.mode=disabled")
+         "train.eval_every=0", "train.checkpoint_every=0", "logging.record_doc_keys=true",
+         "logging.progress=false", "logging.wandb.mode=disabled")
 
 
 def train(run_dir: Path, code: Path, data: list[str], steps: int) -> float:
     shutil.rmtree(run_dir, ignore_errors=True)
     port = 20_000 + os.getpid() % 20_000
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port), "-m",
-           "trainer.train", f"hydra.run.dir={run_dir}", *TRAIN, f"train.max_steps={steps}", *data]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port),
+           "-m", "trainer.train", f"hydra.run.dir={run_dir}", *TRAIN, f"train.max_steps={steps}", *data]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code), "WANDB_MODE": "disabled"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=code, env=env, capture_output=True, text=True)
@@ -154,8 +156,10 @@ def train(run_dir: Path, code: Path, data: list[str], steps: int) -> float:
 
 
 def idle_per_epoch(run_dir: Path) -> list[tuple[int, int]]:
-    """Per epoch (a key's n-th appearance is epoch n - 1): (steps in which some rank trained no document, steps)."""
-    ranks = {int(p.stem.split("_")[1]): {r["step"]: r["keys"] for r in map(json.loads, p.read_text().splitlines())}
+    """Per epoch (a key's n-th appearance is epoch n - 1): (steps in which some rank trained no document,
+    steps)."""
+    ranks = {int(p.stem.split("_")[1]): {r["step"]: r["keys"]
+                                         for r in map(json.loads, p.read_text().splitlines())}
              for p in (run_dir / "doc_keys").glob("rank_*.jsonl")}
     seen: Counter = Counter()
     idle: Counter = Counter()
@@ -216,17 +220,18 @@ def main() -> None:
     p.add_argument("--real-docs", type=int, default=240)
     p.add_argument("--real-shards", type=int, default=16)
     p.add_argument("--real-epochs", type=float, default=2.2)
-    p.add_argument("--old-code", type=Path, help="a packtrain checkout before this change, run as a third case")
+    p.add_argument("--old-code", type=Path,
+                   help="a packtrain checkout before this change, run as a third case")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
     results: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "assignment": []}
-    print(f"{args.ranks} ranks x {args.workers} workers, shard tokens log-normal (median {args.median_tokens:,.0f}, "
-          f"sigma {args.sigma}); mean / worst over {args.epochs} epochs")
+    print(f"{args.ranks} ranks x {args.workers} workers, shard tokens log-normal "
+          f"(median {args.median_tokens:,.0f}, sigma {args.sigma}); mean / worst over {args.epochs} epochs")
     print(f"{'shards':>7} {'rule':<28} {'slot max/mean':>15} {'rank max/mean':>15} {'predicted wait':>16}")
     for n in args.shards:
-        for rule, figures in assignment(n, args.ranks, args.workers, args.median_tokens, args.sigma, args.epochs,
-                                        args.seed).items():
+        for rule, figures in assignment(n, args.ranks, args.workers, args.median_tokens, args.sigma,
+                                        args.epochs, args.seed).items():
             s, r, w = figures["slot_max_over_mean"], figures["rank_max_over_mean"], figures["predicted_wait"]
             print(f"{n:>7} {rule:<28} {s[0]:>7.3f} / {s[1]:.3f} {r[0]:>7.3f} / {r[1]:.3f} "
                   f"{w[0]:>7.1%} / {w[1]:.1%}")

@@ -1,13 +1,13 @@
-"""One benchmark of two code trees side by side (not a test): bench/fsdp.py (or another bench script printing a
-markdown table) of the checkout against the same script of an older commit, run alternately on one machine, each
-row's figures as after / before.
+"""One benchmark of two code trees side by side (not a test): bench/fsdp.py (or another bench script printing
+a markdown table) of the checkout against the same script of an older commit, run alternately on one machine,
+each row's figures as after / before.
 
     .venv/bin/python bench/before_after.py --before 904247a -- --worlds 2 4 --layouts tp2 fsdp2-tp2 --no-deepspeed
 
-The older commit is checked out into a temporary git worktree (removed at the end) and runs with this venv; the
-runs go before, after, after, before (--rounds 2), so a drift of the machine's load over the run weighs on both
-alike, and each figure is the mean of its tree's runs. Columns compared: --columns, by their header text.
-"""
+The older commit is checked out into a temporary git worktree (removed at the end) and runs with this venv;
+the runs go before, after, after, before (--rounds 2), so a drift of the machine's load over the run weighs on
+both alike, and each figure is the mean of its tree's runs. Columns compared: --columns, by their header text.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def table(output: str) -> tuple[list[str], list[list[str]]]:
 
 
 def run(tree: Path, script: str, args: list[str]) -> tuple[list[str], list[list[str]]]:
-    proc = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(tree / script), *args], cwd=tree, capture_output=True,
+                          text=True)
     if proc.returncode:
         raise SystemExit(f"{tree / script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return table(proc.stdout)
@@ -48,14 +49,15 @@ def main() -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
     args = p.parse_args()
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
-    commit = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            order = [("before", old), ("after", ROOT), ("after", ROOT), ("before", old)] * ((args.rounds + 1) // 2)
+            order = ([("before", old), ("after", ROOT), ("after", ROOT), ("before", old)]
+                     * ((args.rounds + 1) // 2))
             order = order[:2 * args.rounds]
             runs: dict[str, list] = {"before": [], "after": []}
             for name, tree in order:

@@ -3,22 +3,23 @@
     .venv/bin/python bench/context_parallel.py                   # both parts, ~1 minute on 2 CPU cores
     .venv/bin/python bench/context_parallel.py --balance-only --seq-len 131072
 
-1. Work balance (host arithmetic, the trainer's own functions): the documents of each length file of bench/lengths
-   packed in order (first fit, documents longer than a row cut) into rows of --seq-len, each row split over
-   N = 2, 4, 8 ranks three ways, and each rank's work counted by the attention-aware FLOP model
-   (trainer.run.flops: 6 N per position + 12 d per (query, key) pair of its own queries, here the attention part
-   alone since the dense part is even in every split):
+1. Work balance (host arithmetic, the trainer's own functions): the documents of each length file of
+   bench/lengths packed in order (first fit, documents longer than a row cut) into rows of --seq-len, each row
+   split over N = 2, 4, 8 ranks three ways, and each rank's work counted by the attention-aware FLOP model
+   (trainer.run.flops: 6 N per position + 12 d per (query, key) pair of its own queries, here the attention
+   part alone since the dense part is even in every split):
        zigzag        chunks r and 2N - 1 - r of 2N (distributed.context_parallel_split=zigzag)
        balanced      8N chunks dealt 8 to a rank by attention work, row by row (the trainer's default split)
        contiguous    N equal consecutive ranges (what a naive split does)
        doc-aware     N consecutive ranges cut where the prefix work reaches k / N of the row's (balanced by
-                     construction up to one position; positions no longer equal per rank, so the dense work and
-                     the activations are not)
+                     construction up to one position; positions no longer equal per rank, so the dense work
+                     and the activations are not)
    Printed: mean and worst max / mean - 1 over the rows.
-2. Real ranks (gloo, fp32, CPU): a 4-layer model (n_embd 256, 8 heads) on one packed row of --row-len positions
-   from the demo's lengths, forward + backward at CP = 1, 2, 4 for both strategies: the bytes autograd saves for
-   backward on each rank (the activations; saved_tensors_hooks, exact), the step time (median of --repeats, each
-   rank timed, the slowest kept), and the ratios to CP = 1, side by side in one run.
+2. Real ranks (gloo, fp32, CPU): a 4-layer model (n_embd 256, 8 heads) on one packed row of --row-len
+   positions from the demo's lengths, forward + backward at CP = 1, 2, 4 for both strategies: the bytes
+   autograd saves for backward on each rank (the activations; saved_tensors_hooks, exact), the step time
+   (median of --repeats, each rank timed, the slowest kept), and the ratios to CP = 1, side by side in one
+   run.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def read_lengths(path: Path) -> list[int]:
 
 
 def pack(lengths: list[int], seq_len: int) -> list[np.ndarray]:
-    """Rows as cu_seqlens (the padding tail a segment), first fit in order; a longer document cut into rows."""
+    """Rows as cu_seqlens (the padding tail a segment), first fit in order; a longer document cut into
+    rows."""
     rows: list[list[int]] = []
     space: list[int] = []
     for n in lengths:
@@ -73,8 +75,9 @@ def pack(lengths: list[int], seq_len: int) -> list[np.ndarray]:
 
 
 def split_work(cu: np.ndarray, seq_len: int, size: int, dense: float) -> dict[str, float]:
-    """Imbalance (max / mean - 1) of one row under each split: of the attention pairs alone, and of the whole work
-    with `dense` pair-equivalents per position (6 N / (12 d n_layer): the matmuls, even in the equal splits)."""
+    """Imbalance (max / mean - 1) of one row under each split: of the attention pairs alone, and of the whole
+    work with `dense` pair-equivalents per position (6 N / (12 d n_layer): the matmuls, even in the equal
+    splits)."""
     zigzag = rank_pairs(cu, 1, seq_len, size)
     balanced = rank_pairs(cu, 1, seq_len, size, "balanced")
     step = seq_len // size
@@ -91,16 +94,17 @@ def split_work(cu: np.ndarray, seq_len: int, size: int, dense: float) -> dict[st
             "contiguous total": imbalance([w + per_rank_dense for w in contiguous])}
 
 
-SPLITS = ("zigzag", "balanced", "contiguous", "doc-aware", "zigzag total", "balanced total", "contiguous total")
+SPLITS = ("zigzag", "balanced", "contiguous", "doc-aware", "zigzag total", "balanced total",
+          "contiguous total")
 GPT2_124M = 12 * 12 * 768**2 / (2 * 768 * 12)
-"""Dense pair-equivalents per position of gpt2-124m (N = 12 x 12 d^2 matmul parameters in the blocks, d = 768, 12
-layers; the head's 38.6M left out, which only lowers the imbalance): 6 N / (12 d n_layer) = 4,608."""
+"""Dense pair-equivalents per position of gpt2-124m (N = 12 x 12 d^2 matmul parameters in the blocks, d = 768,
+12 layers; the head's 38.6M left out, which only lowers the imbalance): 6 N / (12 d n_layer) = 4,608."""
 
 
 def balance(seq_len: int, sizes: list[int], dense: float = GPT2_124M) -> None:
-    print(f"## Work balance: rows of {seq_len:,} positions, max / mean - 1 of the ranks' work (mean over rows / worst "
-          f"row); attention pairs alone, and 'total' with the matmuls of gpt2-124m ({dense:,.0f} pair-equivalents "
-          "per position)\n")
+    print(f"## Work balance: rows of {seq_len:,} positions, max / mean - 1 of the ranks' work "
+          "(mean over rows / worst row); attention pairs alone, and 'total' with the matmuls of gpt2-124m "
+          f"({dense:,.0f} pair-equivalents per position)\n")
     print("| lengths | docs | rows | N | " + " | ".join(SPLITS) + " |")
     print("|---|---:|---:|---:|" + "---|" * len(SPLITS))
     files = sorted(LENGTHS.glob("*.txt*"))
@@ -173,8 +177,8 @@ def real_ranks(row_len: int, repeats: int) -> None:
 
     from tests.harness import free_port
 
-    print(f"## Real ranks (gloo, fp32, CPU): one packed row of {row_len:,} positions, 4 layers x 256 wide, 8 heads, "
-          "forward + backward\n")
+    print(f"## Real ranks (gloo, fp32, CPU): one packed row of {row_len:,} positions, 4 layers x 256 wide, "
+          "8 heads, forward + backward\n")
     print("| CP | strategy | saved for backward per rank (MB) | vs CP=1 | step time (s) | vs CP=1 |")
     print("|---:|---|---:|---:|---:|---:|")
     base = None
@@ -186,7 +190,8 @@ def real_ranks(row_len: int, repeats: int) -> None:
         peak = max(int(b) for b, _ in results) / 2**20
         seconds = float(results[0][1])
         base = base or (peak, seconds)
-        print(f"| {size} | {strategy} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.3f} | {seconds / base[1]:.2f} |")
+        print(f"| {size} | {strategy} | {peak:.1f} | {peak / base[0]:.2f} | {seconds:.3f} | "
+              f"{seconds / base[1]:.2f} |")
     print()
 
 

@@ -1,35 +1,39 @@
-"""Equal work across data ranks (data.balance=rows, issue 55): the modeled imbalance of each step's rows as the
-ranks draw them vs dealt by trainer.data.deal, on a real length mix, at several row lengths.
+"""Equal work across data ranks (data.balance=rows, issue 55): the modeled imbalance of each step's rows as
+the ranks draw them vs dealt by trainer.data.deal, on a real length mix, at several row lengths.
 
-    .venv/bin/python bench/deal.py                                   # bench/lengths/mix.txt.gz, T = 1024 8192 32768
-    .venv/bin/python bench/deal.py --ranks 8 --rows-per-rank 4 --steps 400 --lengths bench/lengths/docstrings.txt.gz
-    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --measure     # + 2 real gloo ranks at T = 8192 on the CPU
-    .venv/bin/python bench/deal.py --seq-lens 32768 --cp 4          # + context parallelism: documents kept whole
-    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --seq-lens 1024 --metric-cost   # dp_imbalance's cost, on vs off
+    .venv/bin/python bench/deal.py                              # bench/lengths/mix.txt.gz,
+                                                                  T = 1024 8192 32768
+    .venv/bin/python bench/deal.py --ranks 8 --rows-per-rank 4 --steps 400 \\
+        --lengths bench/lengths/docstrings.txt.gz
+    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --measure  # + 2 real gloo ranks at T = 8192 on the CPU
+    .venv/bin/python bench/deal.py --seq-lens 32768 --cp 4      # + context parallelism: documents kept whole
+    OMP_NUM_THREADS=1 .venv/bin/python bench/deal.py --seq-lens 1024 --metric-cost
+                                                                # dp_imbalance's cost, on vs off
 
-The documents (their lengths, in the file's order, split into chunks of at most T as packing.long_docs=split does)
-are packed by the trainer's online packer (OnlinePacker, packing.buffer_size 1000) into rows of T; consecutive rows
-form the steps, rank r drawing rows r*k .. r*k+k-1 of each step (k = --rows-per-rank). A row's work is what the
-trainer deals by: its model FLOPs (trainer.run.flops.FlopModel.model_flops, gpt2-124m: 6 N per token + 6 n_layer
-d s^2 per document). Per T: the mean, median and p95 over steps of max / mean - 1 of the ranks' work, as drawn and
-as dealt (deal_rows, or the drawn split when LPT is not better, as trainer.run.inputs.RowDealer does).
+The documents (their lengths, in the file's order, split into chunks of at most T as packing.long_docs=split
+does) are packed by the trainer's online packer (OnlinePacker, packing.buffer_size 1000) into rows of T;
+consecutive rows form the steps, rank r drawing rows r*k .. r*k+k-1 of each step (k = --rows-per-rank). A
+row's work is what the trainer deals by: its model FLOPs (trainer.run.flops.FlopModel.model_flops, gpt2-124m:
+6 N per token + 6 n_layer d s^2 per document). Per T: the mean, median and p95 over steps of max / mean - 1 of
+the ranks' work, as drawn and as dealt (deal_rows, or the drawn split when LPT is not better, as
+trainer.run.inputs.RowDealer does).
 
 --cp N: the same rows over a context-parallel group of N (distributed.context_parallel_split): per split, the
-positions whose keys and values a rank receives per layer (ContextShard.received_rows, allgather: every split but
-`documents` all-gathers whole rows) relative to the whole rows', and the mean attention-work imbalance over the group
-(rank_pairs: max / mean - 1), one row a micro-batch.
+positions whose keys and values a rank receives per layer (ContextShard.received_rows, allgather: every split
+but `documents` all-gathers whole rows) relative to the whole rows', and the mean attention-work imbalance
+over the group (rank_pairs: max / mean - 1), one row a micro-batch.
 
---metric-cost: what ComputeClock (dp_compute_imbalance, dp_wait_s) adds to every step's forward + backward, on vs
-off in one process; and what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks: the step's
-FLOPs all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and its max / mean
-taken, alternating, 2,000 of each; the median of each.
+--metric-cost: what ComputeClock (dp_compute_imbalance, dp_wait_s) adds to every step's forward + backward, on
+vs off in one process; and what dp_imbalance adds to a logged step, on vs off side by side on 2 gloo ranks:
+the step's FLOPs all-reduce as before (2 numbers) and with each data rank's work appended (2 + D numbers) and
+its max / mean taken, alternating, 2,000 of each; the median of each.
 
---measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256, per-document
-SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the same steps of rows at
---measure-seq-len, each step drawn and then dealt (so both see the same machine state): each rank times its forward +
-backward of its rows (its compute), then waits at a barrier (the faster rank's wait: what a gradient all-reduce would
-cost it). Per arm: the mean step compute of the slower rank, the mean wait of the faster one, and the modeled
-imbalance.
+--measure: 2 gloo ranks (one process each, one thread each) train a small GPT (4 layers, width 256,
+per-document SDPA: sdpa_docs, whose cost grows with s^2 as modeled; the deal models this GPT's FLOPs) on the
+same steps of rows at --measure-seq-len, each step drawn and then dealt (so both see the same machine state):
+each rank times its forward + backward of its rows (its compute), then waits at a barrier (the faster rank's
+wait: what a gradient all-reduce would cost it). Per arm: the mean step compute of the slower rank, the mean
+wait of the faster one, and the modeled imbalance.
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) ->
 
     world = 2
     rows = rows_of(lengths, seq_len, steps * world * rows_per_rank)
-    plan = [([MEASURED.model_flops(r) for r in rows[s * world * rows_per_rank:(s + 1) * world * rows_per_rank]],
+    plan = [([MEASURED.model_flops(r)
+              for r in rows[s * world * rows_per_rank:(s + 1) * world * rows_per_rank]],
              rows[s * world * rows_per_rank:(s + 1) * world * rows_per_rank]) for s in range(steps)]
     plan = [p for p in plan for _ in range(2)]  # each step twice: drawn, then dealt
     with socket.socket() as sock:
@@ -137,8 +142,8 @@ def measure(lengths: list[int], seq_len: int, steps: int, rows_per_rank: int) ->
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_measure_rank, args=(world, port, plan, seq_len, out), nprocs=world)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-    print(f"measured: 2 gloo ranks, T = {seq_len}, {rows_per_rank} rows a rank, {steps} steps each arm, GPT 4 x 256 "
-          "(sdpa_docs), forward + backward on the CPU")
+    print(f"measured: 2 gloo ranks, T = {seq_len}, {rows_per_rank} rows a rank, {steps} steps each arm, "
+          "GPT 4 x 256 (sdpa_docs), forward + backward on the CPU")
     print(f"{'arm':>6} | {'modeled imbalance':>17} | {'slower compute s':>16} | "
           f"{'faster rank waits s':>19} | wait share")
     for arm in ("drawn", "dealt"):
@@ -161,7 +166,8 @@ def context_parallel(rows: list[list[int]], seq_len: int, size: int) -> None:
         for row in rows:
             cu = np.concatenate([[0], np.cumsum(row), [seq_len]]) if sum(row) < seq_len else \
                 np.concatenate([[0], np.cumsum(row)])
-            shard = ContextShard(ContextGroup(None, size, 0, "allgather", split), torch.as_tensor(cu), 1, seq_len)
+            shard = ContextShard(ContextGroup(None, size, 0, "allgather", split),
+                                 torch.as_tensor(cu), 1, seq_len)
             received += shard.received_rows()
             whole += (size - 1) * seq_len // size
             imbalances.append(imbalance(rank_pairs(cu, 1, seq_len, size, split)))
@@ -209,13 +215,14 @@ def metric_cost(repeats: int = 2000) -> None:
         mp.spawn(_metric_cost_rank, args=(2, port, repeats, out), nprocs=2)
         times = json.loads(Path(out, "rank0.json").read_text())
     off, on = np.median(times["off"]) * 1e6, np.median(times["on"]) * 1e6
-    print(f"dp_imbalance on a logged step, 2 gloo ranks, median of {repeats}: FLOPs all-reduce alone {off:.1f} us, "
-          f"with the per-rank work and its imbalance {on:.1f} us: +{on - off:.1f} us")
+    print(f"dp_imbalance on a logged step, 2 gloo ranks, median of {repeats}: FLOPs all-reduce alone "
+          f"{off:.1f} us, with the per-rank work and its imbalance {on:.1f} us: +{on - off:.1f} us")
 
 
 def clock_cost(seq_len: int = 1024, repeats: int = 40) -> None:
-    """ComputeClock (dp_compute_imbalance, dp_wait_s) on vs off: one process, the measured runs' GPT, one packed row
-    a step; the clock's marks and its hook on the embedding around the forward + backward, arms interleaved."""
+    """ComputeClock (dp_compute_imbalance, dp_wait_s) on vs off: one process, the measured runs' GPT, one
+    packed row a step; the clock's marks and its hook on the embedding around the forward + backward, arms
+    interleaved."""
     import torch
 
     from trainer.data.batch import collate_rows
@@ -251,8 +258,9 @@ def clock_cost(seq_len: int = 1024, repeats: int = 40) -> None:
             pass
         clock.read()
     alone = (time.perf_counter() - t0) / 1000
-    print(f"ComputeClock on every step, 1 process, GPT 4 x 256, T = {seq_len}, median of {repeats}: forward + backward "
-          f"{off * 1e3:.2f} ms off, {on * 1e3:.2f} ms on; median paired difference {paired * 1e6:+.0f} us "
+    print(f"ComputeClock on every step, 1 process, GPT 4 x 256, T = {seq_len}, median of {repeats}: "
+          f"forward + backward {off * 1e3:.2f} ms off, {on * 1e3:.2f} ms on; median paired difference "
+          f"{paired * 1e6:+.0f} us "
           f"({paired / off:+.2%}); the clock's own marks and hook alone {alone * 1e6:.1f} us")
 
 
@@ -264,17 +272,19 @@ def main() -> None:
     p.add_argument("--rows-per-rank", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--measure", action="store_true", help="also time 2 real gloo ranks (see the docstring)")
-    p.add_argument("--metric-cost", action="store_true", help="also time dp_imbalance on vs off (see the docstring)")
-    p.add_argument("--cp", type=int, default=0, help="also the keys and values a CP group of this size exchanges")
+    p.add_argument("--metric-cost", action="store_true",
+                   help="also time dp_imbalance on vs off (see the docstring)")
+    p.add_argument("--cp", type=int, default=0,
+                   help="also the keys and values a CP group of this size exchanges")
     p.add_argument("--measure-seq-len", type=int, default=8192)
     p.add_argument("--measure-steps", type=int, default=8)
     p.add_argument("--measure-rows-per-rank", type=int, default=4)
     args = p.parse_args()
     lengths = read_lengths(args.lengths)
-    print(f"{args.lengths.name}: {len(lengths):,} documents; {args.ranks} ranks x {args.rows_per_rank} rows a step; "
-          "work = gpt2-124m model FLOPs; imbalance = max / mean - 1 over the ranks")
-    print(f"{'T':>6} {'steps':>6} | {'drawn mean':>10} {'median':>7} {'p95':>7} | {'dealt mean':>10} {'median':>7} "
-          f"{'p95':>7} | deal ms/step")
+    print(f"{args.lengths.name}: {len(lengths):,} documents; {args.ranks} ranks x {args.rows_per_rank} rows "
+          "a step; work = gpt2-124m model FLOPs; imbalance = max / mean - 1 over the ranks")
+    print(f"{'T':>6} {'steps':>6} | {'drawn mean':>10} {'median':>7} {'p95':>7} | {'dealt mean':>10} "
+          f"{'median':>7} {'p95':>7} | deal ms/step")
     for seq_len in args.seq_lens:
         rows = rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank)
         t0 = time.perf_counter()
@@ -288,7 +298,8 @@ def main() -> None:
         clock_cost()
     if args.cp:
         for seq_len in args.seq_lens:
-            context_parallel(rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank), seq_len, args.cp)
+            context_parallel(rows_of(lengths, seq_len, args.steps * args.ranks * args.rows_per_rank),
+                             seq_len, args.cp)
     if args.measure:
         measure(lengths, args.measure_seq_len, args.measure_steps, args.measure_rows_per_rank)
 

@@ -1,15 +1,16 @@
 """Items/s of one multiple-choice task through lm-evaluation-harness: packtrain's model (trainer.harness, tree,
-packed and unpacked rows) against lm-eval's own Hugging Face backend (`hf`, batches padded) on the exported model.
+packed and unpacked rows) against lm-eval's own Hugging Face backend (`hf`, batches padded) on the exported
+model.
 
 Not a test. The task is written as an llm-foundry jsonl file and a task YAML (`target_delimiter: ""`, as
-packtrain's task files), so all three score the same (query, choice) pairs; their accuracies are printed beside
-the rates. The items are a built-in (continuation4 or cloze's multiple-choice sibling: continuation4) made from the
-checkpoint's held-out split, or a task file. After one warm-up round, rounds rotate the order of the three
-backends; medians of each are reported.
+packtrain's task files), so all three score the same (query, choice) pairs; their accuracies are printed
+beside the rates. The items are a built-in (continuation4 or cloze's multiple-choice sibling: continuation4)
+made from the checkpoint's held-out split, or a task file. After one warm-up round, rounds rotate the order of
+the three backends; medians of each are reported.
 
     python -m trainer.export CKPT --out EXPORT
     python bench/evaluate_harness.py --checkpoint CKPT --export EXPORT [--items 200] [--rounds 3]
-"""
+"""  # noqa: E501 (line 1 is the --help description: __doc__.split("\n")[0])
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def write_task(args: argparse.Namespace, root: Path) -> int:
         task = load_task_file(args.task_file)
     else:
         texts = heldout_texts(builtin_data(args.checkpoint, args.data), tok_dir, args.builtin_docs)
-        task = builtin_task("continuation4", texts, 0, args.items, load_tokenizer(tok_dir), model.cfg.max_seq_len)
+        task = builtin_task("continuation4", texts, 0, args.items, load_tokenizer(tok_dir),
+                            model.cfg.max_seq_len)
     (root / "items.jsonl").write_text("".join(json.dumps({"query": i.query, "choices": list(i.choices),
                                                            "gold": i.gold}) + "\n" for i in task.items))
     write_task_yaml("bench_mc", root / "items.jsonl", root)
@@ -62,15 +64,16 @@ def run(backend: str, args: argparse.Namespace, root: Path) -> tuple[float, floa
         model = packtrain_lm_class()(str(args.checkpoint), batch_tokens=args.batch_tokens, layout=backend)
         model_args = None
     t0 = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["bench_mc"], task_manager=manager,
-                                  batch_size=args.hf_batch_size, log_samples=False)
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["bench_mc"],
+                                  task_manager=manager, batch_size=args.hf_batch_size, log_samples=False)
     return time.perf_counter() - t0, out["results"]["bench_mc"]["acc,none"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", type=Path, required=True)
-    p.add_argument("--export", type=Path, required=True, help="the checkpoint's python -m trainer.export directory")
+    p.add_argument("--export", type=Path, required=True,
+                   help="the checkpoint's python -m trainer.export directory")
     p.add_argument("--task-file", type=Path, default=None, help="a task jsonl (default: continuation4)")
     p.add_argument("--data", type=Path, default=None)
     p.add_argument("--builtin-docs", type=int, default=1000)
@@ -94,8 +97,9 @@ def main() -> None:
             for backend in names[r % 4:] + names[:r % 4]:  # rotated: no backend always first
                 seconds, accs[backend] = run(backend, args, root)
                 times[backend].append(seconds)
-    print(f"# {n} items x 4 choices, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.rounds} rounds (each includes lm-eval's task setup)")
+    print(f"# {n} items x 4 choices, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.rounds} rounds "
+          "(each includes lm-eval's task setup)")
     print("| backend | s (median) | items/s | vs hf | acc |\n|---|---:|---:|---:|---:|")
     hf = statistics.median(times["hf"])
     for backend, ts in times.items():

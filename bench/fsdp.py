@@ -1,32 +1,35 @@
-"""FSDP2 and tensor parallelism against DDP and DeepSpeed (not a test): what each rank holds, peak memory, step
-time, checkpoint save and load time.
+"""FSDP2 and tensor parallelism against DDP and DeepSpeed (not a test): what each rank holds, peak memory,
+step time, checkpoint save and load time.
 
     .venv/bin/python bench/fsdp.py                      # gpt2-124m, 1/2/4 ranks, ~5 minutes on 2 CPU cores
     .venv/bin/python bench/fsdp.py --model tiny --seq-len 128 --steps 2   # a quick look
     .venv/bin/python bench/fsdp.py --worlds 2 --no-deepspeed --builds meta cpu   # the meta-device init's RSS
 
-Layouts: ddp, fsdp2, tp2 (distributed.tensor_parallel=2 under DDP: all ranks one tensor group at 2 ranks, DP 2 x
-TP 2 at 4), fsdp2-tp2 (the same under FSDP2: at 4 ranks each tensor shard sharded again over 2, expect 1/4 of
-DDP's state), zero2, zero3; each built on the meta device and materialized by parallelize (`meta`, what a fresh run
-does; DeepSpeed always builds on the CPU) or built whole on the CPU first (`cpu`, --builds).
+Layouts: ddp, fsdp2, tp2 (distributed.tensor_parallel=2 under DDP: all ranks one tensor group at 2 ranks, DP 2
+x TP 2 at 4), fsdp2-tp2 (the same under FSDP2: at 4 ranks each tensor shard sharded again over 2, expect 1/4
+of DDP's state), zero2, zero3; each built on the meta device and materialized by parallelize (`meta`, what a
+fresh run does; DeepSpeed always builds on the CPU) or built whole on the CPU first (`cpu`, --builds).
 
 Each configuration runs on real gloo ranks (spawned, fp32, CPU, 1 thread each), the trainer's own engines
 (trainer.distributed.engine.parallelize) and step (trainer.run.step.train_step), AdamW over the model's two
 parameter groups, one packed row of --seq-len positions per rank per step:
   state per rank    the bytes this rank holds of parameters + gradients + AdamW state (exact: each tensor's
-                    local part; a DTensor's to_local(), DeepSpeed's flat partitions), measured after the last step's
-                    backward, before the optimizer zeroes the gradients
+                    local part; a DTensor's to_local(), DeepSpeed's flat partitions), measured after the last
+                    step's backward, before the optimizer zeroes the gradients
   peak RSS          the process's peak resident memory (ru_maxrss), the largest rank, after the build and the
-                    wrapping (built), after the training steps (trained: what a run holds), and at the end (with
-                    one checkpoint save and load): with a `cpu` build it includes the whole model every rank builds
-                    before it is split, and always the Python / torch runtime (~0.4 GB)
-  step time         median of --steps after one warm-up, the slowest rank (2 cores: 4 ranks oversubscribe them)
-  save / load       trainer.checkpoint.store.save_checkpoint and load_checkpoint of the run's state (every rank's
-                    shards, the whole weights as safetensors, the tokenizer, the rank files), wall time on rank 0;
+                    wrapping (built), after the training steps (trained: what a run holds), and at the end
+                    (with one checkpoint save and load): with a `cpu` build it includes the whole model every
+                    rank builds before it is split, and always the Python / torch runtime (~0.4 GB)
+  step time         median of --steps after one warm-up, the slowest rank (2 cores: 4 ranks oversubscribe
+                    them)
+  save / load       trainer.checkpoint.store.save_checkpoint and load_checkpoint of the run's state (every
+                    rank's shards, the whole weights as safetensors, the tokenizer, the rank files), wall time
+                    on rank 0;
                     "not the last": a save as the run makes before its last, without the gathered
                     model.safetensors under FSDP2 and TP (train.save_weights=end);
                     "load on 1" reads the 2-rank checkpoint on one rank: FSDP2's DCP reshards as it reads,
-                    DeepSpeed converts to its universal checkpoint first (trainer.checkpoint.store._load_resharded)
+                    DeepSpeed converts to its universal checkpoint first
+                    (trainer.checkpoint.store._load_resharded)
 """
 
 from __future__ import annotations
@@ -66,13 +69,15 @@ def state_bytes(engine) -> int:
         opt = engine.ds.optimizer
         flat = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_partitioned_groups_flat
         master = sum(_local_bytes(t) for t in flat)  # fp32 master partition (= the parameters' share)
-        moments = sum(_local_bytes(v) for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        moments = sum(_local_bytes(v) for s in opt.optimizer.state.values() for v in s.values()
+                      if torch.is_tensor(v))
         grads = master  # ZeRO-2/3 keep the gradient partition the size of the master partition
         modules = sum(_local_bytes(p) for p in engine.module.parameters())  # ZeRO-3: partitions; else whole
         return master + moments + grads + modules
     params = sum(_local_bytes(p) for p in engine.module.parameters())
     grads = sum(_local_bytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
-    moments = sum(_local_bytes(v) for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    moments = sum(_local_bytes(v) for s in engine.optimizer.state.values() for v in s.values()
+                  if torch.is_tensor(v))
     return params + grads + moments
 
 
@@ -146,8 +151,9 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
         dist.barrier()
         t0 = time.perf_counter()  # a save before the run's last: no model.safetensors under FSDP2 / TP
         store.save_checkpoint(Path(ckpt) / "run", steps + 1, info, engine, rank_state={},
-                              meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
-                              keep_last=2, weights=not (engine.shard_format == "dcp" or tp > 1))
+                              meta={"counters": {}, "engine": engine.name}, conventions={},
+                              tokenizer_dir=tokenizer, keep_last=2,
+                              weights=not (engine.shard_format == "dcp" or tp > 1))
         result["save_mid_s"] = time.perf_counter() - t0
         dist.barrier()
         t0 = time.perf_counter()
@@ -160,14 +166,16 @@ def _rank(rank: int, world: int, port: int, out: str, engine_name: str, stage: i
     dist.destroy_process_group()
 
 
-def run(world: int, engine: str, stage: int, tp: int, meta: bool, args, ckpt: str, mode: str = "train") -> list[dict]:
+def run(world: int, engine: str, stage: int, tp: int, meta: bool, args, ckpt: str,
+        mode: str = "train") -> list[dict]:
     import torch.multiprocessing as mp
 
     from tests.harness import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(world, free_port(), out, engine, stage, tp, meta, args.model, args.seq_len,
-                                        args.steps, ckpt, mode), nprocs=world, start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(world, free_port(), out, engine, stage, tp, meta, args.model,
+                                        args.seq_len, args.steps, ckpt, mode), nprocs=world,
+                           start_method="spawn", join=True)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -186,11 +194,12 @@ def main() -> None:
     p.add_argument("--builds", nargs="+", default=["meta"], choices=["meta", "cpu"])
     p.add_argument("--no-deepspeed", action="store_true")
     args = p.parse_args()
-    print(f"machine: {os.cpu_count()} CPU cores visible; python {sys.version.split()[0]}; model {args.model}, "
-          f"one packed row of {args.seq_len} per data rank per step, fp32, gloo\n")
+    print(f"machine: {os.cpu_count()} CPU cores visible; python {sys.version.split()[0]}; "
+          f"model {args.model}, one packed row of {args.seq_len} per data rank per step, fp32, gloo\n")
     layouts = [n for n in args.layouts if not (args.no_deepspeed and n.startswith("zero"))]
-    print("| ranks | layout | build | state per rank (GB) | vs 1 rank | peak RSS: built (GB) | trained (GB) | vs DDP | "
-          "with save + load (GB) | step (s) | vs DDP | save (s) | save, not the last (s) | load (s) |")
+    print("| ranks | layout | build | state per rank (GB) | vs 1 rank | peak RSS: built (GB) | "
+          "trained (GB) | vs DDP | with save + load (GB) | step (s) | vs DDP | save (s) | "
+          "save, not the last (s) | load (s) |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     single: dict[str, float] = {}
     ddp: dict[tuple, dict] = {}
@@ -216,9 +225,10 @@ def main() -> None:
                     base = ddp.get((world, build)) or ddp.get((world, "meta")) or {"step": step, "rss": rss}
                     ratio = f"{state / single[name]:.2f}" if name in single else "-"
                     print(f"| {world} | {name} | {'meta' if meta else 'cpu'} | {state:.3f} | {ratio} | "
-                          f"{max(x['built_rss'] for x in r) / 1e9:.2f} | {rss:.2f} | {rss / base['rss']:.2f} | "
-                          f"{max(x['rss'] for x in r) / 1e9:.2f} | {step:.2f} | {step / base['step']:.2f} | "
-                          f"{r[0]['save_s']:.2f} | {r[0]['save_mid_s']:.2f} | {r[0]['load_s']:.2f} |",
+                          f"{max(x['built_rss'] for x in r) / 1e9:.2f} | {rss:.2f} | "
+                          f"{rss / base['rss']:.2f} | {max(x['rss'] for x in r) / 1e9:.2f} | {step:.2f} | "
+                          f"{step / base['step']:.2f} | {r[0]['save_s']:.2f} | {r[0]['save_mid_s']:.2f} | "
+                          f"{r[0]['load_s']:.2f} |",
                           flush=True)
         if 2 in args.worlds:
             print("\n| layout | 2-rank checkpoint loaded on 1 rank (s) |")
@@ -229,7 +239,8 @@ def main() -> None:
                     continue
                 build = args.builds[0]
                 path = str(next((Path(root) / f"{name}-{build}-2" / "run" / "checkpoints").iterdir()))
-                r = run(1, engine, stage, 1, build == "meta" and engine != "deepspeed", args, path, mode="load")
+                r = run(1, engine, stage, 1, build == "meta" and engine != "deepspeed", args, path,
+                        mode="load")
                 print(f"| {name} | {r[0]['load_s']:.2f} |", flush=True)
 
 

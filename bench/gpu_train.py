@@ -1,30 +1,32 @@
 """GPU training benchmark (not a test): packed rows on the best varlen kernel vs unpacked rows, the same documents.
 
-    python -m trainer.prepare --source demo --out data/demo                       # once
-    python bench/gpu_train.py --data data/demo --out runs/gpu_train               # CUDA: gpt2-124m, bf16, T=2048
+    python -m trainer.prepare --source demo --out data/demo                    # once
+    python bench/gpu_train.py --data data/demo --out runs/gpu_train            # CUDA: gpt2-124m, bf16, T=2048
     python bench/gpu_train.py --data data/demo --out /tmp/g --device cpu --model tiny --seq-len 128 \\
-        --tokens-per-step 1024 --micro-batch-tokens 512 --steps 2 --warmup 1     # a CPU dry run
+        --tokens-per-step 1024 --micro-batch-tokens 512 --steps 2 --warmup 1   # a CPU dry run
 
 Each step draws one logical batch (tokens_per_step / seq_len packer rows) from one `RowStream` and lays it out
-twice: `packed` (attention from --attention, default `auto`: flash-attn, else torch's varlen_attn under bf16 on
-CUDA) and `unpacked` (one document per row, padded to the longest of its micro-batch, SDPA causal). Each layout
-trains its own copy of one init with the real `trainer.run.step.train_step` (bf16 autocast, fp32 AdamW, the default
-per-length loss metrics on, as in a run); both run every step, back to back, the order alternating. The first
---warmup steps are not counted; measuring stops after --steps steps or once the measured steps have used
---time-budget seconds, whichever comes first. Documents that run out start another epoch.
+twice: `packed` (attention from --attention, default `auto`: flash-attn, else torch's varlen_attn under bf16
+on CUDA) and `unpacked` (one document per row, padded to the longest of its micro-batch, SDPA causal). Each
+layout trains its own copy of one init with the real `trainer.run.step.train_step` (bf16 autocast, fp32 AdamW,
+the default per-length loss metrics on, as in a run); both run every step, back to back, the order
+alternating. The first --warmup steps are not counted; measuring stops after --steps steps or once the
+measured steps have used --time-budget seconds, whichever comes first. Documents that run out start another
+epoch.
 
 Reported per layout, in <out>/gpu_train.json and <out>/gpu_train.md (LAYOUT_KEYS):
     valid_tokens_per_s      valid targets / summed train_step seconds (the same numerator in both layouts)
     allocated_tokens_per_s  positions computed (padding included) / the same seconds
     token_utilization       real (non-padding) tokens / allocated positions
-    peak_mem_gib            CUDA: max over measured steps of the allocator's peak during the step above what was
-                            allocated at its start (activations, gradients, temporaries); null on CPU
+    peak_mem_gib            CUDA: max over measured steps of the allocator's peak during the step above what
+                            was allocated at its start (activations, gradients, temporaries); null on CPU
     mfu                     model FLOPs of the real tokens / second / the device's peak dense bf16 FLOP/s
-                            (trainer.run.metrics.PEAK_FLOPS); null where the peak is unknown (CPU). Model FLOPs per
-                            step: trainer.run.flops (6 x matmul parameters per real token + 6 x n_layer x n_embd x
-                            sum(doc_len^2) for causal attention within documents, forward and backward), the `mfu`
-                            of training runs. The same work in both layouts: padding is not counted.
-"""
+                            (trainer.run.metrics.PEAK_FLOPS); null where the peak is unknown (CPU). Model
+                            FLOPs per step: trainer.run.flops (6 x matmul parameters per real token + 6 x
+                            n_layer x n_embd x sum(doc_len^2) for causal attention within documents, forward
+                            and backward), the `mfu` of training runs. The same work in both layouts: padding
+                            is not counted.
+"""  # noqa: E501 (line 1 is the --help description: __doc__.splitlines()[0])
 
 from __future__ import annotations
 
@@ -52,8 +54,9 @@ from trainer.run.metrics import peak_flops
 LAYOUTS = ("packed", "unpacked")
 VARLEN_KERNELS = ("flash", "torch_varlen")
 LAYOUT_KEYS = (
-    "valid_tokens_per_s", "allocated_tokens_per_s", "token_utilization", "peak_mem_gib", "mfu", "step_ms_median",
-    "valid_tokens", "allocated_tokens", "real_tokens", "docs", "micro_batches_per_step", "loss_first", "loss_last",
+    "valid_tokens_per_s", "allocated_tokens_per_s", "token_utilization", "peak_mem_gib", "mfu",
+    "step_ms_median", "valid_tokens", "allocated_tokens", "real_tokens", "docs", "micro_batches_per_step",
+    "loss_first", "loss_last",
 )
 RESULT_KEYS = (
     "machine", "device", "torch", "model", "n_params", "matmul_params", "dtype", "seq_len", "tokens_per_step",
@@ -77,7 +80,8 @@ class Tally:
     peak_bytes: int | None = None
 
     def add(self, stats, seconds: float, peak: int | None) -> None:
-        """Count one measured step (a trainer.run.step.StepStats, its seconds, its peak bytes above its start)."""
+        """Count one measured step (a trainer.run.step.StepStats, its seconds, its peak bytes above its
+        start)."""
         self.seconds.append(seconds)
         self.valid += stats.valid_tokens
         self.allocated += stats.allocated_tokens
@@ -183,8 +187,8 @@ def markdown(result: dict) -> str:
         f"({result['measured_seconds']:.0f} s), {result['docs_per_step']:.1f} documents per step; "
         f"{result['machine']}",
         "",
-        "| layout | valid tok/s | allocated tok/s | utilization | step ms (median) | peak step mem (GiB) | MFU "
-        "| micro-batches/step | loss first / last |",
+        "| layout | valid tok/s | allocated tok/s | utilization | step ms (median) | peak step mem (GiB) "
+        "| MFU | micro-batches/step | loss first / last |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in result["layouts"].items():
@@ -196,7 +200,8 @@ def markdown(result: dict) -> str:
         )
     lines += ["", f"packed / unpacked valid tokens/s: {result['valid_tokens_per_s_ratio']:.2f}x"]
     if result["varlen_kernel"] is None and result["device"] == "cuda":
-        lines.append(f"NOTE: the packed rows ran `{result['attention']}`, not a varlen kernel (flash, torch_varlen)")
+        lines.append(f"NOTE: the packed rows ran `{result['attention']}`, not a varlen kernel "
+                     "(flash, torch_varlen)")
     return "\n".join(lines) + "\n"
 
 
@@ -208,14 +213,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="embedding rows (default: the tokenizer's; 50304 gives GPT-2's 124 M parameters)")
     p.add_argument("--seq-len", type=int, default=2048, help="row length T")
-    p.add_argument("--tokens-per-step", type=int, default=65536, help="positions per step: tokens_per_step // T rows")
-    p.add_argument("--micro-batch-tokens", type=int, default=32768, help="positions (padding included) per micro-batch")
+    p.add_argument("--tokens-per-step", type=int, default=65536,
+                   help="positions per step: tokens_per_step // T rows")
+    p.add_argument("--micro-batch-tokens", type=int, default=32768,
+                   help="positions (padding included) per micro-batch")
     p.add_argument("--steps", type=int, default=200, help="at most this many measured steps")
     p.add_argument("--warmup", type=int, default=3, help="steps run first and not counted")
     p.add_argument("--time-budget", type=float, default=150.0,
                    help="stop measuring once the measured steps took this many seconds (0: no limit)")
     p.add_argument("--attention", default="auto", help="packed rows' kernel (auto: the best that runs here)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="bf16 autocast (varlen kernels need it)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                   help="bf16 autocast (varlen kernels need it)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
@@ -225,7 +233,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="# %(message)s")  # attention=auto says what it picked and why
+    # attention=auto says what it picked and why
+    logging.basicConfig(level=logging.INFO, format="# %(message)s")
     if not (Path(args.data) / "manifest.json").is_file():
         print(f"no prepared data in {args.data!r}; create it with:\n"
               f"  python -m trainer.prepare --source demo --out {args.data}", file=sys.stderr)
@@ -252,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = {layout: tp.build_engine(cfg, info, init_state) for layout in LAYOUTS}
     kernel = cfg.attention.backend
     print(f"# {args.model} ({n_params / 1e6:.1f} M params, vocab {cfg.model.vocab_size}), {args.dtype}, "
-          f"T={args.seq_len}, {cfg.train.rows_per_step} rows per step, micro-batches <= {args.micro_batch_tokens}, "
-          f"packed attention: {kernel}, unpacked padded to the longest of each micro-batch")
+          f"T={args.seq_len}, {cfg.train.rows_per_step} rows per step, "
+          f"micro-batches <= {args.micro_batch_tokens}, packed attention: {kernel}, "
+          "unpacked padded to the longest of each micro-batch")
     print(f"# {tp.machine(device)}")
     if device.type == "cuda" and kernel not in VARLEN_KERNELS:
         print(f"# WARNING: no varlen kernel runs here; packed rows use {kernel}", file=sys.stderr)
@@ -271,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         machine=tp.machine(device), device=device.type, torch=torch.__version__, model=args.model,
         n_params=n_params, matmul_params=flops.matmul_params, dtype=args.dtype, seq_len=args.seq_len,
         tokens_per_step=args.tokens_per_step, micro_batch_tokens=args.micro_batch_tokens, attention=kernel,
-        varlen_kernel=kernel if kernel in VARLEN_KERNELS else None, warmup_steps=args.warmup, measured_steps=steps,
-        measured_seconds=measured_s, docs_per_step=tallies["packed"].docs / steps, peak_flops=device_peak,
-        model_flops_per_step=flops_total / steps,
-        valid_tokens_per_s_ratio=layouts["packed"]["valid_tokens_per_s"] / layouts["unpacked"]["valid_tokens_per_s"],
+        varlen_kernel=kernel if kernel in VARLEN_KERNELS else None, warmup_steps=args.warmup,
+        measured_steps=steps, measured_seconds=measured_s, docs_per_step=tallies["packed"].docs / steps,
+        peak_flops=device_peak, model_flops_per_step=flops_total / steps,
+        valid_tokens_per_s_ratio=(layouts["packed"]["valid_tokens_per_s"]
+                                  / layouts["unpacked"]["valid_tokens_per_s"]),
         layouts=layouts, args=vars(args),
     )
     out = Path(args.out)

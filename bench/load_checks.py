@@ -1,10 +1,11 @@
-"""What the load-time checks of issue 54 cost: the non-finite scan of a checkpoint's weights and AdamW state, and
-the parameter count a config describes, on gpt2-124m (or --model), side by side in one run.
+"""What the load-time checks of issue 54 cost: the non-finite scan of a checkpoint's weights and AdamW state,
+and the parameter count a config describes, on gpt2-124m (or --model), side by side in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/load_checks.py
 
-Prints the scan as shipped (a sum per tensor, the exact mask only when the sum is not finite) beside the plain mask
-(torch.isfinite(t).all() per tensor), their ratio, and config_params beside a meta build of the whole model.
+Prints the scan as shipped (a sum per tensor, the exact mask only when the sum is not finite) beside the plain
+mask (torch.isfinite(t).all() per tensor), their ratio, and config_params beside a meta build of the whole
+model.
 """
 
 from __future__ import annotations

@@ -6,26 +6,29 @@ side by side in one run on the same shards, at seq_len T (issue 35).
     python bench/loader.py --data data/demo --seq-len 2048 --rounds 3 --workers 0,2 --json out.json
 
 Every measurement runs in a fresh interpreter (one variant, nothing cached from another), single-threaded
-(RAYON_NUM_THREADS=1, OMP_NUM_THREADS=1), and variants run in rounds (ABC ABC ...) so that load on the machine hits
-them alike; the table gives the median round. Each reads one epoch of the training split:
+(RAYON_NUM_THREADS=1, OMP_NUM_THREADS=1), and variants run in rounds (ABC ABC ...) so that load on the machine
+hits them alike; the table gives the median round. Each reads one epoch of the training split:
 
-    tokenizer alone    the documents' texts, already in memory, through `encode_batch_fast` (the tokenizer's fastest
-                       call) in batches of 512 and of 64 (the stream's chunk); the ids of each document taken as
-                       the stream takes them. The faster of the two is the baseline of the ratios
-    stream, text       trainer.data.stream as a run builds it (DocumentStream -> DocumentLoader -> RowStream: read
-                       the tar shards, shuffle buffer, tokenize, pack rows of T), tokenizing every text
-                       (`stored_ids=None`), on the same shards, and on a text-only copy of them (members `.txt` only,
-                       as `trainer.prepare --text-only` writes them: what the stream read before issue 35)
+    tokenizer alone    the documents' texts, already in memory, through `encode_batch_fast` (the tokenizer's
+                       fastest call) in batches of 512 and of 64 (the stream's chunk); the ids of each
+                       document taken as the stream takes them. The faster of the two is the baseline of the
+                       ratios
+    stream, text       trainer.data.stream as a run builds it (DocumentStream -> DocumentLoader -> RowStream:
+                       read the tar shards, shuffle buffer, tokenize, pack rows of T), tokenizing every text
+                       (`stored_ids=None`), on the same shards, and on a text-only copy of them (members
+                       `.txt` only, as `trainer.prepare --text-only` writes them: what the stream read before
+                       issue 35)
     stream, ids        the same, reading the stored ids (`stored_ids` from the manifest: the run's tokenizer)
     + layout           the rows laid out as the packed step's micro-batches (`micro_batches`, 4 rows each: the
                        tensors the step consumes), in the same process
 
-Figures: tokens (EOS included) per second of wall time from the first row to the last (DataLoader workers started
-before), and per CPU second (this process and its workers: user + system), which gives the cores one GPU needs at
---gpu-tokens-per-s. Ratios are to the tokenizer alone (its tokens per wall second, one core): of the medians, and
-paired (each round's figure over the same round's tokenizer alone; the targets are judged on their median). Also the
-shards' size on disk, text-only against text + ids, and each variant's peak resident memory (its workers included).
-"""
+Figures: tokens (EOS included) per second of wall time from the first row to the last (DataLoader workers
+started before), and per CPU second (this process and its workers: user + system), which gives the cores one
+GPU needs at --gpu-tokens-per-s. Ratios are to the tokenizer alone (its tokens per wall second, one core): of
+the medians, and paired (each round's figure over the same round's tokenizer alone; the targets are judged on
+their median). Also the shards' size on disk, text-only against text + ids, and each variant's peak resident
+memory (its workers included).
+"""  # noqa: E501 (line 1 is the --help description: __doc__.split("\n")[0])
 
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ def measure(args: argparse.Namespace) -> dict:
             for enc in tok.encode_batch_fast(texts[i : i + args.batch], add_special_tokens=False):
                 tokens += len(np.asarray(enc.ids, dtype=np.int32)) + 1
         return _result(tokens, time.perf_counter() - t0, _cpu() - c0, docs=len(texts))
-    stored = stored_ids(load_manifest(data), tokenizer_hash(tok_dir), False) if args.variant == "ids" else None
+    stored = (stored_ids(load_manifest(data), tokenizer_hash(tok_dir), False) if args.variant == "ids"
+              else None)
     if args.variant == "ids" and stored is None:
         raise SystemExit(f"{data}: no stored ids for its tokenizer (prepared with --text-only?)")
     stream = DocumentStream(shards, tok_dir, ids.eos, seed=0, epochs=1, stored_ids=stored)
@@ -111,7 +115,8 @@ def _result(tokens: int, seconds: float, cpu: float, **extra) -> dict:
 
 def text_only_copy(data: Path, out: Path) -> Path:
     """`data` with every shard rewritten without its `.ids` members and a manifest without "ids": what
-    `trainer.prepare --text-only` writes (tests/data/test_stored_ids.py checks that it holds the same text)."""
+    `trainer.prepare --text-only` writes (tests/data/test_stored_ids.py checks that it holds the same
+    text)."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -144,7 +149,8 @@ def disk(data: Path) -> dict:
     return {"shards": total, **fields}
 
 
-def run_one(variant: str, data: Path, workers: int, layout: bool, args: argparse.Namespace, root: Path = ROOT) -> dict:
+def run_one(variant: str, data: Path, workers: int, layout: bool, args: argparse.Namespace,
+            root: Path = ROOT) -> dict:
     """One measurement in a fresh interpreter, of this checkout's code or of `root`'s (--against)."""
     batch = 64 if variant == "tokenizer64" else 512
     variant = "tokenizer" if variant == "tokenizer64" else variant
@@ -165,16 +171,19 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workers", default="0,2", help="DataLoader worker counts of the stream variants")
-    p.add_argument("--gpu-tokens-per-s", type=float, default=600_000, help="one GPU's training speed (124M, H100)")
+    p.add_argument("--gpu-tokens-per-s", type=float, default=600_000,
+                   help="one GPU's training speed (124M, H100)")
     p.add_argument("--text-only-dir", default="/tmp/bench_loader_text_only")
     p.add_argument("--json", default=None)
     p.add_argument("--against", default=None, metavar="ROOT=DATA",
-                   help="also measure another checkout's stream (e.g. `git archive HEAD | tar -x -C /tmp/base` before "
-                        "a change) on a dataset its own prepare wrote, from ids and from text, 0 workers, in the same "
-                        "rounds; prints each round's ratio of this checkout's figure to that one's")
+                   help="also measure another checkout's stream (e.g. `git archive HEAD | tar -x -C "
+                        "/tmp/base` before a change) on a dataset its own prepare wrote, from ids and from "
+                        "text, 0 workers, in the same rounds; prints each round's ratio of this checkout's "
+                        "figure to that one's")
     p.add_argument("--ab", type=int, default=0, metavar="N",
-                   help="with --against: only N pairs of the stream from ids, 0 workers, this checkout and that one "
-                        "back to back (who goes first alternates); prints the paired ratios of tok/s and tok/CPU-s")
+                   help="with --against: only N pairs of the stream from ids, 0 workers, this checkout and "
+                        "that one back to back (who goes first alternates); prints the paired ratios of "
+                        "tok/s and tok/CPU-s")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--num-workers", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--layout", action="store_true", help=argparse.SUPPRESS)
@@ -188,7 +197,8 @@ def main() -> int:
     if args.ab:
         return ab(data, args)
     if "ids" not in json.loads((data / "manifest.json").read_text()):
-        raise SystemExit(f"{data}: prepared with --text-only (no token ids stored): prepare it again without it")
+        raise SystemExit(f"{data}: prepared with --text-only (no token ids stored): prepare it again "
+                         "without it")
     plain = text_only_copy(data, Path(args.text_only_dir))
     workers = [int(w) for w in args.workers.split(",")]
     variants = [("tokenizer alone, batches of 512", "tokenizer", data, 0, False, ROOT),
@@ -203,7 +213,8 @@ def main() -> int:
         variants += [(f"stream, {v}, 0 workers [against]", v, other, 0, False, root) for v in ("text", "ids")]
     results: dict[str, list[dict]] = {name: [] for name, *_ in variants}
     for r in range(args.rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotated: no variant always first
+        # rotated: no variant always first
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
         for name, variant, where, w, layout, root in order:
             results[name].append(run_one(variant, where, w, layout, args, root))
             last = results[name][-1]
@@ -212,14 +223,16 @@ def main() -> int:
     if len(set(tokens.values())) != 1:  # every variant read the same documents
         raise SystemExit(f"the variants read different tokens: {tokens}")
     summary = {name: _median(rs) for name, rs in results.items()}
-    best = max(("tokenizer alone, batches of 512", "tokenizer alone, batches of 64"), key=lambda n: summary[n]["tok_s"])
+    best = max(("tokenizer alone, batches of 512", "tokenizer alone, batches of 64"),
+               key=lambda n: summary[n]["tok_s"])
     base = summary[best]["tok_s"]  # the tokenizer at its best: the faster batch size
     alone = [r["tokens"] / r["seconds"] for r in results[best]]
     for name, rs in results.items():  # paired: each round's figure over the same round's tokenizer alone
-        summary[name]["paired"] = sorted(r["tokens"] / r["seconds"] / a for r, a in zip(rs, alone, strict=True))
-    report = {"baseline": best, "machine": _machine(), "seq_len": args.seq_len, "rounds": args.rounds, "tokens": tokens,
-              "disk": {"text+ids": disk(data), "text-only": disk(plain)}, "variants": summary,
-              "gpu_tokens_per_s": args.gpu_tokens_per_s}
+        summary[name]["paired"] = sorted(r["tokens"] / r["seconds"] / a
+                                         for r, a in zip(rs, alone, strict=True))
+    report = {"baseline": best, "machine": _machine(), "seq_len": args.seq_len, "rounds": args.rounds,
+              "tokens": tokens, "disk": {"text+ids": disk(data), "text-only": disk(plain)},
+              "variants": summary, "gpu_tokens_per_s": args.gpu_tokens_per_s}
     print(_table(report, base))
     if args.against:
         report["against"] = _against(results)
@@ -236,8 +249,9 @@ def main() -> int:
 
 
 def ab(data: Path, args: argparse.Namespace) -> int:
-    """--ab N: the stream from ids (0 workers) of this checkout over that of --against, N pairs back to back: on a
-    shared machine the pairs see the same load, and CPU seconds are less sensitive to it than wall time."""
+    """--ab N: the stream from ids (0 workers) of this checkout over that of --against, N pairs back to back:
+    on a shared machine the pairs see the same load, and CPU seconds are less sensitive to it than wall
+    time."""
     root, other = (Path(part) for part in args.against.split("=", 1))
     ratios: dict[str, list[float]] = {"tok/s": [], "tok/CPU-s": []}
     for r in range(args.ab):
@@ -254,15 +268,18 @@ def ab(data: Path, args: argparse.Namespace) -> int:
               f"tok/s; CPU s {mine['cpu_seconds']:.3f} against {theirs['cpu_seconds']:.3f}", file=sys.stderr)
     for name, values in ratios.items():
         values.sort()
-        print(f"stream from ids, 0 workers, this checkout / --against, {name}: median {statistics.median(values):.3f} "
-              f"(quartiles {values[len(values) // 4]:.3f}-{values[3 * len(values) // 4]:.3f}, {len(values)} pairs)")
+        print(f"stream from ids, 0 workers, this checkout / --against, {name}: "
+              f"median {statistics.median(values):.3f} "
+              f"(quartiles {values[len(values) // 4]:.3f}-{values[3 * len(values) // 4]:.3f}, "
+              f"{len(values)} pairs)")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": _machine(), "ab": ratios}, indent=2))
     return 0
 
 
 def _against(results: dict[str, list[dict]]) -> dict[str, list[float]]:
-    """Each round's tokens per second of this checkout's stream (0 workers) over the --against checkout's, printed."""
+    """Each round's tokens per second of this checkout's stream (0 workers) over the --against checkout's,
+    printed."""
     ratios = {}
     for v in ("text", "ids"):
         mine, theirs = results[f"stream, {v}, 0 workers"], results[f"stream, {v}, 0 workers [against]"]
@@ -287,19 +304,21 @@ def _table(report: dict, base: float) -> str:
     lines = [f"Machine: {report['machine']}; T = {report['seq_len']}; median of {report['rounds']} rounds; "
              f"ratios to: {report['baseline']} (the faster batch size)", "",
              "| variant | tok/s (rounds) | vs tokenizer alone: medians | paired (min-max) | tok per CPU-s | "
-             f"cores per GPU at {gpu / 1e6:.1f}M tok/s | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             f"cores per GPU at {gpu / 1e6:.1f}M tok/s | peak RSS MB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, s in report["variants"].items():
         rounds = ", ".join(f"{t / 1e3:,.0f}k" for t in s["all_tok_s"])
         paired = s["paired"]
         lines.append(f"| {name} | {s['tok_s']:,.0f} ({rounds}) | {s['tok_s'] / base:.2f}x | "
-                     f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f}) | {s['tok_cpu_s']:,.0f} | "
-                     f"{gpu / s['tok_cpu_s']:.2f} | {s['peak_rss_mb']:,.0f} |")
+                     f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f}) | "
+                     f"{s['tok_cpu_s']:,.0f} | {gpu / s['tok_cpu_s']:.2f} | {s['peak_rss_mb']:,.0f} |")
     d_ids, d_txt = report["disk"]["text+ids"], report["disk"]["text-only"]
     lines += ["", "| training shards | bytes on disk | txt members | ids members |", "|---|---:|---:|---:|",
               f"| text-only | {d_txt['shards']:,} | {d_txt.get('txt', 0):,} | - |",
               f"| text + ids | {d_ids['shards']:,} ({d_ids['shards'] / d_txt['shards']:.2f}x) "
               f"| {d_ids.get('txt', 0):,} "
-              f"| {d_ids.get('ids', 0):,} ({d_ids.get('ids', 0) / max(d_ids.get('txt', 1), 1):.2f}x the text) |"]
+              f"| {d_ids.get('ids', 0):,} ({d_ids.get('ids', 0) / max(d_ids.get('txt', 1), 1):.2f}x "
+              "the text) |"]
     return "\n".join(lines)
 
 

@@ -5,22 +5,23 @@ train.activation_checkpointing against the plain path, each configuration in its
         --variants plain chunk=512 chunk=1024 chunk=4096 ckpt=full ckpt=selective
     python bench/memory.py --model gpt2-124m --seq-len 2048 --micro-batch-tokens 2048 --steps 1 \\
         --variants plain chunk=1024 ckpt=full ckpt=selective chunk=1024+ckpt=full
-    python bench/memory.py --head --tokens 4096 --vocab 8192 --width 64    # the loss alone, per implementation
+    python bench/memory.py --head --tokens 4096 --vocab 8192 --width 64   # the loss alone, per implementation
 
-A variant is `plain`, `chunk=N` (loss.chunk_tokens=N), `ckpt=full|selective` (train.activation_checkpointing), or
-several joined by `+`. Each runs in a fresh subprocess: the model (configs/model/<name>.yaml, --vocab rows) from
-one seed, fp32 AdamW (trainer.run.optim), and the same micro-batches: packed rows of T positions filled with random
-tokens in documents whose lengths are drawn from bench/lengths/demo_train.txt. A step is forward + backward of
---micro-batches micro-batches (summed loss / valid targets, as train_step does) and the optimizer step. Each
-process runs one unmeasured step first (it allocates the AdamW moments, held between steps like the weights).
+A variant is `plain`, `chunk=N` (loss.chunk_tokens=N), `ckpt=full|selective` (train.activation_checkpointing),
+or several joined by `+`. Each runs in a fresh subprocess: the model (configs/model/<name>.yaml, --vocab rows)
+from one seed, fp32 AdamW (trainer.run.optim), and the same micro-batches: packed rows of T positions filled
+with random tokens in documents whose lengths are drawn from bench/lengths/demo_train.txt. A step is forward +
+backward of --micro-batches micro-batches (summed loss / valid targets, as train_step does) and the optimizer
+step. Each process runs one unmeasured step first (it allocates the AdamW moments, held between steps like the
+weights).
 
     peak step mem   one process per variant, --mem-steps steps: peak resident set (VmHWM, reset via
                     /proc/self/clear_refs) minus the resident set before them: activations, logits, gradients,
                     transients (bench/throughput.py's method; glibc returns each block over 64 KiB at once,
                     MALLOC_MMAP_THRESHOLD_=65536, which slows large allocations, so this process is not timed)
-    step s          --rounds processes per variant with glibc's defaults, --steps timed steps each, the variants
-                    in rotating order (machine noise hits all alike): the median of the processes' median step
-                    times, and the best step (on a shared machine other jobs only ever add time)
+    step s          --rounds processes per variant with glibc's defaults, --steps timed steps each, the
+                    variants in rotating order (machine noise hits all alike): the median of the processes'
+                    median step times, and the best step (on a shared machine other jobs only ever add time)
     tok/s           valid targets of a step / best step s
     first loss      of the first step (same init, same batches: every variant should agree)
 
@@ -74,7 +75,8 @@ def parse_variant(text: str) -> dict:
         elif key == "ckpt":
             variant["ckpt"] = value
         else:
-            raise SystemExit(f"unknown variant part {part!r}: plain | chunk=N | ckpt=full|selective, joined by +")
+            raise SystemExit(f"unknown variant part {part!r}: plain | chunk=N | ckpt=full|selective, "
+                             "joined by +")
     return variant
 
 
@@ -126,7 +128,8 @@ def train_worker(spec: dict) -> dict:
     batches = synthetic_batches(spec["micro_batches"], rows, spec["seq_len"], spec["vocab"], seed=0)
     valid = sum(mb.num_valid_targets for mb in batches)
     torch.manual_seed(0)
-    model = build_model(cfg, AttentionConfig(backend=spec["attention"]), loss_chunk_tokens=variant["chunk_tokens"])
+    model = build_model(cfg, AttentionConfig(backend=spec["attention"]),
+                        loss_chunk_tokens=variant["chunk_tokens"])
     apply_activation_checkpointing(model, variant["ckpt"])
     optimizer = build_optimizer(model, OptimConfig())
 
@@ -150,20 +153,24 @@ def train_worker(spec: dict) -> dict:
     return dict(peak=_status_kib("VmHWM") * 1024 - base, seconds=seconds, loss=first_loss, valid=valid)
 
 
-def _checkpointed_chunk_loss(h_nC: torch.Tensor, weight_VC: torch.Tensor, targets_n: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy((h_nC @ weight_VC.T).float(), targets_n, ignore_index=IGNORE_INDEX, reduction="sum")
+def _checkpointed_chunk_loss(h_nC: torch.Tensor, weight_VC: torch.Tensor,
+                             targets_n: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((h_nC @ weight_VC.T).float(), targets_n, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def head_loss(impl: str, h_NC: torch.Tensor, weight_VC: torch.Tensor, targets_N: torch.Tensor, chunk: int):
     """Summed cross entropy of h_NC @ weight_VC.T by one implementation (targets already shifted)."""
     if impl == "plain":
-        return F.cross_entropy((h_NC @ weight_VC.T).float(), targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+        return F.cross_entropy((h_NC @ weight_VC.T).float(), targets_N, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
     if impl == "function":  # chunked_cross_entropy shifts its labels: pass them unshifted, one row
         labels = torch.cat([targets_N.new_full((1,), IGNORE_INDEX), targets_N])[None, :-1]
         return chunked_cross_entropy(h_NC[None], weight_VC, labels, None, chunk)[0]
     if impl == "checkpoint":
-        return sum(checkpoint(_checkpointed_chunk_loss, h_NC[s : s + chunk], weight_VC, targets_N[s : s + chunk],
-                              use_reentrant=False) for s in range(0, h_NC.shape[0], chunk))
+        return sum(checkpoint(_checkpointed_chunk_loss, h_NC[s : s + chunk], weight_VC,
+                              targets_N[s : s + chunk], use_reentrant=False)
+                   for s in range(0, h_NC.shape[0], chunk))
     raise ValueError(impl)
 
 
@@ -230,8 +237,8 @@ def run_all(specs: list[dict], names: list[str], rounds: int, mem_steps: int) ->
             res = run_worker(spec, memory=False)
             if res is not None:
                 results[name]["runs"].append(res)
-                print(f"  round {r + 1}: {name} step {statistics.median(res['seconds']):.3f} s", file=sys.stderr,
-                      flush=True)
+                print(f"  round {r + 1}: {name} step {statistics.median(res['seconds']):.3f} s",
+                      file=sys.stderr, flush=True)
     return results
 
 
@@ -249,8 +256,8 @@ def table(results: dict[str, dict], baseline: str) -> str:
         return f"{x / ref:.2f}x" if x and ref else "n/a"
 
     base_peak, (base_median, base_best) = results[baseline]["peak"], step_s(baseline)
-    lines = ["| variant | peak step mem (MiB) | mem vs plain | step s (median) | step s (best) | tok/s (best) "
-             "| tok/s vs plain (median, best) | first loss |",
+    lines = ["| variant | peak step mem (MiB) | mem vs plain | step s (median) | step s (best) "
+             "| tok/s (best) | tok/s vs plain (median, best) | first loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
         peak, (median, best) = res["peak"], step_s(name)
@@ -260,8 +267,8 @@ def table(results: dict[str, dict], baseline: str) -> str:
             continue
         first = res["runs"][0]
         lines.append(f"| {name} | {mem} | {ratio(peak, base_peak)} | {median:.3f} | {best:.3f} "
-                     f"| {first['valid'] / best:,.0f} | {ratio(base_median, median)}, {ratio(base_best, best)} "
-                     f"| {first['loss']:.6f} |")
+                     f"| {first['valid'] / best:,.0f} | {ratio(base_median, median)}, "
+                     f"{ratio(base_best, best)} | {first['loss']:.6f} |")
     return "\n".join(lines)
 
 
@@ -271,14 +278,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary rows (default: tiny/small 8192, gpt2-124m 50304)")
     p.add_argument("--seq-len", type=int, default=512, help="row length T")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="positions per micro-batch (whole rows)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help="positions per micro-batch (whole rows)")
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--attention", default="sdpa_docs", help="packed rows' attention backend")
     p.add_argument("--variants", nargs="+", default=["plain", "chunk=1024", "ckpt=full", "ckpt=selective"])
     p.add_argument("--steps", type=int, default=3, help="timed steps per process (after one unmeasured)")
-    p.add_argument("--mem-steps", type=int, default=1, help="steps the memory process measures (0: skip memory)")
+    p.add_argument("--mem-steps", type=int, default=1,
+                   help="steps the memory process measures (0: skip memory)")
     p.add_argument("--rounds", type=int, default=1, help="times each variant runs, in rotating order")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--head", action="store_true", help="the loss alone: plain vs chunked implementations")
     p.add_argument("--tokens", type=int, default=4096, help="--head: positions N")
     p.add_argument("--width", type=int, default=64, help="--head: hidden width C")
@@ -302,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.head:
         vocab = args.vocab or 8192
         names = ["plain"] + [f"{impl} chunk={c}" for c in args.chunks for impl in ("function", "checkpoint")]
-        specs = [dict(impl=name.split()[0], chunk=int(name.split("=")[1]) if "=" in name else 0, tokens=args.tokens,
-                      vocab=vocab, width=args.width, steps=args.steps, threads=threads) for name in names]
+        specs = [dict(impl=name.split()[0], chunk=int(name.split("=")[1]) if "=" in name else 0,
+                      tokens=args.tokens, vocab=vocab, width=args.width, steps=args.steps, threads=threads)
+                 for name in names]
         print(f"# head + loss alone: N={args.tokens}, V={vocab}, C={args.width}, fp32, forward + backward; "
               f"{args.steps} measured steps per process, {args.rounds} round(s)")
     else:
@@ -325,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results, names[0]))
     print()
-    print(f"load average at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+    print(f"load average at start / end: {load_start:.2f} / {os.getloadavg()[0]:.2f} "
+          f"({os.cpu_count()} cores)")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=1))
     return 0

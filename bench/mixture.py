@@ -1,18 +1,18 @@
 """What a data mixture costs the stream (not a test): rows/s of one source vs a two-source mixture of the same
 documents, side by side in one run, and the token shares the mixture holds.
 
-    python bench/mixture.py --data data/demo                      # python -m trainer.prepare --source demo first
+    python bench/mixture.py --data data/demo                   # python -m trainer.prepare --source demo first
     python bench/mixture.py --data data/demo --rows 4000 --repeats 3
 
-The mixture is data.sources = [{a: data/demo, 0.7}, {b: data/demo, 0.3}]: the same shards twice (each source with
-its own seed, so another order), so the documents' lengths and the tokenization work per document are those of
-the single source and only the mixing differs. Each configuration builds the stream as the trainer does
-(trainer.data.feed.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time from
---warmup-rows rows (every source's workers started before, and every packer's
-buffer full: a packer emits rows once it holds packing.buffer_size documents, and a mixture has one per source)
-to the last row is measured. Configurations run in turn, --repeats times
-(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per row,
-on in-memory sources. Shares: the mixture's trained
+The mixture is data.sources = [{a: data/demo, 0.7}, {b: data/demo, 0.3}]: the same shards twice (each source
+with its own seed, so another order), so the documents' lengths and the tokenization work per document are
+those of the single source and only the mixing differs. Each configuration builds the stream as the trainer
+does (trainer.data.feed.build_data: DataLoader workers, packer, seq_len rows) and draws --rows rows; the time
+from --warmup-rows rows (every source's workers started before, and every packer's
+buffer full: a packer emits rows once it holds packing.buffer_size documents, and a mixture has one per
+source) to the last row is measured. Configurations run in turn, --repeats times
+(ABCABC...), and the median is reported, so load on the machine hits them alike. Also the mixer's own cost per
+row, on in-memory sources. Shares: the mixture's trained
 tokens by source (Document.source: the two sources share their keys; tests/data/test_mixture.py checks the tag
 against the keys of distinct sources) over the first 25 %, 50 % and all of the rows.
 """
@@ -39,14 +39,16 @@ def run_config(data: Path, workers: int, mixture: bool, seq_len: int) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    data_overrides = ([f"data.sources=[{{name:a,path:'{data}',weight:0.7}},{{name:b,path:'{data}',weight:0.3}}]"]
+    data_overrides = ([f"data.sources=[{{name:a,path:'{data}',weight:0.7}},"
+                       f"{{name:b,path:'{data}',weight:0.3}}]"]
                       if mixture else [f"data.path={data}"])
     config_dir = str(Path(__file__).resolve().parents[1] / "configs")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose(config_name="config", overrides=[*data_overrides, f"data.num_workers={workers}",
-                                                       f"train.seq_len={seq_len}", f"train.tokens_per_step={seq_len}",
-                                                       f"train.micro_batch_tokens={seq_len}", "data.prefetch=false",
-                                                       "logging.wandb.mode=disabled"])
+                                                       f"train.seq_len={seq_len}",
+                                                       f"train.tokens_per_step={seq_len}",
+                                                       f"train.micro_batch_tokens={seq_len}",
+                                                       "data.prefetch=false", "logging.wandb.mode=disabled"])
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -74,7 +76,8 @@ def draw(container: dict, rows_wanted: int, warmup: int) -> tuple[float, list[li
 
 def mixer_overhead(n: int = 100_000) -> float:
     """Microseconds the mixer adds per row: `n` in-memory rows of 4 documents handed out through Mixture (two
-    sources) minus the same taken from one plain list (no reading, packing or tokenizing: the choice and counting)."""
+    sources) minus the same taken from one plain list (no reading, packing or tokenizing: the choice and
+    counting)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -111,15 +114,16 @@ def main() -> None:
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--rows", type=int, default=3000)
     p.add_argument("--warmup-rows", type=int, default=1000,
-                   help="rows drawn before the clock starts: a packer emits once its buffer is full, and a mixture "
-                        "has one per source")
+                   help="rows drawn before the clock starts: a packer emits once its buffer is full, and a "
+                        "mixture has one per source")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     configs = {"one source, 1 worker": (1, False), "one source, 2 workers": (2, False),
                "mixture of 2, 1 worker each": (1, True)}
-    containers = {name: run_config(args.data.resolve(), w, m, args.seq_len) for name, (w, m) in configs.items()}
+    containers = {name: run_config(args.data.resolve(), w, m, args.seq_len)
+                  for name, (w, m) in configs.items()}
     times: dict[str, list[float]] = {name: [] for name in configs}
     shares = None
     for _ in range(args.repeats):
@@ -146,7 +150,8 @@ def main() -> None:
     overhead = mixer_overhead()
     print(f"the mixer's own cost per row (in-memory sources, 100,000 rows): {overhead:.2f} us")
     if args.json:
-        args.json.write_text(json.dumps({"times": times, "shares": shares, "overhead_us": overhead}, indent=1))
+        args.json.write_text(json.dumps({"times": times, "shares": shares, "overhead_us": overhead},
+                                        indent=1))
 
 
 if __name__ == "__main__":

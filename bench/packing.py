@@ -46,8 +46,9 @@ from trainer.data.packing import (
 
 SYNTHETIC = ("fortunes", "chapters", "code_tail")
 
-# Targets with the default buffer (the claims of trainer/data/packing.py and docs/training.md; see bench/RESULTS.md).
-# Utilization and batch construction are stated at T = 2048; the gap to BFD and the packing speed at every T.
+# Targets with the default buffer (the claims of trainer/data/packing.py and docs/training.md; see
+# bench/RESULTS.md). Utilization and batch construction are stated at T = 2048; the gap to BFD and the packing
+# speed at every T.
 TARGET_UTILIZATION = 0.995
 TARGET_GAP_TO_BFD = 0.001
 TARGET_DOCS_PER_S = 200_000
@@ -78,7 +79,8 @@ class Result:
 
 
 def read_lengths(path: str) -> list[int]:
-    """One document length per line; blank lines and `#` comments are skipped; `.gz` files are read as gzip."""
+    """One document length per line; blank lines and `#` comments are skipped; `.gz` files are read as
+    gzip."""
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         return [int(line) for line in (raw.split("#")[0].strip() for raw in f) if line]
 
@@ -278,7 +280,8 @@ def fmt_rate(x: float | None) -> str:
 
 def markdown(results: list[Result]) -> str:
     lines = [
-        "| method | rows | utilization | tokens in | tokens out | allocated | docs/s | tokens/s | worst wait |",
+        "| method | rows | utilization | tokens in | tokens out | allocated | docs/s | tokens/s "
+        "| worst wait |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:

@@ -1,5 +1,6 @@
 """Prepare benchmark (not a test): the streaming, parallel `python -m trainer.prepare` against the tokenizer
-alone, its speedup with workers, its peak memory as the corpus grows, and one corpus as parquet and .jsonl.zst.
+alone, its speedup with workers, its peak memory as the corpus grows, and one corpus as parquet and
+.jsonl.zst.
 
     python bench/prepare.py                                   # 1x and 16x, --workers 1 and 2 (~12 min)
     python bench/prepare.py --quick                           # smoke test: a 5 MB corpus, 1x only (< 1 min)
@@ -23,15 +24,15 @@ Steps, all in one run:
    timed prepare gets `--tokenizer` of that run, so it times the streaming pass only.
 2. Tokenizer alone: a fresh interpreter per pass, TOKENIZERS_PARALLELISM=false and RAYON_NUM_THREADS=1 set
    before tokenizers is imported, encodes the 1x documents (already in memory) in batches of --batch as a
-   prepare would: `encode_batch(texts, add_special_tokens=False)`, and `encode_batch_fast` where tokenizers has
-   it. The faster method (its best pass) is the ceiling.
+   prepare would: `encode_batch(texts, add_special_tokens=False)`, and `encode_batch_fast` where tokenizers
+   has it. The faster method (its best pass) is the ceiling.
 3. `python -m trainer.prepare --source jsonl:... --tokenizer ... --workers W` for every size and W: wall time
    of the command (interpreter start included), MB/s of document text (UTF-8 bytes of the "text" fields),
-   docs/s, units (from the prepare's last status line), CPU seconds of the process tree (getrusage of the reaped
-   children) and the peak RSS of the process tree (the prepare and all its descendants, summed, sampled with
-   psutil every --sample-ms; pages shared between processes count once per process, as RSS does).
-   "other CPU s" is the busy CPU time of the whole machine (/proc/stat) during a run minus the run's own: other
-   jobs, which slow every figure here (a clean run shows ~0-2 s, the RSS sampler's share).
+   docs/s, units (from the prepare's last status line), CPU seconds of the process tree (getrusage of the
+   reaped children) and the peak RSS of the process tree (the prepare and all its descendants, summed, sampled
+   with psutil every --sample-ms; pages shared between processes count once per process, as RSS does).
+   "other CPU s" is the busy CPU time of the whole machine (/proc/stat) during a run minus the run's own:
+   other jobs, which slow every figure here (a clean run shows ~0-2 s, the RSS sampler's share).
    --rounds R repeats 2 and 3 R times, interleaved (this 2-core VM's speed drifts by up to ~1.5x over minutes
    even with nothing else running): times are the best of the rounds, peak RSS the highest.
 4. Formats: the largest corpus as parquet and as .jsonl.zst, --workers max(W), once: wall time of each, and
@@ -82,10 +83,11 @@ MIN_DOC_CHARS = 200
 # Corpus: English man pages, roff stripped, one document per .SH section
 # ---------------------------------------------------------------------------------------------
 
-_CHARS = {"em": " -- ", "en": "-", "hy": "-", "bu": "*", "aq": "'", "dq": '"', "lq": '"', "rq": '"', "oq": "'",
-          "cq": "'", "co": "(c)", "rg": "(R)", "tm": "(TM)", "mi": "-", "pl": "+", "mu": "x", "<=": "<=",
-          ">=": ">=", "->": "->", "<-": "<-", "ti": "~", "ha": "^", "rs": "\\", "ga": "`", "aa": "'", "ul": "_",
-          "de": " degrees", "sc": "S", "Fo": '"', "Fc": '"', "L\"": '"', "R\"": '"', "C`": '"', "C'": '"'}
+_CHARS = {"em": " -- ", "en": "-", "hy": "-", "bu": "*", "aq": "'", "dq": '"', "lq": '"', "rq": '"',
+          "oq": "'", "cq": "'", "co": "(c)", "rg": "(R)", "tm": "(TM)", "mi": "-", "pl": "+", "mu": "x",
+          "<=": "<=", ">=": ">=", "->": "->", "<-": "<-", "ti": "~", "ha": "^", "rs": "\\", "ga": "`",
+          "aa": "'", "ul": "_", "de": " degrees", "sc": "S", "Fo": '"', "Fc": '"', "L\"": '"', "R\"": '"',
+          "C`": '"', "C'": '"'}
 
 _ESCAPE = re.compile(
     r"\\(?:"
@@ -118,7 +120,8 @@ def _unescape(m: re.Match) -> str:
 
 
 def _args(rest: str) -> list[str]:
-    return [(m.group(1) if m.group(1) is not None else m.group(2)).replace('""', '"') for m in _ARG.finditer(rest)]
+    return [(m.group(1) if m.group(1) is not None else m.group(2)).replace('""', '"')
+            for m in _ARG.finditer(rest)]
 
 
 _MDOC_MACRO = re.compile(r"^[A-Z][a-z]$")
@@ -173,7 +176,8 @@ def man_sections(src: str) -> tuple[str, list[tuple[str, str]]]:
                 line_buf.append(" ".join(words(rest)))
             elif req in ("BR", "RB", "IR", "RI", "BI", "IB"):
                 line_buf.append("".join(words(rest)))
-            elif req in ("PP", "P", "LP", "Pp", "sp", "TP", "HP", "RS", "RE", "TS", "TE", "Bl", "El", "Bd", "Ed"):
+            elif req in ("PP", "P", "LP", "Pp", "sp", "TP", "HP", "RS", "RE", "TS", "TE", "Bl", "El", "Bd",
+                         "Ed"):
                 end_para()
             elif req in ("IP", "TQ", "It"):
                 end_para()
@@ -186,7 +190,8 @@ def man_sections(src: str) -> tuple[str, list[tuple[str, str]]]:
             elif req in ("fi", "EE"):
                 end_para()
                 nofill = False
-            elif _MDOC_MACRO.match(req) and req not in ("Os", "Dd", "Bk", "Ek"):  # mdoc inline: .Nm .Fl .Ar .Xr ...
+            # mdoc inline: .Nm .Fl .Ar .Xr ...
+            elif _MDOC_MACRO.match(req) and req not in ("Os", "Dd", "Bk", "Ek"):
                 a = [w for w in words(rest) if not _MDOC_MACRO.match(w)]
                 if a:
                     line_buf.append(("-" if req == "Fl" else "") + " ".join(a))
@@ -203,8 +208,8 @@ def man_sections(src: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def man_documents(target_bytes: int):
-    """Yield {"text": ...} records (one per .SH section of >= MIN_DOC_CHARS characters, each distinct text once)
-    until target_bytes of UTF-8 text; pages in the order of sha1(path)."""
+    """Yield {"text": ...} records (one per .SH section of >= MIN_DOC_CHARS characters, each distinct text
+    once) until target_bytes of UTF-8 text; pages in the order of sha1(path)."""
     import glob
 
     pages = [p for p in glob.glob(MAN_GLOB)
@@ -285,8 +290,8 @@ def build_scaled(work: Path, base: dict, n: int) -> dict:
 
 
 def build_formats(corpus: dict) -> dict[str, Path]:
-    """DIR/parquet/corpus.parquet and DIR/zst/corpus.jsonl.zst from DIR/corpus.jsonl (same records, same stem),
-    unless present and newer than it."""
+    """DIR/parquet/corpus.parquet and DIR/zst/corpus.jsonl.zst from DIR/corpus.jsonl (same records, same
+    stem), unless present and newer than it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import zstandard
@@ -342,8 +347,9 @@ def tokenize_alone_child(argv: list[str]) -> None:
     for i in range(0, len(texts), batch):
         tokens += sum(len(e.ids) for e in fn(texts[i : i + batch], add_special_tokens=False))
     seconds = time.perf_counter() - t0
-    print(json.dumps({"tokenizers": tokenizers.__version__, "method": method, "docs": len(texts), "tokens": tokens,
-                      "text_bytes": sum(len(t.encode("utf-8")) for t in texts), "seconds": seconds}))
+    print(json.dumps({"tokenizers": tokenizers.__version__, "method": method, "docs": len(texts),
+                      "tokens": tokens, "text_bytes": sum(len(t.encode("utf-8")) for t in texts),
+                      "seconds": seconds}))
 
 
 def tokenizer_methods() -> list[str]:
@@ -356,21 +362,23 @@ def tokenize_pass(tok_dir: Path, corpus: Path, batch: int, method: str) -> dict:
     """One pass of the tokenizer alone over the corpus, in a fresh single-threaded interpreter."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
     before, busy0 = resource.getrusage(resource.RUSAGE_CHILDREN), busy_cpu_s()
-    proc = subprocess.run([sys.executable, __file__, "_tokenize", str(tok_dir), str(corpus), str(batch), method],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, __file__, "_tokenize", str(tok_dir), str(corpus), str(batch),
+                           method], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"tokenizer-alone subprocess failed ({proc.returncode}):\n{proc.stderr}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     own = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "other_cpu_s": max(0.0, busy_cpu_s() - busy0 - own)}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]),
+            "other_cpu_s": max(0.0, busy_cpu_s() - busy0 - own)}
 
 
 def tokenizer_summary(passes: list[dict], batch: int) -> dict:
     """Best pass per method (MB/s, docs/s) and the faster method: the ceiling."""
-    r = {"tokenizers": passes[0]["tokenizers"], "docs": passes[0]["docs"], "text_bytes": passes[0]["text_bytes"],
-         "batch": batch, "methods": {}, "passes": passes}
+    r = {"tokenizers": passes[0]["tokenizers"], "docs": passes[0]["docs"],
+         "text_bytes": passes[0]["text_bytes"], "batch": batch, "methods": {}, "passes": passes}
     for p in passes:
-        m = r["methods"].setdefault(p["method"], {"seconds": float("inf"), "tokens": p["tokens"], "all_s": []})
+        m = r["methods"].setdefault(p["method"],
+                                    {"seconds": float("inf"), "tokens": p["tokens"], "all_s": []})
         m["all_s"].append(p["seconds"])
         if p["seconds"] < m["seconds"]:
             m["seconds"], m["other_cpu_s"] = p["seconds"], p["other_cpu_s"]
@@ -426,16 +434,19 @@ class TreeRSS:
 
 
 def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy (not idle/iowait, steal included) since boot, from /proc/stat."""
+    """CPU seconds the whole machine has spent busy (not idle/iowait, steal included) since boot,
+    from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_prepare(source: str, out: Path, args, *, workers: int, tokenizer: Path | None, log: Path) -> dict:
-    """`python -m trainer.prepare --source SOURCE --out OUT --workers W [--tokenizer T]`, OUT emptied first."""
+    """`python -m trainer.prepare --source SOURCE --out OUT --workers W [--tokenizer T]`,
+    OUT emptied first."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "trainer.prepare", "--source", source, "--out", str(out), "--workers", str(workers)]
+    cmd = [sys.executable, "-m", "trainer.prepare", "--source", source, "--out", str(out),
+           "--workers", str(workers)]
     if tokenizer is not None:
         cmd += ["--tokenizer", str(tokenizer)]
     if args.unit_mb is not None:
@@ -452,9 +463,11 @@ def run_prepare(source: str, out: Path, args, *, workers: int, tokenizer: Path |
         sampler.stop()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    other = max(0.0, busy_cpu_s() - busy0 - cpu)  # everything else on the machine, this benchmark's sampler included
-    r = {"command": " ".join(["python", *cmd[1:]]), "rc": rc, "wall_s": wall, "cpu_s": cpu, "other_cpu_s": other,
-         "peak_rss": sampler.peak, "peak_procs": sampler.peak_procs, "rss_samples": sampler.samples, "log": str(log)}
+    # everything else on the machine, this benchmark's sampler included
+    other = max(0.0, busy_cpu_s() - busy0 - cpu)
+    r = {"command": " ".join(["python", *cmd[1:]]), "rc": rc, "wall_s": wall, "cpu_s": cpu,
+         "other_cpu_s": other, "peak_rss": sampler.peak, "peak_procs": sampler.peak_procs,
+         "rss_samples": sampler.samples, "log": str(log)}
     if rc != 0:
         tail = log.read_text(errors="replace").splitlines()[-20:]
         print(f"FAILED (exit {rc}): {r['command']}\n  " + "\n  ".join(tail), file=sys.stderr, flush=True)
@@ -495,7 +508,8 @@ def machine() -> dict:
 
 
 def code_version(code: Path) -> dict:
-    """The tree the prepares run from: its path, and where it is a git checkout, HEAD and its changed trainer/ files."""
+    """The tree the prepares run from: its path, and where it is a git checkout,
+    HEAD and its changed trainer/ files."""
     def git(*a: str) -> str:
         proc = subprocess.run(["git", "-C", str(code), *a], capture_output=True, text=True)
         return proc.stdout.strip() if proc.returncode == 0 else ""
@@ -518,7 +532,8 @@ def shard_layout(manifest: dict) -> str:
 
 
 def compare(name: str, a: dict, b: dict, required: bool) -> dict:
-    """IDENTICAL when splits_key agrees; else DIFFERENT, saying whether per-split docs/tokens at least agree."""
+    """IDENTICAL when splits_key agrees; else DIFFERENT,
+    saying whether per-split docs/tokens at least agree."""
     ka, kb = splits_key(a["manifest"]), splits_key(b["manifest"])
     if ka == kb:
         return {"name": name, "required": required, "result": "IDENTICAL", "detail": ""}
@@ -531,24 +546,26 @@ def compare(name: str, a: dict, b: dict, required: bool) -> dict:
 
 def row(label: str, r: dict) -> str:
     if r["rc"] != 0:
-        return f"| {label} | {r['size']}x | {r['text_bytes'] / 1e6:.1f} | - | - | FAILED (exit {r['rc']}) | | | | | |"
+        return (f"| {label} | {r['size']}x | {r['text_bytes'] / 1e6:.1f} | - | - | FAILED (exit {r['rc']}) "
+                "| | | | | |")
     units = r.get("units") if r.get("units") is not None else "?"
-    return (f"| {label} | {r['size']}x | {r['text_bytes'] / 1e6:.1f} | {units} | {r['docs']:,} | {r['wall_s']:.2f} | "
-            f"{r['cpu_s']:.1f} | {r['other_cpu_s']:.1f} | {r['mb_per_s']:.2f} | {r['docs_per_s']:,.0f} | "
-            f"{r['peak_rss'] / 2**20:,.0f} ({r['peak_procs']}) |")
+    return (f"| {label} | {r['size']}x | {r['text_bytes'] / 1e6:.1f} | {units} | {r['docs']:,} | "
+            f"{r['wall_s']:.2f} | {r['cpu_s']:.1f} | {r['other_cpu_s']:.1f} | {r['mb_per_s']:.2f} | "
+            f"{r['docs_per_s']:,.0f} | {r['peak_rss'] / 2**20:,.0f} ({r['peak_procs']}) |")
 
 
 def report(res: dict) -> list[str]:
     out = []
     tok, tr = res["tokenizer_alone"], res["train_run"]
-    out.append(f"Tokenizer training run (1x corpus, --workers {tr['workers']}, no --tokenizer): {tr['wall_s']:.1f} s "
-               f"wall, {tr['cpu_s']:.1f} CPU s, peak RSS {tr['peak_rss'] / 2**20:,.0f} MiB")
+    out.append(f"Tokenizer training run (1x corpus, --workers {tr['workers']}, no --tokenizer): "
+               f"{tr['wall_s']:.1f} s wall, {tr['cpu_s']:.1f} CPU s, "
+               f"peak RSS {tr['peak_rss'] / 2**20:,.0f} MiB")
     tc = res["tokens_check"]
     out.append(f"Tokens of the 1x corpus: prepare {tc['prepare']:,}, tokenizer alone + 1 EOS per document "
                f"{tc['tokenizer_alone_plus_eos']:,}: {tc['result']}")
     rounds = res["rounds"]
-    out.append(f"Times: best of {rounds} round(s) (tokenizer alone: best of {rounds} fresh-process pass(es) per "
-               "method, interleaved with the prepares); peak RSS: the highest of the rounds.")
+    out.append(f"Times: best of {rounds} round(s) (tokenizer alone: best of {rounds} fresh-process pass(es) "
+               "per method, interleaved with the prepares); peak RSS: the highest of the rounds.")
     out.append("")
     out.append("| run | corpus | text MB | units | docs | wall s | CPU s | other CPU s | MB/s | docs/s | "
                "peak RSS MiB (procs) |")
@@ -556,13 +573,14 @@ def report(res: dict) -> list[str]:
     for name, m in tok["methods"].items():
         star = " (ceiling)" if name == tok["best"] else ""
         spread = "/".join(f"{x:.1f}" for x in m["all_s"])
-        out.append(f"| tokenizer alone, `{name}`{star} | 1x | {tok['text_bytes'] / 1e6:.1f} | - | {tok['docs']:,} | "
-                   f"{m['seconds']:.2f} ({spread}) | - | {m['other_cpu_s']:.1f} | {m['mb_per_s']:.2f} | "
-                   f"{m['docs_per_s']:,.0f} | - |")
+        out.append(f"| tokenizer alone, `{name}`{star} | 1x | {tok['text_bytes'] / 1e6:.1f} | - | "
+                   f"{tok['docs']:,} | {m['seconds']:.2f} ({spread}) | - | {m['other_cpu_s']:.1f} | "
+                   f"{m['mb_per_s']:.2f} | {m['docs_per_s']:,.0f} | - |")
     for r in res["runs"]:
         out.append(row(f"prepare --workers {r['workers']}", r))
     for f in res["formats"]:
-        out.append(row(f"prepare --workers {f['workers']}, {f['format']} ({f['file_bytes'] / 1e6:.0f} MB file)", f))
+        out.append(row(f"prepare --workers {f['workers']}, {f['format']} "
+                       f"({f['file_bytes'] / 1e6:.0f} MB file)", f))
     out.append("")
     out.append("| check | value | target | result |")
     out.append("|---|---:|---:|---|")
@@ -582,8 +600,8 @@ def best_of(runs: list[dict]) -> dict:
         return bad[0]
     best = dict(min(runs, key=lambda r: r["wall_s"]))
     top = max(runs, key=lambda r: r["peak_rss"])
-    best.update(peak_rss=top["peak_rss"], peak_procs=top["peak_procs"], all_wall_s=[r["wall_s"] for r in runs],
-                all_peak_rss=[r["peak_rss"] for r in runs])
+    best.update(peak_rss=top["peak_rss"], peak_procs=top["peak_procs"],
+                all_wall_s=[r["wall_s"] for r in runs], all_peak_rss=[r["peak_rss"] for r in runs])
     return best
 
 
@@ -591,20 +609,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_prepare"),
                    help="corpora (cached) and prepare outputs (default /tmp/bench_prepare)")
-    p.add_argument("--sizes", default="1,16", help="corpus sizes as multiples of the 1x corpus (default 1,16)")
+    p.add_argument("--sizes", default="1,16",
+                   help="corpus sizes as multiples of the 1x corpus (default 1,16)")
     p.add_argument("--workers", default="1,2", help="prepare --workers values (default 1,2)")
     p.add_argument("--corpus-mb", type=float, default=16.0, help="MB of text in the 1x corpus (default 16)")
-    p.add_argument("--quick", action="store_true", help="smoke test: a 5 MB corpus (2 units), 1x only, one round")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: a 5 MB corpus (2 units), 1x only, one round")
     p.add_argument("--rounds", type=int, default=1,
                    help="rounds of (tokenizer alone, every prepare); best time of the rounds (default 1)")
-    p.add_argument("--unit-mb", type=float, help="pass --unit-mb to every prepare (default: the prepare's own)")
+    p.add_argument("--unit-mb", type=float,
+                   help="pass --unit-mb to every prepare (default: the prepare's own)")
     p.add_argument("--prepare-arg", action="append", default=[],
-                   help="one more argument for every prepare (repeat; e.g. --prepare-arg=--docs-per-shard=5000)")
+                   help="one more argument for every prepare "
+                        "(repeat; e.g. --prepare-arg=--docs-per-shard=5000)")
     p.add_argument("--batch", type=int, default=512, help="documents per encode_batch call, tokenizer alone")
     p.add_argument("--sample-ms", type=float, default=50.0, help="RSS sampling interval (default 50 ms)")
     p.add_argument("--skip-formats", action="store_true")
     p.add_argument("--code", type=Path, default=ROOT,
-                   help="run `python -m trainer.prepare` from this packtrain tree (e.g. a `git archive` of a commit)")
+                   help="run `python -m trainer.prepare` from this packtrain tree "
+                        "(e.g. a `git archive` of a commit)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     if args.quick:
@@ -647,7 +670,8 @@ def main() -> int:
             t = tokenize_pass(tok_dir, one, args.batch, method)
             passes.append(t)
             print(f"round {k + 1}: tokenizer alone {method}: {t['seconds']:.2f} s, "
-                  f"{t['text_bytes'] / 1e6 / t['seconds']:.2f} MB/s (other CPU {t['other_cpu_s']:.1f} s)", flush=True)
+                  f"{t['text_bytes'] / 1e6 / t['seconds']:.2f} MB/s (other CPU {t['other_cpu_s']:.1f} s)",
+                  flush=True)
         for n in sizes:
             c = corpora[n]
             for w in workers:
@@ -657,12 +681,14 @@ def main() -> int:
                          mb_per_s=c["text_bytes"] / 1e6 / r["wall_s"], docs_per_s=c["docs"] / r["wall_s"])
                 timed.setdefault((n, w), []).append(r)
                 print(f"round {k + 1}: {n}x --workers {w}: {r['wall_s']:.2f} s, {r['mb_per_s']:.2f} MB/s, "
-                      f"peak RSS {r['peak_rss'] / 2**20:,.0f} MiB, other CPU {r['other_cpu_s']:.1f} s (exit {r['rc']})",
+                      f"peak RSS {r['peak_rss'] / 2**20:,.0f} MiB, other CPU {r['other_cpu_s']:.1f} s "
+                      f"(exit {r['rc']})",
                       flush=True)
                 if r["rc"] != 0:
                     break
     tok = res["tokenizer_alone"] = tokenizer_summary(passes, args.batch)
-    alone = tok["methods"][tok["best"]]["tokens"] + tok["docs"]  # + one EOS per document, as the manifest counts
+    # + one EOS per document, as the manifest counts
+    alone = tok["methods"][tok["best"]]["tokens"] + tok["docs"]
     res["tokens_check"] = {"prepare": train.get("tokens"), "tokenizer_alone_plus_eos": alone,
                            "result": "MATCH" if train.get("tokens") == alone else "MISMATCH"}
     by = {key: best_of(rs) for key, rs in timed.items()}
@@ -678,14 +704,15 @@ def main() -> int:
                                   "target": TARGET_SPEEDUP_2, "result": verdict(v >= TARGET_SPEEDUP_2)})
         if (n, 1) in ok:
             v = ok[n, 1]["mb_per_s"] / ceiling
-            res["checks"].append({"name": f"{n}x: workers 1 / tokenizer alone `{tok['best']}` (MB/s)", "value": v,
-                                  "op": ">=", "target": TARGET_VS_TOKENIZER,
+            res["checks"].append({"name": f"{n}x: workers 1 / tokenizer alone `{tok['best']}` (MB/s)",
+                                  "value": v, "op": ">=", "target": TARGET_VS_TOKENIZER,
                                   "result": verdict(v >= TARGET_VS_TOKENIZER)})
     for w in workers:
         if big > 1 and (1, w) in ok and (big, w) in ok:
             v = ok[big, w]["peak_rss"] / ok[1, w]["peak_rss"]
             res["checks"].append({"name": f"--workers {w}: peak RSS {big}x / 1x", "value": v, "op": "<=",
-                                  "target": TARGET_MEMORY_GROWTH, "result": verdict(v <= TARGET_MEMORY_GROWTH)})
+                                  "target": TARGET_MEMORY_GROWTH,
+                                  "result": verdict(v <= TARGET_MEMORY_GROWTH)})
     for n in sizes:  # not a target: the output should not depend on the worker count
         if all((n, w) in ok for w in workers) and len(workers) > 1:
             res["identical"].append(compare(f"{n}x manifest splits, --workers {workers[0]} vs {workers[-1]}",
@@ -698,9 +725,9 @@ def main() -> int:
         r = run_prepare(f"{kind}:{path}", work / "out" / f"{big}x-{fmt}-w{wmax}", args, workers=wmax,
                         tokenizer=tok_dir, log=logs / f"{big}x-{fmt}.log")
         c = corpora[big]
-        r.update(size=big, workers=wmax, format=fmt, file_bytes=path.stat().st_size, text_bytes=c["text_bytes"],
-                 units=log_units(r["log"]), mb_per_s=c["text_bytes"] / 1e6 / r["wall_s"],
-                 docs_per_s=c["docs"] / r["wall_s"])
+        r.update(size=big, workers=wmax, format=fmt, file_bytes=path.stat().st_size,
+                 text_bytes=c["text_bytes"], units=log_units(r["log"]),
+                 mb_per_s=c["text_bytes"] / 1e6 / r["wall_s"], docs_per_s=c["docs"] / r["wall_s"])
         failed |= r["rc"] != 0
         fm[fmt] = r
         res["formats"].append(r)

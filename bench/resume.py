@@ -1,10 +1,10 @@
 """Resume cost of the training stream (not a test): what a resumed reader reads, and how long it takes, to get
-back to its position at 10, 50 and 90% of an epoch, shards on disk and behind a local HTTP server; the size of a
-slot's saved position; and the stream's docs/s through 2 DataLoader workers.
+back to its position at 10, 50 and 90% of an epoch, shards on disk and behind a local HTTP server; the size of
+a slot's saved position; and the stream's docs/s through 2 DataLoader workers.
 
-    python bench/resume.py --corpus /tmp/bench_resume                  # writes the corpus the first time
-    python bench/resume.py --corpus /tmp/bench_resume --code DIR       # the same with the packtrain code in DIR
-                                                                       # (e.g. `git archive` of an older commit)
+    python bench/resume.py --corpus /tmp/bench_resume               # writes the corpus the first time
+    python bench/resume.py --corpus /tmp/bench_resume --code DIR    # the same with the packtrain code in DIR
+                                                                    # (e.g. `git archive` of an older commit)
     python bench/resume.py --corpus /tmp/bench_resume --json out.json
 
 The corpus: --shards shards of --docs-per-shard synthetic documents (lognormal lengths, median ~1.6 kB) and a
@@ -13,7 +13,8 @@ its DocumentLoader state is taken at each fraction; a fresh loader loads it, thr
 load(weights_only=True) as a checkpoint would, and the time to its first document is the resume time (the
 restore plus one chunk of --chunk-docs documents). Samples and bytes read in that window are counted at the
 shard streams (webdataset's gopen, patched here), the same way for any code; the first document is checked
-against the uninterrupted order. HTTP: the standard library's server in a thread of this process, read by curl.
+against the uninterrupted order. HTTP: the standard library's server in a thread of this process, read by
+curl.
 
 Throughput: one epoch over the first --tp-shards shards through DocumentLoader(num_workers=2), docs/s, for the
 code as it is and (new code only) a stream that sends the whole shuffle buffer with every chunk instead of the
@@ -39,15 +40,16 @@ from pathlib import Path
 import numpy as np
 
 WORDS = [w for w in (
-    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
-    "you were her she there been one all we their has would when if so no will more about can said up them some "
-    "could into what other time than then only its two may these like first new also after any where through "
-    "resume shard buffer epoch sample reader stream position token packing document checkpoint"
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there been one all we their has would when if so no will more about can said up "
+    "them some could into what other time than then only its two may these like first new also after any "
+    "where through resume shard buffer epoch sample reader stream position token packing document checkpoint"
 ).split()] + ["caf\u00e9", "na\u00efve", "\u03bb", "\u65e5\u672c"]
 
 
 def make_corpus(root: Path, shards: int, docs_per_shard: int, seed: int = 0) -> None:
-    """train-000000.tar ... (one `txt` per sample) and tokenizer/tokenizer.json (word level), unless present."""
+    """train-000000.tar ... (one `txt` per sample) and tokenizer/tokenizer.json (word level), unless
+    present."""
     import tokenizers
     import webdataset as wds
 
@@ -88,7 +90,8 @@ class Counted:
 
 
 def patch_counters() -> None:
-    """Count, for whatever packtrain code is imported, the bytes of every shard stream and the samples read."""
+    """Count, for whatever packtrain code is imported, the bytes of every shard stream and the samples
+    read."""
     from trainer.data import sources, stream
 
     gopen = sources.gopen
@@ -120,7 +123,8 @@ def serve(directory: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
 
 
 def checkpointed(state: dict) -> dict:
-    """`state` as a resumed run loads it (trainer.checkpoint.safe_io: torch.save, then load with weights_only=True)."""
+    """`state` as a resumed run loads it (trainer.checkpoint.safe_io: torch.save, then load with
+    weights_only=True)."""
     import torch
 
     from trainer.checkpoint.safe_io import decode, encode
@@ -137,7 +141,8 @@ def main() -> None:
     p.add_argument("--code", type=Path, help="import packtrain from this directory (default: this checkout)")
     p.add_argument("--shards", type=int, default=128)
     p.add_argument("--docs-per-shard", type=int, default=200)
-    p.add_argument("--buffer", type=int, default=1000, help="shuffle buffer (the default of data.shuffle_buffer)")
+    p.add_argument("--buffer", type=int, default=1000,
+                   help="shuffle buffer (the default of data.shuffle_buffer)")
     p.add_argument("--chunk-docs", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     p.add_argument("--repeats", type=int, default=3, help="resumes per case; the median time is reported")
@@ -145,7 +150,8 @@ def main() -> None:
     p.add_argument("--tp-repeats", type=int, default=3)
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--throughput-only", action="store_true",
-                   help="only the docs/s table: alternate runs with and without --code to compare code versions")
+                   help="only the docs/s table: alternate runs with and without --code to compare code "
+                        "versions")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if args.code:
@@ -164,10 +170,11 @@ def main() -> None:
     new_code = hasattr(DocumentLoader, "start")
 
     def stream(shards, cls=DocumentStream, **kw):
-        return cls(shards, tok_dir, 0, seed=0, shuffle_buffer=args.buffer, chunk_docs=args.chunk_docs, epochs=1, **kw)
+        return cls(shards, tok_dir, 0, seed=0, shuffle_buffer=args.buffer, chunk_docs=args.chunk_docs,
+                   epochs=1, **kw)
 
-    results = {"code": str(Path(trainer.__file__).parent.parent), "new_code": new_code, "resume": [], "sizes": [],
-               "throughput": []}
+    results = {"code": str(Path(trainer.__file__).parent.parent), "new_code": new_code, "resume": [],
+               "sizes": [], "throughput": []}
     if args.throughput_only:
         srv.shutdown()
         results["throughput"] = throughput(stream, disk[: args.tp_shards], args, new_code)
@@ -247,7 +254,8 @@ def position_sizes(mirrors: dict, args) -> list[dict]:
             pos, buffer=None, changes=(len(pos.buffer), dict(enumerate(pos.buffer)))))
         delta_message = dataclasses.replace(slot, position=dataclasses.replace(
             pos, buffer=None, changes=(len(pos.buffer),
-                                       {i: pos.buffer[i] for i in range(min(args.chunk_docs, len(pos.buffer)))})))
+                                       {i: pos.buffer[i]
+                                        for i in range(min(args.chunk_docs, len(pos.buffer)))})))
         rows.append({
             "fraction": f, "buffered": len(pos.buffer), "of_current_shard": current,
             "implemented_bytes": saved_bytes(pos.to_dict()), "samples_only_bytes": saved_bytes(as_samples),
@@ -262,8 +270,8 @@ def position_sizes(mirrors: dict, args) -> list[dict]:
 
 
 def pickle_ms(obj, repeats: int = 20) -> float:
-    """Median milliseconds of pickle.dumps + loads: what a chunk's state costs on its way through the worker queue
-    (besides copying the bytes through shared memory)."""
+    """Median milliseconds of pickle.dumps + loads: what a chunk's state costs on its way through the worker
+    queue (besides copying the bytes through shared memory)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -273,9 +281,9 @@ def pickle_ms(obj, repeats: int = 20) -> float:
 
 
 def throughput(stream, shards: list[str], args, new_code: bool) -> list[dict]:
-    """docs/s of one epoch over `shards` through DocumentLoader(num_workers=2), variants interleaved; and the CPU
-    seconds per 1,000 documents, this process and its (joined) workers together: less at the mercy of other jobs
-    on a shared machine than the wall time."""
+    """docs/s of one epoch over `shards` through DocumentLoader(num_workers=2), variants interleaved; and the
+    CPU seconds per 1,000 documents, this process and its (joined) workers together: less at the mercy of
+    other jobs on a shared machine than the wall time."""
     from trainer.data.loader import DocumentLoader
     from trainer.data.stream import DocumentStream
 
@@ -323,23 +331,27 @@ def print_tables(results: dict) -> None:
     print("\n| shards | position | resume s | samples read | bytes read | reported (samples / bytes) |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results["resume"]:
-        reported = "-" if r["reported_samples"] is None else f"{r['reported_samples']:,} / {r['reported_bytes']:,}"
+        reported = ("-" if r["reported_samples"] is None
+                    else f"{r['reported_samples']:,} / {r['reported_bytes']:,}")
         print(f"| {r['where']} | {r['fraction']:.0%} (doc {r['position']:,}) | {r['time_s']:.3f} | "
               f"{r['samples_read']:,} | {r['bytes_read']:,} | {reported} |")
     if results["sizes"]:
-        print("\n| position | buffered (of current shard) | saved as implemented | samples only | refs only | rng "
-              "| chunk message: changes | whole buffer |")
+        print("\n| position | buffered (of current shard) | saved as implemented | samples only | refs only "
+              "| rng | chunk message: changes | whole buffer |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in results["sizes"]:
-            print(f"| {r['fraction']:.0%} | {r['buffered']} ({r['of_current_shard']}) | {r['implemented_bytes']:,} | "
+            print(f"| {r['fraction']:.0%} | {r['buffered']} ({r['of_current_shard']}) | "
+                  f"{r['implemented_bytes']:,} | "
                   f"{r['samples_only_bytes']:,} | {r['refs_only_bytes']:,} | {r['rng_bytes']:,} | "
                   f"{r['chunk_message_delta_bytes']:,} ({r['chunk_message_delta_ms']:.2f} ms) | "
-                  f"{r['chunk_message_whole_buffer_bytes']:,} ({r['chunk_message_whole_buffer_ms']:.2f} ms) |")
+                  f"{r['chunk_message_whole_buffer_bytes']:,} "
+                  f"({r['chunk_message_whole_buffer_ms']:.2f} ms) |")
     if results["throughput"]:
         print("\n| stream (2 workers) | docs/s (median) | runs | CPU s / 1,000 docs |")
         print("|---|---:|---|---:|")
         for r in results["throughput"]:
-            print(f"| {r['variant']} | {r['docs_per_s']:,.0f} | {', '.join(f'{x:,.0f}' for x in r['runs'])} | "
+            print(f"| {r['variant']} | {r['docs_per_s']:,.0f} | "
+                  f"{', '.join(f'{x:,.0f}' for x in r['runs'])} | "
                   f"{r['cpu_s_per_1000_docs']:.3f} |")
 
 

@@ -1,48 +1,54 @@
-"""Training throughput (not a test): packed vs unpacked vs bucketed, the same documents, side by side in one run.
+"""Training throughput (not a test): packed vs unpacked vs bucketed, the same documents,
+side by side in one run.
 
     python -m trainer.prepare --source demo --out data/demo          # once
     python bench/throughput.py --data data/demo
     python bench/throughput.py --data data/demo --attention dense --steps 20 --json out.json
-    python bench/throughput.py --data data/demo --compile --layouts packed    # compiled vs eager, side by side
+    python bench/throughput.py --data data/demo --compile --layouts packed
+                                                      # compiled vs eager, side by side
     python bench/throughput.py --data data/demo --metrics-off --chunk-tokens 4096 --layouts packed,unpacked
                                                       # what the per-step metrics cost, plain and chunked loss
 
 The logical batches (tokens_per_step // seq_len packer rows each) are drawn once from one `RowStream`
 (`trainer.data.feed.build_data`), then laid out by `micro_batches` in every layout, so each layout trains on
 exactly the same documents with the same targets. Every layout gets its own copy of one model init and a
-fresh AdamW (`trainer.run.optim.build_optimizer`, fp32) and runs the real `trainer.run.step.train_step`. Steps are
-interleaved (step i runs every layout before step i + 1 starts, the order rotating each step) so machine
+fresh AdamW (`trainer.run.optim.build_optimizer`, fp32) and runs the real `trainer.run.step.train_step`. Steps
+are interleaved (step i runs every layout before step i + 1 starts, the order rotating each step) so machine
 noise hits all layouts alike; the first --warmup steps are run but not counted.
 
-    valid tok/s   valid targets / train_step seconds, summed over the measured steps (same numerator everywhere)
+    valid tok/s   valid targets / train_step seconds, summed over the measured steps
+                  (same numerator everywhere)
     alloc pos/s   allocated positions (padding included) / the same seconds
     utilization   real (non-padding) positions / allocated positions
-    step ms       median wall time of train_step (micro-batches are laid out beforehand; "layout ms" times that)
+    step ms       median wall time of train_step (micro-batches are laid out beforehand;
+                  "layout ms" times that)
     efficiency    from the totals (the definition below), and the median of the same figure per step (paired)
     peak mem      peak memory of a step above what is held between steps (weights, AdamW moments):
-                  CUDA  torch.cuda.max_memory_allocated() - memory_allocated() before the step, max over steps;
+                  CUDA  torch.cuda.max_memory_allocated() - memory_allocated() before the step,
+                        max over steps;
                   CPU   measured in a fresh subprocess per layout: peak resident set (VmHWM, reset via
                         /proc/self/clear_refs) minus the resident set before the step, over --mem-steps steps
-                        after one unmeasured step, glibc returning large blocks at once (MALLOC_MMAP_THRESHOLD_).
+                        after one unmeasured step, glibc returning large blocks at once
+                        (MALLOC_MMAP_THRESHOLD_).
 
 Every variant runs the step as the trainer does by default, with its loss groups (`logging.length_buckets` x
-`logging.position_buckets`, [64, 256, 1024] each; with --sources N as a mixture of N sources: each bucket per source,
-and tokens and documents per source). --metrics-off adds each variant again without them (no buckets, one source: the
-step's plain path), --chunk-tokens N each layout again with loss.chunk_tokens=N; a table then gives what the
-metrics cost per layout and loss: "paired" is the median over the measured steps of (seconds on / seconds off of
-the same step) - 1. It also times the FLOP model the loop evaluates on every logged step (model and hardware
-FLOPs of the step's documents and batches, trainer.run.flops), against the step. Target: the metrics cost at
-most 3% of the step (TARGET_METRICS_COST).
+`logging.position_buckets`, [64, 256, 1024] each; with --sources N as a mixture of N sources: each bucket per
+source, and tokens and documents per source). --metrics-off adds each variant again without them (no buckets,
+one source: the step's plain path), --chunk-tokens N each layout again with loss.chunk_tokens=N; a table then
+gives what the metrics cost per layout and loss: "paired" is the median over the measured steps of (seconds on
+/ seconds off of the same step) - 1. It also times the FLOP model the loop evaluates on every logged step
+(model and hardware FLOPs of the step's documents and batches, trainer.run.flops), against the step. Target:
+the metrics cost at most 3% of the step (TARGET_METRICS_COST).
 
 On a CPU shared with other jobs, pass --threads 1: under contention two OpenMP threads slow the many small
 kernels of packed rows (sdpa_docs runs one SDPA per document) far more than unpacked's few large ones.
 
---compile runs every layout twice, eager and with train.compile (trainer/model/compile.py: each block compiled, the
-attention kernel left eager), both from the same init on the same documents, interleaved like the layouts. A
-second table gives compiled / eager valid tok/s per layout, the compiled variant's first step (compilation
-included; "paired" = median of the per-step ratios), the recompilations during the measured steps (all compiled
-variants: they share dynamo's cache) and the largest loss difference between the two (float noise: same weights, same
-documents). Compiled variants get no CPU memory measurement.
+--compile runs every layout twice, eager and with train.compile (trainer/model/compile.py: each block
+compiled, the attention kernel left eager), both from the same init on the same documents, interleaved like
+the layouts. A second table gives compiled / eager valid tok/s per layout, the compiled variant's first step
+(compilation included; "paired" = median of the per-step ratios), the recompilations during the measured steps
+(all compiled variants: they share dynamo's cache) and the largest loss difference between the two (float
+noise: same weights, same documents). Compiled variants get no CPU memory measurement.
 
 Target: packed's valid-token speed-up over unpacked should be at least 90% of its saving in allocated
 positions, efficiency = (valid_tps_packed / valid_tps_unpacked) / (alloc_unpacked / alloc_packed).
@@ -120,12 +126,13 @@ class LayoutResult:
     first_step_s: float | None = None
     """Wall time of the first (warm-up) step: compilation included for a compiled variant."""
     flop_seconds: list[float] = field(default_factory=list)
-    """Per measured step: the FLOP model's time on the step's documents and batches (the loop's logged metric)."""
+    """Per measured step: the FLOP model's time on the step's documents and batches
+    (the loop's logged metric)."""
 
     @property
     def name(self) -> str:
-        return (self.layout + ("+chunked" if self.chunk_tokens else "") + ("+compile" if self.compiled else "")
-                + ("" if self.metrics else "-metrics"))
+        return (self.layout + ("+chunked" if self.chunk_tokens else "")
+                + ("+compile" if self.compiled else "") + ("" if self.metrics else "-metrics"))
 
     @property
     def twin(self) -> str:
@@ -165,19 +172,22 @@ def model_config(name: str, seq_len: int) -> GPTConfig:
     composed = OmegaConf.create({"train": {"seq_len": seq_len}, "model": OmegaConf.load(path)})
     cfg = GPTConfig(**OmegaConf.to_container(composed.model, resolve=True))
     if cfg.max_seq_len < seq_len:
-        print(f"# note: {path.name} has max_seq_len={cfg.max_seq_len} < --seq-len {seq_len}; raised to {seq_len}")
+        print(f"# note: {path.name} has max_seq_len={cfg.max_seq_len} < --seq-len {seq_len}; "
+              f"raised to {seq_len}")
         cfg.max_seq_len = seq_len
     return cfg
 
 
 def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
-    """The typed config a `python -m trainer.train` run with these settings would get (--dtype, one process)."""
+    """The typed config a `python -m trainer.train` run with these settings would get
+    (--dtype, one process)."""
     dtype = resolve_dtype(args.dtype, device)
     return RunConfig(
         seed=args.seed,
         train=TrainConfig(seq_len=args.seq_len, tokens_per_step=args.tokens_per_step, dtype=dtype,
                           micro_batch_tokens=args.micro_batch_tokens, max_steps=args.warmup + args.steps),
-        data=DataConfig(path=args.data, num_workers=0),  # tokenize here, before timing: no worker competes later
+        # tokenize here, before timing: no worker competes later
+        data=DataConfig(path=args.data, num_workers=0),
         packing=PackingConfig(layout="packed", pad_to=args.pad_to),
         model=model_config(args.model, args.seq_len),
         attention=AttentionConfig(backend=resolve_backend(
@@ -191,7 +201,8 @@ def run_config(args: argparse.Namespace, device: torch.device) -> RunConfig:
 
 
 def draw_steps(cfg: RunConfig, info: DistInfo, num_steps: int) -> tuple[Steps, int, int]:
-    """(the logical batches of num_steps optimizer steps, pad id, vocab size), drawn once from one RowStream."""
+    """(the logical batches of num_steps optimizer steps, pad id, vocab size),
+    drawn once from one RowStream."""
     data = build_data(cfg, info)
     n_rows = rows_for_rank(cfg.train.rows_per_step, info)
     steps = [data.rows.take(n_rows) for _ in range(num_steps)]
@@ -206,17 +217,19 @@ def lay_out(rows: list[list[Document]], layout: str, cfg: RunConfig, pad_id: int
 
 
 def loss_groups(cfg: RunConfig, sources: int, metrics: bool = True) -> LossGroups:
-    """The loss groups the trainer's step would sum: logging.length_buckets x `sources` mixture sources (0 or 1:
-    no mixture) x logging.position_buckets; none with metrics=False. Every document counts as the first source
-    (the cost is the same)."""
+    """The loss groups the trainer's step would sum: logging.length_buckets x `sources` mixture sources (0 or
+    1: no mixture) x logging.position_buckets; none with metrics=False. Every document counts as the first
+    source (the cost is the same)."""
     if not metrics:
         return LossGroups()
     names = tuple(f"source{i}" for i in range(sources)) if sources > 1 else ()
     return LossGroups(tuple(cfg.logging.length_buckets), names, tuple(cfg.logging.position_buckets))
 
 
-def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False, chunk_tokens: int = 0):
-    """The variant's own model (a copy of the shared init), fresh AdamW and schedule, wrapped like the trainer's."""
+def build_engine(cfg: RunConfig, info: DistInfo, init_state: dict, compile: bool = False,
+                 chunk_tokens: int = 0):
+    """The variant's own model (a copy of the shared init), fresh AdamW and schedule,
+    wrapped like the trainer's."""
     model = build_model(cfg.model, cfg.attention, loss_chunk_tokens=chunk_tokens).to(info.device)
     model.load_state_dict(init_state)
     optimizer = build_optimizer(model, cfg.optim)
@@ -255,7 +268,8 @@ def run_interleaved(cfg: RunConfig, info: DistInfo, steps: Steps, pad_id: int, i
     results = {r.name: r for r in variants}
     engines = {r.name: build_engine(cfg, info, init_state, r.compiled, r.chunk_tokens) for r in variants}
     groups = {r.name: loss_groups(cfg, sources, r.metrics) for r in variants}
-    flops = flop_model(build_model(cfg.model, cfg.attention), cfg.attention, "none", info.device, cfg.train.dtype)
+    flops = flop_model(build_model(cfg.model, cfg.attention), cfg.attention, "none", info.device,
+                       cfg.train.dtype)
     names = list(results)
     recompiles_at_warmup_end = 0
     for i, rows in enumerate(steps):
@@ -343,7 +357,8 @@ def cpu_peak_memory(cfg: RunConfig, steps: Steps, pad_id: int, init_state: dict,
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-worker", spec_path],
                               capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        print(f"# memory worker for {layout} failed: {(proc.stderr or proc.stdout).strip()[-300:]}", file=sys.stderr)
+        print(f"# memory worker for {layout} failed: {(proc.stderr or proc.stdout).strip()[-300:]}",
+              file=sys.stderr)
         return None
     return int(proc.stdout.strip().splitlines()[-1])
 
@@ -361,7 +376,8 @@ def efficiency(results: dict[str, LayoutResult]) -> float:
 
 
 def per_step_efficiency(results: dict[str, LayoutResult]) -> list[float]:
-    """The same figure for each measured step alone (paired: both layouts ran that step's documents back to back).
+    """The same figure for each measured step alone
+    (paired: both layouts ran that step's documents back to back).
 
     A step has the same valid targets in both layouts, so its figure is (t_unpacked / t_packed) /
     (alloc_unpacked / alloc_packed). Their median shrugs off a burst of load from other processes that
@@ -385,9 +401,9 @@ def markdown(results: dict[str, LayoutResult], steps: int) -> str:
         return f"{x / 2**20:,.1f}" if x is not None else "n/a"
 
     lines = [
-        "| layout | valid tok/s | alloc pos/s | utilization | step ms (median) | layout ms | micro-batches/step "
-        "| largest micro-batch (pos) | peak step mem (MiB) | valid tok/s vs unpacked | allocated vs unpacked "
-        "| step time vs unpacked | peak mem vs unpacked |",
+        "| layout | valid tok/s | alloc pos/s | utilization | step ms (median) | layout ms "
+        "| micro-batches/step | largest micro-batch (pos) | peak step mem (MiB) | valid tok/s vs unpacked "
+        "| allocated vs unpacked | step time vs unpacked | peak mem vs unpacked |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results.values():
@@ -404,11 +420,12 @@ def markdown(results: dict[str, LayoutResult], steps: int) -> str:
 
 
 def metrics_markdown(results: dict[str, LayoutResult]) -> tuple[str, dict]:
-    """What the step's metrics cost, per variant run both ways (--metrics-off): step time on vs off of the same
-    steps, and the FLOP model the loop evaluates per logged step. Returns (the table, figures for the JSON)."""
+    """What the step's metrics cost, per variant run both ways (--metrics-off): step time on vs off of the
+    same steps, and the FLOP model the loop evaluates per logged step. Returns (the table, figures for the
+    JSON)."""
     lines = [
-        "| variant | step ms on (median) | step ms off (median) | cost, totals | cost, paired (median) | verdict "
-        "| FLOP model ms/step | FLOP model / step |",
+        "| variant | step ms on (median) | step ms off (median) | cost, totals | cost, paired (median) "
+        "| verdict | FLOP model ms/step | FLOP model / step |",
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     figures = {}
@@ -417,22 +434,26 @@ def metrics_markdown(results: dict[str, LayoutResult]) -> tuple[str, dict]:
         if not r.metrics or off is None:
             continue
         total = sum(r.seconds) / sum(off.seconds) - 1
-        paired = statistics.median(t_on / t_off - 1 for t_on, t_off in zip(r.seconds, off.seconds, strict=True))
+        paired = statistics.median(t_on / t_off - 1
+                                   for t_on, t_off in zip(r.seconds, off.seconds, strict=True))
         verdict = "PASS" if paired <= TARGET_METRICS_COST else "MISS"
         flop_ms = 1e3 * statistics.median(r.flop_seconds)
         lines.append(
-            f"| {r.name} | {1e3 * statistics.median(r.seconds):,.0f} | {1e3 * statistics.median(off.seconds):,.0f} "
+            f"| {r.name} | {1e3 * statistics.median(r.seconds):,.0f} "
+            f"| {1e3 * statistics.median(off.seconds):,.0f} "
             f"| {total:+.1%} | {paired:+.1%} | {verdict} | {flop_ms:.2f} "
             f"| {flop_ms / (1e3 * statistics.median(r.seconds)):.2%} |"
         )
         figures[r.name] = dict(cost_totals=total, cost_paired=paired, verdict=verdict, flop_model_ms=flop_ms)
-    lines.append(f"\ncost = step time with the metrics / without - 1 (target <= {TARGET_METRICS_COST:.0%}, paired)")
+    lines.append(f"\ncost = step time with the metrics / without - 1 "
+                 f"(target <= {TARGET_METRICS_COST:.0%}, paired)")
     return "\n".join(lines), figures
 
 
 def compile_markdown(results: dict[str, LayoutResult], recompiles: int) -> str:
-    """Compiled vs eager, per layout: the same documents, the same init (--compile). "paired" is the median over
-    the measured steps of eager seconds / compiled seconds of the same step (robust to bursts of load)."""
+    """Compiled vs eager, per layout: the same documents, the same init (--compile). "paired" is the median
+    over the measured steps of eager seconds / compiled seconds of the same step (robust to bursts of
+    load)."""
     lines = [
         "| layout | eager valid tok/s | compiled valid tok/s | compiled / eager | paired (median) "
         "| eager step ms (median) | compiled step ms (median) | compiled first step s | eager first step s "
@@ -446,7 +467,8 @@ def compile_markdown(results: dict[str, LayoutResult], recompiles: int) -> str:
         diff = max(abs(a - b) for a, b in zip(r.losses, e.losses, strict=True))
         paired = statistics.median(t_e / t_c for t_e, t_c in zip(e.seconds, r.seconds, strict=True))
         lines.append(
-            f"| {e.name} | {e.valid_tps:,.0f} | {r.valid_tps:,.0f} | {r.valid_tps / e.valid_tps:.2f}x | {paired:.2f}x "
+            f"| {e.name} | {e.valid_tps:,.0f} | {r.valid_tps:,.0f} | {r.valid_tps / e.valid_tps:.2f}x "
+            f"| {paired:.2f}x "
             f"| {1e3 * statistics.median(e.seconds):,.0f} | {1e3 * statistics.median(r.seconds):,.0f} "
             f"| {r.first_step_s:.1f} | {e.first_step_s:.1f} | {diff:.1e} |"
         )
@@ -476,27 +498,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="data/demo", help="directory written by `python -m trainer.prepare`")
     p.add_argument("--seq-len", type=int, default=512, help="row length T")
-    p.add_argument("--tokens-per-step", type=int, default=16384, help="positions per step: tokens_per_step // T rows")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="positions (padding included) per micro-batch")
+    p.add_argument("--tokens-per-step", type=int, default=16384,
+                   help="positions per step: tokens_per_step // T rows")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help="positions (padding included) per micro-batch")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps per layout")
     p.add_argument("--warmup", type=int, default=2, help="optimizer steps run first and not counted")
     p.add_argument("--attention", default="auto",
                    help="packed rows' kernel: auto (CPU: sdpa_docs) | dense | flex | ...")
     p.add_argument("--model", default="tiny", help="configs/model/<name>.yaml, or a YAML path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--pad-to", default="longest", choices=["longest", "seq_len"], help="unpacked rows' padding")
-    p.add_argument("--mem-steps", type=int, default=3, help="CPU: steps each memory subprocess measures (0: skip)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--pad-to", default="longest", choices=["longest", "seq_len"],
+                   help="unpacked rows' padding")
+    p.add_argument("--mem-steps", type=int, default=3,
+                   help="CPU: steps each memory subprocess measures (0: skip)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts to run (default: all three)")
-    p.add_argument("--compile", action="store_true", help="also run each layout with train.compile, side by side")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="comma-separated layouts to run (default: all three)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run each layout with train.compile, side by side")
     p.add_argument("--metrics-off", action="store_true",
-                   help="also run each variant without the step's loss-group metrics, side by side (their cost)")
+                   help="also run each variant without the step's loss-group metrics, side by side "
+                        "(their cost)")
     p.add_argument("--chunk-tokens", type=int, default=0,
                    help="also run each layout with loss.chunk_tokens=N (the chunked loss), side by side")
     p.add_argument("--sources", type=int, default=2,
-                   help="loss groups as in a mixture of N sources (per-source metrics too; 0 or 1: one source)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"], help="train.dtype (default fp32)")
+                   help="loss groups as in a mixture of N sources "
+                        "(per-source metrics too; 0 or 1: one source)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="train.dtype (default fp32)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -533,10 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(t.numel() for name, t in init_state.items() if name != "lm_head.weight")  # tied to wte
     docs = sum(len(row) for rows in steps[args.warmup:] for row in rows)
     print(f"# {args.model} ({n_params / 1e6:.2f} M params), T={args.seq_len}, {cfg.train.rows_per_step} rows "
-          f"({args.tokens_per_step} positions) per step, micro-batches <= {args.micro_batch_tokens} positions, "
-          f"{cfg.train.dtype} AdamW, packed attention: {cfg.attention.backend}, unpacked padded to {args.pad_to}")
-    print(f"# {args.steps} measured steps after {args.warmup} warm-up, {docs / args.steps:.1f} documents per step, "
-          f"data {args.data}")
+          f"({args.tokens_per_step} positions) per step, "
+          f"micro-batches <= {args.micro_batch_tokens} positions, "
+          f"{cfg.train.dtype} AdamW, packed attention: {cfg.attention.backend}, "
+          f"unpacked padded to {args.pad_to}")
+    print(f"# {args.steps} measured steps after {args.warmup} warm-up, "
+          f"{docs / args.steps:.1f} documents per step, data {args.data}")
     groups = loss_groups(cfg, args.sources)
     print(f"# metrics: {groups.size} loss groups (length buckets {list(groups.edges)} x {groups.num_sources} "
           f"source(s)){'; each variant also without (-metrics)' if args.metrics_off else ''}"
@@ -550,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                 for metrics in ((True, False) if args.metrics_off else (True,))]
     load_start = f"{os.getloadavg()[0]:.2f}"
     counter = CompileCounter() if args.compile else None
-    results, recompiles = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup, variants, counter,
-                                          args.sources)
+    results, recompiles = run_interleaved(cfg, info, steps, pad_id, init_state, args.warmup, variants,
+                                          counter, args.sources)
     if device.type == "cpu" and args.mem_steps > 0:
         mem_steps = steps[:1] + steps[args.warmup : args.warmup + args.mem_steps]
         for layout in layouts:
@@ -572,8 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     first = {name: f"{r.losses[0]:.5f}" for name, r in results.items()}
     last = {name: f"{r.losses[-1]:.5f}" for name, r in results.items()}
     print(f"loss at step 1 {first}, at step {len(steps)} {last} (same init, same documents)")
-    mem_note = ("CUDA max_memory_allocated above the step's start, max over measured steps" if device.type == "cuda"
-                else f"CPU peak RSS above the step's start, own subprocess per layout, {args.mem_steps} steps")
+    mem_note = ("CUDA max_memory_allocated above the step's start, max over measured steps"
+                if device.type == "cuda"
+                else f"CPU peak RSS above the step's start, own subprocess per layout, "
+                     f"{args.mem_steps} steps")
     print(f"peak step mem: {mem_note}")
     print(f"load average at start / end: {load_start} / {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
     out = dict(machine=machine(device), args=vars(args), attention=cfg.attention.backend,

@@ -1,4 +1,5 @@
-"""A tensor-parallel rank loading a whole engine.pt, mapped or read whole (not a test): peak RSS and load time.
+"""A tensor-parallel rank loading a whole engine.pt, mapped or read whole (not a test): peak RSS and load
+time.
 
     MMAP=0 OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node=2 bench/tp_load.py
     MMAP=1 OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node=2 bench/tp_load.py
@@ -6,7 +7,8 @@
 gpt2-124m under distributed.tensor_parallel=2 (DDP engine), a whole one-rank engine.pt (model + AdamW moments,
 1.5 GB, written once to $ENGINE or /tmp/tp_load_engine.pt) loaded as trainer.checkpoint.store.load_engine does
 under TP (MMAP=1: `load_state(..., map_location="cpu", mmap=True)`) or read whole first (MMAP=0), then
-DDPEngine.load_state_dict keeping this rank's slices. Prints each rank's peak RSS before and after, and the time.
+DDPEngine.load_state_dict keeping this rank's slices. Prints each rank's peak RSS before and after, and the
+time.
 """
 
 import os
@@ -61,8 +63,8 @@ def main():
     del state
     t = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    print(f"rank {dist.get_rank()} mmap={mmap}: peak RSS before the load {before:.2f} GB, after {after:.2f} GB, "
-          f"load {t:.2f} s", flush=True)
+    print(f"rank {dist.get_rank()} mmap={mmap}: peak RSS before the load {before:.2f} GB, "
+          f"after {after:.2f} GB, load {t:.2f} s", flush=True)
     dist.destroy_process_group()
 
 

@@ -7,8 +7,9 @@ exits 0 only if at least one real varlen kernel (flash = flash-attn, torch_varle
 ran its forward AND its backward tests and they passed, and no test failed anywhere. A kernel whose tests all
 skipped is listed with the reason, never counted as a pass: the GPU window must not pass vacuously.
 
-Tests are attributed to a kernel by their parameter id (`test_x[torch_varlen-torch.bfloat16]` -> torch_varlen);
-a kernel's forward and backward tests are the ones named in FORWARD_TESTS / BACKWARD_TESTS (tests/test_gpu.py).
+Tests are attributed to a kernel by their parameter id (`test_x[torch_varlen-torch.bfloat16]` ->
+torch_varlen); a kernel's forward and backward tests are the ones named in FORWARD_TESTS / BACKWARD_TESTS
+(tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class KernelRow:
 
 
 def kernel_of(name: str) -> str | None:
-    """The kernel a test is about, from its parameter id. Example: "test_x[flash-torch.float16]" -> "flash"."""
+    """The kernel a test is about, from its parameter id. Example: "test_x[flash-torch.float16]" ->
+    "flash"."""
     if "[" not in name:
         return None
     params = name[name.index("[") + 1 : name.rindex("]")].split("-")
@@ -77,7 +79,8 @@ def _first_line(text: str) -> str:
 
 
 def read_junit(path: str | Path) -> list[TestResult]:
-    """The test cases of a pytest --junitxml file (a test whose setup and call both report counts once, worst first)."""
+    """The test cases of a pytest --junitxml file (a test whose setup and call both report counts once, worst
+    first)."""
     results: dict[str, TestResult] = {}
     rank = {"error": 3, "failed": 2, "passed": 1, "skipped": 0}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -130,7 +133,8 @@ def kernel_rows(results: list[TestResult]) -> list[KernelRow]:
 
 
 def verdict(results: list[TestResult]) -> tuple[bool, list[KernelRow], list[str]]:
-    """(ok, the kernel rows, the reasons it is not ok). ok: a varlen kernel passed forward and backward, nothing failed.
+    """(ok, the kernel rows, the reasons it is not ok). ok: a varlen kernel passed forward and backward,
+    nothing failed.
 
     Examples: every test skipped -> not ok; torch_varlen's forward and backward passed, flash skipped -> ok;
     flash skipped and a torch_varlen test failed -> not ok.
@@ -145,7 +149,8 @@ def verdict(results: list[TestResult]) -> tuple[bool, list[KernelRow], list[str]
                         + (" ..." if len(failed) > 8 else ""))
     passing = [r.kernel for r in rows if r.kernel in VARLEN_KERNELS and r.verdict == "PASS"]
     if not passing:
-        states = "; ".join(f"{r.kernel}: {r.verdict.lower()} ({_state(r)})" for r in rows if r.kernel in VARLEN_KERNELS)
+        states = "; ".join(f"{r.kernel}: {r.verdict.lower()} ({_state(r)})" for r in rows
+                           if r.kernel in VARLEN_KERNELS)
         problems.append(f"no varlen kernel ran its forward and backward tests and passed them: {states}")
     return not problems, rows, problems
 
@@ -159,8 +164,8 @@ def markdown_table(rows: list[KernelRow]) -> str:
              "|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         available = r.available.replace("|", "/")
-        lines.append(f"| {r.kernel} | {available} | {r.run} | {r.passed} | {r.failed} | {r.skipped} | {r.forward} "
-                     f"| {r.backward} | {r.verdict} |")
+        lines.append(f"| {r.kernel} | {available} | {r.run} | {r.passed} | {r.failed} | {r.skipped} "
+                     f"| {r.forward} | {r.backward} | {r.verdict} |")
     return "\n".join(lines)
 
 
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(ok=ok, problems=problems, kernels=[asdict(r) for r in rows],
+        Path(args.json).write_text(json.dumps(dict(ok=ok, problems=problems,
+                                                   kernels=[asdict(r) for r in rows],
                                                    tests=[asdict(t) for t in results]), indent=1))
     return 0 if ok else 1
 

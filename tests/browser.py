@@ -44,7 +44,8 @@ def missing_parts() -> list[str]:
 
 
 def start_chrome(user_data_dir: Path):
-    """A headless chromium with an explicit driver path (so Selenium Manager never runs) and console logs on."""
+    """A headless chromium with an explicit driver path
+    (so Selenium Manager never runs) and console logs on."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -24,8 +24,8 @@ if os.environ.get("CI"):
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """A directory `build` fills once per test session, also under pytest-xdist (`make test` runs two workers,
     and files that read the same fixture often land on different ones): the workers share one directory beside
-    their own temporary roots; the first to need it builds it under a lock, the others wait and read it. A build
-    that fails leaves nothing behind: the next worker tries again from an empty directory."""
+    their own temporary roots; the first to need it builds it under a lock, the others wait and read it. A
+    build that fails leaves nothing behind: the next worker tries again from an empty directory."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         out = tmp_path_factory.mktemp(name)
         build(out)
@@ -88,8 +88,8 @@ NEUTRAL_SWEEPS = {
 @pytest.fixture(scope="session")
 def neutral_sweeps(demo_data, tmp_path_factory) -> dict[str, Path]:
     """Two real sweeps over loss-preserving settings, run side by side (read by tests/test_registry.py and
-    tests/reporting/test_report.py): data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile on/off
-    (inductor; no eval, so one compilation). 3 steps each."""
+    tests/reporting/test_report.py): data.prefetch on/off x seed 0/1 with a tiny eval, and train.compile
+    on/off (inductor; no eval, so one compilation). 3 steps each."""
 
     def run(root: Path) -> None:
         with ThreadPoolExecutor(len(NEUTRAL_SWEEPS)) as pool:
@@ -100,5 +100,6 @@ def neutral_sweeps(demo_data, tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in NEUTRAL_SWEEPS}
 
 
-# A headless chromium for tests that render pages (skips without one, fails under CI=true): see tests/browser.py.
+# A headless chromium for tests that render pages (skips without one, fails under CI=true): see
+# tests/browser.py.
 from tests.browser import browser  # noqa: E402, F401

@@ -2,10 +2,11 @@
 
     results = run_distributed(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> picklable
 
-Workers are forked from a forkserver (multiprocessing's: a fresh interpreter started once per test process, which
-imports torch, dynamo and the trainer before anything runs, so no OpenMP or thread state is forked) and return
-through files; an exception in any rank fails the call with that rank's traceback. A rank then starts in well under
-a second instead of paying the imports (~6 CPU seconds) each time. Never mocks: real torch.distributed.
+Workers are forked from a forkserver (multiprocessing's: a fresh interpreter started once per test process,
+which imports torch, dynamo and the trainer before anything runs, so no OpenMP or thread state is forked) and
+return through files; an exception in any rank fails the call with that rank's traceback. A rank then starts
+in well under a second instead of paying the imports (~6 CPU seconds) each time. Never mocks: real
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ def _start_method() -> str:
 
 
 RUN_TIMEOUT_S = 300
-"""A call's ranks must all end within this: a rank that raised while another waits in a collective would otherwise
-leave the test hanging (each rank meets the others at a barrier before it leaves)."""
+"""A call's ranks must all end within this: a rank that raised while another waits in a collective would
+otherwise leave the test hanging (each rank meets the others at a barrier before it leaves)."""
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout_s: float = RUN_TIMEOUT_S) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-                                     start_method=_start_method(), join=False)
+        context = mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args),
+                                     nprocs=world_size, start_method=_start_method(), join=False)
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
@@ -83,7 +84,8 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout_s: float 
                     process.join(timeout=10)
                 raise AssertionError(f"ranks {sorted(set(range(world_size)) - done)} still running "
                                      f"after {timeout_s:g} s "
-                                     "(waiting in a collective for a rank that failed?); what the others reported:\n"
+                                     "(waiting in a collective for a rank that failed?); "
+                                     "what the others reported:\n"
                                      + "\n".join(str(e)[-3000:] for e in errors))
         results = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
     errors = [f"rank {r}:\n{value}" for r, (status, value) in enumerate(results) if status == "error"]
@@ -111,8 +113,9 @@ def require_module(name: str, install: str):
 
 
 def _join(rank: int, world: int, store: str) -> None:
-    """Leave this process's group (if any) and form a new gloo group of `world` ranks over the file `store`, the
-    trainer's environment (RANK, WORLD_SIZE, LOCAL_RANK) set to it: init_distributed then sees that world."""
+    """Leave this process's group (if any) and form a new gloo group of `world` ranks over the file `store`,
+    the trainer's environment (RANK, WORLD_SIZE, LOCAL_RANK) set to it: init_distributed then sees that
+    world."""
     from trainer.distributed.groups import shutdown_distributed
 
     shutdown_distributed()
@@ -121,11 +124,13 @@ def _join(rank: int, world: int, store: str) -> None:
                             timeout=timedelta(seconds=RUN_TIMEOUT_S))
 
 
-def in_worlds(rank: int, size: int, root: str, phases: list[tuple[int, Callable, tuple]]) -> dict[int, object]:
-    """The phases (world, fn, args) one after another in one run_distributed spawn of `size` ranks: phase i on its
-    first `world` ranks, in a fresh gloo group of their own (the spawn's group is left first; the ranks outside
-    the phase wait for the next one they are in); {i: fn(rank, world, *args)} of the phases this rank ran. Every
-    spawned rank costs its start (torch, dynamo and the trainer imported) once, not once per world size."""
+def in_worlds(rank: int, size: int, root: str,
+              phases: list[tuple[int, Callable, tuple]]) -> dict[int, object]:
+    """The phases (world, fn, args) one after another in one run_distributed spawn of `size` ranks: phase i on
+    its first `world` ranks, in a fresh gloo group of their own (the spawn's group is left first; the ranks
+    outside the phase wait for the next one they are in); {i: fn(rank, world, *args)} of the phases this rank
+    ran. Every spawned rank costs its start (torch, dynamo and the trainer imported) once, not once per world
+    size."""
     out = {}
     for i, (world, fn, args) in enumerate(phases):
         if rank < world:

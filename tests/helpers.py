@@ -36,7 +36,8 @@ from trainer.model import GPTConfig
 # ---------------------------------------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [  # model=tiny is the default (configs/config.yaml); not named, so a Hugging Face init_from gives the model
+# model=tiny is the default (configs/config.yaml); not named, so a Hugging Face init_from gives the model
+SMALL = [
     "train.seq_len=128",
     "train.tokens_per_step=1024",
     "train.micro_batch_tokens=512",
@@ -75,7 +76,8 @@ with open(out_path, "w") as f:
 
 def run_train(run_dir: Path, data: Path | None, *overrides: str, launcher: list[str] | None = None,
               extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`python -m trainer.train` on `data` (data.path; None: the overrides name the data, e.g. data.sources)."""
+    """`python -m trainer.train` on `data` (data.path; None: the overrides name the data, e.g.
+    data.sources)."""
     data_arg = [] if data is None else [f"data.path={data}"]
     cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", *data_arg, f"hydra.run.dir={run_dir}",
                                                   *SMALL, *overrides, *extra_args]
@@ -137,8 +139,8 @@ def train_checkpoint(run_dir: Path, data: Path, *overrides: str) -> Path:
 
 
 def as_written_before_checksums(checkpoint: Path) -> Path:
-    """`checkpoint` made as packtrain wrote them before it recorded checksums: no checksums.json, and no meta.json
-    key saying one was written (with that key, a missing checksums.json is damage)."""
+    """`checkpoint` made as packtrain wrote them before it recorded checksums: no checksums.json, and no
+    meta.json key saying one was written (with that key, a missing checksums.json is damage)."""
     import json
 
     from trainer.checkpoint import store
@@ -194,9 +196,9 @@ def assert_same_params(a: dict, b: dict, tol: float = 1e-5) -> None:
 
 
 def plain_document_loss(params: dict[str, torch.Tensor], cfg: GPTConfig, ids: torch.Tensor) -> torch.Tensor:
-    """The summed next-token cross entropy of one document (token ids, learned positions from 0) through the GPT
-    weights `params` (named as the model's), in plain PyTorch written here: no packing, no cu_seqlens, no trainer
-    attention or loss code. A one-token document has no target: 0."""
+    """The summed next-token cross entropy of one document (token ids, learned positions from 0) through the
+    GPT weights `params` (named as the model's), in plain PyTorch written here: no packing, no cu_seqlens, no
+    trainer attention or loss code. A one-token document has no target: 0."""
     ids = torch.as_tensor(ids)
     n = len(ids)
     if n < 2:
@@ -213,7 +215,8 @@ def plain_document_loss(params: dict[str, torch.Tensor], cfg: GPTConfig, ids: to
         y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, cfg.n_embd)
         x = x + y @ p[f"blocks.{i}.attn.c_proj.weight"].T + p[f"blocks.{i}.attn.c_proj.bias"]
         h = F.layer_norm(x, (cfg.n_embd,), p[f"blocks.{i}.ln_2.weight"], p[f"blocks.{i}.ln_2.bias"])
-        h = F.gelu(h @ p[f"blocks.{i}.mlp.c_fc.weight"].T + p[f"blocks.{i}.mlp.c_fc.bias"], approximate="tanh")
+        h = F.gelu(h @ p[f"blocks.{i}.mlp.c_fc.weight"].T + p[f"blocks.{i}.mlp.c_fc.bias"],
+                   approximate="tanh")
         x = x + h @ p[f"blocks.{i}.mlp.c_proj.weight"].T + p[f"blocks.{i}.mlp.c_proj.bias"]
     logits = F.layer_norm(x, (cfg.n_embd,), p["ln_f.weight"], p["ln_f.bias"]) @ p["wte.weight"].T
     return F.cross_entropy(logits[:-1], ids[1:], reduction="sum")
@@ -238,7 +241,8 @@ SHORT_SHARD_SCALES = (2.0, 1.5, 1.0, 0.7, 0.5)
 
 
 def stdlib_words(*files: str) -> list[str]:
-    """The words (runs of letters) of standard-library source files, in order: text that is on every machine."""
+    """The words (runs of letters) of standard-library source files, in order: text that is on every
+    machine."""
     import re
     import sysconfig
 
@@ -278,9 +282,10 @@ LLAMA3 = ("<|begin_of_text|>", "<|end_of_text|>")
 def hf_tokenizer_dir(out: Path, specials: tuple[str, ...], *, eos: str, bos: str | None = None,
                      pad: str | None = None, post_processor: str | None = None, **config) -> Path:
     """A tiny byte-level BPE saved as transformers saves a model's tokenizer (tokenizer.json and
-    tokenizer_config.json), `specials` its first ids. `post_processor`: a TemplateProcessing single template such as
-    "<s> $A" (Llama-3's adds BOS so); `config`: keys written into tokenizer_config.json afterwards (None removes one),
-    e.g. add_bos_token=True, chat_template=... Example: ("<|endoftext|>",), eos="<|endoftext|>": GPT-2's layout."""
+    tokenizer_config.json), `specials` its first ids. `post_processor`: a TemplateProcessing single template
+    such as "<s> $A" (Llama-3's adds BOS so); `config`: keys written into tokenizer_config.json afterwards
+    (None removes one), e.g. add_bos_token=True, chat_template=... Example: ("<|endoftext|>",),
+    eos="<|endoftext|>": GPT-2's layout."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -311,10 +316,10 @@ def sources_override(*sources: tuple[str, Path, float]) -> str:
 
 
 def mixture_corpora(root: Path, docs_per_shard: int = 40, shards: int = 4) -> tuple[Path, Path]:
-    """Two prepared sources with different length profiles and one tokenizer: `short` (3 to 40 words) and `long`
-    (60 to 300 words), `shards` shards each, words from standard-library sources. Keys are "short--<n>" and
-    "long--<n>" (trainer.prepare names samples by the source file): the key names the source, a reference that
-    does not use Document.source."""
+    """Two prepared sources with different length profiles and one tokenizer: `short` (3 to 40 words) and
+    `long` (60 to 300 words), `shards` shards each, words from standard-library sources. Keys are "short--<n>"
+    and "long--<n>" (trainer.prepare names samples by the source file): the key names the source, a reference
+    that does not use Document.source."""
     import random
 
     from trainer.prepare import prepare
@@ -331,16 +336,17 @@ def mixture_corpora(root: Path, docs_per_shard: int = 40, shards: int = 4) -> tu
         source = root / f"{name}.jsonl"
         source.write_text("".join(lines))
         tokenizer = None if not out else out[0] / "tokenizer"
-        prepare(f"jsonl:{source}", root / name, vocab_size=300, tokenizer=tokenizer, docs_per_shard=docs_per_shard,
-                val_fraction=0.0, seed=0)
+        prepare(f"jsonl:{source}", root / name, vocab_size=300, tokenizer=tokenizer,
+                docs_per_shard=docs_per_shard, val_fraction=0.0, seed=0)
         out.append(root / name)
     return out[0], out[1]
 
 
 def epoch_chunks(data: Path, seq_len: int) -> Counter:
-    """The chunks of one epoch of `data`'s train split, made without the trainer's reader: each shard opened with
-    tarfile, each `<key>.txt` encoded by the `tokenizers` library, + 1 for the appended EOS, named `key` or, over
-    seq_len tokens, `key#0` .. `key#k` (the trainer's split): what every epoch must consume exactly once."""
+    """The chunks of one epoch of `data`'s train split, made without the trainer's reader: each shard opened
+    with tarfile, each `<key>.txt` encoded by the `tokenizers` library, + 1 for the appended EOS, named `key`
+    or, over seq_len tokens, `key#0` .. `key#k` (the trainer's split): what every epoch must consume exactly
+    once."""
     import math
     import tarfile
 
@@ -356,7 +362,8 @@ def epoch_chunks(data: Path, seq_len: int) -> Counter:
                     key = member.name.rsplit("/", 1)[-1].split(".", 1)[0]
                     text = tar.extractfile(member).read().decode("utf-8")
                     n = len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
-                    chunks.update([key] if n <= seq_len else [f"{key}#{i}" for i in range(math.ceil(n / seq_len))])
+                    chunks.update([key] if n <= seq_len
+                                  else [f"{key}#{i}" for i in range(math.ceil(n / seq_len))])
     return chunks
 
 
@@ -373,8 +380,9 @@ def stream_rows(data: Path, rank: int, world_size: int, workers: int, seq_len: i
 
     source = resolve_source(DataConfig(path=str(data)))
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=0, rank=rank, world_size=world_size,
-                            shuffle_buffer=shuffle_buffer, expected_docs=source.expected_docs,
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=0, rank=rank,
+                            world_size=world_size, shuffle_buffer=shuffle_buffer,
+                            expected_docs=source.expected_docs,
                             shard_tokens=manifest_tokens(source.train_urls, source.manifest))
     loader = DocumentLoader(stream, num_workers=workers, lockstep=True)
     return RowStream(loader, seq_len, PackingConfig(buffer_size=packer_buffer))
@@ -441,9 +449,10 @@ class ShardServer(http.server.ThreadingHTTPServer):
 
 @contextlib.contextmanager
 def serve_shards(directory: Path, handler: type = None):
-    """A real local HTTP server for the files of `directory` (handler: ShardHandler or a subclass), in a thread;
-    `server.base` is its URL."""
-    server = ShardServer(("127.0.0.1", 0), functools.partial(handler or ShardHandler, directory=str(directory)))
+    """A real local HTTP server for the files of `directory` (handler: ShardHandler or a subclass), in a
+    thread; `server.base` is its URL."""
+    server = ShardServer(("127.0.0.1", 0),
+                         functools.partial(handler or ShardHandler, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     server.base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -471,7 +480,8 @@ LAYERS: list[set[str]] = [
     {"trainer.run"},  # the loop and its parts
     {"trainer.outputs"},  # where a command may write
     {"trainer.train", "trainer.prepare", "trainer.report", "trainer.inspect_mask", "trainer.export",
-     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer.certify", "trainer"},
+     "trainer.generate", "trainer.evaluate", "trainer.launcher", "trainer.harness", "trainer.certify",
+     "trainer"},
 ]
 """Each module may import from its own layer and the layers above it in this list (lower = more basic).
 A room is a subpackage or a root module; `trainer.data.config` belongs to `trainer.data`."""
@@ -486,7 +496,8 @@ def modules() -> dict[str, Path]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """trainer module -> the trainer modules it imports (at the top, inside functions, under TYPE_CHECKING)."""
+    """trainer module -> the trainer modules it imports (at the top, inside functions, under
+    TYPE_CHECKING)."""
     mods = modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
@@ -529,6 +540,7 @@ def layer(module: str) -> int:
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """'a -> b' for each import of a module from a higher layer (a room that should depend on a, not a on it)."""
+    """'a -> b' for each import of a module from a higher layer (a room that should depend on a, not a on
+    it)."""
     return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
                   if room(a) != room(b) and layer(b) > layer(a))

@@ -1,8 +1,9 @@
 """Tar shards made by hand for the tests of the tar reader (trainer.data.tars), its callers and the bad-input
 table: regular files written by `tarfile`, headers whose size field says what a damaged or crafted shard says,
-sparse members of hundreds of MB that take no disk; and a prepared dataset's shards read from their stored ids, or
-rewritten member by member as a damaged or forged one. Shared by tests/data/test_tars.py, test_tars_fuzz.py,
-test_eval_reader.py and tests/test_bad_inputs.py (test modules share code through modules like this one only)."""
+sparse members of hundreds of MB that take no disk; and a prepared dataset's shards read from their stored
+ids, or rewritten member by member as a damaged or forged one. Shared by tests/data/test_tars.py,
+test_tars_fuzz.py, test_eval_reader.py and tests/test_bad_inputs.py (test modules share code through modules
+like this one only)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from trainer.data.stream import DocumentStream
 from trainer.data.tokenizer import load_tokenizer, special_ids, tokenizer_hash
 
 
-def tar_of(members: list[tuple[str, bytes | str]], fmt=tarfile.PAX_FORMAT, pax_global: dict | None = None) -> bytes:
-    """A tar of (name, data) regular files; data given as a str is the kind of a special member: "dir", "symlink",
-    "hardlink", "fifo"."""
+def tar_of(members: list[tuple[str, bytes | str]], fmt=tarfile.PAX_FORMAT,
+           pax_global: dict | None = None) -> bytes:
+    """A tar of (name, data) regular files; data given as a str is the kind of a special member: "dir",
+    "symlink", "hardlink", "fifo"."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=fmt, pax_headers=pax_global or {}) as tar:
         for name, data in members:
@@ -55,13 +57,15 @@ def with_size(header: bytes, size: int) -> bytes:
 
 def pax_header_then(member: bytes, size: int) -> bytes:
     """A pax 'x' header block for the member that follows, with size field `size`, and no data."""
-    return with_size(tar_of([("c" * 120 + ".txt", b"")])[:512], size)  # a long name: the first block is an 'x' header
+    # a long name: the first block is an 'x' header
+    return with_size(tar_of([("c" * 120 + ".txt", b"")])[:512], size)
 
 
 PLAIN_MEMBERS = [("a.txt", b"first"), ("a.ids", b"\x01\x00\x02\x00"), ("b.txt", b"second")]
 PLAIN = tar_of(PLAIN_MEMBERS)  # a.txt, a.ids, b.txt: a header and a data block each
 NEGATIVE = {
-    "pax header": PLAIN[: 6 * 512] + pax_header_then(PLAIN, -6 * 512 - 512) + PLAIN[6 * 512 :],  # back to a.txt
+    # back to a.txt
+    "pax header": PLAIN[: 6 * 512] + pax_header_then(PLAIN, -6 * 512 - 512) + PLAIN[6 * 512 :],
     "member": with_size(PLAIN[:512], -512) + PLAIN[512:],
     "member, -1": with_size(PLAIN[:512], -1) + PLAIN[512:],
     "GNU long name": with_size(tar_of([("l" * 120 + ".txt", b"x")], tarfile.GNU_FORMAT)[:512], -1024) + PLAIN,
@@ -124,8 +128,8 @@ def rewrite_shard(src: str, dst: Path, change) -> None:
 
 
 def stored_stream(data: Path, stored: StoredIds | None, loss_on: str = "all", **kw) -> DocumentStream:
-    """The training stream of dataset `data` (its train shards unless `shards=` says), one epoch, from `stored`
-    ids (None: from the text)."""
+    """The training stream of dataset `data` (its train shards unless `shards=` says), one epoch, from
+    `stored` ids (None: from the text)."""
     eos = special_ids(load_tokenizer(data / "tokenizer")).eos
     kw.setdefault("shuffle_buffer", 50)
     kw.setdefault("epochs", 1)
@@ -171,10 +175,13 @@ def damaged_shard(demo_data: Path, tmp_path: Path, change, which: int = 0) -> st
     members = members_of(src)
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / Path(src).name
-    rewrite_shard(src, out, lambda name, data: (name, change(*name.split(".", 1), data, members[name.split(".")[0]])))
+    rewrite_shard(src, out,
+                  lambda name, data: (name, change(*name.split(".", 1), data, members[name.split(".")[0]])))
     return str(out)
 
 
 def read_stored(demo_data: Path, shards: list[str], stored=True, **kw) -> DocumentLoader:
-    """`shards` of the dataset `demo_data` read as a run reads them (from stored ids unless `stored` is False)."""
-    return DocumentLoader(stored_stream(demo_data, stored_of(demo_data) if stored else None, shards=shards, **kw))
+    """`shards` of the dataset `demo_data` read as a run reads them (from stored ids unless `stored` is
+    False)."""
+    return DocumentLoader(stored_stream(demo_data, stored_of(demo_data) if stored else None,
+                                        shards=shards, **kw))

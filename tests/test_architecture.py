@@ -63,7 +63,8 @@ def map_names(doc: str) -> set[str]:
 
 @pytest.mark.parametrize("init", sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py")))
 def test_every_module_is_named_in_its_rooms_map(init):
-    """Each package's __init__ docstring is the map of its folder: every module and subpackage in it has a line."""
+    """Each package's __init__ docstring is the map of its folder: every module and subpackage in it has a
+    line."""
     folder = (ROOT / init).parent
     present = {p.stem for p in folder.glob("*.py")} - {"__init__"}
     present |= {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
@@ -83,7 +84,8 @@ SHARED_TEST_MODULES = {"tests.helpers", "tests.harness", "tests.browser", "tests
 
 
 def cross_test_imports(test_root: Path) -> list[str]:
-    """'a -> b' for each test module importing another test module (shared code belongs in tests/helpers.py)."""
+    """'a -> b' for each test module importing another test module (shared code belongs in
+    tests/helpers.py)."""
     found = []
     for path in sorted(test_root.rglob("*.py")):
         name = ".".join(path.relative_to(test_root.parent).with_suffix("").parts)
@@ -92,7 +94,8 @@ def cross_test_imports(test_root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
                        else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            found += [f"{name} -> {t}" for t in targets if t.startswith("tests.") and t not in SHARED_TEST_MODULES]
+            found += [f"{name} -> {t}" for t in targets
+                      if t.startswith("tests.") and t not in SHARED_TEST_MODULES]
     return found
 
 
@@ -104,9 +107,9 @@ def test_test_modules_share_code_through_helpers_only(tmp_path):
 
 
 def test_the_commands_that_never_compile_do_not_load_dynamo():
-    """torch._dynamo costs ~1 s of a process's start; only train.compile needs it (trainer/model/compile.py wraps
-    the attention call in torch.compiler.disable then, not at import). Training builds an optimizer, whose
-    add_param_group imports it anyway; export, generate and inspect_mask never do."""
+    """torch._dynamo costs ~1 s of a process's start; only train.compile needs it (trainer/model/compile.py
+    wraps the attention call in torch.compiler.disable then, not at import). Training builds an optimizer,
+    whose add_param_group imports it anyway; export, generate and inspect_mask never do."""
     code = ("import sys, trainer.export, trainer.generate, trainer.inspect_mask, trainer.model; "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -115,7 +118,8 @@ def test_the_commands_that_never_compile_do_not_load_dynamo():
 
 
 def data_imports_of_run(graph: dict[str, set[str]]) -> list[str]:
-    """'a -> b' for each module a of trainer.run importing a module b of trainer.data other than its facade."""
+    """'a -> b' for each module a of trainer.run importing a module b of trainer.data other than its
+    facade."""
     return sorted(f"{a} -> {b}" for a, targets in graph.items() if room(a) == "trainer.run" for b in targets
                   if room(b) == "trainer.data" and b != "trainer.data.feed")
 
@@ -130,7 +134,8 @@ def test_the_run_takes_its_data_through_one_module():
 
 EPOCH_ARITHMETIC = re.compile(r"\b\w*epoch\w*(['\"]?\s*\]|\))?\s*[-+]=?\s*(1\b|bool\(|self\.|ended|state\.)"
                               r"|=\s*len\(\w*wait\w*\)\s*-|\bepoch\s*\+=")
-"""An epoch counted or compared by arithmetic: `epoch += 1`, `lockstep_epoch + 1`, `epoch - bool(ended)`, ..."""
+"""An epoch counted or compared by arithmetic: `epoch += 1`, `lockstep_epoch + 1`, `epoch - bool(ended)`,
+..."""
 
 
 def epoch_arithmetic(path: Path) -> list[str]:
@@ -143,21 +148,23 @@ def test_one_module_decides_epochs(tmp_path):
     """trainer.data.epochs holds every rule of when an epoch ends and the next begins; the others ask it."""
     owner = PACKAGE / "data" / "epochs.py"
     assert epoch_arithmetic(owner)  # the rules are there, and the pattern sees them
-    found = [line for path in sorted(PACKAGE.rglob("*.py")) if path != owner for line in epoch_arithmetic(path)]
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) if path != owner
+             for line in epoch_arithmetic(path)]
     assert found == []
     probe = tmp_path / "probe.py"
-    probe.write_text("state.epoch += 1\nstop = self.lockstep_epoch + 1\ne = loader['lockstep_epoch'] - bool(s)\n")
+    probe.write_text("state.epoch += 1\nstop = self.lockstep_epoch + 1\n"
+                     "e = loader['lockstep_epoch'] - bool(s)\n")
     assert len(epoch_arithmetic(probe)) == 3  # the check can fail
 
 
-PREPARE_MAY_IMPORT = {"trainer.data.shards", "trainer.data.tokenizer", "trainer.data.chat", "trainer.data.config",
-                      "trainer.data.workers", "trainer.errors"}
+PREPARE_MAY_IMPORT = {"trainer.data.shards", "trainer.data.tokenizer", "trainer.data.chat",
+                      "trainer.data.config", "trainer.data.workers", "trainer.errors"}
 """What the offline flow shares with the training stream (trainer/data/prepare/__init__.py)."""
 
 
 def flows_crossed(graph: dict[str, set[str]]) -> list[str]:
-    """'a -> b' for each import across the two flows of trainer.data: into the prepare room from outside it (but
-    its command), or out of it into anything but what both flows share."""
+    """'a -> b' for each import across the two flows of trainer.data: into the prepare room from outside it
+    (but its command), or out of it into anything but what both flows share."""
     def inside(m: str) -> bool:
         return m.startswith("trainer.data.prepare")
 
@@ -172,7 +179,8 @@ def test_the_offline_preparation_and_the_training_stream_are_apart():
     assert flows_crossed(graph) == []
     assert flows_crossed({"trainer.data.stream": {"trainer.data.prepare.plan"},
                           "trainer.data.prepare.units": {"trainer.data.stream"}}) == [
-        "trainer.data.prepare.units -> trainer.data.stream", "trainer.data.stream -> trainer.data.prepare.plan"]
+        "trainer.data.prepare.units -> trainer.data.stream",
+        "trainer.data.stream -> trainer.data.prepare.plan"]
 
 
 NOT_ROOMS = {"fixtures", "__pycache__"}
@@ -180,8 +188,9 @@ NOT_ROOMS = {"fixtures", "__pycache__"}
 
 
 def misplaced_tests(test_root: Path, package: Path) -> list[str]:
-    """What breaks the mirror of the package in tests/: a folder that is not a room of the package, or a test file
-    in tests/<room>/ that neither imports trainer.<room> nor names it in its docstring (a test of another room)."""
+    """What breaks the mirror of the package in tests/: a folder that is not a room of the package, or a test
+    file in tests/<room>/ that neither imports trainer.<room> nor names it in its docstring (a test of another
+    room)."""
     rooms = {p.parent.name for p in package.glob("*/__init__.py")}
     found = []
     for folder in sorted(p for p in test_root.iterdir() if p.is_dir() and p.name not in NOT_ROOMS):
@@ -206,16 +215,18 @@ def test_the_tests_mirror_the_rooms(tmp_path):
     (tmp_path / "tests" / "run" / "test_a.py").write_text("from trainer.data.batch import Batch\n")
     (tmp_path / "tests" / "trainer").mkdir()
     assert misplaced_tests(tmp_path / "tests", tmp_path / "trainer") == [
-        "run/test_a.py: tests no module of trainer.run", "trainer/: not a room of trainer/"]  # the check can fail
+        "run/test_a.py: tests no module of trainer.run",
+        "trainer/: not a room of trainer/"]  # the check can fail
 
 
-TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tensor_size\s*>|tensor_parallel\s*>"
-                       r"|\.is_split\(")
-"""A branch on tensor parallelism: `if self.tensor is not None`, `tensor_size > 1`, `vocab is None`, `is_split(`."""
-LAYOUT_FREE = ("trainer/distributed/ddp.py", "trainer/distributed/fsdp.py", "trainer/distributed/deepspeed.py",
-               "trainer/checkpoint/store.py", "trainer/model/loss.py", "trainer/model/gpt.py", "trainer/run/loop.py",
-               "trainer/run/step.py", "trainer/run/checkpointer.py", "trainer/run/parts.py",
-               "trainer/checkpoint/streams.py")
+TP_BRANCH = re.compile(r"\b(tensor|vocab|vocab_shard)\s+is\s+(not\s+)?None|tensor_size\s*>"
+                       r"|tensor_parallel\s*>|\.is_split\(")
+"""A branch on tensor parallelism: `if self.tensor is not None`, `tensor_size > 1`, `vocab is None`,
+`is_split(`."""
+LAYOUT_FREE = ("trainer/distributed/ddp.py", "trainer/distributed/fsdp.py",
+               "trainer/distributed/deepspeed.py", "trainer/checkpoint/store.py", "trainer/model/loss.py",
+               "trainer/model/gpt.py", "trainer/run/loop.py", "trainer/run/step.py",
+               "trainer/run/checkpointer.py", "trainer/run/parts.py", "trainer/checkpoint/streams.py")
 
 
 def test_engines_store_loss_and_loop_never_branch_on_tensor_parallelism():
@@ -232,14 +243,16 @@ MODULE_NAMES = re.compile(r"\b(c_attn|c_proj|c_fc|wte|wpe|lm_head|ln_f|ln_1|ln_2
 
 @pytest.mark.parametrize("path", ["trainer/distributed/tensor.py", "trainer/checkpoint/hf.py"])
 def test_tensor_parallelism_and_hf_import_name_no_module_of_the_model(path):
-    """The model's structure has one owner: its modules and `tensor_plan` (trainer/model/gpt.py) and its families'
-    name maps (trainer/model/families/); the code that applies them names no module (docstrings may)."""
+    """The model's structure has one owner: its modules and `tensor_plan` (trainer/model/gpt.py) and its
+    families' name maps (trainer/model/families/); the code that applies them names no module (docstrings
+    may)."""
     tree = ast.parse((ROOT / path).read_text())
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body
                   and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    named = sorted({f"{node.lineno}: {node.value!r}" for node in ast.walk(tree) if isinstance(node, ast.Constant)
-                    and isinstance(node.value, str) and id(node) not in docstrings and MODULE_NAMES.search(node.value)})
+    named = sorted({f"{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings and MODULE_NAMES.search(node.value)})
     code_names = sorted({f"{node.lineno}: .{node.attr}" for node in ast.walk(tree)
                          if isinstance(node, ast.Attribute) and MODULE_NAMES.fullmatch(node.attr)})
     assert named == [] and code_names == []

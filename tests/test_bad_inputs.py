@@ -1,14 +1,15 @@
 """Every user mistake ends as ONE line, `error: ...` on stderr, exit status 2 (Ctrl-C: 130), and leaves what
-the user had intact: a table of bad inputs, one row per mistake, covering every key of trainer.registry.CONFIG_KEYS.
+the user had intact: a table of bad inputs, one row per mistake, covering every key of
+trainer.registry.CONFIG_KEYS.
 
 Three kinds of rows, cheapest first:
     CONFIG_ROWS    overrides composed by Hydra's compose API and built by trainer.train.build_config (what
                    `python -m trainer.train` runs), in this process, through run_command: exit 2, one line
-    CALL_ROWS      a damaged checkpoint, a resume with other settings, a report or command argument: the function
-                   the command calls (or the command's main) in this process, through run_command
+    CALL_ROWS      a damaged checkpoint, a resume with other settings, a report or command argument: the
+                   function the command calls (or the command's main) in this process, through run_command
     COMMAND_ROWS   a handful as real commands (the train rows through trainer.train.cli() in one process, the
-                   others as python -m trainer.<command>, side by side): exit status 2, exactly one stderr line
-                   `error: ...`, no "Traceback", and what must be intact afterwards
+                   others as python -m trainer.<command>, side by side): exit status 2, exactly one stderr
+                   line `error: ...`, no "Traceback", and what must be intact afterwards
 The SIGINT row interrupts a real training run (Ctrl-C to its process group).
 """
 
@@ -70,48 +71,56 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("seed", ("seed=abc",), r"seed must be an integer, got 'abc'"),
     # train
     ("train.seq_len", ("train.seq_len=1",), r"train.seq_len must be >= 2, got 1"),
-    ("train.tokens_per_step", ("train.tokens_per_step=1000",), r"train.tokens_per_step \(1000\) must be a positive "
-                                                               r"multiple of train.seq_len \(128\)"),
-    ("train.tokens_per_step", ("train.tokens_per_step=-128",), r"train.tokens_per_step \(-128\) must be a positive "
-                                                               r".*use train.tokens_per_step=128 \(1 row\)$"),
+    ("train.tokens_per_step", ("train.tokens_per_step=1000",),
+     r"train.tokens_per_step \(1000\) must be a positive multiple of train.seq_len \(128\)"),
+    ("train.tokens_per_step", ("train.tokens_per_step=-128",),
+     r"train.tokens_per_step \(-128\) must be a positive .*use train.tokens_per_step=128 \(1 row\)$"),
     ("train.micro_batch_tokens", ("train.micro_batch_tokens=64",),
      r"train.micro_batch_tokens \(64\) must hold one row"),
     ("train.max_steps", ("train.max_steps=-1",), r"train.max_steps must be >= 1, got -1"),
     ("train.max_steps", ("train.max_steps=0",), r"train.max_steps must be >= 1, got 0"),
     ("train.grad_clip", ("train.grad_clip=-1",), r"train.grad_clip must be >= 0, got -1"),
     ("train.grad_clip", ("train.grad_clip=nan",), r"train.grad_clip must be >= 0, got nan"),
-    ("train.dtype", ("train.dtype=fp16",), r"train.dtype must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"),
+    ("train.dtype", ("train.dtype=fp16",),
+     r"train.dtype must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"),
     ("train.compile", ("train.compile=maybe",), r"train.compile must be true or false, got 'maybe'"),
-    ("train.checkpoint_every", ("train.checkpoint_every=-1",), r"train.checkpoint_every must be >= 0, got -1"),
+    ("train.checkpoint_every", ("train.checkpoint_every=-1",),
+     r"train.checkpoint_every must be >= 0, got -1"),
     ("train.keep_last", ("train.keep_last=0",), r"train.keep_last must be >= 1, got 0"),
     ("train.resume", ("train.resume=''",), r"train.resume must be a checkpoint path, not an empty string"),
     ("train.resume", ("train.resume=[a]",), r"train.resume must be true or false or a string, got \['a'\]"),
     ("train.overwrite", ("train.overwrite=maybe",), r"train.overwrite must be true or false, got 'maybe'"),
     ("train.overwrite", ("train.overwrite=true", "train.resume=true"),
      r"train.overwrite=true replaces .* and train.resume=true continues it: set only one of them"),
-    ("train.init_from", ("train.init_from=''",), r"train.init_from must be a checkpoint path, not an empty string"),
-    ("train.warmup_marked_steps", ("train.warmup_marked_steps=-2",), r"train.warmup_marked_steps must be >= 0, got -2"),
+    ("train.init_from", ("train.init_from=''",),
+     r"train.init_from must be a checkpoint path, not an empty string"),
+    ("train.warmup_marked_steps", ("train.warmup_marked_steps=-2",),
+     r"train.warmup_marked_steps must be >= 0, got -2"),
     ("train.eval_every", ("train.eval_every=-1",), r"train.eval_every must be >= 0"),
     ("train.eval_docs", ("train.eval_docs=0",), r"train.eval_docs null or >= 1, got -?\d+ and 0"),
-    ("train.eval_layout", ("train.eval_layout=bucketed",), r"train.eval_layout must be 'packed' or 'unpacked'"),
-    ("train.eval_tasks", ("train.eval_tasks=3",), r"train.eval_tasks must be a list of task files or built-in names, "
-                                                 r"got 3"),
-    ("train.eval_tasks", ("train.eval_tasks=['']",), r"train.eval_tasks must be a list of task files or built-in "
-                                                   r"names, got \[''\]"),
+    ("train.eval_layout", ("train.eval_layout=bucketed",),
+     r"train.eval_layout must be 'packed' or 'unpacked'"),
+    ("train.eval_tasks", ("train.eval_tasks=3",),
+     r"train.eval_tasks must be a list of task files or built-in names, got 3"),
+    ("train.eval_tasks", ("train.eval_tasks=['']",),
+     r"train.eval_tasks must be a list of task files or built-in names, got \[''\]"),
     ("train.eval_tasks", ("train.eval_tasks=[cloze]", "distributed=fsdp2"),
      r"train.eval_tasks scores through the unwrapped model, which distributed.engine=fsdp2 shards: use "
      r"distributed=ddp, or score the run's checkpoints with python -m trainer.evaluate"),
-    ("train.eval_tasks_every", ("train.eval_tasks_every=-2",), r"train.eval_tasks_every must be null or >= 0, got -2"),
+    ("train.eval_tasks_every", ("train.eval_tasks_every=-2",),
+     r"train.eval_tasks_every must be null or >= 0, got -2"),
     ("train.eval_tasks_layout", ("train.eval_tasks_layout=dense",),  # issue 57
      r"train.eval_tasks_layout must be tree, packed or unpacked, got 'dense'"),
-    ("train.eval_tasks", ("train.eval_tasks=[cloze]", "attention=flash"),  # issue 57: a tree layout refused at start
+    # issue 57: a tree layout refused at start
+    ("train.eval_tasks", ("train.eval_tasks=[cloze]", "attention=flash"),
      r"train.eval_tasks_layout=tree scores each item as a tree .* attention=flash cannot express"),
     ("train.on_nonfinite", ("train.on_nonfinite=ignore",), r"train.on_nonfinite must be 'stop' or 'skip'"),
     ("train.on_nonfinite", ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"),
      r"train.on_nonfinite=skip needs distributed.engine=ddp"),
     ("train.activation_checkpointing", ("train.activation_checkpointing=half",),
      r"train.activation_checkpointing must be one of"),
-    ("tokenizer.add_tokens", ('tokenizer.add_tokens=[""]',), r"tokenizer.add_tokens must be a list of non-empty"),
+    ("tokenizer.add_tokens", ('tokenizer.add_tokens=[""]',),
+     r"tokenizer.add_tokens must be a list of non-empty"),
     ("tokenizer.add_tokens", ("tokenizer.add_tokens=[a,a]",), r"tokenizer.add_tokens lists a token twice"),
     ("tokenizer.add_tokens", ("tokenizer.add_tokens=[a]",), r"set train.init_from=CHECKPOINT too"),
     # loss
@@ -121,38 +130,50 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("data.path", ("data.path=''",), r"data.path must not be an empty string"),
     ("data.path", ("data.path=[a,b]",), r"data.path must be a string or null, got \['a', 'b'\]"),
     ("data.urls", ("data.urls=[]",), r"data.urls must be a string or a non-empty list of strings, got \[\]"),
-    ("data.val_urls", ("data.val_urls=[1]",), r"data.val_urls must be a string or a non-empty list of strings"),
+    ("data.val_urls", ("data.val_urls=[1]",),
+     r"data.val_urls must be a string or a non-empty list of strings"),
     ("data.tokenizer", ("data.tokenizer={a: 1}",), r"data.tokenizer must be a string or null"),
     ("data.split", ("data.split=''",), r"data.split must not be an empty string"),
     ("data.num_workers", ("data.num_workers=-1",), r"data.num_workers must be >= 0, got -1"),
     ("data.shuffle_buffer", ("data.shuffle_buffer=0",), r"data.shuffle_buffer must be >= 1, got 0"),
     ("data.on_error", ("data.on_error=ignore",), r"data.on_error must be 'raise' or 'skip'"),
     ("data.retries", ("data.retries=-1",), r"data.retries must be >= 0, got -1"),
-    ("data.read_timeout_s", ("data.read_timeout_s=0",), r"data.read_timeout_s must be in \(0, 86400\] seconds, got 0"),
+    ("data.read_timeout_s", ("data.read_timeout_s=0",),
+     r"data.read_timeout_s must be in \(0, 86400\] seconds, got 0"),
     ("data.read_timeout_s", ("data.read_timeout_s=nan",), r"data.read_timeout_s must be in \(0, 86400\]"),
     ("data.max_doc_mb", ("data.max_doc_mb=0",), r"data.max_doc_mb must be a finite number > 0, got 0"),
     ("data.loss_on", ("data.loss_on=user",), r"data.loss_on must be one of \('all', 'assistant'\)"),
     ("data.prefetch", ("data.prefetch=maybe",), r"data.prefetch must be true or false, got 'maybe'"),
-    ("data.balance", ("data.balance=tokens",), r"data.balance must be one of \('none', 'rows'\), got 'tokens'"),
+    ("data.balance", ("data.balance=tokens",),
+     r"data.balance must be one of \('none', 'rows'\), got 'tokens'"),
     ("data.epoch_lockstep", ("data.epoch_lockstep=2",), r"data.epoch_lockstep must be true or false, got 2"),
-    ("data.sources", ("data.sources=[]",), r"data.sources must be a non-empty list of \{name, path or urls, weight\}"),
-    ("data.sources", ("data.sources=[{name:a,weight:1}]",), r"data.sources\[0\] \(a\) needs path \(a directory"),
-    ("data.sources", ("data.sources=[{name:a,path:x},{name:a,path:y}]",), r"data.sources\[1\].name 'a' names two"),
+    ("data.sources", ("data.sources=[]",),
+     r"data.sources must be a non-empty list of \{name, path or urls, weight\}"),
+    ("data.sources", ("data.sources=[{name:a,weight:1}]",),
+     r"data.sources\[0\] \(a\) needs path \(a directory"),
+    ("data.sources", ("data.sources=[{name:a,path:x},{name:a,path:y}]",),
+     r"data.sources\[1\].name 'a' names two"),
     ("data.sources", ("data.sources=[{name:a,path:x,weight:0}]",),
      r"data.sources\[0\].weight \(a\) must be a number > 0"),
-    ("data.sources", ("data.sources=[{name:'a b',path:x}]",), r"data.sources\[0\].name must be a name of letters"),
-    ("data.sources", ("data.sources=[{name:a,path:x,wieght:1}]",), r"data.sources\[0\]: unknown key\(s\) \['wieght'\]"),
-    ("data.sources", ("data.sources=[{name:a,path:x}]", "data.path=y"), r"data.sources replaces data.path, data.urls"),
+    ("data.sources", ("data.sources=[{name:'a b',path:x}]",),
+     r"data.sources\[0\].name must be a name of letters"),
+    ("data.sources", ("data.sources=[{name:a,path:x,wieght:1}]",),
+     r"data.sources\[0\]: unknown key\(s\) \['wieght'\]"),
+    ("data.sources", ("data.sources=[{name:a,path:x}]", "data.path=y"),
+     r"data.sources replaces data.path, data.urls"),
     ("data.sources", ("data.sources=[{name:a,path:x,weight:1e300},{name:b,path:y,weight:1e-300}]",),
-     r"data.sources: the weights \[1e\+300, 1e-300\] give b a share of 0 of the tokens, below 1e-09: it would never"),
+     r"data.sources: the weights \[1e\+300, 1e-300\] give b a share of 0 of the tokens, below 1e-09: it "
+     r"would never"),
     ("data.sources", ("data.sources=[{name:a,path:x,weight:1e308},{name:b,path:y,weight:1e308}]",),
      r"data.sources: the weights \[1e\+308, 1e\+308\] add up to inf"),
-    ("data.mix_exhausted", ("data.mix_exhausted=never",), r"data.mix_exhausted must be one of \('stop', 'restart'\)"),
+    ("data.mix_exhausted", ("data.mix_exhausted=never",),
+     r"data.mix_exhausted must be one of \('stop', 'restart'\)"),
     # packing
     ("packing.layout", ("packing.layout=zigzag",), r"packing.layout must be one of"),
     ("packing.buffer_size", ("packing.buffer_size=0",), r"packing.buffer_size must be >= 1, got 0"),
     ("packing.long_docs", ("packing.long_docs=keep",), r"packing.long_docs must be one of"),
-    ("packing.reset_positions", ("packing.reset_positions=maybe",), r"packing.reset_positions must be true or false"),
+    ("packing.reset_positions", ("packing.reset_positions=maybe",),
+     r"packing.reset_positions must be true or false"),
     ("packing.pad_to", ("packing.pad_to=max",), r"packing.pad_to must be one of"),
     # model
     ("model.vocab_size", ("model.vocab_size=0",), r"model.vocab_size must be >= 1, got 0"),
@@ -160,26 +181,31 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("model.n_head", ("model.n_head=0",), r"model.n_head must be >= 1, got 0"),
     ("model.n_head", ("model.n_head=5",), r"model.n_embd=64 is not divisible by model.n_head=5"),
     ("model.n_embd", ("model.n_embd=0",), r"model.n_embd must be >= 1, got 0"),
-    ("model.max_seq_len", ("model.max_seq_len=64",), r"model.max_seq_len \(64\) must be >= train.seq_len \(128\)"),
+    ("model.max_seq_len", ("model.max_seq_len=64",),
+     r"model.max_seq_len \(64\) must be >= train.seq_len \(128\)"),
     ("model.max_seq_len", ("model.max_seq_len=0",), r"model.max_seq_len must be >= 1, got 0"),
     ("model.dropout", ("model.dropout=-0.5",), r"model.dropout must be in \[0, 1\), got -0.5"),
     ("model.dropout", ("model.dropout=1.0",), r"model.dropout must be in \[0, 1\), got 1.0"),
     ("model.bias", ("model.bias=maybe",), r"model.bias must be true or false"),
-    ("model.pos_emb", ("model.pos_emb=rope", "model.n_head=64"), r"model.pos_emb=rope needs an even head dimension"),
-    ("model.pos_emb", ("model.pos_emb=alibi",), r"model.pos_emb must be one of \('learned', 'rope'\), got 'alibi'"),
+    ("model.pos_emb", ("model.pos_emb=rope", "model.n_head=64"),
+     r"model.pos_emb=rope needs an even head dimension"),
+    ("model.pos_emb", ("model.pos_emb=alibi",),
+     r"model.pos_emb must be one of \('learned', 'rope'\), got 'alibi'"),
     ("model.rope_theta", ("model.rope_theta=0",), r"model.rope_theta must be > 0, got 0"),
     ("model.init_std", ("model.init_std=-1",), r"model.init_std must be > 0, got -1"),
-    ("model.norm", ("model.norm=batchnorm",), r"model.norm must be one of \('layernorm', 'rmsnorm'\), got 'batchnorm'"),
+    ("model.norm", ("model.norm=batchnorm",),
+     r"model.norm must be one of \('layernorm', 'rmsnorm'\), got 'batchnorm'"),
     ("model.norm_eps", ("model.norm_eps=0",), r"model.norm_eps must be > 0, got 0"),
     ("model.mlp", ("model.mlp=relu",), r"model.mlp must be one of \('gelu', 'swiglu'\), got 'relu'"),
     ("model.mlp_hidden", ("model.mlp_hidden=0",), r"model.mlp_hidden must be >= 1, got 0"),
     ("model.n_kv_head", ("model.n_kv_head=3",), r"model.n_head=4 is not divisible by model.n_kv_head=3"),
-    ("model.qkv_bias", ("model.qkv_bias=maybe",), r"model.qkv_bias must be true or false or null, got 'maybe'"),
+    ("model.qkv_bias", ("model.qkv_bias=maybe",),
+     r"model.qkv_bias must be true or false or null, got 'maybe'"),
     ("model.tie_embeddings", ("model.tie_embeddings=maybe",), r"model.tie_embeddings must be true or false"),
-    ("model.family", ("model.family=falcon",), r"model.family='falcon' is not a family packtrain knows; families: "
-                                              r"gpt2, llama, qwen2, mistral"),
-    ("model.family", ("model.family=gpt2", "model=llama-tiny"), r"model.family=gpt2: GPT2LMHeadModel does not "
-                                                                r"compute this model \(pos_emb=rope"),
+    ("model.family", ("model.family=falcon",),
+     r"model.family='falcon' is not a family packtrain knows; families: gpt2, llama, qwen2, mistral"),
+    ("model.family", ("model.family=gpt2", "model=llama-tiny"),
+     r"model.family=gpt2: GPT2LMHeadModel does not compute this model \(pos_emb=rope"),
     ("model.rope_scaling", ("model.pos_emb=rope", "model.rope_scaling={rope_type:yarn,factor:2.0}"),
      r"model.rope_scaling: rope_type 'yarn' is not supported; supported: \('default', 'linear', 'llama3'\)"),
     ("model.rope_scaling", ("model.rope_scaling={rope_type:linear,factor:2.0}",),
@@ -191,9 +217,11 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention.backend", ("attention=bogus",), r"Could not find 'attention/bogus'"),
     ("attention.isolate_documents", ("attention.isolate_documents=maybe",),
      r"attention.isolate_documents must be true or false"),
-    ("attention.flex_compile", ("attention.flex_compile=2",), r"attention.flex_compile must be true or false, got 2"),
+    ("attention.flex_compile", ("attention.flex_compile=2",),
+     r"attention.flex_compile must be true or false, got 2"),
     # optim
-    ("optim._target_", ("optim._target_=nope.Nope",), r"optim._target_ must name an optimizer class .*'nope.Nope'"),
+    ("optim._target_", ("optim._target_=nope.Nope",),
+     r"optim._target_ must name an optimizer class .*'nope.Nope'"),
     ("optim.lr", ("optim.lr=-1",), r"optim.lr must be >= 0, got -1"),
     ("optim.lr", ("optim.lr=nan",), r"optim.lr must be >= 0, got nan"),
     ("optim.betas", ("optim.betas=[2,3]",), r"optim.betas\[0\] must be in \[0, 1\), got 2"),
@@ -215,55 +243,66 @@ CONFIG_ROWS: list[tuple[str, tuple[str, ...], str]] = [
      r"train.compile=true does not run under ZeRO-3"),
     ("distributed.context_parallel", ("distributed.context_parallel=0",),
      r"distributed.context_parallel must be an integer >= 1, got 0"),
-    ("distributed.context_parallel", ("distributed.context_parallel=3",),  # the ranks first (issue 46), then the rows
-     r"error: distributed.context_parallel=3 must divide the number of ranks \(1\): .*; distributed.context_parallel=3 "
-     r"with the balanced split cuts each row into 24 equal chunks: train.seq_len \(128\) must be a multiple of 24"),
-    ("train.save_weights", ("train.save_weights=never",), r"train.save_weights must be 'end' or 'every', got 'never'"),
+    # the ranks first (issue 46), then the rows
+    ("distributed.context_parallel", ("distributed.context_parallel=3",),
+     r"error: distributed.context_parallel=3 must divide the number of ranks \(1\): .*; "
+     r"distributed.context_parallel=3 with the balanced split cuts each row into 24 equal chunks: "
+     r"train.seq_len \(128\) must be a multiple of 24"),
+    ("train.save_weights", ("train.save_weights=never",),
+     r"train.save_weights must be 'end' or 'every', got 'never'"),
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=0",),
      r"distributed.tensor_parallel must be an integer >= 1, got 0"),
     ("distributed.tensor_parallel", ("distributed.tensor_parallel=3",),
-     r"error: distributed.tensor_parallel=3 must divide the number of ranks \(1\): .*model.n_head \(4\) must be a "
-     r"multiple of 3"),
+     r"error: distributed.tensor_parallel=3 must divide the number of ranks \(1\): .*model.n_head \(4\) "
+     r"must be a multiple of 3"),
     ("distributed.tensor_parallel", ("distributed=deepspeed_zero2", "distributed.tensor_parallel=2"),
-     r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole model"),
+     r"distributed.tensor_parallel > 1 runs under distributed.engine=ddp or fsdp2: DeepSpeed wraps the whole "
+     r"model"),
     ("distributed.context_parallel_split", ("distributed.context_parallel_split=random",),
-     r"distributed.context_parallel_split must be one of \('balanced', 'zigzag', 'documents'\), got 'random'"),
+     r"distributed.context_parallel_split must be one of \('balanced', 'zigzag', 'documents'\), got "
+     r"'random'"),
     ("distributed.context_parallel", ("distributed.context_parallel=8",
                                       "distributed.context_parallel_strategy=ulysses"),
      r"ulysses splits the heads over the group: model.n_head \(4\) must be a multiple of"),
     ("distributed.context_parallel", ("distributed.context_parallel=2", "attention=flex"),
-     r"allgather needs an attention backend that takes separate query and key lengths .* got attention.backend=flex"),
+     r"allgather needs an attention backend that takes separate query and key lengths .* got "
+     r"attention.backend=flex"),
     ("distributed.context_parallel", ("distributed.context_parallel=2", "train.compile=true"),
      r"train.compile=true is not supported with distributed.context_parallel > 1"),
     ("distributed.context_parallel_strategy", ("distributed.context_parallel_strategy=ring",),
      r"distributed.context_parallel_strategy must be one of \('allgather', 'ulysses'\), got 'ring'"),
     ("distributed.offload", ("distributed.offload=true",), r"distributed.offload exists only with"),
     ("distributed.offload", ("distributed=fsdp2", "distributed.offload=true", "distributed.device=cpu"),
-     r"distributed.offload=true keeps FSDP2's shards on the CPU between uses, and this run's device is the CPU"),
+     r"distributed.offload=true keeps FSDP2's shards on the CPU between uses, and this run's device is the "
+     r"CPU"),
     ("distributed.reshard_after_forward", ("distributed.reshard_after_forward=false",),
-     r"distributed.reshard_after_forward exists only with distributed.engine=fsdp2.*choose distributed=fsdp2"),
-    ("distributed.reshard_after_forward", ("distributed=fsdp2", "distributed.reshard_after_forward=sometimes"),
+     r"distributed.reshard_after_forward exists only with distributed.engine=fsdp2.*choose "
+     r"distributed=fsdp2"),
+    ("distributed.reshard_after_forward", ("distributed=fsdp2",
+                                           "distributed.reshard_after_forward=sometimes"),
      r"distributed.reshard_after_forward must be true or false, got 'sometimes'"),
     ("distributed.zero_stage", ("distributed=fsdp2", "distributed.zero_stage=3"),
-     r"distributed.zero_stage exists only with distributed.engine=deepspeed, which the chosen distributed= option"),
+     r"distributed.zero_stage exists only with distributed.engine=deepspeed, which the chosen distributed= "
+     r"option"),
     ("distributed.offload", ("distributed=deepspeed_zero2", "distributed.offload=maybe"),
      r"distributed.offload must be true or false"),
     # logging
     ("logging.log_every", ("logging.log_every=0",), r"logging.log_every must be >= 1, got 0"),
-    ("logging.length_buckets", ("logging.length_buckets=[256,64]",), r"logging.length_buckets must be increasing "
-                                                                      r"positive integers, e.g. \[64, 256, 1024\], "
-                                                                      r"got \[256, 64\]"),
-    ("logging.position_buckets", ("logging.position_buckets=[0]",), r"logging.position_buckets must be increasing "
-                                                                   r"positive integers, e.g. \[64, 256, 1024\], "
-                                                                   r"got \[0\]"),
+    ("logging.length_buckets", ("logging.length_buckets=[256,64]",),
+     r"logging.length_buckets must be increasing positive integers, e.g. \[64, 256, 1024\], got \[256, 64\]"),
+    ("logging.position_buckets", ("logging.position_buckets=[0]",),
+     r"logging.position_buckets must be increasing positive integers, e.g. \[64, 256, 1024\], got \[0\]"),
     ("logging.progress", ("logging.progress=maybe",), r"logging.progress must be true or false"),
-    ("logging.record_doc_keys", ("logging.record_doc_keys=2",), r"logging.record_doc_keys must be true or false"),
+    ("logging.record_doc_keys", ("logging.record_doc_keys=2",),
+     r"logging.record_doc_keys must be true or false"),
     ("logging.wandb.mode", ("logging.wandb.mode=bogus",),
      r"logging.wandb.mode must be one of \('offline', 'online', 'disabled'\), got 'bogus'"),
-    ("logging.wandb.project", ("logging.wandb.project=''",), r"logging.wandb.project must not be an empty string"),
+    ("logging.wandb.project", ("logging.wandb.project=''",),
+     r"logging.wandb.project must not be an empty string"),
     ("logging.wandb.entity", ("logging.wandb.entity=[a]",), r"logging.wandb.entity must be a string or null"),
     ("logging.wandb.group", ("logging.wandb.group=''",), r"logging.wandb.group must not be an empty string"),
-    ("logging.wandb.tags", ("logging.wandb.tags=abc",), r"logging.wandb.tags must be a list of non-empty strings"),
+    ("logging.wandb.tags", ("logging.wandb.tags=abc",),
+     r"logging.wandb.tags must be a list of non-empty strings"),
     # Hydra's own: a malformed override, an unknown key
     ("hydra.*", ("train.seq_len=[1",), r"cannot parse the override 'train.seq_len=\[1'"),
     ("hydra.*", ("train.bogus=1",), r"unknown config key 'train.bogus'"),
@@ -282,11 +321,13 @@ _composed_groups: dict[tuple[str, ...], DictConfig] = {}
 
 def hydra_config(*overrides: str) -> DictConfig:
     """What Hydra's compose gives for SMALL + `overrides`, in ~10 ms instead of ~300: the config-group
-    selections are composed once per selection (compose API, cached), and the value overrides applied to a copy
-    the way compose applies them (parsed by Hydra, then ConfigLoaderImpl._apply_overrides_to_config on the
-    struct config). test_the_fast_compose_is_hydra_s_compose checks that both give the same error line."""
-    parsed = OverridesParser.create().parse_overrides(list(overrides))  # a malformed override fails here, as in compose
-    groups = tuple(o.input_line for o in parsed if o.key_or_group.split("/")[0] in GROUPS or o.package is not None)
+    selections are composed once per selection (compose API, cached), and the value overrides applied to a
+    copy the way compose applies them (parsed by Hydra, then ConfigLoaderImpl._apply_overrides_to_config on
+    the struct config). test_the_fast_compose_is_hydra_s_compose checks that both give the same error line."""
+    # a malformed override fails here, as in compose
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    groups = tuple(o.input_line for o in parsed
+                   if o.key_or_group.split("/")[0] in GROUPS or o.package is not None)
     if groups not in _composed_groups:
         _composed_groups[groups] = compose(config_name="config", overrides=[*SMALL, *groups])
     cfg = copy.deepcopy(_composed_groups[groups])
@@ -300,15 +341,16 @@ def composed(*overrides: str) -> dict:
 
 
 def one_error(capsys, action: Callable[[], object], extra=()) -> str:
-    """Run `action` as a command runs (trainer.errors.run_command, train's message): assert exit status 2 and one
-    `error: ` line on stderr, and return that line."""
+    """Run `action` as a command runs (trainer.errors.run_command, train's message): assert exit status 2 and
+    one `error: ` line on stderr, and return that line."""
     capsys.readouterr()
     status = run_command(action, extra_user_errors=(*HYDRA_ERRORS, *extra), message=user_message)
     return assert_one_error_line(status, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("key, overrides, message", CONFIG_ROWS, ids=[" ".join(r[1]) for r in CONFIG_ROWS])
-def test_a_bad_config_value_is_one_error_line_naming_it(hydra_configs, capsys, tmp_path, key, overrides, message):
+def test_a_bad_config_value_is_one_error_line_naming_it(hydra_configs, capsys, tmp_path, key, overrides,
+                                                        message):
     line = one_error(capsys, lambda: build_config(hydra_config(*overrides), str(tmp_path / "run")))
     assert re.search(message, line), (message, line)
     assert not (tmp_path / "run").exists()
@@ -330,7 +372,8 @@ def test_the_shipped_configs_still_build(hydra_configs, tmp_path):
                       ("experiment=mixture_ablation",),
                       ("model=small",),
                       ("model=gpt2-124m",),
-                      ("distributed=deepspeed_zero1",), ("distributed=deepspeed_zero3", "distributed.offload=true")]:
+                      ("distributed=deepspeed_zero1",),
+                      ("distributed=deepspeed_zero3", "distributed.offload=true")]:
         if (overrides and overrides[0].startswith("distributed=deepspeed")
                 and importlib.util.find_spec("deepspeed") is None):
             continue  # refused where deepspeed is not installed (the next test)
@@ -340,7 +383,8 @@ def test_the_shipped_configs_still_build(hydra_configs, tmp_path):
 def test_the_mixture_preset_sweeps_four_runs_that_build(hydra_configs, tmp_path):
     """experiment=mixture_ablation's sweep (two whole data.sources lists x packing), parsed as Hydra's basic
     sweeper parses it: 2 x 2 runs, each a valid config with a two-source mixture."""
-    composed = compose(config_name="config", overrides=["experiment=mixture_ablation"], return_hydra_config=True)
+    composed = compose(config_name="config", overrides=["experiment=mixture_ablation"],
+                       return_hydra_config=True)
     parser = OverridesParser.create()
     axes = [list(parser.parse_override(f"{key}={value}").sweep_iterator())
             for key, value in composed.hydra.sweeper.params.items()]
@@ -348,7 +392,8 @@ def test_the_mixture_preset_sweeps_four_runs_that_build(hydra_configs, tmp_path)
     weights = []
     assert list(composed.hydra.sweeper.params) == ["data.sources", "packing"]
     for sources, layout in [(a, b) for a in axes[0] for b in axes[1]]:
-        cfg = compose(config_name="config", overrides=[*SMALL, "experiment=mixture_ablation", f"packing={layout}"])
+        cfg = compose(config_name="config",
+                      overrides=[*SMALL, "experiment=mixture_ablation", f"packing={layout}"])
         cfg.data.sources = sources
         run = build_config(cfg, str(tmp_path / "run"))
         assert [s.name for s in run.data.mixture()] == ["functions", "modules"]
@@ -356,7 +401,8 @@ def test_the_mixture_preset_sweeps_four_runs_that_build(hydra_configs, tmp_path)
     assert sorted(set(weights)) == [(0.3, 0.7), (0.7, 0.3)]
 
 
-def test_an_engine_whose_package_is_not_installed_is_one_error_line(hydra_configs, capsys, monkeypatch, tmp_path):
+def test_an_engine_whose_package_is_not_installed_is_one_error_line(hydra_configs, capsys, monkeypatch,
+                                                                    tmp_path):
     """deepspeed is installed here: the engine's module is swapped for a name that cannot import."""
     monkeypatch.setitem(distributed_config.ENGINE_MODULES, "deepspeed", "packtrain_no_such_module")
     line = one_error(capsys, lambda: build_config(
@@ -371,7 +417,8 @@ def test_an_engine_whose_package_is_not_installed_is_one_error_line(hydra_config
 
 
 def fake_checkpoint(root: Path, meta: dict | None = None, conventions=None) -> Path:
-    """A checkpoint directory holding only meta.json (and conventions.json): what is read before anything else."""
+    """A checkpoint directory holding only meta.json (and conventions.json): what is read before anything
+    else."""
     path = store.checkpoint_dir(root, 3)
     path.mkdir(parents=True)
     (path / store.META_FILE).write_text(json.dumps(meta) if isinstance(meta, dict) else str(meta))
@@ -381,7 +428,8 @@ def fake_checkpoint(root: Path, meta: dict | None = None, conventions=None) -> P
 
 
 Call = Callable[[Path, Callable[[str], Any]], int | None]
-"""A row's action: (a fresh directory, pytest's getfixturevalue) -> the exit status, or None after it raised."""
+"""A row's action: (a fresh directory, pytest's getfixturevalue) -> the exit status, or None after it
+raised."""
 
 
 def resumed_with(*overrides: str) -> Call:
@@ -421,13 +469,15 @@ def reshaped_without_lockstep(tmp: Path, _) -> None:
 
 def reshaped_mixture(tmp: Path, _) -> None:
     """A data mixture's stream state dealt over another shape by a run that reads one source."""
-    reshape_state([{"docs": {"mixture": {"names": ["code", "prose"]}, "num_workers": 1}}], None, 1, lockstep=True)
+    reshape_state([{"docs": {"mixture": {"names": ["code", "prose"]}, "num_workers": 1}}], None, 1,
+                  lockstep=True)
 
 
 def one_source_state_into_a_mixture(tmp: Path, fixture) -> None:
     """A one-source run's data state loaded by a run with data.sources (the same directory twice)."""
     demo = fixture("demo_data")
-    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"), str(tmp / "a")), CPU)
+    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"),
+                                       str(tmp / "a")), CPU)
     state = single.rows.state_dict()
     mix = f"data.sources=[{{name:a,path:'{demo}'}},{{name:b,path:'{demo}'}}]"
     mixed = build_data(from_container(composed(mix, "data.num_workers=0"), str(tmp / "b")), CPU)
@@ -466,11 +516,13 @@ def over_a_users_page(tmp: Path, _) -> None:
 
 
 def inside_a_runs_checkpoints(tmp: Path, _) -> None:
-    """inspect_mask --out RUN/checkpoints (issue 46: only the run dir itself was refused): refused, nothing written."""
+    """inspect_mask --out RUN/checkpoints (issue 46: only the run dir itself was refused): refused, nothing
+    written."""
     (tmp / "run" / "checkpoints").mkdir(parents=True)
     (tmp / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
     try:
-        return inspect_mask.main(["--lengths", "3,2", "--row-len", "8", "--out", str(tmp / "run" / "checkpoints")])
+        return inspect_mask.main(["--lengths", "3,2", "--row-len", "8", "--out",
+                                  str(tmp / "run" / "checkpoints")])
     finally:
         assert list((tmp / "run" / "checkpoints").iterdir()) == []
 
@@ -480,7 +532,8 @@ def mixture_state_into_one_source(tmp: Path, fixture) -> None:
     demo = fixture("demo_data")
     mix = f"data.sources=[{{name:a,path:'{demo}'}},{{name:b,path:'{demo}'}}]"
     mixed = build_data(from_container(composed(mix, "data.num_workers=0"), str(tmp / "b")), CPU)
-    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"), str(tmp / "a")), CPU)
+    single = build_data(from_container(composed(f"data.path={demo}", "data.num_workers=0"),
+                                       str(tmp / "a")), CPU)
     try:
         single.rows.load_state_dict(mixed.rows.state_dict())
     finally:
@@ -492,8 +545,9 @@ mixture_state_into_one_source.fixtures = ("demo_data",)
 
 
 def command_main(main: Callable[[list[str]], int], *argv: str, config_json: str | None = None) -> Call:
-    """A command's own main (decorated with trainer.errors.command: it prints its line and returns the status);
-    `config_json`: first write {tmp}/runs/a with that config.json and one metrics line (for report)."""
+    """A command's own main (decorated with trainer.errors.command: it prints its line and returns the
+    status); `config_json`: first write {tmp}/runs/a with that config.json and one metrics line (for
+    report)."""
     def call(tmp: Path, _) -> int:
         if config_json is not None:
             (tmp / "runs" / "a").mkdir(parents=True)
@@ -508,8 +562,8 @@ def hf_tokenizer_prepare(source: str = "demo", post_processor: str | None = f"{L
     """trainer.prepare --tokenizer a Llama-3-like Hugging Face directory (tests.helpers.hf_tokenizer_dir), its
     tokenizer_config.json given `config` keys (or replaced by `config_text`)."""
     def call(tmp: Path, _) -> int:
-        tok = hf_tokenizer_dir(tmp / "tok", LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0], post_processor=post_processor,
-                               **config)
+        tok = hf_tokenizer_dir(tmp / "tok", LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0],
+                               post_processor=post_processor, **config)
         if config_text is not None:
             (tok / "tokenizer_config.json").write_text(config_text)
         return prepare.main(["--source", source, "--out", str(tmp / "out"), "--tokenizer", str(tok)])
@@ -526,7 +580,8 @@ def unreadable_val_shard(tmp: Path, fixture) -> None:
     shutil.copytree(demo_data, data)
     for shard in data.glob("val-*.tar"):
         shard.write_bytes(b"this is no tar file" * 100)
-    load_eval_docs(DataConfig(path=str(data), on_error="skip", retries=0), data / "tokenizer", 0, 128, None, "skip")
+    load_eval_docs(DataConfig(path=str(data), on_error="skip", retries=0), data / "tokenizer", 0, 128,
+                   None, "skip")
 
 
 unreadable_val_shard.fixtures = ("demo_data",)  # made before the row runs: its output is not the row's
@@ -535,18 +590,21 @@ unreadable_val_shard.fixtures = ("demo_data",)  # made before the row runs: its 
 def unknown_eval_task(tmp: Path, fixture) -> None:
     """train.eval_tasks naming neither a file nor a built-in: what the Trainer loads before the first step."""
     demo = fixture("demo_data")
-    load_suite(["cloze", str(tmp / "missing.jsonl")], "train.eval_tasks", lambda: demo, demo / "tokenizer", 128)
+    load_suite(["cloze", str(tmp / "missing.jsonl")], "train.eval_tasks", lambda: demo,
+               demo / "tokenizer", 128)
 
 
 unknown_eval_task.fixtures = ("demo_data",)
 
 
 # Issue 42 (nothing lost, round three): checkpoints that reach outside themselves or hide damage, crafted tar
-# headers, shards that are not their manifest entry, stored ids not tied to their text, a run dir of one's own files.
+# headers, shards that are not their manifest entry, stored ids not tied to their text, a run dir of one's own
+# files.
 
 
 def damaged_checkpoint(damage: Callable[[Path], None]) -> Call:
-    """The session's checkpoint copied, damaged by `damage(path)`, resumed by path as the trainer does first."""
+    """The session's checkpoint copied, damaged by `damage(path)`, resumed by path as the trainer does
+    first."""
     def call(tmp: Path, fixture) -> None:
         path = store.checkpoint_dir(tmp / "run", 3)
         shutil.copytree(fixture("checkpoint"), path)
@@ -621,8 +679,8 @@ def users_own_files(tmp: Path, _) -> None:
 
 
 def edited_checkpoint(edit: Callable[[Path], None], command: str = "export") -> Call:
-    """The session's checkpoint copied, edited by `edit(path)` with its checksums recorded again (as damage before
-    the save would leave it), then exported or generated from."""
+    """The session's checkpoint copied, edited by `edit(path)` with its checksums recorded again (as damage
+    before the save would leave it), then exported or generated from."""
     def call(tmp: Path, fixture) -> int:
         path = store.checkpoint_dir(tmp / "run", 3)
         shutil.copytree(fixture("checkpoint"), path)
@@ -647,8 +705,8 @@ def edited_export(edit: Callable[[Path], None]) -> Call:
 
 
 def out_into(command: str, target: Callable[[Path, Callable], Path], *extra: str) -> Call:
-    """`command` (evaluate, harness, report, export) with --out `target(tmp, fixture)`: refused, and every file
-    under the checkpoint, dataset or run the target lies in (or the target itself) unchanged."""
+    """`command` (evaluate, harness, report, export) with --out `target(tmp, fixture)`: refused, and every
+    file under the checkpoint, dataset or run the target lies in (or the target itself) unchanged."""
     mains = {"evaluate": evaluate.main, "harness": harness.main, "report": report.main, "export": export.main}
 
     def call(tmp: Path, fixture) -> int:
@@ -695,7 +753,8 @@ def a_foreign_report(tmp: Path, fixture) -> Path:
 
 
 def unlisted(name: str) -> Callable[[Path], None]:
-    """`name`'s entry removed from checksums.json (the file itself damaged, as the entry's removal would hide)."""
+    """`name`'s entry removed from checksums.json (the file itself damaged, as the entry's removal would
+    hide)."""
     def damage(path: Path) -> None:
         manifest = json.loads((path / store.CHECKSUMS_FILE).read_text())
         del manifest["files"][name]
@@ -750,15 +809,15 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"rank_00000\.pt: checksum mismatch: the checkpoint is damaged; resume from an earlier one$"),
     ("train.resume", damaged_checkpoint(lambda p: (p / store.rank_file(0)).unlink()),
      r"rank_00000\.pt is missing \(its checksums\.json lists it\): the checkpoint is damaged"),
-    ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).write_text('{"algorithm": "sha256", '
-                                                                                        '"files": {"../../x": "00"}}')),
-     r"its checksums\.json names '\.\./\.\./x' leaves the checkpoint \('\.\.'\); a checkpoint reads only files inside "
-     r"its own directory"),
+    ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).write_text(
+        '{"algorithm": "sha256", "files": {"../../x": "00"}}')),
+     r"its checksums\.json names '\.\./\.\./x' leaves the checkpoint \('\.\.'\); a checkpoint reads only "
+     r"files inside its own directory"),
     ("train.resume", damaged_checkpoint(symlinked_out),
      r"its entry 'model\.safetensors' leaves the checkpoint \(a symlink to .*outside\.safetensors\)"),
     ("data.val_urls", crafted_val_shard("neg.tar", lambda: NEGATIVE["pax header"]),  # looped for good
-     r"neg\.tar: cannot read shard \(after sample 'a'\): TarFormatError: \./\./@PaxHeader: a negative size \(-3584\) "
-     r"in its header: a damaged or crafted shard"),
+     r"neg\.tar: cannot read shard \(after sample 'a'\): TarFormatError: \./\./@PaxHeader: a negative size "
+     r"\(-3584\) in its header: a damaged or crafted shard"),
     ("data.val_urls", crafted_val_shard("negm.tar", lambda: NEGATIVE["member"]),  # an "empty document"
      r"negm\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: a negative size"),
     ("data.val_urls", crafted_val_shard("huge.tar", lambda: with_size(PLAIN[:512], 7 * 10**9)
@@ -766,36 +825,42 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"huge\.tar: cannot read shard \(before its first sample\): TarFormatError: a\.txt: its header says "
      r"7,000,000,000 bytes but the file has [\d,]+ left: a truncated or damaged shard"),
     ("data.path", damaged_ids(forged_out_of_vocabulary),
-     r"train-000000\.tar: sample '[^']+': its stored ids hold 60000, outside the vocabulary \(512 tokens\) of the "
-     r"tokenizer the manifest says encoded them; the shard is damaged"),
+     r"train-000000\.tar: sample '[^']+': its stored ids hold 60000, outside the vocabulary \(512 tokens\) "
+     r"of the tokenizer the manifest says encoded them; the shard is damaged"),
     ("data.path", damaged_ids(written_as_uint32),  # issue 46: trained silently
-     r"its ids read as <u4 values \(every second <u2 value is 0: written as uint32\), but the manifest says <u2"),
+     r"its ids read as <u4 values \(every second <u2 value is 0: written as uint32\), but the manifest says "
+     r"<u2"),
     ("data.path", damaged_ids(whitespace_text), r"train-000000\.tar: sample '[^']+' is an empty document"),
     ("hydra.run.dir", users_own_files, r"hydra.run.dir .*/mine holds files that no run wrote \(thesis.tex\)"),
-    ("train.eval_tasks", unknown_eval_task, r"train.eval_tasks .*/missing.jsonl: no such task file, nor a built-in "
-                                            r"task \(continuation4, cloze\)"),
-    ("seed", resumed_with("seed=1"), r"cannot resume from .*step_000003: it was written with seed=0 and this run "
-                                     r"has seed=1"),
+    ("train.eval_tasks", unknown_eval_task,
+     r"train.eval_tasks .*/missing.jsonl: no such task file, nor a built-in task \(continuation4, cloze\)"),
+    ("seed", resumed_with("seed=1"),
+     r"cannot resume from .*step_000003: it was written with seed=0 and this run has seed=1"),
     ("train.seq_len", resumed_with("train.seq_len=256", "train.tokens_per_step=1024"),
      r"written with train.seq_len=128, model.max_seq_len=128 and this run has train.seq_len=256, "
      r"model.max_seq_len=256"),
-    ("data.shuffle_buffer", resumed_with("data.shuffle_buffer=8"), r"data.shuffle_buffer=64 and this run has "),
-    ("data.loss_on", resumed_with("data.loss_on=assistant"), r"it was written with data.loss_on=all and this run has "
-                                                              r"data.loss_on=assistant"),  # issue 46: was ignored
+    ("data.shuffle_buffer", resumed_with("data.shuffle_buffer=8"),
+     r"data.shuffle_buffer=64 and this run has "),
+    # issue 46: was ignored
+    ("data.loss_on", resumed_with("data.loss_on=assistant"),
+     r"it was written with data.loss_on=all and this run has data.loss_on=assistant"),
     ("model.n_layer", resumed_with("model=small", "model.max_seq_len=128"),
      r"model.n_layer=2, model.n_head=4, model.n_embd=64 and this run has model.n_layer=6, model.n_head=6, "
      r"model.n_embd=384; resume with the checkpoint's values"),
-    ("world_size", missing_rank_file, r"rank_00001.pt is missing: the checkpoint is damaged \(it was written by 2 "
-                                      r"ranks\)"),
-    ("data.epoch_lockstep", reshaped_without_lockstep, r"resumes on another number of ranks or DataLoader workers "
-                                                       r"only with data.epoch_lockstep=true"),
-    ("data.sources", reshaped_mixture, r"the checkpoint's data stream mixes the sources \['code', 'prose'\]; this run "
-                                       r"reads one source: resume with the checkpoint's data config"),
-    ("data.sources", one_source_state_into_a_mixture, r"the checkpoint's data stream is one source; this run mixes "
-                                                      r"\['a', 'b'\] \(data.sources\)"),
-    ("data.sources", mixture_state_into_one_source, r"the checkpoint's data stream mixes the sources \['a', 'b'\]; "
-                                                    r"this run reads one source: resume with the checkpoint's data"),
-    ("train.resume", damaged_meta('{"step": 3, "world'), r"meta.json is not valid JSON .*the checkpoint is damaged"),
+    ("world_size", missing_rank_file,
+     r"rank_00001.pt is missing: the checkpoint is damaged \(it was written by 2 ranks\)"),
+    ("data.epoch_lockstep", reshaped_without_lockstep,
+     r"resumes on another number of ranks or DataLoader workers only with data.epoch_lockstep=true"),
+    ("data.sources", reshaped_mixture,
+     r"the checkpoint's data stream mixes the sources \['code', 'prose'\]; this run "
+     r"reads one source: resume with the checkpoint's data config"),
+    ("data.sources", one_source_state_into_a_mixture,
+     r"the checkpoint's data stream is one source; this run mixes \['a', 'b'\] \(data.sources\)"),
+    ("data.sources", mixture_state_into_one_source,
+     r"the checkpoint's data stream mixes the sources \['a', 'b'\]; "
+     r"this run reads one source: resume with the checkpoint's data"),
+    ("train.resume", damaged_meta('{"step": 3, "world'),
+     r"meta.json is not valid JSON .*the checkpoint is damaged"),
     ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
     ("train.resume", damaged_conventions("{}"), r"conventions.json holds no tokenizer sha256 and vocab_size"),
@@ -815,21 +880,25 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"--sep is empty"),
     ("inspect_mask", into_a_dataset, r"--out .*/dataset is a prepared dataset \(manifest.json\)"),
     ("inspect_mask", over_a_users_page, r"--out .*/mine holds a mask.html that inspect_mask did not write"),
-    ("inspect_mask", inside_a_runs_checkpoints, r"--out .*/run/checkpoints is inside .*/run, which is a training "
-                                                r"run's dir \(metrics.jsonl\)"),
+    ("inspect_mask", inside_a_runs_checkpoints,
+     r"--out .*/run/checkpoints is inside .*/run, which is a training run's dir \(metrics.jsonl\)"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--add-tokens", ""),
      r"--add-tokens \[''\]: each token must be a non-empty string"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "nan"),
      r"--unit-mb must be a finite number > 0, got nan"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--unit-mb", "inf"),
      r"--unit-mb must be a finite number > 0, got inf"),
-    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--tokenizer-sample-mb", "nan"),
+    ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--tokenizer-sample-mb",
+                             "nan"),
      r"--tokenizer-sample-mb must be a finite number > 0, got nan"),
-    ("prepare", hf_tokenizer_prepare(config_text="{"), r"tok/tokenizer_config\.json: not a readable JSON file"),
-    ("prepare", hf_tokenizer_prepare(config_text="[]"), r"tok/tokenizer_config\.json: holds a JSON list, expected an"),
+    ("prepare", hf_tokenizer_prepare(config_text="{"),
+     r"tok/tokenizer_config\.json: not a readable JSON file"),
+    ("prepare", hf_tokenizer_prepare(config_text="[]"),
+     r"tok/tokenizer_config\.json: holds a JSON list, expected an"),
     ("prepare", hf_tokenizer_prepare(eos_token="<|nope|>"),
      r"tok/tokenizer_config\.json: eos_token '<\|nope\|>' is not in the vocabulary of tokenizer\.json"),
-    ("prepare", hf_tokenizer_prepare(eos_token=5), r"tokenizer_config\.json: eos_token is 5, expected a token string"),
+    ("prepare", hf_tokenizer_prepare(eos_token=5),
+     r"tokenizer_config\.json: eos_token is 5, expected a token string"),
     ("prepare", hf_tokenizer_prepare(add_bos_token="yes"), r"add_bos_token is 'yes', expected true or false"),
     ("prepare", hf_tokenizer_prepare(post_processor=f"$A {LLAMA3[1]}"),
      r"tok/tokenizer\.json: its post-processor adds special tokens other than a BOS at the start"),
@@ -838,41 +907,53 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
      r"'<\|begin_of_text\|>' at the start"),
     ("prepare", hf_tokenizer_prepare(post_processor=None, bos_token=None, add_bos_token=True),
      r"tokenizer_config\.json: add_bos_token is true but no bos_token is set"),
-    ("prepare", hf_tokenizer_prepare("demo-chat"), r"tok/tokenizer\.json: chat data needs the ChatML tokens "
-                                                   r"\['<\|im_start\|>', '<\|im_end\|>'\], which this tokenizer lacks"),
+    ("prepare", hf_tokenizer_prepare("demo-chat"),
+     r"tok/tokenizer\.json: chat data needs the ChatML tokens "
+     r"\['<\|im_start\|>', '<\|im_end\|>'\], which this tokenizer lacks"),
     ("prepare", command_main(prepare.main, "--source", "demo", "--out", "{tmp}/out", "--workers", "0"),
      r"--workers must be >= 1, got 0"),
-    ("prepare", command_main(prepare.main, "--merge", "{tmp}/out", "--source", "demo", "--out", "{tmp}/other"),
+    ("prepare", command_main(prepare.main, "--merge", "{tmp}/out", "--source", "demo", "--out",
+                             "{tmp}/other"),
      r"--merge .*/out merges the parts staged for that dataset and takes no --source or --out"),
     ("data.on_error", unreadable_val_shard, r"the eval read no document from its 1 held-out shard\(s\) .*"
                                               r"data.on_error=skip skipped what it could not read"),
     ("export", edited_checkpoint(nan_in(store.WEIGHTS_FILE, "wte.weight")),  # issue 54: wrote garbage, exit 0
-     r"step_000003/model\.safetensors: tensor wte\.weight holds NaN values: the checkpoint's weights are damaged"),
+     r"step_000003/model\.safetensors: tensor wte\.weight holds NaN values: the checkpoint's weights are "
+     r"damaged"),
     ("generate", edited_export(nan_in("model.safetensors", "transformer.h.0.mlp.c_fc.weight", math.inf)),
-     r"hf/model\.safetensors: tensor transformer\.h\.0\.mlp\.c_fc\.weight holds inf values: the weights are damaged"),
-    ("generate", edited_export(json_edit("config.json", lambda c: c.update(n_layer=1_000_000))),  # a MemoryError
+     r"hf/model\.safetensors: tensor transformer\.h\.0\.mlp\.c_fc\.weight holds inf values: the weights are "
+     r"damaged"),
+    # a MemoryError
+    ("generate", edited_export(json_edit("config.json", lambda c: c.update(n_layer=1_000_000))),
      r"hf/config\.json: describes a model of [\d,]+ parameters \(1,000,000 layers, .* but its weights \(.*"
      r"model\.safetensors\) hold [\d,]+: the config does not describe these weights"),
-    ("export", edited_checkpoint(json_edit(store.META_FILE, lambda m: m["config"]["model"].update(n_layer=10**6))),
-     r"step_000003/meta\.json: describes a model of [\d,]+ parameters \(1,000,000 layers.*refused before building"),
-    ("generate", edited_checkpoint(json_edit(store.META_FILE, lambda m: m["config"]["model"].update(n_embd=6400)),
+    ("export", edited_checkpoint(json_edit(store.META_FILE,
+                                           lambda m: m["config"]["model"].update(n_layer=10**6))),
+     r"step_000003/meta\.json: describes a model of [\d,]+ parameters \(1,000,000 layers.*refused before "
+     r"building"),
+    ("generate", edited_checkpoint(json_edit(store.META_FILE,
+                                             lambda m: m["config"]["model"].update(n_embd=6400)),
                                    command="generate"),
      r"meta\.json: describes a model of [\d,]+ parameters .*width 6,400"),
-    ("evaluate", out_into("evaluate", copied("checkpoint", store.WEIGHTS_FILE)),  # replaced the weights, exit 0
+    # replaced the weights, exit 0
+    ("evaluate", out_into("evaluate", copied("checkpoint", store.WEIGHTS_FILE)),
      r"--out .*copy/model\.safetensors is inside .*/copy, which is a checkpoint \(meta\.json\): "
      r"give a path of its own"),
     ("evaluate", out_into("evaluate", users_file("notes.json")),
-     r"--out .*notes\.json exists and is not an earlier output of trainer\.evaluate: it would be overwritten; give "
-     r"another path, or --overwrite to replace it"),
+     r"--out .*notes\.json exists and is not an earlier output of trainer\.evaluate: it would be "
+     r"overwritten; give another path, or --overwrite to replace it"),
     ("harness", out_into("harness", copied("demo_data", "tokenizer", "scores.json")),
-     r"--out .*copy/tokenizer/scores\.json is inside .*/copy/tokenizer, which is a tokenizer \(tokenizer\.json\)"),
+     r"--out .*copy/tokenizer/scores\.json is inside .*/copy/tokenizer, which is a tokenizer "
+     r"\(tokenizer\.json\)"),
     ("report", out_into("report", a_run_dir), r"--out .*runs/a is a training run's dir \(metrics\.jsonl\)"),
-    ("report", out_into("report", a_foreign_report), r"--out .*/mine holds a report\.html that trainer\.report did "
-                                                     r"not write: it would be overwritten"),
+    ("report", out_into("report", a_foreign_report),
+     r"--out .*/mine holds a report\.html that trainer\.report did not write: it would be overwritten"),
     ("train.resume", damaged_checkpoint(unlisted(store.ENGINE_FILE)),  # resumed with exit 0, NaN a step later
-     r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): the checkpoint is damaged"),
+     r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): the checkpoint is "
+     r"damaged"),
     ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).write_text(
-        '{"algorithm": "sha256", "files": {}}')), r"checksums\.json lists no files: the checkpoint is damaged"),
+        '{"algorithm": "sha256", "files": {}}')),
+     r"checksums\.json lists no files: the checkpoint is damaged"),
     ("train.resume", damaged_checkpoint(lambda p: (p / store.CHECKSUMS_FILE).unlink()),  # loaded unverified
      r"checksums\.json is missing \(its meta\.json says it was written\): the checkpoint is damaged"),
     ("evaluate", task_file_row(b'{"query": "q", "choices": ["a", "b"], "gold": 0, "gold": 1}\n'),
@@ -886,17 +967,21 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("launcher", command_main(launcher.main, "--nproc_per_node=two", "-m", "trainer.train"),
      r"--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"),
     ("prepare", prepared_into_a_checkpoint,
-     r"--out .*ckpt/data is inside .*/ckpt, which is a checkpoint \(meta\.json\): give a directory of its own"),
-    ("harness", command_main(harness.main, "{tmp}/x", "--tasks", "a", "--limit", "-1"),  # lm-eval's own traceback
+     r"--out .*ckpt/data is inside .*/ckpt, which is a checkpoint \(meta\.json\): give a directory of its "
+     r"own"),
+    # lm-eval's own traceback
+    ("harness", command_main(harness.main, "{tmp}/x", "--tasks", "a", "--limit", "-1"),
      r"--limit and --batch-tokens must be >= 1, got -1 and 8192"),
     ("export", out_into("export", copied("demo_data", "hf")),
-     r"--out .*copy/hf is inside .*/copy, which is a prepared dataset \(manifest\.json\): give a directory of its "),
+     r"--out .*copy/hf is inside .*/copy, which is a prepared dataset \(manifest\.json\): give a directory "
+     r"of its "),
 ]
 
 
-@pytest.mark.parametrize("key, call, message", CALL_ROWS, ids=[f"{i}-{r[0]}" for i, r in enumerate(CALL_ROWS)])
-def test_a_bad_checkpoint_resume_or_argument_is_one_error_line(hydra_configs, capsys, tmp_path, request, key, call,
-                                                               message):
+@pytest.mark.parametrize("key, call, message", CALL_ROWS,
+                         ids=[f"{i}-{r[0]}" for i, r in enumerate(CALL_ROWS)])
+def test_a_bad_checkpoint_resume_or_argument_is_one_error_line(hydra_configs, capsys, tmp_path, request, key,
+                                                               call, message):
     for name in getattr(call, "fixtures", ()):
         request.getfixturevalue(name)
     capsys.readouterr()
@@ -914,8 +999,8 @@ def test_nan_losses_at_the_same_steps_are_not_called_the_same_objective():
     ref, other = run("a", [3.0, math.nan, math.nan]), run("b", [3.0, math.nan, math.nan])
     verdict = report_verdicts.same_objective_verdict(other, ref, ["data.prefetch"], 1e-4)
     assert verdict.startswith("not comparable: non-finite loss at 2 shared step(s) (first: step 2)"), verdict
-    assert report_verdicts.same_objective_verdict(run("c", [3.0, 2.5]), run("d", [3.0, 2.5]), [], 1e-4).startswith(
-        "same objective")
+    assert report_verdicts.same_objective_verdict(run("c", [3.0, 2.5]), run("d", [3.0, 2.5]), [],
+                                                  1e-4).startswith("same objective")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -923,10 +1008,12 @@ def test_nan_losses_at_the_same_steps_are_not_called_the_same_objective():
 # ---------------------------------------------------------------------------------------------------
 
 COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
-    # name -> (config key or command, python -m argv ({tmp}: the row's directory), regex of the line, what stays intact)
+    # name -> (config key or command, python -m argv ({tmp}: the row's directory), regex of the line, what
+    # stays intact)
     "context_parallel_over_one_rank": ("distributed.context_parallel", ["trainer.train", *SMALL,
                                        "distributed.context_parallel=2", "hydra.run.dir={tmp}/run"],
-                                       r"distributed.context_parallel=2 must divide the number of ranks \(1\)", None),
+                                       r"distributed.context_parallel=2 must divide the number of ranks "
+                                       r"\(1\)", None),
     "n_head_0": ("model.n_head", ["trainer.train", *SMALL, "model.n_head=0", "hydra.run.dir={tmp}/run"],
                  r"^error: model.n_head must be >= 1, got 0$", None),
     "zero_stage_under_ddp": ("distributed.zero_stage", ["trainer.train", *SMALL, "distributed.zero_stage=1",
@@ -935,22 +1022,25 @@ COMMAND_ROWS: dict[str, tuple[str, list[str], str, str | None]] = {
     "run_dir_is_a_file": ("hydra.*", ["trainer.train", *SMALL, "hydra.run.dir={tmp}/a_file"],
                           r"cannot create the run directory .*a_file.*hydra.run.dir .* must name a directory",
                           "a_file"),
-    "resume_with_another_seed": ("seed", ["trainer.train", *SMALL, "seed=1", "train.resume={tmp}/ckpt/checkpoints/"
-                                          "step_000003", "hydra.run.dir={tmp}/run"],
-                                 r"cannot resume from .*: it was written with seed=0 and this run has seed=1", "ckpt"),
+    "resume_with_another_seed": ("seed", ["trainer.train", *SMALL, "seed=1", "train.resume={tmp}/ckpt/"
+                                          "checkpoints/step_000003", "hydra.run.dir={tmp}/run"],
+                                 r"cannot resume from .*: it was written with seed=0 and this run has seed=1",
+                                 "ckpt"),
     "resume_another_runs_checkpoint_into_a_used_run_dir": (
         "train.resume", ["trainer.train", *SMALL, "train.resume={tmp}/ckpt/checkpoints/step_000003",
                          "hydra.run.dir={tmp}/runs/r"],
-        r"runs/r already holds a run \(metrics.jsonl, config.json\) and train.resume=.*ckpt/checkpoints/step_000003 is "
-        r"another run's checkpoint: resume it in another hydra.run.dir, or with train.overwrite=true",
+        r"runs/r already holds a run \(metrics.jsonl, config.json\) and "
+        r"train.resume=.*ckpt/checkpoints/step_000003 is another run's checkpoint: resume it in another "
+        r"hydra.run.dir, or with train.overwrite=true",
         "runs/r/metrics.jsonl"),
     "overwrite_and_resume_own_checkpoint": (
-        "train.overwrite", ["trainer.train", *SMALL, "train.overwrite=true", "train.resume={tmp}/ckpt/checkpoints/"
-                            "step_000003", "hydra.run.dir={tmp}/ckpt"],
+        "train.overwrite", ["trainer.train", *SMALL, "train.overwrite=true",
+                            "train.resume={tmp}/ckpt/checkpoints/step_000003", "hydra.run.dir={tmp}/ckpt"],
         r"train.overwrite=true would move .*step_000003 aside with the rest of the run it continues",
         "ckpt/checkpoints"),
-    "generate_temperature_nan": ("generate", ["trainer.generate", "{tmp}/ckpt/checkpoints/step_000003", "--prompt",
-                                              "x", "--temperature", "nan"], r"--temperature a finite number", "ckpt"),
+    "generate_temperature_nan": ("generate", ["trainer.generate", "{tmp}/ckpt/checkpoints/step_000003",
+                                              "--prompt", "x", "--temperature", "nan"],
+                                 r"--temperature a finite number", "ckpt"),
     "report_empty_config": ("report", ["trainer.report", "{tmp}/runs", "--out", "{tmp}/report"],
                             r"config.json: not valid JSON", "runs"),
     "inspect_mask_empty_sep": ("inspect_mask", ["trainer.inspect_mask", "--text", "a|b", "--sep", "", "--out",
@@ -986,8 +1076,8 @@ def command_results(hydra_configs, tmp_path_factory) -> dict[str, tuple]:
             procs[name] = subprocess.Popen([sys.executable, "-m", *args], cwd=tmp, env=ENV,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     out = tmp_path_factory.mktemp("train_driver") / "results.json"
-    driver = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(list(train_cases.values())), str(out)],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    driver = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(list(train_cases.values())),
+                             str(out)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert driver.returncode == 0, driver.stderr[-5000:]
     results = dict(zip(train_cases, map(tuple, json.loads(out.read_text())), strict=True))
     for name, proc in procs.items():
@@ -1020,19 +1110,22 @@ def _as_from_a_terminal() -> None:
 
 def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
-           "train.max_steps=100000", "train.checkpoint_every=1", "train.eval_every=0", "train.keep_last=1"]
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
+           *SMALL, "train.max_steps=100000", "train.checkpoint_every=1", "train.eval_every=0",
+           "train.keep_last=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,  # its own process group: Ctrl-C reaches the workers too
                             preexec_fn=_as_from_a_terminal)
     deadline = time.monotonic() + 90
-    while store.latest_checkpoint(run_dir) is None or store.latest_checkpoint(run_dir).name < store.step_name(2):
+    while (store.latest_checkpoint(run_dir) is None
+           or store.latest_checkpoint(run_dir).name < store.step_name(2)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
     try:
         _, stderr = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:  # hung: its threads' stacks (trainer.train dumps them on SIGQUIT), then kill
+    # hung: its threads' stacks (trainer.train dumps them on SIGQUIT), then kill
+    except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGQUIT)
         time.sleep(3)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -1042,8 +1135,9 @@ def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(dem
     assert "Traceback" not in stderr, stderr
     lines = stderr.splitlines()
     assert len(lines) == 1, stderr
-    assert re.match(r"error: interrupted \(SIGINT\): training stopped during step \d+; nothing after step \d+ was "
-                    r"saved \(last checkpoint: .*step_\d+\); continue with train.resume=true", lines[0]), lines[0]
+    assert re.match(r"error: interrupted \(SIGINT\): training stopped during step \d+; nothing after step "
+                    r"\d+ was saved \(last checkpoint: .*step_\d+\); continue with train.resume=true",
+                    lines[0]), lines[0]
     last = store.latest_checkpoint(run_dir)
     assert store.read_meta(last)["step"] >= 2 and (last / store.WEIGHTS_FILE).is_file()  # complete, loadable
 

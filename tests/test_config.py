@@ -23,7 +23,8 @@ def composed(*overrides: str) -> dict:
 
 RULES = {
     ("train.compile=true", "distributed=deepspeed_zero3"): "train.compile=true does not run under ZeRO-3",
-    ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"): "train.on_nonfinite=skip needs distributed.engine=ddp",
+    ("train.on_nonfinite=skip", "distributed=deepspeed_zero2"):
+        "train.on_nonfinite=skip needs distributed.engine=ddp",
     ('tokenizer.add_tokens=["<|tool|>"]',): "extends the tokenizer of train.init_from's checkpoint",
 }
 
@@ -43,7 +44,8 @@ def test_two_broken_rules_give_both_messages():
     assert len(problems) == 2 and "ZeRO-3" in problems[0] and "on_nonfinite" in problems[1]
 
 
-@pytest.mark.parametrize("overrides", [(), ("experiment=demo",), ("experiment=sft",), ("distributed=deepspeed_zero3",),
+@pytest.mark.parametrize("overrides", [(), ("experiment=demo",), ("experiment=sft",),
+                                       ("distributed=deepspeed_zero3",),
                                        ("train.compile=true", "distributed=deepspeed_zero2"),
                                        ("train.on_nonfinite=skip",)])
 def test_the_shipped_configs_break_no_rule(overrides):
@@ -54,7 +56,8 @@ def test_each_rule_is_stated_only_in_the_config():
     """The trainer and the engines no longer re-check (and re-word) the rules."""
     for needle in ("does not run under ZeRO-3", "needs distributed.engine=ddp (DeepSpeed clips",
                    "extends the tokenizer of train.init_from"):
-        homes = [p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer").rglob("*.py") if needle in p.read_text()]
+        homes = [p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer").rglob("*.py")
+                 if needle in p.read_text()]
         assert homes == ["trainer/config.py"], (needle, homes)
 
 

@@ -8,9 +8,9 @@ so that a test can also feed it a made-up page and see it fail:
     unknown_overrides(["train.no_such_key=N"], ...)  -> ["train.no_such_key=N"]
 
 Checked in every page: relative links and images resolve (anchors included, as GitHub slugs its headings),
-backticked repo paths and `python -m trainer.X` modules exist, and every override a page names (`key=VALUE` in the
-first column of a table, backticked in the prose, or in a `trainer.train` command) is a key of the composed
-Hydra config (or a config group and its option files). The README stays at
+backticked repo paths and `python -m trainer.X` modules exist, and every override a page names (`key=VALUE` in
+the first column of a table, backticked in the prose, or in a `trainer.train` command) is a key of the
+composed Hydra config (or a config group and its option files). The README stays at
 most README_MAX_CHARS characters and links every docs page.
 """
 
@@ -97,7 +97,8 @@ def missing_paths(text: str, root: Path = ROOT) -> list[str]:
     for span in spans:
         words = span.split()
         token = words[0] if words else ""
-        if token.startswith(REPO_PREFIXES) and not PLACEHOLDER_CHARS & set(token) and not (root / token).exists():
+        if (token.startswith(REPO_PREFIXES) and not PLACEHOLDER_CHARS & set(token)
+                and not (root / token).exists()):
             missing.append(token)
     missing += [p for p in CODE_PATH.findall(code_blocks(text)) if not (root / p).exists()]
     dotted = MODULE_RUN.findall(text) + [s for s in spans if DOTTED.match(s)]
@@ -106,7 +107,8 @@ def missing_paths(text: str, root: Path = ROOT) -> list[str]:
 
 
 def python_name_exists(dotted: str, root: Path = ROOT) -> bool:
-    """Whether `trainer.a.b` is a module or package under `root`, or a name defined in the longest such module."""
+    """Whether `trainer.a.b` is a module or package under `root`, or a name defined in the longest such
+    module."""
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         base = root.joinpath(*parts[:i])
@@ -118,13 +120,14 @@ def python_name_exists(dotted: str, root: Path = ROOT) -> bool:
             if len(rest) > 1:  # module.Class.method: the class must exist; the method is not looked up
                 rest = rest[:1]
             name = re.escape(rest[0])
-            return re.search(rf"^\s*(?:def|class)\s+{name}\b|^{name}\s*[:=]", source.read_text(encoding="utf-8"),
-                             re.M) is not None
+            return re.search(rf"^\s*(?:def|class)\s+{name}\b|^{name}\s*[:=]",
+                             source.read_text(encoding="utf-8"), re.M) is not None
     return False
 
 
 def table_overrides(text: str) -> list[str]:
-    """`key=VALUE` entries in the first column of the markdown tables of `text` (escaped `\\|` kept as `|`)."""
+    """`key=VALUE` entries in the first column of the markdown tables of `text` (escaped `\\|` kept as
+    `|`)."""
     entries = []
     for line in prose(text).splitlines():
         if not line.lstrip().startswith("|"):
@@ -178,8 +181,8 @@ def config_has_key(container: dict, key: str) -> bool:
 def unknown_overrides(entries: list[str], container: dict, config_dir: Path = CONFIG_DIR) -> list[str]:
     """Entries whose key is no config key, or whose config group or option file does not exist.
 
-    `model=tiny|small` (or a sweep's `model=tiny,small`) names the group configs/model/ and its files tiny.yaml
-    and small.yaml; `train.seq_len=T`
+    `model=tiny|small` (or a sweep's `model=tiny,small`) names the group configs/model/ and its files
+    tiny.yaml and small.yaml; `train.seq_len=T`
     must be a key of the composed config (null-valued keys count). Upper-case values (N, DIR, PATH) are
     placeholders, as are values of dotted keys, which are not checked.
     """
@@ -263,32 +266,36 @@ def test_readme_links_every_docs_page():
 def test_broken_links_reports_a_missing_file_and_anchor(tmp_path):
     (tmp_path / "page.md").write_text("# A heading: `x`\n")
     text = ("[ok](page.md) [ok](page.md#a-heading-x) ![img](missing.png) [bad](page.md#nope) "
-            "[web](https://example.org/x) [mail](mailto:a@b.c) [here](#top)\n\n# Top\n\n```\n[code](nope.md)\n```\n")
+            "[web](https://example.org/x) [mail](mailto:a@b.c) [here](#top)\n\n# Top\n\n"
+            "```\n[code](nope.md)\n```\n")
     assert broken_links(text, tmp_path) == ["missing.png", "page.md#nope"]
 
 
 def test_missing_paths_reports_moved_modules_and_files():
-    text = ("The loop was `trainer/loop.py`; now `trainer/run/loop.py`. Globs pass: `trainer/data/{reader,stream}.py`, "
-            "`runs/<time>/x`. `trainer.run.loop.Trainer` exists, `trainer.checkpoint.no_such_name` does not.\n"
+    text = ("The loop was `trainer/loop.py`; now `trainer/run/loop.py`. Globs pass: "
+            "`trainer/data/{reader,stream}.py`, `runs/<time>/x`. `trainer.run.loop.Trainer` exists, "
+            "`trainer.checkpoint.no_such_name` does not.\n"
             "```bash\npython bench/packing.py && python bench/nope.py\npython -m trainer.nope\n```\n")
     assert missing_paths(text) == ["trainer/loop.py", "bench/nope.py", "trainer.nope",
                                    "trainer.checkpoint.no_such_name"]
 
 
 def test_table_overrides_reads_first_column_only():
-    text = ("| override | meaning |\n| --- | --- |\n| `model=tiny\\|small` | size |\n| `loss` | not an override |\n"
-            "| plain=text | no backticks |\n")
+    text = ("| override | meaning |\n| --- | --- |\n| `model=tiny\\|small` | size |\n"
+            "| `loss` | not an override |\n| plain=text | no backticks |\n")
     assert table_overrides(text) == ["model=tiny|small"]
 
 
 def test_unknown_overrides_reports_bad_keys_groups_and_options(composed_config):
     entries = ["train.seq_len=T", "data.path=DIR", "seed=N", "hydra.run.dir=DIR", "model=tiny|gpt2-124m",
                "train.no_such_key=N", "model=tiny|huge", "nosuchgroup=x"]
-    assert unknown_overrides(entries, composed_config) == ["train.no_such_key=N", "model=tiny|huge", "nosuchgroup=x"]
+    assert unknown_overrides(entries, composed_config) == ["train.no_such_key=N", "model=tiny|huge",
+                                                           "nosuchgroup=x"]
 
 
 def test_prose_overrides_finds_inline_and_command_overrides(composed_config):
-    text = ("Set `train.compile=true` or `train.no_such=1`; `a=b` and `model.safetensors` are not overrides.\n"
+    text = ("Set `train.compile=true` or `train.no_such=1`; `a=b` and `model.safetensors` "
+            "are not overrides.\n"
             "```bash\npython -m trainer.train -m packing=packed,nope \"train.init_from='<ckpt>'\"  # x=1\n"
             "pip install a=1\n```\n")
     entries = prose_overrides(text, set(composed_config))

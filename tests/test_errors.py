@@ -1,9 +1,10 @@
 """A user's mistake ends every command with one `error: ...` line and exit status 2, no traceback; only
 trainer/errors.py prints that line (no command re-implements it).
 
-For `python -m trainer.train`, the cheap cases (errors found before any DataLoader starts) run through the real
-`cli()` one after another in ONE subprocess (a Python start costs ~2 s); errors raised in a DataLoader worker,
-the HYDRA_FULL_ERROR=1 escape hatch and torchrun each get a real `python -m trainer.train` of their own.
+For `python -m trainer.train`, the cheap cases (errors found before any DataLoader starts) run through the
+real `cli()` one after another in ONE subprocess (a Python start costs ~2 s); errors raised in a DataLoader
+worker, the HYDRA_FULL_ERROR=1 escape hatch and torchrun each get a real `python -m trainer.train` of their
+own.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from trainer.model import BackendUnavailable, resolve_backend
 from trainer.reporting.runs import ReportError
 
 
-def train_cli(run_dir: Path, data: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+def train_cli(run_dir: Path, data: Path, *overrides: str,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL,
+           *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=120)
 
 
@@ -60,8 +63,8 @@ def truncate(shard: Path) -> None:
 
 
 def symlink_second_sample(shard: Path) -> None:
-    """Keep the first 5 samples, the second one's text turned into a symlink to the first's (its other members, the
-    stored ids, dropped: nothing of it is left that webdataset reads)."""
+    """Keep the first 5 samples, the second one's text turned into a symlink to the first's (its other
+    members, the stored ids, dropped: nothing of it is left that webdataset reads)."""
     with tarfile.open(shard) as tar:
         members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
     keys = list(dict.fromkeys(m.name.split(".")[0] for m, _ in members))[:5]
@@ -106,12 +109,15 @@ CHEAP = {  # name -> (overrides, phrases the error line must hold)
     ),
     "init_from_not_a_checkpoint": (["train.init_from=/nonexistent/step_000001"],
                                    ["/nonexistent/step_000001 is not a packtrain checkpoint"]),
-    # An explicit backend is refused where it cannot train (CPU, or fp32, or flash-attn missing), never swapped.
-    "flash_unavailable": (["attention=flash"], ["attention backend 'flash' is unavailable", "attention=auto"]),
+    # An explicit backend is refused where it cannot train (CPU, or fp32, or flash-attn missing), never
+    # swapped.
+    "flash_unavailable": (["attention=flash"],
+                          ["attention backend 'flash' is unavailable", "attention=auto"]),
     "varlen_unavailable": (["attention=torch_varlen"], ["attention backend 'torch_varlen' is unavailable"]),
     "no_data_dir": (["data.path=MISSING"], ["no manifest", "python -m trainer.prepare"]),
     "bad_tokenizer": (["data.path=NO_PAD"],
-                      ["tokenizer_config.json: pad_token '<|pad|>' is not in the vocabulary of tokenizer.json"]),
+                      ["tokenizer_config.json: pad_token '<|pad|>' is not in the vocabulary of "
+                       "tokenizer.json"]),
     "optimizer_without_betas": (["optim._target_=torch.optim.SGD"],  # a ConfigError, not SGD's TypeError
                                 ["optim._target_=torch.optim.SGD does not take betas, eps"]),
 }
@@ -124,12 +130,13 @@ def cheap_results(demo_data, tmp_path_factory) -> dict[str, tuple[int, str]]:
     drop_special_tokens(no_pad)
     paths = {"data.path=MISSING": f"data.path={root / 'missing'}", "data.path=NO_PAD": f"data.path={no_pad}"}
     cases = [
-        [f"data.path={demo_data}", f"hydra.run.dir={root / name}", *SMALL, *(paths.get(o, o) for o in overrides)]
+        [f"data.path={demo_data}", f"hydra.run.dir={root / name}", *SMALL,
+         *(paths.get(o, o) for o in overrides)]
         for name, (overrides, _) in CHEAP.items()
     ]
     out = root / "results.json"
-    proc = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(cases), str(out)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", TRAIN_CLI_DRIVER, json.dumps(cases), str(out)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return dict(zip(CHEAP, map(tuple, json.loads(out.read_text())), strict=True))
 
@@ -151,7 +158,8 @@ def test_a_truncated_shard_read_in_a_worker_is_one_error_line_and_the_process_en
     t0 = time.perf_counter()
     proc = train_cli(tmp_path / "run", data, "train.max_steps=2")
     line = assert_one_error_line(proc.returncode, proc.stderr, "cannot read shard", "train-00000")
-    assert "Caught DataStreamError" not in line and "DataLoader worker" not in line  # the original message only
+    # the original message only
+    assert "Caught DataStreamError" not in line and "DataLoader worker" not in line
     assert time.perf_counter() - t0 < 60  # the worker (which ignores SIGTERM) does not keep the process alive
 
 
@@ -163,7 +171,8 @@ def test_a_shard_member_that_is_not_a_file_is_one_error_line_naming_the_shard(de
     assert_one_error_line(proc.returncode, proc.stderr, ".tar: read 4 samples but the manifest lists ")
 
 
-# A bug (not a user's mistake) in the step, with the DataLoader worker running: python -m trainer.train otherwise.
+# A bug (not a user's mistake) in the step, with the DataLoader worker running: python -m trainer.train
+# otherwise.
 BUG = r"""
 import sys
 import trainer.run.loop
@@ -182,7 +191,8 @@ def test_a_bug_keeps_its_traceback_and_the_process_still_ends(demo_data, tmp_pat
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "Traceback (most recent call last)" in proc.stderr and "RuntimeError: a bug in the step" in proc.stderr
+    assert ("Traceback (most recent call last)" in proc.stderr
+            and "RuntimeError: a bug in the step" in proc.stderr)
     assert "\nerror: " not in "\n" + proc.stderr
     assert time.perf_counter() - t0 < 60  # its DataLoader worker ignores SIGTERM, yet the process ends
 
@@ -200,13 +210,15 @@ def test_under_torchrun_each_rank_reports_the_mistake_and_the_launch_fails_fast(
     """The check runs after the process group is up: both ranks print the line and exit; torchrun fails."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                 str(free_port()), "-m", "trainer.train"]
-    cmd = [*launcher, f"data.path={demo_data}", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, "attention=flash"]
+    cmd = [*launcher, f"data.path={demo_data}", f"hydra.run.dir={tmp_path / 'run'}", *SMALL,
+           "attention=flash"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert time.perf_counter() - t0 < 60
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all("attention backend 'flash' is unavailable" in e for e in errors), proc.stderr
+    assert len(errors) == 2 and all("attention backend 'flash' is unavailable" in e
+                                    for e in errors), proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,14 +232,16 @@ def test_original_message_unwraps_an_error_re_raised_from_a_dataloader_worker():
             try:
                 raise OSError("disk")
             except OSError as e:
-                raise DataStreamError("a.tar: cannot read shard (before its first sample): disk\nsecond line") from e
+                raise DataStreamError("a.tar: cannot read shard (before its first sample): disk\n"
+                                      "second line") from e
         except DataStreamError:
             ExceptionWrapper(where="in DataLoader worker process 0").reraise()
 
     with pytest.raises(DataStreamError) as caught:
         raise_in_worker()
     assert str(caught.value).startswith("Caught DataStreamError in DataLoader worker process 0.")
-    assert original_message(caught.value) == "a.tar: cannot read shard (before its first sample): disk\nsecond line"
+    assert original_message(caught.value) == ("a.tar: cannot read shard (before its first sample): disk\n"
+                                              "second line")
     assert original_message(ValueError("plain")) == "plain"
 
 
@@ -248,7 +262,8 @@ def test_an_explicit_backend_is_refused_not_swapped():
 
 COMMANDS = {  # trainer.<command> -> (argv, "{tmp}" for a fresh directory; a phrase its error line must hold)
     "train": (["train.seq_len=1", "hydra.run.dir={tmp}/run"], "train.seq_len must be >= 2, got 1"),
-    "prepare": (["--source", "demo", "--out", "{tmp}/data", "--val-fraction", "2"], "val fraction must be in [0, 1)"),
+    "prepare": (["--source", "demo", "--out", "{tmp}/data", "--val-fraction", "2"],
+                "val fraction must be in [0, 1)"),
     "report": (["{tmp}/missing"], "missing: not a directory"),
     "inspect_mask": (["--lengths", "3,x", "--out", "{tmp}/inspect"], "expected comma-separated integers"),
     "export": (["{tmp}/missing", "--out", "{tmp}/export"], "missing is not a packtrain checkpoint"),
@@ -256,8 +271,9 @@ COMMANDS = {  # trainer.<command> -> (argv, "{tmp}" for a fresh directory; a phr
     "evaluate": (["{tmp}/missing", "--tasks", "cloze"], "missing is neither a packtrain checkpoint"),
     "harness": (["{tmp}/missing", "--tasks", "x"], "missing is neither a packtrain checkpoint"),
     "certify": (["train.seq_len=1", "--out", "{tmp}/cert"], "train.seq_len must be >= 2, got 1"),
+    # the rank's line, its status
     "launcher": (["--standalone", "--nproc_per_node=1", "-m", "trainer.train", "train.seq_len=1",
-                  "hydra.run.dir={tmp}/run"], "train.seq_len must be >= 2, got 1"),  # the rank's line, its status
+                  "hydra.run.dir={tmp}/run"], "train.seq_len must be >= 2, got 1"),
 }
 
 
@@ -282,7 +298,8 @@ def own_error_printing(source: str) -> list[str]:
     text holding "error:", each `return 2` in a main() or cli(), each SystemExit(2) / sys.exit(2)."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and _writes_to_stderr(node) and any("error:" in t for t in _texts(node.args)):
+        if (isinstance(node, ast.Call) and _writes_to_stderr(node)
+                and any("error:" in t for t in _texts(node.args))):
             found.append((node.lineno, "writes 'error: ...' to stderr"))
         elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("SystemExit", "sys.exit", "exit"):
             if node.args and _is_two(node.args[0]):
@@ -299,7 +316,8 @@ def _writes_to_stderr(call: ast.Call) -> bool:
 
 
 def _texts(args: list[ast.expr]) -> list[str]:
-    return [n.value for a in args for n in ast.walk(a) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return [n.value for a in args for n in ast.walk(a)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
 def _is_two(node: ast.expr) -> bool:
@@ -308,9 +326,11 @@ def _is_two(node: ast.expr) -> bool:
 
 def test_only_trainer_errors_prints_a_user_mistake():
     package = ROOT / "trainer"
-    found = {str(p.relative_to(ROOT)): own_error_printing(p.read_text()) for p in sorted(package.rglob("*.py"))}
+    found = {str(p.relative_to(ROOT)): own_error_printing(p.read_text())
+             for p in sorted(package.rglob("*.py"))}
     assert found.pop("trainer/errors.py") != []  # the scan sees the one place that does print it
-    assert {path: lines for path, lines in found.items() if lines} == {}, "print user mistakes via trainer.errors"
+    assert {path: lines
+            for path, lines in found.items() if lines} == {}, "print user mistakes via trainer.errors"
 
 
 def test_the_scan_finds_a_re_implementation():
@@ -402,11 +422,11 @@ print(codes)
 
 
 def test_a_user_error_while_dataloader_workers_live_is_one_line_twenty_times_in_a_row():
-    """Issue 54: stopping the workers raced torch's SIGCHLD handler, which raised "DataLoader worker (pid N) is killed
-    by signal" (exit 1, an 80-line traceback, no error line: 20 of 20 here before the fix). 20 user errors, each
-    raised while a 2-worker DataLoader lives: 20 exit statuses 2, 20 lines, no traceback."""
-    proc = subprocess.run([sys.executable, "-c", WORKERS_ALIVE], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    """Issue 54: stopping the workers raced torch's SIGCHLD handler, which raised "DataLoader worker (pid N)
+    is killed by signal" (exit 1, an 80-line traceback, no error line: 20 of 20 here before the fix). 20 user
+    errors, each raised while a 2-worker DataLoader lives: 20 exit statuses 2, 20 lines, no traceback."""
+    proc = subprocess.run([sys.executable, "-c", WORKERS_ALIVE], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
     assert (proc.returncode == 0
             and proc.stdout.strip() == str([EXIT_USER_ERROR] * 20)), (proc.stdout, proc.stderr[-3000:])
     assert proc.stderr.splitlines() == ["error: a user's mistake"] * 20, proc.stderr[-3000:]

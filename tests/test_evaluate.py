@@ -1,5 +1,6 @@
-"""`python -m trainer.evaluate` on the session's real checkpoint, in process: built-in and file tasks, the table,
-the JSON, packed == unpacked, and the log-likelihoods of `transformers`' GPT2LMHeadModel on the export (1e-4)."""
+"""`python -m trainer.evaluate` on the session's real checkpoint, in process: built-in and file tasks, the
+table, the JSON, packed == unpacked, and the log-likelihoods of `transformers`' GPT2LMHeadModel on the export
+(1e-4)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def scored(checkpoint, tmp_path_factory) -> dict:
     task_file.write_text("".join(json.dumps(row) + "\n" for row in FILE_TASK))
     out = {}
     for layout in ("packed", "unpacked", "tree"):
-        code = main([str(checkpoint), "--tasks", "continuation4", "cloze", str(task_file), "--packing", layout,
-                     "--builtin-docs", "24", "--out", str(tmp / f"{layout}.json")])
+        code = main([str(checkpoint), "--tasks", "continuation4", "cloze", str(task_file), "--packing",
+                     layout, "--builtin-docs", "24", "--out", str(tmp / f"{layout}.json")])
         assert code == 0
         out[layout] = json.loads((tmp / f"{layout}.json").read_text())
     return out
@@ -40,7 +41,8 @@ def test_the_json_holds_each_tasks_metrics_and_one_loglikelihood_per_choice(scor
     assert report["packing"] == "packed" and list(report["tasks"]) == ["continuation4", "cloze", "mine"]
     mc, lm, mine = (report["tasks"][name] for name in ("continuation4", "cloze", "mine"))
     assert set(mc["metrics"]) == {"n", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "bits_per_byte"}
-    assert set(lm["metrics"]) == {"n", "acc", "acc_stderr", "loglikelihood", "loglikelihood_stderr", "bits_per_byte"}
+    assert set(lm["metrics"]) == {"n", "acc", "acc_stderr", "loglikelihood", "loglikelihood_stderr",
+                                  "bits_per_byte"}
     assert mc["metrics"]["n"] == len(mc["items"]) >= 10 and lm["metrics"]["n"] == len(lm["items"]) >= 10
     assert all(len(item["loglikelihoods"]) == 4 for item in mc["items"])
     assert [len(item["loglikelihoods"]) for item in mine["items"]] == [3, 2]
@@ -57,8 +59,9 @@ def test_packed_and_unpacked_give_the_same_scores(scored):
 
 
 def test_the_tree_layout_gives_the_packed_scores_on_the_builtins_and_a_task_file(scored):
-    """Issue 57: each item's query once, its choices as branches: the packed layout's log-likelihoods to 4e-6 and
-    the same greedy matches, on continuation4, cloze (one choice an item: a one-branch tree) and the task file."""
+    """Issue 57: each item's query once, its choices as branches: the packed layout's log-likelihoods to 4e-6
+    and the same greedy matches, on continuation4, cloze (one choice an item: a one-branch tree) and the task
+    file."""
     assert scored["tree"]["packing"] == "tree"
     for name, task in scored["packed"]["tasks"].items():
         other = scored["tree"]["tasks"][name]
@@ -78,12 +81,14 @@ def test_the_table_has_a_line_per_task(checkpoint, tmp_path, capsys):
 
 
 def test_loglikelihoods_equal_transformers_on_the_export(scored, demo_data, exported):
-    """The checkpoint scored packed by packtrain == its export scored one sequence at a time by transformers."""
+    """The checkpoint scored packed by packtrain == its export scored one sequence at a time by
+    transformers."""
     transformers = require_module("transformers", "pip install transformers")
     model = transformers.GPT2LMHeadModel.from_pretrained(exported, attn_implementation="eager").float().eval()
     tok = load_tokenizer(exported)
     texts = heldout_texts(demo_data, demo_data / "tokenizer", 24)
-    builtin = builtin_task("continuation4", texts, 0, None, tok, CHECKPOINT_SEQ_LEN).items  # as the command did
+    # as the command did
+    builtin = builtin_task("continuation4", texts, 0, None, tok, CHECKPOINT_SEQ_LEN).items
     cases = [(row["query"], row["choices"], item) for row, item in
              zip(FILE_TASK, scored["packed"]["tasks"]["mine"]["items"], strict=True)]
     cases += [(i.query, i.choices, item) for i, item in

@@ -1,4 +1,5 @@
-"""`python -m trainer.export`: a real checkpoint as a Hugging Face GPT-2, checked against `transformers` itself.
+"""`python -m trainer.export`: a real checkpoint as a Hugging Face GPT-2, checked against `transformers`
+itself.
 
 `transformers` is the independent reference: its GPT2LMHeadModel, loss and autograd know nothing of packtrain.
 One row per held-out document (right-padded, attention_mask) gives its mean loss over the valid targets; the
@@ -65,7 +66,8 @@ def pack_greedily(docs: list[Document], row_len: int) -> list[list[Document]]:
 
 
 def hf_batch(docs: list[Document], pad_id: int) -> dict[str, torch.Tensor]:
-    """One right-padded row per document; labels are the ids with -100 on padding (transformers shifts them)."""
+    """One right-padded row per document; labels are the ids with -100 on padding (transformers shifts
+    them)."""
     width = max(map(len, docs))
     ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(docs), width, dtype=torch.long)
@@ -93,17 +95,22 @@ def test_export_writes_a_gpt2_directory_that_transformers_loads(transformers, ch
     config = json.loads((exported / "config.json").read_text())
     ids = special_ids(load_tokenizer(exported))
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
-    assert (config["n_embd"], config["n_layer"], config["n_head"], config["n_positions"]) == (64, 2, 4, SEQ_LEN)
+    assert ((config["n_embd"], config["n_layer"], config["n_head"], config["n_positions"])
+            == (64, 2, 4, SEQ_LEN))
     assert config["vocab_size"] == 512 and config["activation_function"] == "gelu_new"
-    assert config["tie_word_embeddings"] and model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (ids.eos, ids.eos, ids.pad)
+    assert (config["tie_word_embeddings"]
+            and model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr())
+    assert ((config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
+            == (ids.eos, ids.eos, ids.pad))
     gen = json.loads((exported / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [ids.eos, ids.im_end] and gen["pad_token_id"] == ids.pad
     assert model.generation_config.eos_token_id == [ids.eos, ids.im_end]
     assert (exported / "conventions.json").read_bytes() == (checkpoint / "conventions.json").read_bytes()
-    assert (exported / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer" / "tokenizer.json").read_bytes()
+    assert ((exported / "tokenizer.json").read_bytes()
+            == (checkpoint / "tokenizer" / "tokenizer.json").read_bytes())
     assert json.loads((exported / "tokenizer_config.json").read_text())["model_max_length"] == SEQ_LEN
-    # The weights are the checkpoint's, under GPT-2 names: packtrain's GPT read back from the export is identical.
+    # The weights are the checkpoint's, under GPT-2 names: packtrain's GPT read back from the export is
+    # identical.
     ours, back = load_model(checkpoint), hf.load_hf(exported)
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, back.state_dict()[name]), name
@@ -128,7 +135,8 @@ def test_hf_tokenizer_encodes_like_ours_and_renders_chatml(transformers, exporte
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
     ours = load_tokenizer(exported)
     texts = [ours.decode(doc.tokens[:-1].tolist()) for doc in held_out[:20]]
-    texts += ["héllo wörld ✓ 日本語", f"{IM_START}user\nhi{IM_END}\n", "x<|endoftext|>y", "  two  spaces\n\ttab"]
+    texts += ["héllo wörld ✓ 日本語", f"{IM_START}user\nhi{IM_END}\n", "x<|endoftext|>y",
+              "  two  spaces\n\ttab"]
     for text in texts:
         want = ours.encode(text, add_special_tokens=False).ids
         assert hf_tok.encode(text, add_special_tokens=False) == want
@@ -158,7 +166,8 @@ def test_packed_loss_equals_transformers_loss_on_held_out_docs(hf_model, checkpo
         ref_batch = hf_batch(held_out, pad)
         ref = hf_model(**ref_batch)
     # The same targets: every token of every document but its first.
-    assert int(out.num_targets) == packed.num_valid_targets == int((ref_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert (int(out.num_targets) == packed.num_valid_targets
+            == int((ref_batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
     ours = float(out.loss_sum) / packed.num_valid_targets
     diff = abs(ours - float(ref.loss))
     print(f"held-out loss: packtrain {ours:.7f}, transformers {float(ref.loss):.7f}, |diff| {diff:.2e}")
@@ -186,7 +195,8 @@ def test_step_gradient_equals_the_gradient_of_transformers_mean_loss(hf_model, c
     hf_model.train().zero_grad(set_to_none=True)
     ref_loss = hf_model(**hf_batch(held_out, pad)).loss
     ref_loss.backward()
-    ref = {name: p.grad for name, p in hf_model.named_parameters()}  # lm_head is tied: wte's grad holds both uses
+    # lm_head is tied: wte's grad holds both uses
+    ref = {name: p.grad for name, p in hf_model.named_parameters()}
     hf_model.zero_grad(set_to_none=True)
     hf_model.eval()
 
@@ -197,8 +207,9 @@ def test_step_gradient_equals_the_gradient_of_transformers_mean_loss(hf_model, c
           f"{len(micro_batches)} micro-batches")
     assert errors[worst] <= GRAD_REL_TOL, errors
 
-    # The check is absolute: had the step divided by the tokens (padding excluded) instead of the valid targets,
-    # every gradient would be off by valid / tokens (here one target fewer per document), far beyond the tolerance.
+    # The check is absolute: had the step divided by the tokens (padding excluded) instead of the valid
+    # targets, every gradient would be off by valid / tokens (here one target fewer per document), far beyond
+    # the tolerance.
     tokens = sum(mb.num_tokens for mb in micro_batches)
     wrong = {k: v * stats.valid_tokens / tokens for k, v in ours.items()}
     assert min(relative_errors(wrong, ref).values()) > 100 * GRAD_REL_TOL
@@ -235,10 +246,12 @@ def test_a_bias_free_model_exports_zero_biases(transformers, demo_data, tmp_path
     assert diff <= 1e-5
 
 
-def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(checkpoint, exported, tmp_path, capsys):
-    """A run directory, a checkpoint's tokenizer/ and a directory of one's own files are refused, untouched; an
-    earlier export is replaced (tests/fixtures are not needed: the refusals come before any weight is read). The
-    command's main in this process (its one line and status; tests/test_errors.py runs it as a process)."""
+def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(checkpoint, exported, tmp_path,
+                                                                              capsys):
+    """A run directory, a checkpoint's tokenizer/ and a directory of one's own files are refused, untouched;
+    an earlier export is replaced (tests/fixtures are not needed: the refusals come before any weight is
+    read). The command's main in this process (its one line and status; tests/test_errors.py runs it as a
+    process)."""
     from trainer.export import main
     run_dir = checkpoint.parent.parent
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
@@ -251,11 +264,13 @@ def test_export_writes_only_into_a_new_or_empty_dir_or_over_an_earlier_export(ch
         checkpoint: f"is inside the checkpoint {checkpoint.resolve()}",
         mine: "(notes.txt)",
         # a new directory beside the run's checkpoints: train.resume=true would take it for one (and break)
-        checkpoint.parent / "step_000099": f"is inside the run's checkpoint directory {checkpoint.parent.resolve()}",
+        checkpoint.parent / "step_000099": "is inside the run's checkpoint directory "
+                                           f"{checkpoint.parent.resolve()}",
     }
     for out, words in cases.items():
         status, err = main([str(checkpoint), "--out", str(out)]), capsys.readouterr().err
-        assert status == 2 and err.startswith(f"error: --out {out} ") and words in err and err.count("\n") == 1, err
+        assert (status == 2 and err.startswith(f"error: --out {out} ") and words in err
+                and err.count("\n") == 1), err
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     assert not (checkpoint.parent / "step_000099").exists()
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -1,4 +1,5 @@
-"""`python -m trainer.generate` and the model's KV cache: decoding checked against full forwards and `transformers`."""
+"""`python -m trainer.generate` and the model's KV cache: decoding checked against full forwards and
+`transformers`."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ PROMPT = "def parse_header(line):\n    "
 def varied(demo_data, tmp_path_factory) -> tuple[GPT, Path]:
     """A random model with large weights (init_std 0.5) and its export: its greedy text is varied and ends at
     a stop token by itself, where a few training steps of the tiny model only repeat one token."""
-    torch.manual_seed(11)  # a seed whose greedy reply meets a stop within 80 tokens (at 2 stops of 512 ids most
-    # seeds' replies run to the limit; the assertion at the end of the greedy test checks this one's still does)
-    model = GPT(GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, max_seq_len=128, init_std=0.5)).eval()
+    # a seed whose greedy reply meets a stop within 80 tokens (at 2 stops of 512 ids most seeds' replies run
+    # to the limit; the assertion at the end of the greedy test checks this one's still does)
+    torch.manual_seed(11)
+    model = GPT(GPTConfig(vocab_size=512, n_layer=2, n_head=4, n_embd=64, max_seq_len=128,
+                          init_std=0.5)).eval()
     out = tmp_path_factory.mktemp("varied")
     write_hf(model, demo_data / "tokenizer", out)
     return model, out
@@ -60,12 +63,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cached_forwards_give_the_logits_of_one_full_forward(pos_emb):
     """Prefill 5, then one position at a time, then 3 at once (new positions causal among themselves)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, max_seq_len=16, pos_emb=pos_emb)).eval()
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=32, max_seq_len=16,
+                          pos_emb=pos_emb)).eval()
     ids = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
         full = model(ids).logits
         cache = KVCache(model.cfg.n_layer)
-        pieces = [model(ids[:, a:b], cache=cache).logits for a, b in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 12)]]
+        pieces = [model(ids[:, a:b], cache=cache).logits
+                  for a, b in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 12)]]
     assert cache.length == 12
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-5
 
@@ -85,7 +90,8 @@ def test_cached_and_uncached_greedy_decoding_agree(checkpoint, varied, tok, stop
     for model in (load_model(checkpoint), varied[0]):
         cached = gen.generate(model, prompt, 60)
         assert cached == gen.generate(model, prompt, 60, use_cache=False) and len(cached) == 60
-        assert gen.generate(model, prompt, 60, stops) == gen.generate(model, prompt, 60, stops, use_cache=False)
+        assert (gen.generate(model, prompt, 60, stops)
+                == gen.generate(model, prompt, 60, stops, use_cache=False))
     assert len(set(cached)) > 10  # the varied model's 60 tokens
 
 
@@ -109,7 +115,8 @@ def test_greedy_decoding_equals_transformers_generate(checkpoint, exported, vari
 
     trained = (load_model(checkpoint), hf.load_hf(exported), exported)
     for *ours_models, export_dir in (trained, (varied[0], hf.load_hf(varied[1]), varied[1])):
-        ref_model = transformers.GPT2LMHeadModel.from_pretrained(export_dir, attn_implementation="eager").eval()
+        ref_model = transformers.GPT2LMHeadModel.from_pretrained(export_dir,
+                                                                 attn_implementation="eager").eval()
         for model in ours_models:
             ours = gen.generate(model, prompt, 80, stops)
             assert ours == reference(ref_model, 80, list(stops))
@@ -208,6 +215,7 @@ def test_user_text_never_becomes_a_special_token(checkpoint, tok, chat, token):
     naming it (prepare refuses such chat records the same way)."""
     tok_dir = checkpoint / "tokenizer"
     prompt = f"hi{token}\n<|im_start|>assistant\nsure"
-    with pytest.raises(gen.GenerateError, match=rf"the prompt holds {re.escape(repr(token))}, a special token's text"):
+    with pytest.raises(gen.GenerateError,
+                       match=rf"the prompt holds {re.escape(repr(token))}, a special token's text"):
         gen.prompt_ids(tok, tok_dir, prompt, chat)
     assert gen.prompt_ids(tok, tok_dir, "hi | im_end", chat)  # plain text still encodes

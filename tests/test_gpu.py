@@ -1,5 +1,5 @@
-"""GPU-only checks: the real varlen kernels against fp32 references, document isolation through the whole model,
-and packing on CUDA. scripts/gpu_check.sh runs them and turns their JUnit report into its verdict.
+"""GPU-only checks: the real varlen kernels against fp32 references, document isolation through the whole
+model, and packing on CUDA. scripts/gpu_check.sh runs them and turns their JUnit report into its verdict.
 
 Skips itself without CUDA. flash-attn is checked only when it imports; torch_varlen needs torch >= 2.9. Both
 run in fp16/bf16 only, so they are compared with fp32 references on the same inputs and weights. Each
@@ -30,7 +30,11 @@ pytestmark = [
 from trainer.data.batch import Batch, Document, collate_rows  # noqa: E402
 from trainer.model import AttentionConfig, GPTConfig, build_model, flash, model_inputs  # noqa: E402
 from trainer.model import attention as attention_module  # noqa: E402
-from trainer.model.attention import backend_unavailable_reason, resolve_backend, varlen_attention  # noqa: E402
+from trainer.model.attention import (  # noqa: E402
+    backend_unavailable_reason,
+    resolve_backend,
+    varlen_attention,
+)
 
 CUDA = torch.device("cuda")
 SEQ_LENS = [1, 37, 128, 300, 5, 512, 40, 1]  # N = 1024: single tokens, tile-aligned and ragged documents
@@ -58,9 +62,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def worst_position_error(got_ND: torch.Tensor, want_ND: torch.Tensor) -> float:
-    """max over positions n of |got[n] - want[n]|, divided by the RMS over positions of |want[n]|: a leak into a
-    few positions shows here even when it vanishes in the norm over all of them. (N, ...) tensors. (Not divided
-    by |want[n]| itself: some rows are exactly 0, e.g. dq of a one-token document.)"""
+    """max over positions n of |got[n] - want[n]|, divided by the RMS over positions of |want[n]|: a leak into
+    a few positions shows here even when it vanishes in the norm over all of them. (N, ...) tensors. (Not
+    divided by |want[n]| itself: some rows are exactly 0, e.g. dq of a one-token document.)"""
     got, want = got_ND.flatten(1), want_ND.flatten(1)
     scale = want.norm(dim=1).square().mean().sqrt().clamp_min(1e-12)
     return ((got - want).norm(dim=1).max() / scale).item()
@@ -72,12 +76,14 @@ def worst_position_error(got_ND: torch.Tensor, want_ND: torch.Tensor) -> float:
 
 
 def kernel_inputs(dtype: torch.dtype, device: torch.device = CUDA) -> list[torch.Tensor]:
-    """q, k, v and the output gradient, (N, H, D), drawn in fp32 and rounded to dtype: the same values each call."""
+    """q, k, v and the output gradient, (N, H, D), drawn in fp32 and rounded to dtype: the same values each
+    call."""
     g = torch.Generator(device=device).manual_seed(0)
     return [torch.randn(sum(SEQ_LENS), H, D, device=device, generator=g).to(dtype) for _ in range(4)]
 
 
-def run_kernel(backend: str, inputs: list[torch.Tensor], dtype: torch.dtype, backward: bool) -> list[torch.Tensor]:
+def run_kernel(backend: str, inputs: list[torch.Tensor], dtype: torch.dtype,
+               backward: bool) -> list[torch.Tensor]:
     """fp32 copies of out (and dq, dk, dv if backward) of `backend` run in `dtype` on `inputs`."""
     q, k, v = (t.detach().to(dtype).clone().requires_grad_(True) for t in inputs[:3])
     out = varlen_attention(q, k, v, cu_seqlens(SEQ_LENS, q.device), max(SEQ_LENS), backend=backend)
@@ -88,7 +94,8 @@ def run_kernel(backend: str, inputs: list[torch.Tensor], dtype: torch.dtype, bac
     return [t.float() for t in results]
 
 
-def compare_kernel(backend: str, dtype: torch.dtype, backward: bool, device: torch.device = CUDA) -> list[str]:
+def compare_kernel(backend: str, dtype: torch.dtype, backward: bool,
+                   device: torch.device = CUDA) -> list[str]:
     """What is off in `backend`'s output (or gradients): the relative norm error against the fp32 reference
     above TOLERANCES, or a position further from it than YARDSTICK_FACTOR x the worst position of sdpa_docs
     run in the same dtype (its rounding alone, documents isolated by construction)."""
@@ -138,8 +145,8 @@ def test_varlen_kernels_refuse_fp32_with_a_clear_error():
 
 
 def expected_auto(dtype: torch.dtype) -> str:
-    """The documented order on CUDA: flash when it imports, else torch's varlen_attn (torch >= 2.9) for fp16/bf16,
-    else flex (torch has had FlexAttention since 2.5, the oldest torch packtrain supports)."""
+    """The documented order on CUDA: flash when it imports, else torch's varlen_attn (torch >= 2.9) for
+    fp16/bf16, else flex (torch has had FlexAttention since 2.5, the oldest torch packtrain supports)."""
     if dtype in (torch.float16, torch.bfloat16):
         if flash.flash_attn_import_error() is None:
             return "flash"
@@ -173,14 +180,16 @@ VOCAB = 512
 
 LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=512, bias=False, n_kv_head=2,
              tie_embeddings=False)
-"""The Llama family (RMSNorm, SwiGLU, RoPE, GQA with 2 kv heads for 4 query heads, untied head) at the same size."""
+"""The Llama family (RMSNorm, SwiGLU, RoPE, GQA with 2 kv heads for 4 query heads, untied head) at the same
+size."""
 
 
 def small_model(device: torch.device, backend: str, isolate_documents: bool = True, seed: int = 0,
                 family: str = "gpt2"):
     torch.manual_seed(seed)
     shape = LLAMA if family == "llama" else {}
-    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=256, max_seq_len=256, **shape)  # head_dim 64
+    # head_dim 64
+    cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=256, max_seq_len=256, **shape)
     return build_model(cfg, AttentionConfig(backend=backend, isolate_documents=isolate_documents)).to(device)
 
 
@@ -191,7 +200,8 @@ def make_rows(seed: int = 0) -> list[list[Document]]:
 
 
 def spans(rows: list[list[Document]]) -> list[tuple[int, int, int]]:
-    """(row, start, end) of every document in the packed layout. Example: [[A(3), B(2)]] -> [(0, 0, 3), (0, 3, 5)]."""
+    """(row, start, end) of every document in the packed layout. Example: [[A(3), B(2)]] ->
+    [(0, 0, 3), (0, 3, 5)]."""
     out = []
     for r, row in enumerate(rows):
         start = 0
@@ -201,14 +211,17 @@ def spans(rows: list[list[Document]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def packed_logits(model, rows: list[list[Document]], device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+def packed_logits(model, rows: list[list[Document]], device: torch.device,
+                  dtype: torch.dtype | None) -> torch.Tensor:
     batch = collate_rows(rows, 256, 0, "packed").to_device(device)
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.float32,
+                                         enabled=dtype is not None):
         return model(**model_inputs(batch)).logits.float()
 
 
 def isolation_diffs(model, device: torch.device, dtype: torch.dtype | None) -> tuple[float, float]:
-    """(noise, change) in the logits of every document but A = row 0's first (100 tokens, before three others).
+    """(noise, change) in the logits of every document but A = row 0's first (100 tokens, before three
+    others).
 
     noise: the largest move of those logits (A's included) between two runs of the same batch, and when a
     document in another row (row 2's 200 tokens) is replaced: neither may touch them under any correct kernel.
@@ -222,7 +235,8 @@ def isolation_diffs(model, device: torch.device, dtype: torch.dtype | None) -> t
     noise = (rerun - base).abs().max().item()
 
     def replaced(row: int, index: int, shift_N: np.ndarray) -> tuple[list[list[Document]], torch.Tensor]:
-        """The rows with every token of rows[row][index] replaced by another, and a mask of the other positions."""
+        """The rows with every token of rows[row][index] replaced by another, and a mask of the other
+        positions."""
         new_rows = [list(r) for r in rows]
         doc = new_rows[row][index]
         new_rows[row][index] = Document(doc.key, 2 + (doc.tokens - 2 + shift_N) % (VOCAB - 4))
@@ -249,7 +263,8 @@ def test_changing_one_document_leaves_every_other_logit_unchanged(backend):
     skip_unless_available(backend, torch.bfloat16)
     model = small_model(CUDA, backend).eval()
     noise, change = isolation_diffs(model, CUDA, torch.bfloat16)
-    assert change <= noise, f"document A moved other documents' logits by {change:.3g} (run-to-run noise {noise:.3g})"
+    assert change <= noise, (f"document A moved other documents' logits by {change:.3g} "
+                             f"(run-to-run noise {noise:.3g})")
     leaky = small_model(CUDA, backend, isolate_documents=False).eval()
     leaky.load_state_dict(model.state_dict())
     _, leak_change = isolation_diffs(leaky, CUDA, torch.bfloat16)
@@ -261,7 +276,8 @@ class Deviation:
     """How far a bf16 run is from the fp32 reference (same weights, one document per row, fp32)."""
 
     logits: float
-    """The worst document position: max of |logits - ref| over positions / RMS of |ref| (`worst_position_error`)."""
+    """The worst document position: max of |logits - ref| over positions / RMS of |ref|
+    (`worst_position_error`)."""
     loss: float
     """|loss_sum - ref| / |ref|."""
     grads: float
@@ -293,9 +309,9 @@ def _deviation(logits, loss, grads, where, ref_logits, ref_loss, ref_grads) -> D
 
 @functools.lru_cache(maxsize=8)
 def _reference(device: torch.device, dtype: torch.dtype, family: str):
-    """((logits, loss, grads) of the fp32 reference, the yardstick): the padded path (plain causal SDPA per row) in
-    fp32, and its deviation in `dtype`. The same for every kernel and planted leak (small_model draws the same
-    weights), so computed once per device, dtype and family."""
+    """((logits, loss, grads) of the fp32 reference, the yardstick): the padded path (plain causal SDPA per
+    row) in fp32, and its deviation in `dtype`. The same for every kernel and planted leak (small_model draws
+    the same weights), so computed once per device, dtype and family."""
     rows = make_rows()
     docs = [d for row in rows for d in row]
     unpacked = collate_rows([[d] for d in docs], 256, 0, "unpacked").to_device(device)
@@ -308,7 +324,8 @@ def _reference(device: torch.device, dtype: torch.dtype, family: str):
     return (ref_logits, ref_loss, ref_grads), yardstick
 
 
-def reference_check(device: torch.device, backend: str, leak: str | None = None, dtype: torch.dtype = torch.bfloat16,
+def reference_check(device: torch.device, backend: str, leak: str | None = None,
+                    dtype: torch.dtype = torch.bfloat16,
                     family: str = "gpt2") -> tuple[list[str], Deviation, Deviation]:
     """(problems, packed, yardstick): packed rows on `backend` in `dtype` against the fp32 reference, with
     unpacked rows in `dtype` (the same weights, no packing) as the yardstick: packed may be at most
@@ -353,7 +370,8 @@ def test_reference_check_catches_a_planted_leak(backend, leak):
     """The tolerance above discriminates: a cross-document leak fails it (in the logits at least)."""
     skip_unless_available(backend, torch.bfloat16)
     problems, got, yardstick = reference_check(CUDA, backend, leak)
-    assert any(p.startswith("logits") for p in problems), f"a {leak} leak passed the check: {got} vs {yardstick}"
+    assert any(p.startswith("logits") for p in problems), (f"a {leak} leak passed the check: {got} "
+                                                           f"vs {yardstick}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -365,7 +383,8 @@ def test_reference_check_catches_a_planted_leak(backend, leak):
 @pytest.mark.parametrize("backend", ["flex", "dense"])
 def test_fp32_backends_match_sdpa_docs_forward_and_backward(backend):
     inputs = kernel_inputs(torch.float32)
-    got, want = run_kernel(backend, inputs, torch.float32, True), run_kernel("sdpa_docs", inputs, torch.float32, True)
+    got, want = (run_kernel(backend, inputs, torch.float32, True),
+                 run_kernel("sdpa_docs", inputs, torch.float32, True))
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert relative_error(a, b) <= TOLERANCES[torch.float32][0], what
 
@@ -406,8 +425,9 @@ def test_packed_matches_unpacked_on_cuda_in_fp32(backend):
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_flash_with_separate_query_and_key_segments_matches_the_per_piece_reference(dtype):
     """Context parallelism's allgather call (trainer/distributed/context.py): flash-attn's varlen kernel with
-    cu_seqlens_q != cu_seqlens_k, causal aligned at the bottom right, forward and backward, against SDPA per piece
-    in fp32. Pieces: 3 queries over 7 keys, 4 over 4, 1 over 9 (a document's last query sees it whole)."""
+    cu_seqlens_q != cu_seqlens_k, causal aligned at the bottom right, forward and backward, against SDPA per
+    piece in fp32. Pieces: 3 queries over 7 keys, 4 over 4, 1 over 9 (a document's last query sees it
+    whole)."""
     skip_unless_available("flash", dtype)
     from trainer.distributed.context import _sdpa_pieces
 
@@ -435,22 +455,23 @@ def test_flash_with_separate_query_and_key_segments_matches_the_per_piece_refere
 
 
 def scored(backend: str, layout: str, dtype: torch.dtype, device: torch.device = CUDA) -> torch.Tensor:
-    """Per-sequence choice log-likelihoods of 64 synthetic (query, choice) pairs, scored in `layout` by the tiny
-    model in `dtype` (weights rounded from the same fp32 init) on `backend`."""
+    """Per-sequence choice log-likelihoods of 64 synthetic (query, choice) pairs, scored in `layout` by the
+    tiny model in `dtype` (weights rounded from the same fp32 init) on `backend`."""
     from trainer.tasks.scoring import Candidate, score
 
     rng = np.random.default_rng(0)
     sequences = [Candidate(tuple(rng.integers(1, VOCAB, int(rng.integers(4, 120))).tolist()),
-                           tuple(rng.integers(1, VOCAB, int(rng.integers(1, 30))).tolist())) for _ in range(64)]
+                           tuple(rng.integers(1, VOCAB, int(rng.integers(1, 30))).tolist()))
+                 for _ in range(64)]
     model = small_model(device, backend).to(dtype)
     return torch.tensor(score(model, sequences, layout, 0, 2048, device).loglikelihoods)
 
 
 @pytest.mark.parametrize("backend", VARLEN_KERNELS)
 def test_packed_scoring_in_bf16_is_as_close_to_fp32_as_unpacked(backend):
-    """Every query + choice a document of packed rows through the kernel: the choices' log-likelihoods are as close
-    to the fp32 reference (unpacked, sdpa_docs) as unpacked bf16 rows are (YARDSTICK_FACTOR), and packed scoring
-    does not mix sequences (a leak would move them far past bf16 rounding)."""
+    """Every query + choice a document of packed rows through the kernel: the choices' log-likelihoods are as
+    close to the fp32 reference (unpacked, sdpa_docs) as unpacked bf16 rows are (YARDSTICK_FACTOR), and packed
+    scoring does not mix sequences (a leak would move them far past bf16 rounding)."""
     skip_unless_available(backend, torch.bfloat16)
     want = scored("sdpa_docs", "unpacked", torch.float32)
     yardstick = (scored("sdpa_docs", "unpacked", torch.bfloat16) - want).abs().max().item()
@@ -478,14 +499,17 @@ def _two_steps(info, cfg) -> list[float]:
 
     torch.manual_seed(0)
     model = build_model(GPTConfig(vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=64,
-                                  pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
+                                  pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                                  tie_embeddings=False),
                         AttentionConfig(backend="sdpa_docs"), meta=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 1.0, "fp32")
+    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 1.0,
+                         "fp32")
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(2):
-        docs = [Document(key=f"d{i}", tokens=rng.integers(2, 61, size=n)) for i, n in enumerate([30, 1, 20, 9])]
+        docs = [Document(key=f"d{i}", tokens=rng.integers(2, 61, size=n))
+                for i, n in enumerate([30, 1, 20, 9])]
         losses.append(train_step(engine, [collate_rows([docs], 63, 0, "packed")], info, 0).loss)
     return losses
 

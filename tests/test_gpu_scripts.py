@@ -1,4 +1,5 @@
-"""The GPU window's scripts, checked on CPU: it gets one short try on a GPU machine, so what it runs is tested here.
+"""The GPU window's scripts, checked on CPU: it gets one short try on a GPU machine, so what it runs is tested
+here.
 
 - scripts/gpu_check.sh stops at once without CUDA, saying so on stderr.
 - scripts/gpu_report.py: the verdict from fabricated results and from a real pytest JUnit report (a skipped
@@ -63,7 +64,8 @@ def run(cmd: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedP
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run the whole check")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="this machine has CUDA: the script would run the whole check")
 def test_gpu_check_stops_at_once_without_cuda(tmp_path):
     start = time.monotonic()
     proc = run(["bash", str(SCRIPTS / "gpu_check.sh")], env={**os.environ, "PY": sys.executable,
@@ -87,21 +89,25 @@ def rows_by_kernel(rows) -> dict:
 def test_every_kernel_skipped_fails_and_says_why():
     results = [R(f"{FWD}[flash-torch.bfloat16]", "skipped", "the flash-attn package does not import"),
                R(f"{BWD}[flash-torch.bfloat16]", "skipped", "the flash-attn package does not import"),
-               R(f"{FWD}[torch_varlen-torch.bfloat16]", "skipped", "this torch has no torch.nn.attention.varlen"),
-               R(f"{BWD}[torch_varlen-torch.bfloat16]", "skipped", "this torch has no torch.nn.attention.varlen"),
+               R(f"{FWD}[torch_varlen-torch.bfloat16]", "skipped",
+                 "this torch has no torch.nn.attention.varlen"),
+               R(f"{BWD}[torch_varlen-torch.bfloat16]", "skipped",
+                 "this torch has no torch.nn.attention.varlen"),
                R("test_varlen_kernels_refuse_fp32_with_a_clear_error", "passed")]
     ok, rows, problems = gpu_report.verdict(results)
     assert not ok
     by = rows_by_kernel(rows)
     assert by["flash"].verdict == by["torch_varlen"].verdict == "SKIPPED"
     assert by["flash"].available == "the flash-attn package does not import"
-    assert (by["torch_varlen"].run, by["torch_varlen"].skipped, by["torch_varlen"].forward) == (0, 2, "not run")
+    assert (by["torch_varlen"].run, by["torch_varlen"].skipped,
+            by["torch_varlen"].forward) == (0, 2, "not run")
     assert "no varlen kernel ran its forward and backward tests" in problems[0]
     assert "flash: skipped (the flash-attn package does not import)" in problems[0]
 
 
 def test_torch_varlen_forward_and_backward_passing_passes_with_flash_listed_as_skipped():
-    results = [R(f"{FWD}[torch_varlen-torch.bfloat16]", "passed"), R(f"{BWD}[torch_varlen-torch.bfloat16]", "passed"),
+    results = [R(f"{FWD}[torch_varlen-torch.bfloat16]", "passed"),
+               R(f"{BWD}[torch_varlen-torch.bfloat16]", "passed"),
                R("test_changing_one_document_leaves_every_other_logit_unchanged[torch_varlen]", "passed"),
                R(f"{FWD}[flash-torch.bfloat16]", "skipped", "flash-attn does not import"),
                R(f"{FWD}[flex-torch.bfloat16]", "passed")]
@@ -132,7 +138,8 @@ def test_flash_skipped_and_torch_varlen_failing_fails():
     ([R(f"{FWD}[torch_varlen-torch.bfloat16]", "passed"),
       R(f"{BWD}[torch_varlen-torch.bfloat16]", "skipped", "?")], "backward never ran"),
     ([R(f"{FWD}[torch_varlen-torch.bfloat16]", "passed"), R(f"{BWD}[torch_varlen-torch.bfloat16]", "passed"),
-      R("test_auto_picks_the_documented_kernel_and_says_why[torch.bfloat16]", "failed")], "another test failed"),
+      R("test_auto_picks_the_documented_kernel_and_says_why[torch.bfloat16]", "failed")],
+     "another test failed"),
     ([R(f"{FWD}[flex-torch.bfloat16]", "passed"), R(f"{BWD}[flex-torch.bfloat16]", "passed")],
      "flex is no varlen kernel"),
     ([], "nothing ran"),
@@ -144,7 +151,8 @@ def test_the_check_fails_whenever_it_could_pass_vacuously(results, why):
 
 def test_kernel_of_reads_the_parameter_ids():
     assert gpu_report.kernel_of(f"{FWD}[torch_varlen-torch.float16]") == "torch_varlen"
-    assert gpu_report.kernel_of("test_reference_check_catches_a_planted_leak[flash-one_mask_per_row]") == "flash"
+    assert (gpu_report.kernel_of("test_reference_check_catches_a_planted_leak[flash-one_mask_per_row]")
+            == "flash")
     assert gpu_report.kernel_of("test_auto_picks_the_documented_kernel_and_says_why[torch.bfloat16]") is None
     assert gpu_report.kernel_of("test_varlen_kernels_refuse_fp32_with_a_clear_error") is None
 
@@ -174,8 +182,8 @@ def test_the_report_reads_a_real_junit_file(tmp_path, backward_ok):
     pytest_run = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
                       str(tmp_path / "test_fake_gpu.py")], cwd=tmp_path)
     assert pytest_run.returncode == (0 if backward_ok else 1), pytest_run.stdout
-    proc = run([sys.executable, str(SCRIPTS / "gpu_report.py"), str(xml), "--markdown", str(tmp_path / "t.md"),
-                "--json", str(tmp_path / "t.json")])
+    proc = run([sys.executable, str(SCRIPTS / "gpu_report.py"), str(xml), "--markdown",
+                str(tmp_path / "t.md"), "--json", str(tmp_path / "t.json")])
     assert proc.returncode == (0 if backward_ok else 1), proc.stdout
     table = (tmp_path / "t.md").read_text()
     assert ("| flash | the flash-attn package does not import (ImportError: No module named 'flash_attn') "
@@ -206,7 +214,8 @@ def fetch_wheels(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def printed_commands(stdout: str) -> list[list[str]]:
-    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ ") and "prune" not in line]
+    return [shlex.split(line[2:]) for line in stdout.splitlines()
+            if line.startswith("+ ") and "prune" not in line]
 
 
 def test_fetch_wheels_dry_run_asks_for_binary_wheels_for_the_target_and_never_torch(tmp_path):
@@ -223,7 +232,8 @@ def test_fetch_wheels_dry_run_asks_for_binary_wheels_for_the_target_and_never_to
     assert platforms == ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                          "manylinux2014_x86_64", "manylinux1_x86_64"]
     requirements = download[download.index("--dest") + 2:]
-    assert requirements == ["webdataset>=0.2.86", "hydra-core>=1.3", "zstandard>=0.22"]  # what the GPU machine lacks
+    # what the GPU machine lacks
+    assert requirements == ["webdataset>=0.2.86", "hydra-core>=1.3", "zstandard>=0.22"]
     assert not any(re.match(r"(torch|nvidia|triton|wandb)\b", arg) for arg in download)
     assert not (tmp_path / "wheels").exists()  # a dry run creates nothing
 
@@ -234,7 +244,8 @@ def test_fetch_wheels_takes_the_target_from_the_environment(tmp_path):
     assert proc.returncode == 0, proc.stderr
     download = printed_commands(proc.stdout)[1]
     assert download[download.index("--python-version") + 1] == "3.10"
-    assert [download[i + 1] for i, a in enumerate(download) if a == "--platform"] == ["manylinux_2_17_aarch64"]
+    assert ([download[i + 1] for i, a in enumerate(download) if a == "--platform"]
+            == ["manylinux_2_17_aarch64"])
     requirements = download[download.index("--dest") + 2:]
     assert "wandb>=0.17" in requirements and "numpy>=1.24" in requirements and "pytest>=8" in requirements
     assert not any(r.startswith("torch") for r in requirements)
@@ -278,7 +289,8 @@ print(json.dumps(found))
 
 
 def probe(python: Path, *modules: str, env: dict | None = None) -> dict:
-    """Where `modules` and torch import from in `python` (None: not importable), run outside the working tree."""
+    """Where `modules` and torch import from in `python` (None: not importable), run outside the working
+    tree."""
     proc = run([str(python), "-c", PROBE, *modules], cwd="/", env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -290,14 +302,16 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
     """fetch_wheels.sh for this Python (the registry is reachable here); then gpu_check.sh with WHEELS, in its
     CPU rehearsal, under a Python that has only the GPU machine's packages: the offline install keeps torch,
     trainer and its dependencies import from the installed site, the GPU tests run (skipping: no CUDA) into
-    the table, the benchmark writes its files, the certificate passes its CPU cells but certifies no varlen kernel,
-    and the verdict is FAIL because no varlen kernel ran."""
+    the table, the benchmark writes its files, the certificate passes its CPU cells but certifies no varlen
+    kernel, and the verdict is FAIL because no varlen kernel ran."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     fetched = fetch_wheels(tmp_path, PYTHON_VERSION=version)
     assert fetched.returncode == 0, fetched.stderr
     wheels = sorted(p.name for p in (tmp_path / "wheels").iterdir())
-    assert any(w.startswith("webdataset-") for w in wheels) and any(w.startswith("hydra_core-") for w in wheels)
-    assert not any(re.match(r"(torch|nvidia|triton|numpy|pyyaml|packaging)[-_]", w.lower()) for w in wheels), wheels
+    assert (any(w.startswith("webdataset-") for w in wheels)
+            and any(w.startswith("hydra_core-") for w in wheels))
+    assert not any(re.match(r"(torch|nvidia|triton|numpy|pyyaml|packaging)[-_]", w.lower())
+                   for w in wheels), wheels
     assert re.search(r"# total: \d+ bytes", fetched.stdout)
 
     python = device_like_environment(tmp_path / "env")
@@ -308,8 +322,8 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
 
     site, out = tmp_path / "site", tmp_path / "out"
     proc = run(["bash", str(SCRIPTS / "gpu_check.sh")], timeout=300, env={
-        **os.environ, "PY": str(python), "WHEELS": str(tmp_path / "wheels"), "SITE": str(site), "OUT": str(out),
-        "DATA": str(tmp_path / "data"), "GPU_CHECK_REHEARSAL": "1"})
+        **os.environ, "PY": str(python), "WHEELS": str(tmp_path / "wheels"), "SITE": str(site),
+        "OUT": str(out), "DATA": str(tmp_path / "data"), "GPU_CHECK_REHEARSAL": "1"})
     log = (out / "gpu_check.log").read_text()
     assert proc.returncode == 1, log  # the rehearsal's verdict: no varlen kernel ran
     assert f"torch untouched: {before['torch_version']} {before['torch']}" in log
@@ -325,8 +339,9 @@ def test_the_gpu_window_rehearsed_on_cpu_from_fetched_wheels(tmp_path):
         assert f"| {kernel} | needs a CUDA device | 0 | 0 | 0 | 10 | not run | not run | SKIPPED |" in table
     assert "GPU CHECK: FAIL" in table
     assert json.loads((out / "gpu_train.json").read_text())["measured_steps"] == 2
-    certificate = json.loads((out / "certificate" / "certificate.json").read_text())  # the CPU cells passed, but
-    assert certificate["passed"] and "certificate: no varlen kernel (flash, torch_varlen) ran" in log  # none varlen
+    # the CPU cells passed, but none varlen
+    certificate = json.loads((out / "certificate" / "certificate.json").read_text())
+    assert certificate["passed"] and "certificate: no varlen kernel (flash, torch_varlen) ran" in log
     assert "certificate FAILED (exit 1)" in log
     assert sorted(p.name for p in out.iterdir()) == [
         "certificate", "gpu_check.log", "gpu_tests.json", "gpu_tests.md", "gpu_tests.xml", "gpu_train.json",
@@ -350,9 +365,10 @@ def test_install_wheels_refuses_a_torch_wheel(tmp_path):
 @pytest.mark.slow
 def test_gpu_train_benchmark_runs_on_cpu_and_writes_every_key(demo_data, tmp_path):
     out = tmp_path / "out"
-    proc = run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--data", str(demo_data), "--out", str(out),
-                "--device", "cpu", "--model", "tiny", "--seq-len", "128", "--tokens-per-step", "1024",
-                "--micro-batch-tokens", "512", "--steps", "2", "--warmup", "1", "--threads", "1"], timeout=300)
+    proc = run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--data", str(demo_data),
+                "--out", str(out), "--device", "cpu", "--model", "tiny", "--seq-len", "128",
+                "--tokens-per-step", "1024", "--micro-batch-tokens", "512", "--steps", "2", "--warmup", "1",
+                "--threads", "1"], timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "attention=auto picked sdpa_docs on cpu bfloat16" in proc.stderr  # the choice and why, logged once
     sys.path.insert(0, str(REPO / "bench"))
@@ -366,9 +382,11 @@ def test_gpu_train_benchmark_runs_on_cpu_and_writes_every_key(demo_data, tmp_pat
     packed, unpacked = result["layouts"]["packed"], result["layouts"]["unpacked"]
     for layout in (packed, unpacked):
         assert set(gpu_train.LAYOUT_KEYS) <= set(layout)
-        assert layout["mfu"] is None and layout["peak_mem_gib"] is None  # CPU: no peak FLOP/s, no CUDA allocator
+        # CPU: no peak FLOP/s, no CUDA allocator
+        assert layout["mfu"] is None and layout["peak_mem_gib"] is None
         assert 0 < layout["token_utilization"] <= 1
-    assert packed["valid_tokens"] == unpacked["valid_tokens"] and packed["docs"] == unpacked["docs"]  # same documents
+    # same documents
+    assert packed["valid_tokens"] == unpacked["valid_tokens"] and packed["docs"] == unpacked["docs"]
     assert packed["token_utilization"] >= unpacked["token_utilization"]
     assert abs(packed["loss_first"] - unpacked["loss_first"]) < 1e-2  # same init, same documents
     text = (out / "gpu_train.md").read_text()
@@ -417,7 +435,8 @@ def test_auto_on_cpu_picks_sdpa_docs_and_logs_why_once(caplog, monkeypatch):
         assert resolve_backend("auto", CPU, torch.float32, requires_grad=False) == "sdpa_docs"
     lines = [r.getMessage() for r in caplog.records if r.name == "trainer.model.attention"]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("attention=auto picked sdpa_docs on cpu float32 (order flash > torch_varlen > flex")
+    assert lines[0].startswith("attention=auto picked sdpa_docs on cpu float32 "
+                               "(order flash > torch_varlen > flex")
     assert "flash: flash-attn needs a CUDA device" in lines[0]
     assert "torch_varlen: torch.nn.attention.varlen.varlen_attn runs on CUDA only" in lines[0]
     assert "flex: not picked off CUDA" in lines[0]

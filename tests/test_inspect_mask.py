@@ -34,8 +34,8 @@ from trainer.model.attention import block_diagonal_mask
 ROOT = Path(__file__).resolve().parents[1]
 SEED_LENGTHS = [3, 2, 5, 2]
 TEXT = 'def f():\n    return 1|x = "é</script>"|y'
-DATA_KEYS = ("input_ids", "position_ids_reset", "position_ids_continuous", "labels", "cu_seqlens", "max_seqlen",
-             "mask_isolated", "mask_causal")
+DATA_KEYS = ("input_ids", "position_ids_reset", "position_ids_continuous", "labels", "cu_seqlens",
+             "max_seqlen", "mask_isolated", "mask_causal")
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,10 @@ def test_text_row_matches_collator_and_stream_tokenization(tokenizer_dir: Path, 
     pieces = TEXT.split("|")
     eos = special_ids(load_tokenizer(tokenizer_dir)).eos
     stream = DocumentStream(["unused.tar"], tokenizer_dir, eos_id=eos)
-    items = [(0, n, key, None) for n, key in enumerate("abc")]  # (shard, sample, key, payload) as the reader draws
-    for ours, theirs in zip(doc_set.docs, stream._documents(items, pieces, ["unused.tar"], None), strict=True):
+    # (shard, sample, key, payload) as the reader draws
+    items = [(0, n, key, None) for n, key in enumerate("abc")]
+    for ours, theirs in zip(doc_set.docs, stream._documents(items, pieces, ["unused.tar"], None),
+                            strict=True):
         assert ours.tokens.tolist() == theirs.tokens.tolist()  # EOS appended, no special tokens added
     total = sum(len(d) for d in doc_set.docs)
     for row_len in (total, total + 3):
@@ -125,8 +127,9 @@ def test_seed_example_by_hand() -> None:
 
 
 def test_a_tree_by_hand() -> None:
-    """--tree 3:2,1 (issue 57): the query once, each choice reading it and itself, positions continuing from the
-    query's end in each branch, q2 predicting both first tokens; the right panel is the leak (one causal mask)."""
+    """--tree 3:2,1 (issue 57): the query once, each choice reading it and itself, positions continuing from
+    the query's end in each branch, q2 predicting both first tokens; the right panel is the leak (one causal
+    mask)."""
     data = inspect_trees([(3, [2, 1])], row_len=8)
     assert data["tokens"] == ["q0", "q1", "q2", "a0", "a1", "b0", "<pad>", "<pad>"]
     assert data["position_ids_reset"] == [0, 1, 2, 3, 4, 3, 0, 1]
@@ -156,7 +159,8 @@ def test_padding_tail_is_its_own_segment() -> None:
 def test_cli_writes_both_files_and_prints_their_paths(tmp_path: Path) -> None:
     out = tmp_path / "insp"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.inspect_mask", "--lengths", "3,2,5,2", "--row-len", "14", "--out", str(out)],
+        [sys.executable, "-m", "trainer.inspect_mask", "--lengths", "3,2,5,2", "--row-len", "14",
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -211,7 +215,8 @@ def hover(driver, selector: str) -> None:
 def highlighted(driver, grid: str) -> list[tuple[int, int]]:
     """(query, key) of the cells carrying the hover highlight in one matrix."""
     cells = driver.execute_script(
-        f"return Array.from(document.querySelectorAll('#{grid} td.attend')).map(c => [+c.dataset.q, +c.dataset.k]);"
+        f"return Array.from(document.querySelectorAll('#{grid} td.attend')).map(c => [+c.dataset.q, "
+        "+c.dataset.k]);"
     )
     return [tuple(c) for c in cells]
 
@@ -241,12 +246,14 @@ def test_page_loads_without_errors_and_renders_figure_and_grids(browser, seed_pa
         (13, "#row td.tok[data-t='13']", "none"),  # padding
     ],
 )
-def test_hover_highlights_exactly_the_allowed_cells_and_the_target(browser, seed_page, t, selector, predicts) -> None:
+def test_hover_highlights_exactly_the_allowed_cells_and_the_target(browser, seed_page, t, selector,
+                                                                   predicts) -> None:
     html_path, data = seed_page
     if browser.current_url != html_path.as_uri():
         browser.get(html_path.as_uri())
     hover(browser, selector)
-    oracle = {"grid-isolated": block_diagonal_mask(cu_seqlens=torch.tensor(data["cu_seqlens"], dtype=torch.int32)),
+    oracle = {"grid-isolated": block_diagonal_mask(cu_seqlens=torch.tensor(data["cu_seqlens"],
+                                                                           dtype=torch.int32)),
               "grid-causal": block_diagonal_mask(cu_seqlens=torch.tensor([0, 14], dtype=torch.int32))}
     for grid, mask in oracle.items():
         assert highlighted(browser, grid) == [(t, k) for k in range(14) if mask[t, k]], grid
@@ -268,7 +275,8 @@ def test_a_tree_page_in_browser(browser, tmp_path: Path) -> None:
     assert browser.execute_script("return document.getElementById('title-isolated').textContent;") == \
         data["panels"][0]
     hover(browser, "#row td.tok[data-t='3']")  # q3
-    assert browser.execute_script("return document.getElementById('hover-target').textContent;") == "a0, b0, c0"
+    assert browser.execute_script("return document.getElementById('hover-target').textContent;") == \
+        "a0, b0, c0"
     targets = browser.execute_script("return Array.from(document.querySelectorAll('#row .target'))"
                                      ".map(c => +c.dataset.t);")
     assert targets == [4, 6, 9]
@@ -283,7 +291,8 @@ def test_text_page_in_browser(browser, tokenizer_dir: Path, tmp_path: Path) -> N
     browser.get(html_path.as_uri())
     assert console_errors(browser) == []
     assert images_rendered(browser)
-    assert browser.execute_script("return JSON.parse(document.getElementById('inspector-data').textContent);") == data
+    assert browser.execute_script("return JSON.parse(document.getElementById('inspector-data')"
+                                  ".textContent);") == data
     last = len(data["tokens"]) - 1
     hover(browser, f"#grid-isolated th.qhead[data-t='{last}']")
     start = max(b for b in data["cu_seqlens"] if b <= last)
@@ -293,8 +302,9 @@ def test_text_page_in_browser(browser, tokenizer_dir: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("inside", ["run/checkpoints", "run/.hydra", "data/tokenizer", "link", "link/deeper"])
 def test_out_inside_a_run_a_dataset_or_through_a_link_to_one_is_refused(inside: str, tmp_path: Path) -> None:
-    """Before: only --out naming the run dir or the dataset itself was refused; a directory inside one (a run's
-    checkpoints/ or .hydra/, a dataset's tokenizer/), also reached through a symlink, got mask.png and mask.html."""
+    """Before: only --out naming the run dir or the dataset itself was refused; a directory inside one (a
+    run's checkpoints/ or .hydra/, a dataset's tokenizer/), also reached through a symlink, got mask.png and
+    mask.html."""
     from trainer.inspect_mask import inspect_row, synthetic_documents, write_outputs
     from trainer.outputs import OutputError
 

@@ -126,11 +126,12 @@ def test_metrics_logger_refuses_an_unregistered_key(tmp_path, enabled):
                                          r"trainer/registry\.py \(METRIC_KEYS\)"):
         logger.log(step_metrics(val_los=2.0))
     assert logger.summary({"final_step": 1})["final_step"] == 1
-    with pytest.raises(ValueError, match=r"summary\.json keys 'a', 'b' are not registered: .*trainer/registry\.py "
-                                         r"\(SUMMARY_KEYS\)"):
+    with pytest.raises(ValueError, match=r"summary\.json keys 'a', 'b' are not registered: "
+                                         r".*trainer/registry\.py \(SUMMARY_KEYS\)"):
         logger.summary({"a": 1, "b": 2})
     if enabled:  # the refused line was not written
-        assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+        assert [json.loads(line)["step"]
+                for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_every_key_has_a_one_line_meaning():
@@ -142,13 +143,16 @@ def test_every_key_has_a_one_line_meaning():
 @pytest.mark.slow
 def test_a_real_run_writes_registered_keys_only(neutral_sweeps):
     """Real runs (eval on, compile on and off, prefetch on and off): every key they wrote is registered."""
-    run_dirs = [d for sweep in neutral_sweeps.values() for d in sweep.iterdir() if (d / "summary.json").is_file()]
+    run_dirs = [d for sweep in neutral_sweeps.values() for d in sweep.iterdir()
+                if (d / "summary.json").is_file()]
     assert len(run_dirs) == 6
     metric_keys, summary_keys = set(), set()
     for run_dir in run_dirs:
-        metric_keys |= {k for line in (run_dir / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+        metric_keys |= {k for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                        for k in json.loads(line)}
         summary_keys |= set(json.loads((run_dir / "summary.json").read_text()))
-    assert {"val_loss", "eval_time_s", "compile_recompiles", "data_time_s"} <= metric_keys  # eval and compile ran
+    # eval and compile ran
+    assert {"val_loss", "eval_time_s", "compile_recompiles", "data_time_s"} <= metric_keys
     assert not_registered(metric_keys, METRIC_KEYS) == []
     assert not_registered(summary_keys, SUMMARY_KEYS) == []
 
@@ -161,8 +165,8 @@ def test_a_real_run_writes_registered_keys_only(neutral_sweeps):
 def documented_metric_keys(text: str) -> list[str]:
     """The backticked keys of the first column of the table under "## Metric keys".
 
-    Example: "## Metric keys\\n\\n| key | meaning |\\n| --- | --- |\\n| `step` | ... |\\n| `a`, `b` | ... |" ->
-    ["step", "a", "b"].
+    Example: "## Metric keys\\n\\n| key | meaning |\\n| --- | --- |\\n| `step` | ... |\\n| `a`, `b` | ... |"
+    -> ["step", "a", "b"].
     """
     section = text.split("\n## Metric keys\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # past the header and the rule
@@ -171,10 +175,12 @@ def documented_metric_keys(text: str) -> list[str]:
 
 def test_docs_metric_table_lists_exactly_the_registered_metrics():
     path = ROOT / "docs" / "metrics.md"
-    assert path.is_file(), "docs/metrics.md is missing: it documents every metric key (see trainer/registry.py)"
+    assert path.is_file(), ("docs/metrics.md is missing: it documents every metric key "
+                            "(see trainer/registry.py)")
     documented = documented_metric_keys(path.read_text())
     assert documented, "docs/metrics.md: no table of metric keys under '## Metric keys'"
-    assert not_registered(documented, METRIC_KEYS.keys() | SUMMARY_KEYS.keys()) == [], "documented, not registered"
+    assert not_registered(documented, METRIC_KEYS.keys() | SUMMARY_KEYS.keys()) == [], \
+        "documented, not registered"
     assert sorted(METRIC_KEYS.keys() - set(documented)) == [], "registered, not in docs/metrics.md's table"
-    assert documented_metric_keys("x\n## Metric keys\n\n| key | m |\n| --- | --- |\n| `step` | s |\n| `a`, `b` | m |"
-                                  "\n\n## Next\n| `c` | m |") == ["step", "a", "b"]
+    assert documented_metric_keys("x\n## Metric keys\n\n| key | m |\n| --- | --- |\n| `step` | s |\n"
+                                  "| `a`, `b` | m |\n\n## Next\n| `c` | m |") == ["step", "a", "b"]

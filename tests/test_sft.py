@@ -46,7 +46,8 @@ def chat_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo_chat")
     manifest = prepare("demo-chat", out, vocab_size=512, max_docs=300, docs_per_shard=60, val_fraction=0.05)
     assert manifest["chat"]["conversations"] == 300
-    assert manifest["splits"]["train"]["lengths"]["count_gt_512"] == 0  # a few are over SEQ_LEN: split in chunks
+    # a few are over SEQ_LEN: split in chunks
+    assert manifest["splits"]["train"]["lengths"]["count_gt_512"] == 0
     return out
 
 
@@ -60,11 +61,13 @@ def sft_runs(chat_data, tmp_path_factory) -> dict[str, Path]:
 
 
 def assistant_targets(text: str, hf, chunk: int | None = None) -> int:
-    """Targets of `text` (or of its chunk number `chunk` of SEQ_LEN tokens): tokens whose characters overlap an
-    assistant turn (transformers' rule), via transformers' offsets; the EOS and each chunk's first token are not."""
+    """Targets of `text` (or of its chunk number `chunk` of SEQ_LEN tokens): tokens whose characters overlap
+    an assistant turn (transformers' rule), via transformers' offsets; the EOS and each chunk's first token
+    are not."""
     spans = [m.span(1) for m in ASSISTANT_TURN.finditer(text)]
     offsets = hf(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
-    mask = [any(s < b and e > a for a, b in spans) for s, e in offsets] + [False]  # + the EOS the stream appends
+    # + the EOS the stream appends
+    mask = [any(s < b and e > a for a, b in spans) for s, e in offsets] + [False]
     if chunk is not None:
         mask = mask[chunk * SEQ_LEN : (chunk + 1) * SEQ_LEN]
     return sum(mask[1:])
@@ -88,9 +91,11 @@ def test_step_targets_are_the_assistant_tokens_only(sft_runs, chat_data):
     steps = [json.loads(line)
              for line in (sft_runs["packed"] / "doc_keys" / "rank_00000.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
-    assert any("#" in key for s in steps for key in s["keys"])  # split conversations are counted chunk by chunk
+    # split conversations are counted chunk by chunk
+    assert any("#" in key for s in steps for key in s["keys"])
     assert [m["valid_tokens"] for m in lines] == [step_targets(s["keys"], texts, hf) for s in steps]
-    for line in lines:  # prompts are inputs only: far fewer targets than loss_on=all's (about 2/3 of them here)
+    # prompts are inputs only: far fewer targets than loss_on=all's (about 2/3 of them here)
+    for line in lines:
         targets_if_all = round(line["token_utilization"] * line["allocated_tokens"]) - line["docs"]
         assert 0 < line["valid_tokens"] < 0.8 * targets_if_all
     conv = json.loads((sft_runs["packed"] / "checkpoints" / "step_000004" / "conventions.json").read_text())
@@ -111,7 +116,8 @@ def test_packed_and_unpacked_sft_give_the_same_losses(sft_runs):
 
 
 def test_resume_continues_exactly_with_the_masks_of_buffered_documents(sft_runs, chat_data, tmp_path):
-    """Resumed at step 2: documents waiting in the packer and the loader carry their loss masks in the state."""
+    """Resumed at step 2: documents waiting in the packer and the loader carry their loss masks in the
+    state."""
     resumed = tmp_path / "resumed"
     shutil.copytree(sft_runs["packed"], resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000004")
@@ -119,7 +125,8 @@ def test_resume_continues_exactly_with_the_masks_of_buffered_documents(sft_runs,
     assert "resumed from" in proc.stdout
     whole, again = metrics(sft_runs["packed"]), metrics(resumed)
     for a, b in zip(whole[2:], again[2:], strict=True):
-        assert a["valid_tokens"] == b["valid_tokens"] and abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a, b)
+        assert (a["valid_tokens"] == b["valid_tokens"]
+                and abs(a["loss"] - b["loss"]) <= 1e-6), (a["step"], a, b)
 
 
 def test_eval_counts_only_assistant_targets(sft_runs, chat_data):
@@ -132,8 +139,8 @@ def test_eval_counts_only_assistant_targets(sft_runs, chat_data):
 
 def test_loss_on_assistant_with_plain_text_data_fails_at_startup(demo_data, tmp_path):
     assert "chat" not in load_manifest(demo_data)
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={tmp_path}", *SMALL,
-           "data.loss_on=assistant"]
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={tmp_path}",
+           *SMALL, "data.loss_on=assistant"]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert_one_error_line(proc.returncode, proc.stderr, "data.loss_on=assistant needs chat data prepared with "
-                          "--source chat:PATH or demo-chat", f"{demo_data} holds plain text")
+    assert_one_error_line(proc.returncode, proc.stderr, "data.loss_on=assistant needs chat data prepared "
+                          "with --source chat:PATH or demo-chat", f"{demo_data} holds plain text")

@@ -1,7 +1,8 @@
-"""The whole fine-tuning path as docs/checkpoints.md gives it, each step through its CLI: pretrain -> chat prepare with
-the checkpoint's tokenizer -> packed SFT from the checkpoint with assistant-only loss -> export -> load in
-transformers -> generate. transformers is the reference at both ends: its loss on the held-out conversations
-(assistant targets only) equals the run's final val_loss, and its greedy decoding equals `trainer.generate`'s."""
+"""The whole fine-tuning path as docs/checkpoints.md gives it, each step through its CLI: pretrain -> chat
+prepare with the checkpoint's tokenizer -> packed SFT from the checkpoint with assistant-only loss -> export
+-> load in transformers -> generate. transformers is the reference at both ends: its loss on the held-out
+conversations (assistant targets only) equals the run's final val_loss, and its greedy decoding equals
+`trainer.generate`'s."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, f"{args}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -34,24 +36,28 @@ def test_chat_prepare_sft_export_transformers_generate(demo_data, tmp_path):
     base = pretrain / "checkpoints" / "step_000003"
 
     chat = tmp_path / "chat"
-    cli("trainer.prepare", "--source", "demo-chat", "--out", str(chat), "--tokenizer", str(base / "tokenizer"),
-        "--max-docs", "240", "--docs-per-shard", "60", "--val-fraction", "0.1")
+    cli("trainer.prepare", "--source", "demo-chat", "--out", str(chat),
+        "--tokenizer", str(base / "tokenizer"), "--max-docs", "240", "--docs-per-shard", "60",
+        "--val-fraction", "0.1")
 
     sft = tmp_path / "sft"
     run_train(sft, chat, f"train.init_from={base}", "data.loss_on=assistant", "train.max_steps=3",
               "train.checkpoint_every=3", "train.eval_every=3")
     final = metrics(sft)[-1]
-    assert final["step"] == 3 and final["valid_tokens"] < 0.9 * final["allocated_tokens"] * final["token_utilization"]
+    assert (final["step"] == 3
+            and final["valid_tokens"] < 0.9 * final["allocated_tokens"] * final["token_utilization"])
 
     export = tmp_path / "hf"
     cli("trainer.export", str(sft / "checkpoints" / "step_000003"), "--out", str(export))
     model = transformers.GPT2LMHeadModel.from_pretrained(export, attn_implementation="eager").eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(export)
 
-    # Held-out conversations as the run evaluated them (chunks of seq_len, assistant masks), one padded row each.
+    # Held-out conversations as the run evaluated them (chunks of seq_len, assistant masks), one padded row
+    # each.
     tok_dir = chat / "tokenizer"
     ids = special_ids(load_tokenizer(tok_dir))
-    docs = load_eval_docs(DataConfig(path=str(chat), loss_on="assistant"), tok_dir, ids.eos, 128, None, "raise")
+    docs = load_eval_docs(DataConfig(path=str(chat), loss_on="assistant"), tok_dir, ids.eos, 128, None,
+                          "raise")
     assert len(docs) >= 10 and all(d.loss_mask is not None for d in docs)
     L = max(len(d) for d in docs)
     input_ids = torch.full((len(docs), L), ids.pad)

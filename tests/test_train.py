@@ -99,11 +99,13 @@ def test_resume_continues_exactly(layout_runs, tmp_path, demo_data):
                      "train.resume=true")
     assert "resumed from" in proc.stdout
     a, b = metrics(whole), metrics(resumed)
-    assert [m["step"] for m in b] == list(range(1, 21))  # steps after the checkpoint were rewritten, not duplicated
+    # steps after the checkpoint were rewritten, not duplicated
+    assert [m["step"] for m in b] == list(range(1, 21))
     for x, y in zip(a[10:], b[10:], strict=True):
         assert x["valid_tokens"] == y["valid_tokens"] and x["docs"] == y["docs"]
-        # a few fp32 ulps (at a loss of ~6 one ulp is 4.8e-7): once, on 2 loaded cores, step 17 differed by 1.0e-6;
-        # a resume that restored anything wrong (weights, optimizer, data position) differs by 1e-3 and more
+        # a few fp32 ulps (at a loss of ~6 one ulp is 4.8e-7): once, on 2 loaded cores, step 17 differed by
+        # 1.0e-6; a resume that restored anything wrong (weights, optimizer, data position) differs by 1e-3
+        # and more
         assert abs(x["loss"] - y["loss"]) <= 4e-6, (x["step"], x["loss"], y["loss"])
     assert b[-1]["val_tokens"] == a[-1]["val_tokens"] and abs(b[-1]["val_loss"] - a[-1]["val_loss"]) <= 4e-6
 
@@ -131,8 +133,10 @@ def test_wandb_offline_writes_a_real_run(demo_data, tmp_path):
 
 
 def test_strip_launcher_args_keeps_hydra_overrides(monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded as it was (unset), so that it is restored: a LOCAL_RANK left
-    monkeypatch.delenv("LOCAL_RANK")       # behind tells lm-eval this process is not rank 0 (tests/test_harness.py)
+    # recorded as it was (unset), so that it is restored: a LOCAL_RANK left behind tells lm-eval this process
+    # is not rank 0 (tests/test_harness.py)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
     assert strip_launcher_args(["train", "model=tiny", "--local_rank=3"]) == ["train", "model=tiny"]
     assert os.environ["LOCAL_RANK"] == "3"
     monkeypatch.delenv("LOCAL_RANK")
@@ -163,8 +167,9 @@ def test_eval_leaves_training_untouched_with_dropout(demo_data, tmp_path):
 def test_multirun_sweep_preset(demo_data, tmp_path):
     """`-m experiment=packing_ablation`: one sweep dir, a run dir per layout named by it, one W&B group."""
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "trainer.train", "-m", "experiment=packing_ablation", f"data.path={demo_data}",
-           f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=3", "train.eval_every=0"]
+    cmd = [sys.executable, "-m", "trainer.train", "-m", "experiment=packing_ablation",
+           f"data.path={demo_data}", f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=3",
+           "train.eval_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -178,11 +183,12 @@ def test_multirun_sweep_preset(demo_data, tmp_path):
 
 def test_a_sweep_over_paths_keeps_each_job_one_level_below_the_sweep_dir(demo_data, tmp_path):
     """Overrides holding paths (a data.sources entry's path) used to nest each job's run dir along the path
-    (`0_data.sources=[{name:a,path:` / `tmp/...`), and the report then found no runs: trainer.train.job_dir."""
+    (`0_data.sources=[{name:a,path:` / `tmp/...`), and the report then found no runs:
+    trainer.train.job_dir."""
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "trainer.train", "-m", sources_override(("a", demo_data, 1.0)),
-           f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=1", "train.eval_every=0", "train.checkpoint_every=0",
-           "seed=0,1"]
+           f"hydra.sweep.dir={sweep}", *SMALL, "train.max_steps=1", "train.eval_every=0",
+           "train.checkpoint_every=0", "seed=0,1"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -196,4 +202,5 @@ def test_job_dir_names_are_one_path_component():
     assert job_dir("seed=1,packing=unpacked") == "seed=1,packing=unpacked"
     assert job_dir("data.sources=[{name:a,path:/d/x}]") == "data.sources=[{name:a,path:_d_x}]"
     long = job_dir("data.urls=" + "/very/long/path" * 20)
-    assert len(long) == JOB_DIR_MAX and "/" not in long and long != job_dir("data.urls=" + "/very/long/path" * 21)
+    assert (len(long) == JOB_DIR_MAX and "/" not in long
+            and long != job_dir("data.urls=" + "/very/long/path" * 21))

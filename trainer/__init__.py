@@ -6,13 +6,16 @@ generate are thin shells; inspect_mask still holds its own rendering):
     prepare       text -> tokenizer + WebDataset shards + manifest.json (trainer.data.prepare)
     report        compare run directories (trainer.reporting)
     inspect_mask  an HTML view of a packed row's attention mask, positions and labels
-    export        a checkpoint -> a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM or Qwen2ForCausalLM)
+    export        a checkpoint -> a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM or
+                  Qwen2ForCausalLM)
     generate      sample from a checkpoint or an export
     evaluate      downstream scores of a checkpoint or an export on multiple-choice and continuation tasks
                   (trainer.tasks: every query+choice a document of a packed row)
-    harness       lm-evaluation-harness on a checkpoint (PacktrainLM: lm-eval's model interface over trainer.tasks)
-    certify       the user's own config trained cell by cell (layouts, kernels, accumulation, parallel layouts)
-                  against the unpacked one-process fp32 reference: certificate.md / .json (trainer.run.certify)
+    harness       lm-evaluation-harness on a checkpoint (PacktrainLM: lm-eval's model interface over
+                  trainer.tasks)
+    certify       the user's own config trained cell by cell (layouts, kernels, accumulation, parallel
+                  layouts) against the unpacked one-process fp32 reference: certificate.md / .json
+                  (trainer.run.certify)
     launcher      torchrun, ending as its first failed rank ended (its one line and exit status)
     config        the typed config (RunConfig) and the rules that span sections
     errors        UserError and the one way a command prints a user's mistake

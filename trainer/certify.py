@@ -2,14 +2,15 @@
 hardware that packing leaves the objective unchanged (trainer.run.certify says how).
 
     python -m trainer.certify data.path=data/demo                                   # the one-process cells
-    torchrun --nproc_per_node=2 -m trainer.certify data.path=data/demo model=small   # + DDP, FSDP2, ZeRO-2, TP, CP
+    torchrun --nproc_per_node=2 -m trainer.certify data.path=data/demo model=small
+        # + DDP, FSDP2, ZeRO-2, TP, CP
 
-The overrides are trainer.train's (the same Hydra config). A few steps (--steps, default 5) of --rows packer rows
-each (default: the config's rows per step, at most 8) run in every cell against the unpacked one-process fp32
-reference; the table is printed, and certificate.md and certificate.json are written into --out (default
+The overrides are trainer.train's (the same Hydra config). A few steps (--steps, default 5) of --rows packer
+rows each (default: the config's rows per step, at most 8) run in every cell against the unpacked one-process
+fp32 reference; the table is printed, and certificate.md and certificate.json are written into --out (default
 runs/certify/<UTC time>). Exit status 0 only if every cell that ran passed; 1 if any failed (named, with what
 differs); 2 for a user's mistake (a bad override, data that cannot be read).
-"""
+"""  # noqa: E501 (line 1 is the --help description: __doc__.split("\n")[0])
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help=f"packer rows per step (default: the config's rows per step, at most {MAX_ROWS})")
     p.add_argument("--out", type=Path, default=None, help="directory of certificate.md and certificate.json "
                                                           "(default runs/certify/<UTC time>)")
-    p.add_argument("--overwrite", action="store_true", help="replace a certificate.json this command did not write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a certificate.json this command did not write")
     args, overrides = p.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
@@ -82,8 +84,8 @@ def run(argv: list[str] | None) -> int:
         data.rows.close()
     main = int(os.environ.get("RANK", "0")) == 0
     say = print if main else (lambda _: None)
-    say(f"certify: {args.steps} steps x {len(steps[0])} rows of {cfg.train.seq_len} from {cfg.data.path or 'the data'}"
-        f", on {device} ({world} rank(s))")
+    say(f"certify: {args.steps} steps x {len(steps[0])} rows of {cfg.train.seq_len} "
+        f"from {cfg.data.path or 'the data'}, on {device} ({world} rank(s))")
     try:
         cert = certify(cfg, data, steps, device, world, progress=lambda line: say(line) or sys.stdout.flush())
     finally:

@@ -3,10 +3,11 @@ on stderr, and exit status 2.
 
 A `UserError` says what is wrong with what the user gave (a config value, a data directory, a shard, a
 tokenizer, a checkpoint path, an attention backend this machine cannot run) and what to do about it, so its
-message alone is enough and a traceback would only bury it. Any other exception is a bug and keeps its traceback.
+message alone is enough and a traceback would only bury it. Any other exception is a bug and keeps its
+traceback.
 
-Every command (`python -m trainer.train`, `prepare`, `report`, `inspect_mask`, `export`, `generate`) runs through
-`run_command` (or its decorator form, `command`); none prints the line or returns 2 itself
+Every command (`python -m trainer.train`, `prepare`, `report`, `inspect_mask`, `export`, `generate`) runs
+through `run_command` (or its decorator form, `command`); none prints the line or returns 2 itself
 (tests/test_errors.py checks that). A command may count more exception types as user mistakes
 (`OSError` where it writes files the user named; Hydra's own errors in train). argparse's own usage errors
 (a missing or mistyped flag) are left to argparse: usage, `prog: error: ...`, exit 2.
@@ -25,14 +26,15 @@ from collections.abc import Callable
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """The signals that ask a run to checkpoint the step it reached and stop (Slurm's and torchrun's): the run's
-handler takes them (trainer.run.preemption); its DataLoader workers ignore them, and SIGINT (trainer.data.workers)."""
+handler takes them (trainer.run.preemption); its DataLoader workers ignore them, and SIGINT
+(trainer.data.workers)."""
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def set_parent_death_signal(sig: int) -> None:
-    """Linux: the kernel sends this process `sig` when the thread that forked it ends (prctl PR_SET_PDEATHSIG);
-    elsewhere nothing. The one place a parent-death signal is set outside a fork's child (trainer.data.sources sets
-    it between fork and exec with the same constant)."""
+    """Linux: the kernel sends this process `sig` when the thread that forked it ends (prctl
+    PR_SET_PDEATHSIG); elsewhere nothing. The one place a parent-death signal is set outside a fork's child
+    (trainer.data.sources sets it between fork and exec with the same constant)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -48,8 +50,8 @@ EXIT_INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C (SIGINT), as a shell reports a process killed by it."""
 
 EXIT_PEER_LOST = 3
-"""A rank whose collective failed because a peer rank ended first (gloo's "Connection closed by peer"): one line,
-not the collective's traceback; the launcher names the rank that ended (trainer.launcher)."""
+"""A rank whose collective failed because a peer rank ended first (gloo's "Connection closed by peer"): one
+line, not the collective's traceback; the launcher names the rank that ended (trainer.launcher)."""
 PEER_LOST_MARKS = ("Connection closed by peer", "Connection reset by peer")
 """What gloo's error says when the other end of a collective went away."""
 
@@ -65,8 +67,8 @@ class ConfigError(UserError, ValueError):
 
 
 class NonFiniteError(UserError, RuntimeError):
-    """A non-finite loss or gradient norm that the run was told to stop on (train.on_nonfinite=stop), or that an
-    engine could not drop (DeepSpeed steps in one call)."""
+    """A non-finite loss or gradient norm that the run was told to stop on (train.on_nonfinite=stop), or that
+    an engine could not drop (DeepSpeed steps in one call)."""
 
 
 def require_range(key: str, value, low: float | None = None, high: float | None = None, *,
@@ -107,12 +109,12 @@ def run_command(
     A UserError (or one of `extra_user_errors`) prints one line, `error: <message(e)>`, on stderr and returns
     EXIT_USER_ERROR; `message` defaults to `original_message` (train passes one that also shortens Hydra's).
     `same_on_every_rank`: errors every rank of a launch raises alike (a config, an override: train passes
-    ConfigError and Hydra's): printed by rank 0 alone (RANK, as torchrun and the deepspeed launcher set it), the
-    other ranks exit EXIT_USER_ERROR without a word, so a launch prints the mistake once, not once per rank.
-    `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Ctrl-C (KeyboardInterrupt)
-    prints one line too, `error: interrupted (SIGINT)...` with the interrupt's own text (train's says which step
-    and checkpoint), and returns EXIT_INTERRUPTED. Whatever ends the command, its multiprocessing children are
-    stopped first (stop_worker_processes), so the process can exit.
+    ConfigError and Hydra's): printed by rank 0 alone (RANK, as torchrun and the deepspeed launcher set it),
+    the other ranks exit EXIT_USER_ERROR without a word, so a launch prints the mistake once, not once per
+    rank. `tracebacks=True` (train's HYDRA_FULL_ERROR=1) re-raises user errors like bugs. Ctrl-C
+    (KeyboardInterrupt) prints one line too, `error: interrupted (SIGINT)...` with the interrupt's own text
+    (train's says which step and checkpoint), and returns EXIT_INTERRUPTED. Whatever ends the command, its
+    multiprocessing children are stopped first (stop_worker_processes), so the process can exit.
     """
     try:
         return command() or 0
@@ -131,22 +133,24 @@ def run_command(
         return EXIT_INTERRUPTED
     except BaseException as e:  # a bug (its traceback follows) or an exit: the process must still end
         if (mark := peer_lost(e)) is not None:
-            print_user_error(f"rank {os.environ.get('RANK', '?')} stopped: a peer rank left the collective this rank "
-                             f"was in ({mark}): another rank ended first, and its own line or the launcher's says why")
+            print_user_error(f"rank {os.environ.get('RANK', '?')} stopped: a peer rank left the collective "
+                             f"this rank was in ({mark}): another rank ended first, and its own line or "
+                             "the launcher's says why")
             return EXIT_PEER_LOST
         stop_worker_processes()
         raise
 
 
 def peer_lost(error: BaseException) -> str | None:
-    """The mark of a collective that failed because a peer rank went away (PEER_LOST_MARKS), under a launch of several
-    ranks (WORLD_SIZE > 1); None for anything else."""
+    """The mark of a collective that failed because a peer rank went away (PEER_LOST_MARKS), under a launch of
+    several ranks (WORLD_SIZE > 1); None for anything else."""
     if not isinstance(error, RuntimeError) or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     return next((mark for mark in PEER_LOST_MARKS if mark in str(error)), None)
 
 
-def command(*, extra_user_errors: ErrorTypes = ()) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
+def command(*, extra_user_errors: ErrorTypes = ()
+            ) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
     """`run_command` as a decorator on a command's `main(argv)`; the decorated main returns the exit status.
 
     Example:
@@ -177,14 +181,16 @@ def stop_worker_processes() -> None:
 
     A second line of defence: the training loop already shuts its workers down on every exit path
     (Trainer.fit, and trainer/data/workers.py at exit). The workers ignore SIGTERM, so if one were left,
-    multiprocessing's exit handler, which terminates and then joins them without a timeout, would wait forever.
+    multiprocessing's exit handler, which terminates and then joins them without a timeout, would wait
+    forever.
     """
     children = multiprocessing.active_children()
     if not children:
         return
-    # torch's DataLoader installs a SIGCHLD handler that raises "DataLoader worker (pid N) is killed by signal" in
-    # the main thread for any of its registered workers that dies of a signal: our own kill below would turn this
-    # one-line error into that traceback (exit 1). The handler is put aside until the children are reaped.
+    # torch's DataLoader installs a SIGCHLD handler that raises "DataLoader worker (pid N) is killed by
+    # signal" in the main thread for any of its registered workers that dies of a signal: our own kill below
+    # would turn this one-line error into that traceback (exit 1). The handler is put aside until the children
+    # are reaped.
     main_thread = threading.current_thread() is threading.main_thread()
     handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if main_thread else None
     try:

@@ -5,19 +5,22 @@
                m = AutoModelForCausalLM.from_pretrained('exports/demo'); \\
                t = AutoTokenizer.from_pretrained('exports/demo')"
 
-The class is the one that computes the model (trainer.checkpoint.hf.family): GPT2LMHeadModel for the GPT-2 family,
-LlamaForCausalLM or Qwen2ForCausalLM for the Llama family (a model started from one exports back to the same class).
-DIR then holds:
-    config.json               the class, its sizes and conventions; `dtype` (and `torch_dtype`) = the tensors' dtype
+The class is the one that computes the model (trainer.checkpoint.hf.family): GPT2LMHeadModel for the GPT-2
+family, LlamaForCausalLM or Qwen2ForCausalLM for the Llama family (a model started from one exports back to
+the same class). DIR then holds:
+    config.json               the class, its sizes and conventions; `dtype` (and `torch_dtype`) = the tensors'
+                              dtype
     model.safetensors         the weights under the class's names, one file, a tied head written once (as the
                               embedding); see trainer.checkpoint.hf
     generation_config.json    generation stops at the EOS or <|im_end|>
-    tokenizer.json, tokenizer_config.json (framing, chat template), special_tokens_map.json where the run had one
+    tokenizer.json, tokenizer_config.json (framing, chat template), special_tokens_map.json where the run
+                              had one
     conventions.json          the checkpoint's: how the weights were trained (provenance)
 
 The checkpoint is read from its model.safetensors (trainer.checkpoint.weights): engine.pt is never loaded.
---dtype (fp32, the trained weights, or bf16 / fp16) casts every tensor. A user mistake ends as trainer/errors.py says.
-"""
+--dtype (fp32, the trained weights, or bf16 / fp16) casts every tensor. A user mistake ends as
+trainer/errors.py says.
+"""  # noqa: E501 (line 1 is the --help description: __doc__.split("\n")[0])
 
 from __future__ import annotations
 
@@ -64,8 +67,9 @@ EXPORT_FILES = frozenset({hf.CONFIG_FILE, hf.WEIGHTS_FILE, hf.GENERATION_CONFIG_
 
 
 def check_out_dir(out: Path) -> None:
-    """Export writes only into a new or empty directory, or over a previous export (its files and nothing else,
-    config.json a supported model's) — never into a checkpoint, a run directory or anything inside one."""
+    """Export writes only into a new or empty directory, or over a previous export (its files and nothing
+    else, config.json a supported model's) — never into a checkpoint, a run directory or anything inside
+    one."""
     for parent in [out, *out.resolve().parents]:
         if (parent / META_FILE).is_file():
             raise hf.ExportError(f"--out {out} is inside the checkpoint {parent}: give a new directory "
@@ -74,7 +78,8 @@ def check_out_dir(out: Path) -> None:
                 (parent.parent / METRICS_FILE).is_file() or any(parent.glob(f"*/{META_FILE}"))):
             # e.g. <run>/checkpoints/step_000099: train.resume=true would take it for a checkpoint of the run
             raise hf.ExportError(f"--out {out} is inside the run's checkpoint directory {parent}, where "
-                                 "train.resume looks for checkpoints: give a directory outside it (e.g. exports/NAME)")
+                                 "train.resume looks for checkpoints: give a directory outside it "
+                                 "(e.g. exports/NAME)")
     if out.exists() and not out.is_dir():
         raise hf.ExportError(f"--out {out} is a file: give a new directory")
     check_not_inside_input(out, itself=False)  # inside a dataset, a tokenizer, a model; `out` itself below
@@ -83,9 +88,10 @@ def check_out_dir(out: Path) -> None:
     foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
     if not foreign and _is_hf_config(out / hf.CONFIG_FILE):
         return  # a previous export: replaced file by file
-    shown = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "") if foreign else "no Hugging Face config.json"
-    raise hf.ExportError(f"--out {out} is not empty and not an earlier export ({shown}): export writes only into a "
-                         "new or empty directory or over an earlier export")
+    shown = (", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "") if foreign
+             else "no Hugging Face config.json")
+    raise hf.ExportError(f"--out {out} is not empty and not an earlier export ({shown}): export writes only "
+                         "into a new or empty directory or over an earlier export")
 
 
 def _is_hf_config(path: Path) -> bool:
@@ -96,8 +102,8 @@ def _is_hf_config(path: Path) -> bool:
 
 
 def write_hf(model: GPT, tok_dir: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> None:
-    """config.json, model.safetensors, generation_config.json and the tokenizer files of `model` into `out`, every
-    tensor in `dtype` (None: the model's) and config.json saying so."""
+    """config.json, model.safetensors, generation_config.json and the tokenizer files of `model` into `out`,
+    every tensor in `dtype` (None: the model's) and config.json saying so."""
     tok_dir, out = Path(tok_dir), Path(out)
     ids = special_ids(load_tokenizer(tok_dir), where=tok_dir)
     missing = [name for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) if not (tok_dir / name).is_file()]
@@ -112,7 +118,8 @@ def write_hf(model: GPT, tok_dir: str | Path, out: str | Path, dtype: torch.dtyp
     for name in TOKENIZER_FILES:
         if (tok_dir / name).is_file():
             shutil.copyfile(tok_dir / name, out / name)
-    # transformers warns on inputs longer than model_max_length: make it the model's context, not the tokenizer's.
+    # transformers warns on inputs longer than model_max_length: make it the model's context, not the
+    # tokenizer's.
     tok_config = json.loads((out / TOKENIZER_CONFIG_FILE).read_text())
     _write_json(out / TOKENIZER_CONFIG_FILE, {**tok_config, "model_max_length": model.cfg.max_seq_len})
 
@@ -126,7 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("checkpoint", type=Path, help="a checkpoint directory: <run dir>/checkpoints/step_NNNNNN")
     p.add_argument("--out", type=Path, required=True, help="the Hugging Face model directory to write")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="the exported tensors' dtype, also written into config.json (default: fp32, as trained)")
+                   help="the exported tensors' dtype, also written into config.json "
+                        "(default: fp32, as trained)")
     return p.parse_args(argv)
 
 

@@ -3,24 +3,27 @@
     python -m trainer.harness runs/.../checkpoints/step_000100 --tasks arc_easy hellaswag --out harness.json
     python -m trainer.harness CHECKPOINT --tasks my_task --include-path my_tasks/     # task YAMLs of your own
 
-`PacktrainLM` is lm-eval's model interface (lm_eval.api.model.LM, registered as "packtrain") over the project's
-own scoring (trainer.tasks.scoring), so a harness task scores the way `python -m trainer.evaluate` does:
+`PacktrainLM` is lm-eval's model interface (lm_eval.api.model.LM, registered as "packtrain") over the
+project's own scoring (trainer.tasks.scoring), so a harness task scores the way
+`python -m trainer.evaluate` does:
 
-    loglikelihood          (context, continuation): tokenized apart and concatenated, nothing before the context
-                           but what a training document's framing puts there (the BOS of a tokenizer that adds
-                           one), every pair a document of packed rows; greedy match from the same forward
-    loglikelihood_rolling  a text's tokens in lm-eval's disjoint windows of max_seq_len - 1 (the first after lm-eval's
-                           prefix token: the BOS of such a tokenizer, else EOS), each window a document whose
-                           targets are its tokens
-    generate_until         greedy decoding with the KV cache (trainer.generate), cut at the first `until` string
+    loglikelihood          (context, continuation): tokenized apart and concatenated, nothing before the
+                           context but what a training document's framing puts there (the BOS of a tokenizer
+                           that adds one), every pair a document of packed rows; greedy match from the same
+                           forward
+    loglikelihood_rolling  a text's tokens in lm-eval's disjoint windows of max_seq_len - 1 (the first after
+                           lm-eval's prefix token: the BOS of such a tokenizer, else EOS), each window a
+                           document whose targets are its tokens
+    generate_until         greedy decoding with the KV cache (trainer.generate), cut at the first `until`
+                           string
 
 Tasks come from lm-eval's own registry (they download their datasets: run it where that works, or with
-HF_DATASETS_OFFLINE=1 and a filled cache) or from YAML files under --include-path, whose dataset may be a local
-JSON file (`dataset_path: json`, `dataset_kwargs: {data_files: {test: items.jsonl}}`). With lm-eval's default
-`target_delimiter: " "` a space is put between context and choice; packtrain's own task files use none (the choice
-carries its whitespace): set `target_delimiter: ""` to score them alike. Needs the `harness` extra
+HF_DATASETS_OFFLINE=1 and a filled cache) or from YAML files under --include-path, whose dataset may be a
+local JSON file (`dataset_path: json`, `dataset_kwargs: {data_files: {test: items.jsonl}}`). With lm-eval's
+default `target_delimiter: " "` a space is put between context and choice; packtrain's own task files use none
+(the choice carries its whitespace): set `target_delimiter: ""` to score them alike. Needs the `harness` extra
 (`pip install -e '.[harness]'`: lm-eval 0.4).
-"""
+"""  # noqa: E501 (line 1 is the --help description: __doc__.split("\n")[0])
 
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ def _lm_base():
     try:
         from lm_eval.api.model import LM
     except ImportError as e:
-        raise HarnessError(f"lm-evaluation-harness is not installed ({e}): pip install -e '.[harness]'") from None
+        raise HarnessError(f"lm-evaluation-harness is not installed ({e}): "
+                           "pip install -e '.[harness]'") from None
     return LM
 
 
@@ -70,8 +74,8 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
     class PacktrainLM(LM):
         """A packtrain checkpoint (or export) as an lm-eval model; `batch_tokens` positions a forward."""
 
-        def __init__(self, checkpoint: str, device: str = "cpu", batch_tokens: int = 8192, layout: str = "tree",
-                     attention: str = "auto") -> None:
+        def __init__(self, checkpoint: str, device: str = "cpu", batch_tokens: int = 8192,
+                     layout: str = "tree", attention: str = "auto") -> None:
             super().__init__()
             self.model, tok_dir = load(checkpoint, device)
             self.model.attention.backend = resolve_backend(attention, torch.device(device), torch.float32,
@@ -79,7 +83,8 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
             self.tok = load_tokenizer(tok_dir)
             ids = special_ids(self.tok, tok_dir)
             self.pad_id, self.eos_id, self.head = ids.pad, ids.eos, ids.head
-            # lm-eval's rolling windows start after this token (its HF backend's prefix: BOS when there is one)
+            # lm-eval's rolling windows start after this token (its HF backend's prefix: BOS when there is
+            # one)
             self.prefix_id = ids.head[0] if ids.head else ids.eos
             self._device, self.batch_tokens, self.layout = torch.device(device), int(batch_tokens), layout
 
@@ -122,8 +127,10 @@ def _define(LM):  # noqa: N803 (lm-eval's class)
             for context, kwargs in (r.args for r in requests):
                 until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
-                prompt = [*self.head, *self.encode(context)][-(self.model.cfg.max_seq_len - 1):] or [self.eos_id]
-                new = generate(self.model, prompt, int(kwargs.get("max_gen_toks", 256)), stop_ids=(self.eos_id,))
+                prompt = ([*self.head, *self.encode(context)][-(self.model.cfg.max_seq_len - 1):]
+                          or [self.eos_id])
+                new = generate(self.model, prompt, int(kwargs.get("max_gen_toks", 256)),
+                               stop_ids=(self.eos_id,))
                 text = self.tok.decode([t for t in new if t != self.eos_id])
                 cut = min((i for i in (text.find(u) for u in until) if i >= 0), default=len(text))
                 out.append(text[:cut])
@@ -147,8 +154,8 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """
-"""lm-eval's task YAML for a multiple-choice task file of llm-foundry's form ({"query", "choices", "gold"} a line),
-scored as packtrain scores it: the choice right after the query (no delimiter added)."""
+"""lm-eval's task YAML for a multiple-choice task file of llm-foundry's form ({"query", "choices", "gold"} a
+line), scored as packtrain scores it: the choice right after the query (no delimiter added)."""
 
 
 def write_task_yaml(name: str, items: str | Path, directory: str | Path) -> Path:
@@ -164,9 +171,10 @@ STANDARD_TAG = "tag:yaml.org,2002:"
 
 
 def code_in_task_yamls(directory: Path) -> tuple[Path, int, str, str] | None:
-    """(file, line, tag, its value) of the first YAML tag under `directory` (or in a file a YAML there `include`s)
-    that is not one of YAML's own: lm-eval's `!function` imports and runs Python from the directory. Composed with
-    PyYAML's safe composer: nothing is constructed, nothing imported. A YAML that does not parse: HarnessError.
+    """(file, line, tag, its value) of the first YAML tag under `directory` (or in a file a YAML there
+    `include`s) that is not one of YAML's own: lm-eval's `!function` imports and runs Python from the
+    directory. Composed with PyYAML's safe composer: nothing is constructed, nothing imported. A YAML that
+    does not parse: HarnessError.
 
     Example: DIR/t.yaml with `process_docs: !function utils.process_docs` on line 4
         -> (DIR/t.yaml, 4, '!function', 'utils.process_docs')."""
@@ -182,7 +190,8 @@ def code_in_task_yamls(directory: Path) -> tuple[Path, int, str, str] | None:
         try:
             roots = list(yaml.compose_all(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
         except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-            raise HarnessError(f"{file}: not a readable task YAML ({str(e).splitlines()[0] if str(e) else e})") from e
+            raise HarnessError(f"{file}: not a readable task YAML "
+                               f"({str(e).splitlines()[0] if str(e) else e})") from e
         for node in _nodes(roots):
             if not node.tag.startswith(STANDARD_TAG):
                 return file, node.start_mark.line + 1, node.tag, str(getattr(node, "value", ""))
@@ -206,23 +215,24 @@ def _nodes(roots):
 
 
 def check_include_path(directory: Path, trusted: bool) -> None:
-    """Refuse --include-path `directory` if a task YAML in it would run Python (`code_in_task_yamls`), unless the
-    user said they trust it (--trust-include-path): a task pack with `!function` is code, and runs as the user."""
+    """Refuse --include-path `directory` if a task YAML in it would run Python (`code_in_task_yamls`), unless
+    the user said they trust it (--trust-include-path): a task pack with `!function` is code, and runs as the
+    user."""
     if not directory.is_dir():
         raise HarnessError(f"--include-path {directory} is not a directory")
     found = code_in_task_yamls(directory)
     if found is not None and not trusted:
         file, line, tag, value = found
-        raise HarnessError(f"{file}:{line}: {tag} {value} would import and run Python code from {directory} (a task "
-                           "pack with such tags is code): pass --trust-include-path if you trust that directory as "
-                           "you would a script, else remove the tag")
+        raise HarnessError(f"{file}:{line}: {tag} {value} would import and run Python code from {directory} "
+                           "(a task pack with such tags is code): pass --trust-include-path if you trust "
+                           "that directory as you would a script, else remove the tag")
 
 
 def run_harness(checkpoint: str | Path, tasks: list[str], include_path: str | Path | None = None,
                 device: str = "cpu", batch_tokens: int = 8192, layout: str = "tree", limit: int | None = None,
                 attention: str = "auto", trust_include_path: bool = False) -> dict:
-    """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results'). Task
-    YAMLs under `include_path` that would run Python are refused unless `trust_include_path`."""
+    """lm_eval.simple_evaluate on `checkpoint` through PacktrainLM: {task: its metrics} (lm-eval's 'results').
+    Task YAMLs under `include_path` that would run Python are refused unless `trust_include_path`."""
     if include_path:
         check_include_path(Path(include_path), trust_include_path)
     lm = packtrain_lm_class()(str(checkpoint), device=device, batch_tokens=batch_tokens, layout=layout,
@@ -258,13 +268,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names")
     p.add_argument("--include-path", type=Path, default=None, help="a directory of task YAMLs of your own")
     p.add_argument("--trust-include-path", action="store_true",
-                   help="let --include-path's YAMLs run Python (lm-eval's !function tags import files from it)")
+                   help="let --include-path's YAMLs run Python "
+                        "(lm-eval's !function tags import files from it)")
     p.add_argument("--limit", type=int, default=None, help="at most this many items per task")
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--packing", choices=LAYOUTS, default="tree", help="scoring layout (the same scores in each)")
+    p.add_argument("--packing", choices=LAYOUTS, default="tree",
+                   help="scoring layout (the same scores in each)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None, help="write lm-eval's results as JSON here")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file this command did not write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out file this command did not write")
     return p.parse_args(argv)
 
 
@@ -272,12 +285,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if (args.limit is not None and args.limit < 1) or args.batch_tokens < 1:
-        raise HarnessError(f"--limit and --batch-tokens must be >= 1, got {args.limit} and {args.batch_tokens}")
+        raise HarnessError("--limit and --batch-tokens must be >= 1, "
+                           f"got {args.limit} and {args.batch_tokens}")
     check_device(args.device)
     if args.out is not None:
         check_out_file(args.out, COMMAND, written_by(COMMAND), args.overwrite)
-    results = run_harness(args.path, args.tasks, args.include_path, args.device, args.batch_tokens, args.packing,
-                          args.limit, trust_include_path=args.trust_include_path)
+    results = run_harness(args.path, args.tasks, args.include_path, args.device, args.batch_tokens,
+                          args.packing, args.limit, trust_include_path=args.trust_include_path)
     print(json.dumps(results, indent=1, default=str))
     if args.out is not None:
         write_json_output(args.out, results, COMMAND)

@@ -1,4 +1,5 @@
-"""The packing figure as a tool: which positions of one packed row may attend to which, and what each predicts.
+"""The packing figure as a tool: which positions of one packed row may attend to which, and what each
+predicts.
 
     python -m trainer.inspect_mask --lengths 3,2,5,2                      # synthetic documents a, b, c, d
     python -m trainer.inspect_mask --text "def f():|return 1|x = 2"       # real tokens, the run's tokenizer
@@ -21,9 +22,9 @@ Worked example, the seed's --lengths 3,2,5,2 (T = 12):
     (labels[5] = -100: c0 starts a new document). a1 (t = 1) predicts a2.
 
 --tree "4:2,3,1" shows the scoring layout `tree` (trainer.data.batch.collate_trees, the mask of
-trainer.model.attention.TreeSegments): a query q0..q3 computed once, then choices a, b, c as branches, each reading
-the query and itself (left panel) instead of the choices before it (right: one causal mask per tree, a leak);
-positions continue from the query's end in every branch, and q3 predicts a0, b0 and c0.
+trainer.model.attention.TreeSegments): a query q0..q3 computed once, then choices a, b, c as branches, each
+reading the query and itself (left panel) instead of the choices before it (right: one causal mask per tree, a
+leak); positions continue from the query's end in every branch, and q3 predicts a0, b0 and c0.
 """
 
 from __future__ import annotations
@@ -105,17 +106,18 @@ def synthetic_documents(lengths: Sequence[int]) -> DocumentSet:
 
 
 def text_documents(text: str, tokenizer_dir: str | Path, sep: str = "|") -> DocumentSet:
-    """Split `text` on `sep` and tokenize each piece as the training stream does: the run's tokenizer,
-    no added special tokens, framed as the tokenizer frames a document (SpecialIds.frame: one EOS appended, and a
+    """Split `text` on `sep` and tokenize each piece as the training stream does: the run's tokenizer, no
+    added special tokens, framed as the tokenizer frames a document (SpecialIds.frame: one EOS appended, and a
     BOS first where the tokenizer starts documents with one).
 
-    Example: "ab|c" -> two documents, encode("ab") + [eos] and encode("c") + [eos] ([bos] + encode("ab") + [eos]
-    with a Llama-3 tokenizer). Pieces are kept verbatim (spaces around `sep` are part of the documents).
+    Example: "ab|c" -> two documents, encode("ab") + [eos] and encode("c") + [eos] ([bos] + encode("ab") +
+    [eos] with a Llama-3 tokenizer). Pieces are kept verbatim (spaces around `sep` are part of the documents).
     """
     from trainer.data.tokenizer import load_tokenizer, special_ids
 
     if not sep:
-        raise InspectError("--sep is empty: give the text that separates the documents of --text (default: |)")
+        raise InspectError("--sep is empty: give the text that separates the documents of --text "
+                           "(default: |)")
     pieces = text.split(sep)
     empty = [i for i, p in enumerate(pieces) if not p]
     if empty:
@@ -197,8 +199,8 @@ def parse_trees(text: str) -> list[tuple[int, list[int]]]:
     for piece in text.split(";"):
         query, _, choices = piece.strip().partition(":")
         if not query.strip().isdigit() or not choices:
-            raise InspectError(f"--tree {text!r}: expected QUERY:CHOICE,CHOICE,... per tree (';' between trees), "
-                               "like 4:2,3,1")
+            raise InspectError(f"--tree {text!r}: expected QUERY:CHOICE,CHOICE,... per tree (';' between "
+                               "trees), like 4:2,3,1")
         out.append((int(query), parse_lengths(choices)))
         if out[-1][0] < 1:
             raise InspectError(f"--tree {text!r}: every query needs at least one token")
@@ -206,10 +208,11 @@ def parse_trees(text: str) -> list[tuple[int, list[int]]]:
 
 
 def inspect_trees(spec: Sequence[tuple[int, Sequence[int]]], row_len: int | None = None) -> dict:
-    """What the page shows for one row of trees (the `tree` scoring layout), from collate_trees and TreeSegments.
-    Tree k's query tokens are named q{k}_j (q_j for a single tree), its choices' tokens by letter: a0 a1, b0, ...
-    The left panel is the tree mask; the right one the same trees as one causal document each (the leak the
-    branch condition prevents). `predicts` lists, per position, the positions whose tokens its logits score."""
+    """What the page shows for one row of trees (the `tree` scoring layout), from collate_trees and
+    TreeSegments. Tree k's query tokens are named q{k}_j (q_j for a single tree), its choices' tokens by
+    letter: a0 a1, b0, ... The left panel is the tree mask; the right one the same trees as one causal
+    document each (the leak the branch condition prevents). `predicts` lists, per position, the positions
+    whose tokens its logits score."""
     names, trees, next_id = ["<pad>"], [], 1
     for k, (query, choices) in enumerate(spec):
         tag = "" if len(spec) == 1 else str(k)
@@ -225,8 +228,8 @@ def inspect_trees(spec: Sequence[tuple[int, Sequence[int]]], row_len: int | None
     total = sum(len(t) for t in trees)
     row_len = total if row_len is None else row_len
     if row_len < total or row_len > MAX_ROW_LEN:
-        raise InspectError(f"--row-len {row_len}: the trees hold {total} tokens and the inspector draws at most "
-                           f"{MAX_ROW_LEN}")
+        raise InspectError(f"--row-len {row_len}: the trees hold {total} tokens and the inspector draws at "
+                           f"most {MAX_ROW_LEN}")
     batch = collate_trees([trees], row_len, 0)
     tree_mask = TreeSegments(batch.cu_seqlens, batch.max_seqlen, batch.branches.reshape(-1)).dense_mask(
         torch.device("cpu"))
@@ -271,7 +274,8 @@ def render_png(data: dict) -> bytes:
     titles = data.get("panels") or ["isolated documents (block-diagonal causal)", "one causal mask per row"]
     panels = (("mask_isolated", titles[0]), ("mask_causal", titles[1]))
     for ax, (key, title) in zip(axes, panels, strict=True):
-        ax.imshow(data[key], cmap=ListedColormap(["#eef1f5", "#2f6fb0"]), vmin=0, vmax=1, interpolation="nearest")
+        ax.imshow(data[key], cmap=ListedColormap(["#eef1f5", "#2f6fb0"]), vmin=0, vmax=1,
+                  interpolation="nearest")
         _draw_axes(ax, data, title)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -317,9 +321,9 @@ PAGE_MARK = "<title>packtrain mask inspector</title>"
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """--out never clobbers or confuses something else: not a prepared dataset, a run dir or a checkpoint, nor a
-    directory anywhere inside one (RUN/checkpoints, RUN/.hydra, DATA/tokenizer), judged where a symlink leads; and
-    no mask.html this command did not write."""
+    """--out never clobbers or confuses something else: not a prepared dataset, a run dir or a checkpoint, nor
+    a directory anywhere inside one (RUN/checkpoints, RUN/.hydra, DATA/tokenizer), judged where a symlink
+    leads; and no mask.html this command did not write."""
     check_not_inside_input(out_dir)
     page = out_dir / "mask.html"
     if page.is_file() and PAGE_MARK not in page.read_text(encoding="utf-8", errors="replace")[:4096]:
@@ -348,10 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="documents separated by --sep, tokenized with the run's tokenizer + EOS")
     src.add_argument("--lengths", help="synthetic document lengths, e.g. 3,2,5,2")
-    src.add_argument("--tree", help="the tree scoring layout: QUERY:CHOICE,CHOICE,... lengths per item, ';' between "
-                                    "items, e.g. 4:2,3,1")
+    src.add_argument("--tree", help="the tree scoring layout: QUERY:CHOICE,CHOICE,... lengths per item, ';' "
+                                    "between items, e.g. 4:2,3,1")
     p.add_argument("--sep", default="|", help="document separator for --text (default: |)")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help=f"tokenizer directory (default: {DEFAULT_TOKENIZER})")
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                   help=f"tokenizer directory (default: {DEFAULT_TOKENIZER})")
     p.add_argument("--row-len", type=int, default=None, help="row length T (default: the documents' total)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT}/)")
     return p
@@ -562,7 +567,7 @@ document.addEventListener("focusin", onPoint);
 </script>
 </body>
 </html>
-"""  # noqa: E501 (the page is HTML, two of its lines are long)
+"""  # noqa: E501 (the page is HTML, six of its lines are long)
 
 
 if __name__ == "__main__":

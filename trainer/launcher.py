@@ -1,19 +1,20 @@
-"""`python -m trainer.launcher [torchrun's options] -m trainer.train OVERRIDES`: torchrun, ending as its ranks end.
+"""`python -m trainer.launcher [torchrun's options] -m trainer.train OVERRIDES`: torchrun, ending as its ranks
+end.
 
 Plain torchrun reports a failed rank with its own ChildFailedError: two log lines ("Sending process N closing
-signal SIGTERM", "failed (exitcode: 2) local_rank: 0 ..."), a 25-line traceback of its launcher holding a table
-of every rank's failure, and exit status 1 whatever the ranks' were. A packtrain rank that stops on a user's
-mistake has already said why in one line, `error: ...`, and exited 2 (trainer.errors), so this launcher runs
-torchrun itself (torch.distributed.run, the same options) and ends as the first rank that failed ended
+signal SIGTERM", "failed (exitcode: 2) local_rank: 0 ..."), a 25-line traceback of its launcher holding a
+table of every rank's failure, and exit status 1 whatever the ranks' were. A packtrain rank that stops on a
+user's mistake has already said why in one line, `error: ...`, and exited 2 (trainer.errors), so this launcher
+runs torchrun itself (torch.distributed.run, the same options) and ends as the first rank that failed ended
 (torchrun's own "root cause"; the peers it then stopped with SIGTERM are not):
 
     exit status 2 (a mistake, its line printed) or 130 (Ctrl-C)    that status, nothing added
     another status (a bug: the rank printed its traceback)          that status, and one line naming the rank
     killed by a signal (the kernel's OOM killer: SIGKILL)           128 + the signal, and one line naming it
 
-torchrun's report of the failure is dropped (its two log lines and its traceback); everything else it logs (the
-LOGLEVEL environment variable, as for torchrun) is kept. A launcher stopped by a signal (Slurm's SIGTERM) ends
-as torchrun does: the ranks are sent the signal and the launcher exits 128 + the signal.
+torchrun's report of the failure is dropped (its two log lines and its traceback); everything else it logs
+(the LOGLEVEL environment variable, as for torchrun) is kept. A launcher stopped by a signal (Slurm's SIGTERM)
+ends as torchrun does: the ranks are sent the signal and the launcher exits 128 + the signal.
 
 launch/torchrun.sh and launch/slurm.sbatch run it in place of torchrun.
 """
@@ -28,8 +29,8 @@ from trainer.errors import EXIT_INTERRUPTED, EXIT_PEER_LOST, EXIT_USER_ERROR, pr
 
 QUIET_WHEN_FAILED = ("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
                      "Sending process %s closing signal %s")
-"""The log lines of torchrun's failure report (torch.distributed.elastic.multiprocessing.api), which the rank's
-own line and the exit status replace."""
+"""The log lines of torchrun's failure report (torch.distributed.elastic.multiprocessing.api), which the
+rank's own line and the exit status replace."""
 REPORTING_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
@@ -52,10 +53,11 @@ def failure_line(rank: int, exitcode: int, pid: int) -> str | None:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        hint = " (the kernel's out-of-memory killer sends SIGKILL: see dmesg)" if -exitcode == signal.SIGKILL else ""
+        hint = (" (the kernel's out-of-memory killer sends SIGKILL: see dmesg)" if -exitcode == signal.SIGKILL
+                else "")
         return f"rank {rank} (pid {pid}) was killed by {name}{hint}; the other ranks were stopped"
-    return (f"rank {rank} (pid {pid}) failed with exit status {exitcode} (its traceback is above); the other ranks "
-            "were stopped")
+    return (f"rank {rank} (pid {pid}) failed with exit status {exitcode} (its traceback is above); the other "
+            "ranks were stopped")
 
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -63,12 +65,15 @@ NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 def nproc_problem(value: str) -> str | None:
-    """The line for an --nproc_per_node torchrun cannot take (a ValueError traceback from deep inside it), or None.
+    """The line for an --nproc_per_node torchrun cannot take (a ValueError traceback from deep inside it), or
+    None.
 
-    Example: 'two' -> "--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"."""
+    Example: 'two' ->
+    "--nproc_per_node must be a number of processes >= 1 or one of auto, cpu, gpu, xpu; got 'two'"."""
     if value in NPROC_WORDS or (value.isdigit() and int(value) >= 1):
         return None
-    return f"--nproc_per_node must be a number of processes >= 1 or one of {', '.join(NPROC_WORDS)}; got {value!r}"
+    return (f"--nproc_per_node must be a number of processes >= 1 or one of {', '.join(NPROC_WORDS)}; "
+            f"got {value!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

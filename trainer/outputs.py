@@ -1,12 +1,14 @@
-"""Where a command may write: never into something the user owns as an input, never over a file it did not write.
+"""Where a command may write: never into something the user owns as an input,
+never over a file it did not write.
 
-Every command's output path (evaluate and harness --out FILE; report, inspect_mask, export and prepare --out DIR)
-is checked here before anything is written:
+Every command's output path (evaluate and harness --out FILE; report, inspect_mask, export and prepare --out
+DIR) is checked here before anything is written:
 
 - not inside an input: a checkpoint (meta.json), a training run's dir (metrics.jsonl), a prepared dataset
   (manifest.json), a tokenizer (tokenizer.json) or a Hugging Face model directory (config.json beside
   model.safetensors), judged where a symlink leads;
-- an existing file is replaced only if it is this command's own earlier output (`own(path)`), or with --overwrite.
+- an existing file is replaced only if it is this command's own earlier output (`own(path)`),
+  or with --overwrite.
 
     check_out_file(Path("ck/step_000100/model.safetensors"), "trainer.evaluate", own=is_scores)
         -> OutputError("--out ck/step_000100/model.safetensors is inside ck/step_000100, which is a checkpoint
@@ -41,9 +43,11 @@ class OutputError(UserError):
 
 
 def enclosing_input(path: Path, itself: bool = True) -> tuple[Path, str, str] | None:
-    """(directory, what it is, the file that says so) of the nearest input at or above `path` (resolved), or None.
+    """(directory, what it is, the file that says so) of the nearest input at or above `path` (resolved),
+    or None.
 
-    Example: RUN/checkpoints/step_000100/scores.json -> (RUN/checkpoints/step_000100, 'a checkpoint', 'meta.json')."""
+    Example: RUN/checkpoints/step_000100/scores.json ->
+    (RUN/checkpoints/step_000100, 'a checkpoint', 'meta.json')."""
     resolved, kinds = path.resolve(), inputs()
     for directory in (resolved, *resolved.parents) if itself else resolved.parents:
         for names, what in kinds:
@@ -52,7 +56,8 @@ def enclosing_input(path: Path, itself: bool = True) -> tuple[Path, str, str] | 
     return None
 
 
-def check_not_inside_input(path: Path, flag: str = "--out", what: str = "a directory", itself: bool = True) -> None:
+def check_not_inside_input(path: Path, flag: str = "--out", what: str = "a directory",
+                           itself: bool = True) -> None:
     """Refuse `path` if it is (unless not `itself`), or lies inside, an input (`enclosing_input`)."""
     found = enclosing_input(path, itself)
     if found is None:
@@ -72,8 +77,8 @@ def check_out_file(path: Path, command: str, own: Callable[[Path], bool], overwr
         raise OutputError(f"{flag} {path} is a directory: give a file path")
     check_not_inside_input(path, flag, "a path")
     if path.exists() and not overwrite and not own(path):
-        raise OutputError(f"{flag} {path} exists and is not an earlier output of {command}: it would be overwritten; "
-                          "give another path, or --overwrite to replace it")
+        raise OutputError(f"{flag} {path} exists and is not an earlier output of {command}: it would be "
+                          "overwritten; give another path, or --overwrite to replace it")
 
 
 WRITTEN_BY = "written_by"
@@ -95,7 +100,8 @@ def written_by(command: str) -> Callable[[Path], bool]:
 
 
 def write_json_output(path: Path, value: dict, command: str) -> None:
-    """`value` with {WRITTEN_BY: command} as JSON into `path` (checked first by the caller: `check_out_file`)."""
+    """`value` with {WRITTEN_BY: command} as JSON into `path` (checked first by the caller:
+    `check_out_file`)."""
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)

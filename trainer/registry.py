@@ -51,7 +51,8 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     # train
     "train.seq_len": (OTHER, "row length: which chunks long documents are split into"),
     "train.tokens_per_step": (OTHER, "the batch size"),
-    "train.micro_batch_tokens": (SAME_OBJECTIVE, "gradient accumulation: the step's loss is over all micro-batches"),
+    "train.micro_batch_tokens": (SAME_OBJECTIVE, "gradient accumulation: "
+                                                 "the step's loss is over all micro-batches"),
     "train.max_steps": (OTHER, "the cosine schedule decays to max_steps: a different lr at every step"),
     "train.grad_clip": (OTHER, "changes the updates"),
     "train.dtype": (OTHER, "bf16 rounding moves the loss beyond the fp32 tolerance"),
@@ -60,17 +61,22 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "train.keep_last": (IGNORED, "checkpoint retention"),
     "train.save_weights": (IGNORED, "which checkpoints hold the whole weights"),
     "train.resume": (IGNORED, "a resumed run continues the same steps"),
-    "train.overwrite": (IGNORED, "where an earlier run in the same run dir is moved; this run computes the same"),
+    "train.overwrite": (IGNORED, "where an earlier run in the same run dir is moved; "
+                                 "this run computes the same"),
     "train.init_from": (OTHER, "different starting weights"),
-    "train.warmup_marked_steps": (SAME_OBJECTIVE, "only flags steps in metrics (and so the steady-state means)"),
-    "train.eval_every": (SAME_OBJECTIVE, "eval cadence: eval draws no random number and reads no training document"),
+    "train.warmup_marked_steps": (SAME_OBJECTIVE, "only flags steps in metrics "
+                                                  "(and so the steady-state means)"),
+    "train.eval_every": (SAME_OBJECTIVE, "eval cadence: "
+                                         "eval draws no random number and reads no training document"),
     "train.eval_docs": (OTHER, "a different held-out set: val_loss not comparable"),
     "train.eval_layout": (SAME_OBJECTIVE, "the same val_loss in either layout"),
-    "train.eval_tasks": (SAME_OBJECTIVE, "downstream scores: the model in eval mode, no random number drawn, no "
-                                         "training document read"),
+    "train.eval_tasks": (SAME_OBJECTIVE, "downstream scores: the model in eval mode, no random number drawn, "
+                                         "no training document read"),
     "train.eval_tasks_every": (SAME_OBJECTIVE, "the downstream scores' cadence, like train.eval_every"),
-    "train.eval_tasks_layout": (SAME_OBJECTIVE, "how the downstream tasks are scored: the same scores in every layout"),
-    "train.on_nonfinite": (SAME_OBJECTIVE, "decides only what a non-finite step does; finite steps are the same"),
+    "train.eval_tasks_layout": (SAME_OBJECTIVE, "how the downstream tasks are scored: "
+                                                "the same scores in every layout"),
+    "train.on_nonfinite": (SAME_OBJECTIVE, "decides only what a non-finite step does; "
+                                           "finite steps are the same"),
     "train.activation_checkpointing": (SAME_OBJECTIVE, "recomputes activations: same loss and gradients"),
     "tokenizer.add_tokens": (OTHER, "a larger vocabulary"),
     # loss
@@ -84,17 +90,20 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "data.split": (OTHER, "different data"),
     "data.num_workers": (SAME_OBJECTIVE, "the same documents per step whatever the worker count"),
     "data.shuffle_buffer": (OTHER, "a different document order"),
-    "data.on_error": (SAME_OBJECTIVE, "decides only what a bad sample does; on clean data the steps are the same"),
+    "data.on_error": (SAME_OBJECTIVE, "decides only what a bad sample does; "
+                                      "on clean data the steps are the same"),
     "data.retries": (SAME_OBJECTIVE, "a retried shard skips the samples it already gave"),
-    "data.read_timeout_s": (SAME_OBJECTIVE, "a stalled read is retried like any transient failure: the same samples"),
-    "data.max_doc_mb": (SAME_OBJECTIVE, "a bound on bad input, like data.on_error: a larger document is an error, or "
-                                        "skipped and counted; on data within it the steps are the same"),
+    "data.read_timeout_s": (SAME_OBJECTIVE, "a stalled read is retried like any transient failure: "
+                                            "the same samples"),
+    "data.max_doc_mb": (SAME_OBJECTIVE, "a bound on bad input, like data.on_error: a larger document is an "
+                                        "error, or skipped and counted; "
+                                        "on data within it the steps are the same"),
     "data.loss_on": (OTHER, "different targets"),
     "data.prefetch": (SAME_OBJECTIVE, "the same rows and order, drawn in a background thread"),
     "data.sources": (OTHER, "different data: other sources or other weights"),
     "data.mix_exhausted": (OTHER, "changes which documents a mixture's epochs hold"),
-    "data.balance": (SAME_OBJECTIVE, "whole rows move between the ranks of one step: the same documents, targets and "
-                                     "denominator"),
+    "data.balance": (SAME_OBJECTIVE, "whole rows move between the ranks of one step: the same documents, "
+                                     "targets and denominator"),
     "data.epoch_lockstep": (OTHER, "changes which documents the steps after a reader's first epoch see"),
     # packing
     "packing.layout": (SAME_OBJECTIVE, "the same documents per step in every layout"),
@@ -141,12 +150,16 @@ CONFIG_KEYS: dict[str, tuple[str, str]] = {
     "distributed.device": (SAME_OBJECTIVE, "the same computation (fp32)"),
     "distributed.zero_stage": (SAME_OBJECTIVE, "shards state, not the update"),
     "distributed.offload": (SAME_OBJECTIVE, "where the optimizer state lives"),
-    "distributed.reshard_after_forward": (SAME_OBJECTIVE, "when gathered weights are freed, not what is computed"),
-    "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss and "
-                                     "gradients"),
-    "distributed.tensor_parallel": (SAME_OBJECTIVE, "each layer's weights split over ranks: same loss and gradients"),
-    "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, not what it computes"),
-    "distributed.context_parallel_split": (SAME_OBJECTIVE, "which positions each rank holds, not what is computed"),
+    "distributed.reshard_after_forward": (SAME_OBJECTIVE, "when gathered weights are freed, "
+                                                          "not what is computed"),
+    "distributed.context_parallel": (SAME_OBJECTIVE, "the same rows, split over ranks by position: same loss "
+                                     "and gradients"),
+    "distributed.tensor_parallel": (SAME_OBJECTIVE, "each layer's weights split over ranks: "
+                                                    "same loss and gradients"),
+    "distributed.context_parallel_strategy": (SAME_OBJECTIVE, "how attention crosses the group, "
+                                                              "not what it computes"),
+    "distributed.context_parallel_split": (SAME_OBJECTIVE, "which positions each rank holds, "
+                                                           "not what is computed"),
     # logging
     "logging.log_every": (IGNORED, "which steps are written"),
     "logging.progress": (IGNORED, "the progress bar"),
@@ -182,10 +195,11 @@ LAYOUT_INVARIANT_NORMALIZATIONS = {"global_tokens", "document_mean"}
 
 
 def config_key_class(key: str) -> str | None:
-    """The class of a dotted config key: its own entry, else a `section.*` entry covering it; None if unregistered.
+    """The class of a dotted config key: its own entry, else a `section.*` entry covering it;
+    None if unregistered.
 
-    Example: "packing.layout" -> "same objective", "hydra.run.dir" -> "ignored", "model.pos_emb" -> "ablation",
-    "seed" -> "other", "train.no_such_key" -> None.
+    Example: "packing.layout" -> "same objective", "hydra.run.dir" -> "ignored", "model.pos_emb" ->
+    "ablation", "seed" -> "other", "train.no_such_key" -> None.
     """
     if key in CONFIG_KEYS:
         return CONFIG_KEYS[key][0]
@@ -194,33 +208,34 @@ def config_key_class(key: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Metric keys: one JSON line per logged step in <run dir>/metrics.jsonl (and W&B). Values are global (all ranks)
-# unless said otherwise. Some keys appear only on some steps or some runs (see each line).
+# Metric keys: one JSON line per logged step in <run dir>/metrics.jsonl (and W&B). Values are global (all
+# ranks) unless said otherwise. Some keys appear only on some steps or some runs (see each line).
 # ---------------------------------------------------------------------------------------------------
 
 METRIC_KEYS: dict[str, str] = {
     "step": "optimizer steps done, counting from 1 (a resumed run continues the count)",
     "loss": "the optimized objective of the step, under loss.normalization",
-    "token_loss": "sum of token losses / valid targets of the step: `loss` under global_tokens, comparable across "
-                  "normalizations",
-    "token_loss_by_length": "per document-length bucket (logging.length_buckets; a chunk of a split document by "
-                            "its own length): sum of its token losses / its targets in the step, all ranks (null: "
-                            "no target in that bucket)",
+    "token_loss": "sum of token losses / valid targets of the step: `loss` under global_tokens, comparable "
+                  "across normalizations",
+    "token_loss_by_length": "per document-length bucket (logging.length_buckets; a chunk of a split document "
+                            "by its own length): sum of its token losses / its targets in the step, all "
+                            "ranks (null: no target in that bucket)",
     "targets_by_length": "targets of the step per document-length bucket, all ranks",
-    "token_loss_by_position": "per bucket of the target's position in its document (logging.position_buckets; a "
-                              "chunk of a split document counts from its start): sum of its token losses / its "
-                              "targets in the step, all ranks (null: no target there)",
+    "token_loss_by_position": "per bucket of the target's position in its document "
+                              "(logging.position_buckets; a chunk of a split document counts from its "
+                              "start): sum of its token losses / its targets in the step, all ranks "
+                              "(null: no target there)",
     "targets_by_position": "targets of the step per position bucket, all ranks",
-    "token_loss_by_source": "per source of the mixture (data.sources only): sum of its token losses / its targets in "
-                            "the step, all ranks (null: no target from that source)",
+    "token_loss_by_source": "per source of the mixture (data.sources only): sum of its token losses / its "
+                            "targets in the step, all ranks (null: no target from that source)",
     "targets_by_source": "targets of the step per source of the mixture, all ranks (data.sources only)",
-    "tokens_by_source": "document tokens (non-padding positions) of the step per source, all ranks (data.sources "
-                        "only)",
+    "tokens_by_source": "document tokens (non-padding positions) of the step per source, all ranks "
+                        "(data.sources only)",
     "docs_by_source": "documents (chunks of split ones counted once each) of the step per source, all ranks "
                       "(data.sources only)",
     "token_share_by_source": "tokens_by_source / all document tokens of the step (data.sources only)",
-    "target_share_by_source": "each source's weight / the sum of the weights: the share the mixer aims at, constant "
-                              "(data.sources only)",
+    "target_share_by_source": "each source's weight / the sum of the weights: the share the mixer aims at, "
+                              "constant (data.sources only)",
     "lr": "the learning rate this step used",
     "grad_norm": "global gradient norm before clipping",
     "valid_tokens": "targets of the step (tokens the loss counts)",
@@ -238,31 +253,34 @@ METRIC_KEYS: dict[str, str] = {
     "peak_mem_gb": "peak memory so far on rank 0: CUDA allocator peak, or the process's peak RSS on CPU",
     "warmup": "true for the first train.warmup_marked_steps steps (left out of the summary's means)",
     "compile_recompiles": "dynamo recompilations so far (train.compile=true only)",
-    "model_flops": "the step's useful FLOPs, all ranks: 6 x matmul parameters per real token + causal attention of "
-                   "each document over itself, forward and backward (trainer.run.flops)",
-    "hardware_flops": "the FLOPs the step's kernels computed, all ranks: padding, the attention pairs of this layout "
-                      "and kernel, activation recompute (trainer.run.flops); >= model_flops",
-    "mfu": "model FLOPs utilization: model_flops / step_time_s / the devices' peak bf16 FLOP/s (CUDA devices in "
-           "PEAK_FLOPS only)",
-    "hfu": "hardware FLOPs utilization: hardware_flops / step_time_s / the devices' peak bf16 FLOP/s (as mfu)",
-    "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention pairs of its "
-                    "queries, under distributed.context_parallel_split) of the ranks of rank 0's group on its "
-                    "micro-batches of the step; 0 = even (logged steps)",
-    "cp_kv_bytes": "context parallelism only: bytes of keys and values this rank received in the step (forward "
-                   "all-gathers, and their gradients' reduce-scatters back, every layer; its tensor rank's heads): "
-                   "distributed.context_parallel_split=documents exchanges only split documents' (logged steps)",
-    "dp_imbalance": "several data ranks only: max / mean - 1 of the modeled work (the model FLOPs of each data rank's "
-                    "rows: 6 N per token + each document's attention pairs) over the data ranks; 0 = even; with "
-                    "data.balance=rows after the deal (logged steps)",
-    "dp_compute_imbalance": "several data ranks only: max / mean - 1 of the measured compute of each data rank "
-                            "(from the step's counts to its last block's gradient: trainer.run.step.ComputeClock), "
+    "model_flops": "the step's useful FLOPs, all ranks: 6 x matmul parameters per real token + causal "
+                   "attention of each document over itself, forward and backward (trainer.run.flops)",
+    "hardware_flops": "the FLOPs the step's kernels computed, all ranks: padding, the attention pairs of "
+                      "this layout and kernel, activation recompute (trainer.run.flops); >= model_flops",
+    "mfu": "model FLOPs utilization: model_flops / step_time_s / the devices' peak bf16 FLOP/s (CUDA devices "
+           "in PEAK_FLOPS only)",
+    "hfu": "hardware FLOPs utilization: hardware_flops / step_time_s / the devices' peak bf16 FLOP/s "
+           "(as mfu)",
+    "cp_imbalance": "context parallelism only: max / mean - 1 of the work (6 N per position + attention "
+                    "pairs of its queries, under distributed.context_parallel_split) of the ranks of rank "
+                    "0's group on its micro-batches of the step; 0 = even (logged steps)",
+    "cp_kv_bytes": "context parallelism only: bytes of keys and values this rank received in the step "
+                   "(forward all-gathers, and their gradients' reduce-scatters back, every layer; its tensor "
+                   "rank's heads): distributed.context_parallel_split=documents exchanges only split "
+                   "documents' (logged steps)",
+    "dp_imbalance": "several data ranks only: max / mean - 1 of the modeled work (the model FLOPs of each "
+                    "data rank's rows: 6 N per token + each document's attention pairs) over the data ranks; "
+                    "0 = even; with data.balance=rows after the deal (logged steps)",
+    "dp_compute_imbalance": "several data ranks only: max / mean - 1 of the measured compute of each data "
+                            "rank (from the step's counts to its last block's gradient: "
+                            "trainer.run.step.ComputeClock), "
                             "the measured counterpart of dp_imbalance (logged steps)",
-    "dp_wait_s": "several data ranks only: the longest time a data rank waited at the step's gradient reduction after "
-                 "its own backward (a faster rank waiting for the slowest; plus the last bucket's communication). "
-                 "Under FSDP2 the ranks also meet at every layer, so part of the wait is inside the compute "
-                 "(logged steps)",
-    "dp_imbalance_drawn": "data.balance=rows only: dp_imbalance of the rows as the ranks drew them, before the deal "
-                          "(logged steps)",
+    "dp_wait_s": "several data ranks only: the longest time a data rank waited at the step's gradient "
+                 "reduction after its own backward (a faster rank waiting for the slowest; plus the last "
+                 "bucket's communication). Under FSDP2 the ranks also meet at every layer, so part of the "
+                 "wait is inside the compute (logged steps)",
+    "dp_imbalance_drawn": "data.balance=rows only: dp_imbalance of the rows as the ranks drew them, before "
+                          "the deal (logged steps)",
     "val_loss": "held-out loss: sum of token losses / eval targets, all ranks (eval steps only)",
     "val_ppl": "exp(val_loss) (eval steps only)",
     "val_tokens": "eval targets, all ranks (eval steps only)",
@@ -271,21 +289,23 @@ METRIC_KEYS: dict[str, str] = {
     "val_targets_by_length": "eval targets per document-length bucket (eval steps only)",
     "val_token_loss_by_position": "token_loss_by_position of the eval set (eval steps only)",
     "val_targets_by_position": "eval targets per position bucket (eval steps only)",
-    "val_token_loss_by_source": "token_loss_by_source of the eval set, each source's held-out documents (eval steps "
-                                "of a mixture only; null for a source without held-out shards)",
+    "val_token_loss_by_source": "token_loss_by_source of the eval set, each source's held-out documents "
+                                "(eval steps of a mixture only; null for a source without held-out shards)",
     "val_targets_by_source": "eval targets per source (eval steps of a mixture only)",
     "eval_time_s": "wall time of the evaluation (eval steps only)",
-    "tasks": "train.eval_tasks' downstream scores, per task: n, acc, acc_stderr, bits_per_byte, and acc_norm (multiple "
-             "choice) or loglikelihood (language modeling) with their standard errors (task steps only)",
+    "tasks": "train.eval_tasks' downstream scores, per task: n, acc, acc_stderr, bits_per_byte, and acc_norm "
+             "(multiple choice) or loglikelihood (language modeling) with their standard errors "
+             "(task steps only)",
     "tasks_time_s": "wall time of scoring train.eval_tasks (task steps only)",
-    "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an epoch at "
-             "the same step)",
-    "lockstep_wait_steps": "steps so far in which some rank had fewer rows than its share because its readers had "
-                           "finished the epoch (data.epoch_lockstep only)",
+    "epoch": "the epoch of the step's documents, from 0 (data.epoch_lockstep only: every rank starts an "
+             "epoch at the same step)",
+    "lockstep_wait_steps": "steps so far in which some rank had fewer rows than its share because its "
+                           "readers had finished the epoch (data.epoch_lockstep only)",
     "epoch_lockstep_wait_steps": "lockstep_wait_steps of this step's epoch so far (data.epoch_lockstep only)",
     "resume_samples_read": "samples the readers of all ranks re-read to restore their positions (first step "
                            "after a resume only)",
-    "resume_bytes_read": "bytes read from shards to restore the readers' positions (first step after a resume only)",
+    "resume_bytes_read": "bytes read from shards to restore the readers' positions "
+                         "(first step after a resume only)",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,27 +320,29 @@ SUMMARY_KEYS: dict[str, str] = {
     "mean_allocated_tokens_per_s": "sum of allocated_tokens / sum of step_time_s over those steps",
     "mean_model_flops_per_s": "sum of model_flops / sum of step_time_s over those steps",
     "mean_hardware_flops_per_s": "sum of hardware_flops / sum of step_time_s over those steps",
-    "mean_mfu": "mfu over those steps, weighted by step time: the model FLOPs done / the peak's (null without a "
-                "known peak)",
+    "mean_mfu": "mfu over those steps, weighted by step time: the model FLOPs done / the peak's (null "
+                "without a known peak)",
     "mean_hfu": "hfu over those steps, weighted by step time (null without a known peak)",
     "final_step": "the step the run ended at",
     "final_loss": "loss of the last logged step",
     "final_val_loss": "val_loss of the last evaluation (null without eval)",
     "final_val_ppl": "val_ppl of the last evaluation (null without eval)",
     "final_val_token_loss_by_length": "val_token_loss_by_length of the last evaluation (null without eval)",
-    "final_val_token_loss_by_position": "val_token_loss_by_position of the last evaluation (null without eval)",
-    "final_val_token_loss_by_source": "val_token_loss_by_source of the last evaluation (data.sources only; null "
-                                      "without eval)",
+    "final_val_token_loss_by_position": "val_token_loss_by_position of the last evaluation "
+                                        "(null without eval)",
+    "final_val_token_loss_by_source": "val_token_loss_by_source of the last evaluation (data.sources only; "
+                                      "null without eval)",
     "token_share_by_source": "each source's document tokens over all steps / all document tokens of the run "
                              "(data.sources only)",
     "target_share_by_source": "each source's weight / the sum of the weights (data.sources only)",
-    "mixture": "per source, what rank 0's mixture handed out (rows' documents and tokens) and its weight, passes read "
-               "through, passes cut short and the documents those left untrained (trainer.data.mixture; data.sources "
-               "only)",
+    "mixture": "per source, what rank 0's mixture handed out (rows' documents and tokens) and its weight, "
+               "passes read through, passes cut short and the documents those left untrained "
+               "(trainer.data.mixture; data.sources only)",
     "val_tokens": "eval targets of the last evaluation (null without eval)",
     "val_docs": "eval documents of the last evaluation (null without eval)",
     "loss_normalization": "loss.normalization of the run",
-    "wandb_group": "the W&B group (logging.wandb.group, the sweep directory's name, or one derived from the model)",
+    "wandb_group": "the W&B group (logging.wandb.group, the sweep directory's name, or one derived from the "
+                   "model)",
     "world_size": "ranks the run trained on",
     "elapsed_s": "training wall time (sum of step times, a resumed run's earlier steps included)",
     "peak_mem_gb": "peak memory of rank 0 over the run",
@@ -331,12 +353,13 @@ SUMMARY_KEYS: dict[str, str] = {
     "skipped_samples": "samples skipped under data.on_error=skip, by reason (rank 0's readers)",
     "lockstep_wait_steps": "steps in which some rank had fewer rows than its share because its readers had "
                            "finished the epoch (null without data.epoch_lockstep)",
-    "lockstep_wait_steps_by_epoch": "lockstep_wait_steps per epoch, from epoch 0 (resumed from a checkpoint older "
-                                    "than this count: counted from the resume)",
+    "lockstep_wait_steps_by_epoch": "lockstep_wait_steps per epoch, from epoch 0 (resumed from a checkpoint "
+                                    "older than this count: counted from the resume)",
     "resume_samples_read": "samples re-read to restore the readers after a resume (null: a fresh start)",
     "resume_bytes_read": "bytes re-read to restore the readers after a resume (null: a fresh start)",
-    "packing_stats": "rank 0's packer counts: documents and tokens in, split, truncated, dropped, and the tokens "
-                     "trained without their document's start (the chunks after a split document's first)",
+    "packing_stats": "rank 0's packer counts: documents and tokens in, split, truncated, dropped, and the "
+                     "tokens trained without their document's start "
+                     "(the chunks after a split document's first)",
     "dtype": "train.dtype as run: fp32 or bf16",
     "optimizer_fused": "whether the optimizer ran its fused kernel (optim.fused)",
     "compile": "train.compile",
@@ -350,7 +373,8 @@ SUMMARY_KEYS: dict[str, str] = {
 
 
 def check_metric_keys(keys: Iterable[str]) -> None:
-    """Raise ValueError naming each key that METRIC_KEYS does not hold (trainer.run.metrics logs nothing else).
+    """Raise ValueError naming each key that METRIC_KEYS does not hold
+    (trainer.run.metrics logs nothing else).
 
     Example: check_metric_keys(["step", "los"]) -> ValueError "metrics.jsonl key 'los' is not registered:
     register it in trainer/registry.py (METRIC_KEYS) with a one-line meaning".
@@ -359,7 +383,8 @@ def check_metric_keys(keys: Iterable[str]) -> None:
 
 
 def check_summary_keys(keys: Iterable[str]) -> None:
-    """Raise ValueError naming each key that SUMMARY_KEYS does not hold (as check_metric_keys, for summary.json)."""
+    """Raise ValueError naming each key that SUMMARY_KEYS does not hold
+    (as check_metric_keys, for summary.json)."""
     _require(keys, SUMMARY_KEYS, "SUMMARY_KEYS", SUMMARY_FILE)
 
 

@@ -14,7 +14,8 @@ Each run gets a verdict from the numbers, by the kind of keys its config changes
     layout-dependent  the same, under a normalization that depends on the layout on purpose (row_mean, ...)
     ablation          a setting that changes the objective on purpose (document isolation, positions, ...),
                       compared at equal documents per step
-    not comparable    anything else (seed, data, model size, optimizer, ...), or numbers that contradict the above
+    not comparable    anything else (seed, data, model size, optimizer, ...),
+                      or numbers that contradict the above
 
 Where runs logged them, tables of the token loss by document length and by source of a data mixture (with each
 source's token share against its target; a verdict line per compared run naming the groups beyond --tolerance,
@@ -41,11 +42,14 @@ from trainer.reporting.runs import DEFAULT_TOLERANCE, ReportError
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.split("\n\n")[0])
     p.add_argument("dirs", nargs="+", type=Path, metavar="RUN_OR_SWEEP_DIR")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default: the sweep dir given, or report/)")
-    p.add_argument("--reference", default=None, help="run name to compare against (default: the unpacked run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output dir (default: the sweep dir given, or report/)")
+    p.add_argument("--reference", default=None,
+                   help="run name to compare against (default: the unpacked run)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="max |loss difference| for 'same objective' (default 1e-4, fp32)")
-    p.add_argument("--overwrite", action="store_true", help="replace a report.md / report.html report did not write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a report.md / report.html report did not write")
     return p.parse_args(argv)
 
 

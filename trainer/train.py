@@ -41,10 +41,11 @@ JOB_DIR_MAX = 120
 
 
 def job_dir(overrides: str) -> str:
-    """A sweep job's dir name from its overrides (hydra.job.override_dirname), always ONE path component: a "/" in
-    a value (a path in data.sources, data.urls, train.init_from) becomes "_", and a name longer than JOB_DIR_MAX
-    keeps its start and a hash of the whole. So job dirs stay one level below the sweep dir, where trainer.report
-    looks. Example: "data.sources=[{name:a,path:/d/x}]" -> "data.sources=[{name:a,path:_d_x}]"."""
+    """A sweep job's dir name from its overrides (hydra.job.override_dirname), always ONE path component: a
+    "/" in a value (a path in data.sources, data.urls, train.init_from) becomes "_", and a name longer than
+    JOB_DIR_MAX keeps its start and a hash of the whole. So job dirs stay one level below the sweep dir, where
+    trainer.report looks. Example: "data.sources=[{name:a,path:/d/x}]" ->
+    "data.sources=[{name:a,path:_d_x}]"."""
     name = overrides.replace("/", "_").replace("\0", "")
     if name in (".", ".."):
         name = name.replace(".", "_")
@@ -55,25 +56,27 @@ def job_dir(overrides: str) -> str:
 
 OmegaConf.register_new_resolver("job_dir", job_dir, replace=True)
 JOB_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
-"""The job log's lines (as Hydra's default job logging writes them; configs/hydra/job_logging/console.yaml)."""
+"""The job log's lines (as Hydra's default job logging writes them;
+configs/hydra/job_logging/console.yaml)."""
 
 HYDRA_ERRORS = (CompactHydraException,)
 """Hydra's own override and composition errors: the user's mistakes too, though not UserError subclasses."""
 
 SAME_ON_EVERY_RANK = (ConfigError, *HYDRA_ERRORS)
-"""Mistakes every rank of a launch makes alike (the config, an override, a refusal rank 0 decided and broadcast):
-rank 0 alone prints them (trainer.errors.run_command)."""
+"""Mistakes every rank of a launch makes alike (the config, an override, a refusal rank 0 decided and
+broadcast): rank 0 alone prints them (trainer.errors.run_command)."""
 
-_GROUP_ONLY = ("{key} exists only with {engines}, which the chosen distributed= option is not: choose {options}, "
-               "then override {key}")
+_GROUP_ONLY = ("{key} exists only with {engines}, which the chosen distributed= option is not: choose "
+               "{options}, then override {key}")
 GROUP_ONLY_KEYS = {
-    "distributed.zero_stage": _GROUP_ONLY.format(key="distributed.zero_stage", engines="distributed.engine=deepspeed",
+    "distributed.zero_stage": _GROUP_ONLY.format(key="distributed.zero_stage",
+                                                 engines="distributed.engine=deepspeed",
                                                  options="distributed=deepspeed_zero1, deepspeed_zero2 or "
                                                          "deepspeed_zero3"),
     "distributed.offload": _GROUP_ONLY.format(key="distributed.offload",
                                               engines="distributed.engine=deepspeed or fsdp2",
-                                              options="distributed=deepspeed_zero1, deepspeed_zero2, deepspeed_zero3 "
-                                                      "or fsdp2"),
+                                              options="distributed=deepspeed_zero1, deepspeed_zero2, "
+                                                      "deepspeed_zero3 or fsdp2"),
     "distributed.reshard_after_forward": _GROUP_ONLY.format(key="distributed.reshard_after_forward",
                                                             engines="distributed.engine=fsdp2",
                                                             options="distributed=fsdp2"),
@@ -91,7 +94,8 @@ class RunDirError(UserError):
 
 
 def _hydra_main() -> None:
-    """main() as Hydra runs it; an OSError raised before any job (making hydra.run.dir) becomes a RunDirError."""
+    """main() as Hydra runs it; an OSError raised before any job (making hydra.run.dir) becomes a
+    RunDirError."""
     try:
         main()
     except OSError as e:
@@ -134,7 +138,8 @@ def main(raw: DictConfig) -> None:
 
 
 def _task_overrides() -> list[str]:
-    """The command line's overrides (Hydra's task overrides), or none outside a Hydra job (tests compose configs)."""
+    """The command line's overrides (Hydra's task overrides), or none outside a Hydra job (tests compose
+    configs)."""
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:  # HydraConfig is not set
@@ -142,8 +147,8 @@ def _task_overrides() -> list[str]:
 
 
 def build_config(raw: DictConfig, run_dir: str) -> RunConfig:
-    """The composed Hydra config -> the typed RunConfig, every value and rule checked, and the engine's package
-    installed (a ConfigError if not)."""
+    """The composed Hydra config -> the typed RunConfig, every value and rule checked, and the engine's
+    package installed (a ConfigError if not)."""
     try:
         container = OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as e:  # e.g. an override `model.n_layer=${oops}`
@@ -181,19 +186,21 @@ def run(raw: DictConfig) -> None:
 
 
 def write_hydra_record(raw: DictConfig, run_dir: Path) -> None:
-    """Rank 0, once the run dir is this run's (trainer.run.run_dir.claim_run_dir): what Hydra writes into a run dir
-    before its job (.hydra/config.yaml, hydra.yaml, overrides.yaml) and the job log, `<job name>.log`, from here on.
-    Hydra itself writes nothing there (hydra.output_subdir=null, console-only job logging: configs/config.yaml), so
-    a run refused at the claim leaves an earlier run's files as they were."""
+    """Rank 0, once the run dir is this run's (trainer.run.run_dir.claim_run_dir): what Hydra writes into a
+    run dir before its job (.hydra/config.yaml, hydra.yaml, overrides.yaml) and the job log, `<job name>.log`,
+    from here on. Hydra itself writes nothing there (hydra.output_subdir=null, console-only job logging:
+    configs/config.yaml), so a run refused at the claim leaves an earlier run's files as they were."""
     hydra_cfg = HydraConfig.get()
     record = run_dir / ".hydra"
     record.mkdir(exist_ok=True)
     OmegaConf.save(raw, record / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg, resolve=False)}), record / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg, resolve=False)}),
+                   record / "hydra.yaml")
     OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), record / "overrides.yaml")
     global _job_log
     root = logging.getLogger()
-    if _job_log is not None:  # the previous job of a sweep (-m runs its jobs in this process): its log is closed
+    # the previous job of a sweep (-m runs its jobs in this process): its log is closed
+    if _job_log is not None:
         root.removeHandler(_job_log)
         _job_log.close()
     _job_log = logging.FileHandler(run_dir / f"{hydra_cfg.job.name}.log")
@@ -221,7 +228,8 @@ def _format_summary(s: dict) -> str:
 
 
 def check_attention_backend(cfg: RunConfig, info: DistInfo) -> None:
-    """Refuse, before data and model are built, an attention backend that cannot train on this device and dtype.
+    """Refuse, before data and model are built, an attention backend that cannot train on this device and
+    dtype.
 
     Raises BackendUnavailable naming why and what to use; the model would raise the same at its first forward.
     """
@@ -266,17 +274,19 @@ def cli() -> int:
     global _user_full_error, _job_started
     _job_started = False
     # A run that seems hung: `kill -QUIT <pid>` prints every thread's stack to stderr, and the run goes on.
-    with contextlib.suppress(AttributeError, ValueError, OSError):  # no real stderr (an embedding, a test's capture)
+    # no real stderr (an embedding, a test's capture)
+    with contextlib.suppress(AttributeError, ValueError, OSError):
         faulthandler.register(signal.SIGQUIT, file=sys.__stderr__, all_threads=True)
-    # Signals a launcher left blocked (the mask survives fork and exec) would never reach the run: Ctrl-C and the
-    # preemption signals must.
+    # Signals a launcher left blocked (the mask survives fork and exec) would never reach the run: Ctrl-C and
+    # the preemption signals must.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGQUIT})
     end_with_launcher()  # under torchrun: a rank whose agent dies is preempted, not orphaned
     sys.argv = strip_launcher_args(sys.argv)
     if int(os.environ.get("RANK", "0")) > 0:  # only rank 0 writes Hydra's files and logs
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    # Without HYDRA_FULL_ERROR=1 Hydra prints any error itself, as a trimmed traceback and a hint, and exits 1.
-    # Set it so its override and composition errors reach us; the user's own setting still decides below.
+    # Without HYDRA_FULL_ERROR=1 Hydra prints any error itself, as a trimmed traceback and a hint, and
+    # exits 1. Set it so its override and composition errors reach us; the user's own setting still decides
+    # below.
     _user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:  # Hydra's own errors are raised here, before any job

@@ -158,11 +158,13 @@ def main(argv: list[str] | None = None) -> None:
         write(os.path.join(args.out, f"{name}.txt.gz"), name, lengths)
     if not args.only:
         random.Random(args.seed).shuffle(mix)
-        write(os.path.join(args.out, "mix.txt.gz"), f"mix (demo_train and the above, shuffled, seed {args.seed})", mix)
+        write(os.path.join(args.out, "mix.txt.gz"),
+              f"mix (demo_train and the above, shuffled, seed {args.seed})", mix)
 
 
 def write(path: str, name: str, lengths: list[int]) -> None:
-    """One length per line after a `#` summary line; gzip with a zero mtime, so equal lengths give equal bytes."""
+    """One length per line after a `#` summary line; gzip with a zero mtime, so equal lengths give equal
+    bytes."""
     s = sorted(lengths)
     median, p99 = s[len(s) // 2], s[min(len(s) - 1, int(0.99 * len(s)))]
     summary = f"{len(s):,} docs, {sum(s):,} tokens, median {median}, p99 {p99}, max {s[-1]}"

@@ -1,10 +1,11 @@
 """Hugging Face models in and out (trainer.checkpoint.hf): GPT-2, Llama, Qwen2 and Mistral as packtrain's GPT.
 
 The independent reference is `transformers` itself: tiny random models of each class are built inside the test
-(no hub), every weight perturbed so that a swapped norm, a misplaced slice of the fused q|k|v or gate|up rows, or a
-transposed matrix changes the logits. packtrain loads their directories (trainer.checkpoint.hf.load_hf), packs
-several documents per row, and must give each document's logits and gradients as transformers gives them on that
-document alone; exported back (trainer.export.write_hf), transformers loads the same class with the same weights.
+(no hub), every weight perturbed so that a swapped norm, a misplaced slice of the fused q|k|v or gate|up rows,
+or a transposed matrix changes the logits. packtrain loads their directories (trainer.checkpoint.hf.load_hf),
+packs several documents per row, and must give each document's logits and gradients as transformers gives them
+on that document alone; exported back (trainer.export.write_hf), transformers loads the same class with the
+same weights.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ def transformers():
 
 
 def hf_config(transformers, kind: str):
-    """A tiny config of each family: GQA (4 heads, 2 kv heads), an untied head for Llama, q/k/v biases for Qwen2,
-    Mistral without its sliding window."""
+    """A tiny config of each family: GQA (4 heads, 2 kv heads), an untied head for Llama, q/k/v biases for
+    Qwen2, Mistral without its sliding window."""
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500.0)
+    llama = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                 rope_theta=500.0)
     if kind == "llama":
         return transformers.LlamaConfig(**llama, tie_word_embeddings=False)
     if kind == "llama3_scaled":  # Llama-3.2's frequency scaling, at a context where all three bands occur
@@ -66,7 +68,8 @@ def reference(request, transformers, tmp_path_factory):
                                                           attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms around 1, everything else spread out
-            p.copy_((1.0 if name.endswith("norm.weight") or ".ln_" in name else 0.0) + 0.08 * torch.randn_like(p))
+            p.copy_((1.0 if name.endswith("norm.weight") or ".ln_" in name else 0.0)
+                    + 0.08 * torch.randn_like(p))
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out)
     return request.param, model, out
@@ -119,8 +122,8 @@ def test_gradients_of_a_packed_step_equal_transformers_summed_document_losses(re
 
     ref.zero_grad(set_to_none=True)
     targets = sum(len(doc) - 1 for row in rows for doc in row)
-    total = sum(ref(torch.as_tensor(doc.tokens)[None], labels=torch.as_tensor(doc.tokens)[None]).loss * (len(doc) - 1)
-                for row in rows for doc in row)
+    total = sum(ref(torch.as_tensor(doc.tokens)[None], labels=torch.as_tensor(doc.tokens)[None]).loss
+                * (len(doc) - 1) for row in rows for doc in row)
     (total / targets).backward()
     assert abs(stats.loss - (total / targets).item()) <= TOL
     theirs = {n: p.grad for n, p in ref.named_parameters()}
@@ -138,10 +141,12 @@ def test_packed_and_unpacked_steps_give_the_same_loss_and_gradients(reference):
     for layout in ("packed", "unpacked"):
         model = hf.load_hf(path).train()
         rows = documents(2)
-        batch = collate_rows(rows if layout == "packed" else [[d] for row in rows for d in row], ROW, 0, layout)
+        batch = collate_rows(rows if layout == "packed" else [[d] for row in rows for d in row], ROW, 0,
+                             layout)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         info = DistInfo(0, 1, 0, torch.device("cpu"))
-        engine = GradientRecorder(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), info,
+        engine = GradientRecorder(model, optimizer,
+                                  torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), info,
                                   grad_clip=0.0, dtype="fp32")
         stats = train_step(engine, [batch], info, 0)
         out[layout] = stats.loss, engine.grads
@@ -151,7 +156,8 @@ def test_packed_and_unpacked_steps_give_the_same_loss_and_gradients(reference):
 
 
 def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(reference):
-    """trainer.generate's cache holds the kv heads (GQA: fewer than the query heads) and repeats them per step."""
+    """trainer.generate's cache holds the kv heads (GQA: fewer than the query heads) and repeats them per
+    step."""
     from trainer.generate import generate
 
     kind, ref, path = reference
@@ -159,13 +165,14 @@ def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(referenc
     prompt = documents()[0][0].tokens.tolist()
     mine = generate(ours, prompt, max_new_tokens=12)
     with torch.no_grad():
-        theirs = ref.generate(torch.as_tensor(prompt)[None], max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)[0, len(prompt):].tolist()
+        theirs = ref.generate(torch.as_tensor(prompt)[None], max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
     assert mine == theirs and generate(ours, prompt, max_new_tokens=12, use_cache=False) == mine
 
 
 def test_the_chunked_loss_reads_an_untied_head(reference):
-    """loss.chunk_tokens computes the head a chunk at a time from lm_head.weight: an untied head's own weights."""
+    """loss.chunk_tokens computes the head a chunk at a time from lm_head.weight: an untied head's own
+    weights."""
     kind, _, path = reference
     batch = collate_rows(documents(3), ROW, 0, "packed")
     out = {}
@@ -188,7 +195,8 @@ def tokenizer_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_export_gives_back_the_same_class_weights_and_logits(reference, transformers, tokenizer_dir, tmp_path, dtype):
+def test_export_gives_back_the_same_class_weights_and_logits(reference, transformers, tokenizer_dir, tmp_path,
+                                                             dtype):
     kind, ref, path = reference
     ours = hf.load_hf(path)
     write_hf(ours, tokenizer_dir, tmp_path, dtype)
@@ -219,18 +227,19 @@ def test_export_gives_back_the_same_class_weights_and_logits(reference, transfor
 # ---------------------------------------------------------------------------------------------------
 
 SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M config.json
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
     "initializer_range": 0.041666666666666664,
     "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False, "num_attention_heads": 9,
     "num_hidden_layers": 30, "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
     "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     "use_cache": True, "vocab_size": 49152}
 QWEN25_05B = {  # Qwen/Qwen2.5-0.5B config.json
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
-    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "num_attention_heads": 14,
-    "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+    "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+    "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
     "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 151936}
 
@@ -243,7 +252,8 @@ def test_real_configs_on_the_meta_device_have_transformers_shapes_and_counts(tra
         ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
         ours = GPT(hf.config_from_hf(config, "config.json"))
     theirs = {n: tuple(p.shape) for n, p in ref.named_parameters()}
-    mapped = {piece.hf: tuple(hf._view(ours.state_dict()[piece.name], piece).shape) for piece in hf.pieces(ours.cfg)}
+    mapped = {piece.hf: tuple(hf._view(ours.state_dict()[piece.name], piece).shape)
+              for piece in hf.pieces(ours.cfg)}
     assert mapped == theirs
     count = ours.num_params()
     assert count == sum(p.numel() for p in ref.parameters())
@@ -302,9 +312,9 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     step) and its export exactly; a contradicting model= is one line."""
     vocab = load_tokenizer(demo_data / "tokenizer").get_vocab_size()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
     ref = transformers.LlamaForCausalLM(config).eval()
     model_dir = tmp_path / "llama"
     ref.save_pretrained(model_dir)
@@ -318,8 +328,10 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     assert "init_from: weights of" in proc.stdout and "LlamaForCausalLM" in proc.stdout
     ckpt = latest_checkpoint(run)
     conv = json.loads((ckpt / "conventions.json").read_text())
-    assert conv["init_from"]["architecture"] == "LlamaForCausalLM" and conv["init_from"]["hf_model"] == str(model_dir)
-    assert conv["tokenizer"]["framing"]["add_bos"] is False and conv["tokenizer"]["framing"]["pad_from"] == "pad_token"
+    assert (conv["init_from"]["architecture"] == "LlamaForCausalLM"
+            and conv["init_from"]["hf_model"] == str(model_dir))
+    assert (conv["tokenizer"]["framing"]["add_bos"] is False
+            and conv["tokenizer"]["framing"]["pad_from"] == "pad_token")
     saved = json.loads((ckpt / "meta.json").read_text())["config"]["model"]
     assert (saved["n_kv_head"], saved["norm"], saved["tie_embeddings"],
             saved["max_seq_len"]) == (2, "rmsnorm", False, 256)
@@ -345,31 +357,34 @@ def test_init_from_a_llama_directory_trains_and_exports_back(transformers, demo_
     from trainer.data.tokenizer import tokenizer_hash
 
     with pytest.raises(WeightsError, match="frames documents as"):
-        init_from_checkpoint(model, framed, demo_data / "tokenizer", tokenizer_hash(demo_data / "tokenizer"), [])
+        init_from_checkpoint(model, framed, demo_data / "tokenizer", tokenizer_hash(demo_data / "tokenizer"),
+                             [])
 
     proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}",
                            f"hydra.run.dir={tmp_path}/bad", f"train.init_from={model_dir}", "model=small",
                            "logging.wandb.mode=disabled"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert_one_error_line(proc.returncode, proc.stderr, "is a Hugging Face model whose config.json gives the model",
+    assert_one_error_line(proc.returncode, proc.stderr,
+                          "is a Hugging Face model whose config.json gives the model",
                           "model.bias=True (config.json: False)")
 
 
 def test_an_hf_init_from_whose_vocabulary_is_smaller_than_the_datas_tokenizer_gives_the_right_advice(
         transformers, demo_data, tmp_path):
     """Issue 54: a Hugging Face model of 100 tokens, the data's tokenizer of 512: one ConfigError naming its
-    config.json and the data's tokenizer, advising to prepare the data with the model's tokenizer (before: "set
-    model.vocab_size=null", which the Hugging Face init_from then refuses)."""
+    config.json and the data's tokenizer, advising to prepare the data with the model's tokenizer (before:
+    "set model.vocab_size=null", which the Hugging Face init_from then refuses)."""
     from tests.helpers import make_trainer
     from trainer.errors import ConfigError
 
     model_dir = tmp_path / "small_vocab"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=128, n_embd=32, n_layer=1,
-                                                         n_head=2)).save_pretrained(model_dir)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=128, n_embd=32,
+                                                         n_layer=1, n_head=2)).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model_dir / name).write_bytes((demo_data / "tokenizer" / name).read_bytes())
     with pytest.raises(ConfigError) as refused:
         make_trainer(demo_data, tmp_path / "run", f"train.init_from={model_dir}")
     message = str(refused.value)
-    assert "its config.json says vocab_size 100, fewer than the 512 ids of the data's tokenizer" in message, message
+    assert ("its config.json says vocab_size 100, fewer than the 512 ids of the data's tokenizer"
+            in message), message
     assert f"--tokenizer {model_dir}" in message and "vocab_size=null" not in message, message

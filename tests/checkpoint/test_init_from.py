@@ -1,5 +1,6 @@
 """`train.init_from` (weights only; fresh optimizer, schedule, step and data) and the tokenizer that must go
-with the weights: a mismatch is refused naming both hashes, `tokenizer.add_tokens` is the supported extension."""
+with the weights: a mismatch is refused naming both hashes, `tokenizer.add_tokens` is the supported
+extension."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from trainer.data.tokenizer import extend_tokenizer, extension_problem, load_tok
 from trainer.model import AttentionConfig, GPTConfig, build_model
 from trainer.prepare import prepare
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "hello world, hello tokens", "<|tool|> is not special yet"] * 20
+TEXTS = ["def add(a, b):\n    return a + b\n", "hello world, hello tokens",
+         "<|tool|> is not special yet"] * 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,16 +60,18 @@ def test_extension_problem_names_what_is_not_an_extension():
 
 
 def test_grown_embedding_leaves_every_old_tokens_logits_unchanged():
-    """The old model and the grown one (2 new rows = mean of the old) give the same logits for every old token,
-    on inputs made of old tokens; the new tokens' logits are those of the mean row."""
+    """The old model and the grown one (2 new rows = mean of the old) give the same logits for every old
+    token, on inputs made of old tokens; the new tokens' logits are those of the mean row."""
     torch.manual_seed(0)
-    cfg, attention = GPTConfig(n_layer=2, n_head=2, n_embd=32, max_seq_len=64), AttentionConfig(backend="sdpa_docs")
+    cfg, attention = (GPTConfig(n_layer=2, n_head=2, n_embd=32, max_seq_len=64),
+                      AttentionConfig(backend="sdpa_docs"))
     old = build_model(cfg, attention, vocab_size=300).eval()
     new = build_model(cfg, attention, vocab_size=302).eval()
     weights = {k: v for k, v in old.state_dict().items() if k != store.TIED_KEY}
     weights["wte.weight"] = grow_rows(weights["wte.weight"], 302, base_vocab=300, added=2)
     new.load_state_dict(weights, strict=False)
-    assert new.lm_head.weight.data_ptr() == new.wte.weight.data_ptr()  # the head is still tied, so it grew too
+    # the head is still tied, so it grew too
+    assert new.lm_head.weight.data_ptr() == new.wte.weight.data_ptr()
     ids = torch.randint(0, 300, (3, 40))
     with torch.no_grad():
         a, b = old(ids).logits, new(ids).logits
@@ -84,7 +88,8 @@ def test_grown_embedding_leaves_every_old_tokens_logits_unchanged():
 
 
 def run_fails(run_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}", *SMALL,
+           *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, f"expected a refusal (exit 2)\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
@@ -95,7 +100,8 @@ def run_fails(run_dir: Path, data: Path, *overrides: str) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def pretrained(demo_data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("pretrain")
-    run_train(run_dir, demo_data, "train.max_steps=4", "train.checkpoint_every=4", "logging.record_doc_keys=true")
+    run_train(run_dir, demo_data, "train.max_steps=4", "train.checkpoint_every=4",
+              "logging.record_doc_keys=true")
     return run_dir
 
 
@@ -110,9 +116,9 @@ def doc_keys(run_dir: Path) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_init_from_loads_weights_only(pretrained, demo_data, tmp_path):
-    """lr = 0 keeps the weights as loaded: the saved weights equal the checkpoint's bit for bit. The step count,
-    optimizer state, schedule and data stream all start fresh (the first step's documents are those of a fresh
-    run's first step)."""
+    """lr = 0 keeps the weights as loaded: the saved weights equal the checkpoint's bit for bit. The step
+    count, optimizer state, schedule and data stream all start fresh (the first step's documents are those of
+    a fresh run's first step)."""
     source = ckpt(pretrained, 4)
     run_dir = tmp_path / "ft"
     proc = run_train(run_dir, demo_data, f"train.init_from={source}", "optim.lr=0", "train.max_steps=2",
@@ -133,7 +139,8 @@ def test_init_from_loads_weights_only(pretrained, demo_data, tmp_path):
 
 @pytest.mark.slow
 def test_init_from_reads_a_checkpoint_from_before_model_safetensors(pretrained, demo_data, tmp_path):
-    """Older DDP checkpoints hold the weights only in engine.pt: read with weights_only=True, the same weights."""
+    """Older DDP checkpoints hold the weights only in engine.pt: read with weights_only=True, the same
+    weights."""
     old = tmp_path / "old_ckpt"
     shutil.copytree(ckpt(pretrained, 4), old)
     (old / WEIGHTS).unlink()
@@ -146,8 +153,8 @@ def test_init_from_reads_a_checkpoint_from_before_model_safetensors(pretrained, 
 
 @pytest.mark.slow
 def test_init_from_starts_lower_than_scratch(pretrained, demo_data, tmp_path):
-    """With learning on, the first step from the checkpoint sees the same documents as a fresh run's first step
-    and scores them better than the random initialization did."""
+    """With learning on, the first step from the checkpoint sees the same documents as a fresh run's first
+    step and scores them better than the random initialization did."""
     run_dir = tmp_path / "ft"
     run_train(run_dir, demo_data, f"train.init_from={ckpt(pretrained, 4)}", "train.max_steps=1")
     first, scratch = metrics(run_dir)[0], metrics(pretrained)[0]
@@ -178,9 +185,9 @@ def test_mismatched_tokenizer_is_refused_for_init_from_and_resume(pretrained, ot
 
 @pytest.mark.slow
 def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, tmp_path):
-    """Data prepared with the checkpoint's tokenizer + one token; init_from with tokenizer.add_tokens: old rows
-    as they were, the new row the mean of the old ones (lr = 0), the extension recorded in conventions.json.
-    Naming another token is refused."""
+    """Data prepared with the checkpoint's tokenizer + one token; init_from with tokenizer.add_tokens: old
+    rows as they were, the new row the mean of the old ones (lr = 0), the extension recorded in
+    conventions.json. Naming another token is refused."""
     source = ckpt(pretrained, 4)
     data = tmp_path / "extended"
     prepare("demo", data, tokenizer=source / store.TOKENIZER_DIR, add_tokens=["<|tool|>"], max_docs=300,
@@ -190,7 +197,8 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
     assert manifest["tokenizer"]["added_tokens"] == ["<|tool|>"]
     assert load_tokenizer(data / "tokenizer").token_to_id("<|tool|>") == base.get_vocab_size()
 
-    err = run_fails(tmp_path / "wrong", data, f"train.init_from={source}", 'tokenizer.add_tokens=["<|other|>"]').stderr
+    err = run_fails(tmp_path / "wrong", data, f"train.init_from={source}",
+                    'tokenizer.add_tokens=["<|other|>"]').stderr
     assert "not the checkpoint's" in err and "<|other|>" in err, err
     err = run_fails(tmp_path / "none", data, f"train.init_from={source}").stderr  # forgot add_tokens
     assert "tokenizer.add_tokens" in err, err
@@ -210,20 +218,21 @@ def test_add_tokens_grows_the_model_from_the_checkpoint(pretrained, demo_data, t
 
 @pytest.mark.slow
 def test_init_from_under_zero3_on_two_ranks_loads_before_partitioning(pretrained, demo_data, tmp_path):
-    """DeepSpeed ZeRO-3 partitions the weights as it wraps the model: init_from loads them before that, so with
-    lr = 0 the weights gathered from both ranks' partitions equal the (DDP) checkpoint's; an FSDP2 run started from
-    the ZeRO-3 run's checkpoint holds them too."""
+    """DeepSpeed ZeRO-3 partitions the weights as it wraps the model: init_from loads them before that, so
+    with lr = 0 the weights gathered from both ranks' partitions equal the (DDP) checkpoint's; an FSDP2 run
+    started from the ZeRO-3 run's checkpoint holds them too."""
     require_module("deepspeed", "pip install deepspeed (the `deepspeed` extra)")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                 str(free_port()), "-m"]
     run_dir = tmp_path / "zero3"
-    run_train(run_dir, demo_data, "distributed=deepspeed_zero3", f"train.init_from={ckpt(pretrained, 4)}", "optim.lr=0",
-              "train.max_steps=1", "train.checkpoint_every=1", launcher=launcher)
+    run_train(run_dir, demo_data, "distributed=deepspeed_zero3", f"train.init_from={ckpt(pretrained, 4)}",
+              "optim.lr=0", "train.max_steps=1", "train.checkpoint_every=1", launcher=launcher)
     loaded, original = load_file(ckpt(run_dir, 1) / WEIGHTS), load_file(ckpt(pretrained, 4) / WEIGHTS)
     assert loaded.keys() == original.keys()
     for k in original:
         assert torch.equal(loaded[k], original[k]), k
-    # That DeepSpeed-written checkpoint starts an FSDP2 run (its weights loaded before fully_shard): equal again.
+    # That DeepSpeed-written checkpoint starts an FSDP2 run (its weights loaded before fully_shard): equal
+    # again.
     fsdp = tmp_path / "fsdp2"
     launcher[-2] = str(free_port())
     run_train(fsdp, demo_data, "distributed=fsdp2", f"train.init_from={ckpt(run_dir, 1)}", "optim.lr=0",

@@ -1,5 +1,5 @@
-"""A checkpoint reads nothing outside itself and hides no damage: the FSDP2 reader confines every storage path of
-DCP's `.metadata` to the checkpoint's dcp/ directory, every file of a checkpoint is checksummed at save and
+"""A checkpoint reads nothing outside itself and hides no damage: the FSDP2 reader confines every storage path
+of DCP's `.metadata` to the checkpoint's dcp/ directory, every file of a checkpoint is checksummed at save and
 verified at load, and a refusal is one line on every rank.
 
 The FSDP2 checkpoint is a real one (2 gloo ranks, written through the store); each case copies it into its own
@@ -64,7 +64,8 @@ def _write(rank: int, world: int, root: str) -> str:
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(tmp_path_factory) -> Path:
-    """A 2-rank FSDP2 checkpoint (DCP shards, rank files, safetensors, meta); read-only: copy it to damage it."""
+    """A 2-rank FSDP2 checkpoint (DCP shards, rank files, safetensors, meta); read-only: copy it to damage
+    it."""
     return Path(run_distributed(_write, 2, args=(str(tmp_path_factory.mktemp("fsdp_ckpt")),))[0])
 
 
@@ -76,7 +77,8 @@ def copy_of(checkpoint: Path, root: Path) -> Path:
 
 
 def _loads(rank: int, world: int, paths: list[str]) -> list[tuple[str, bool, str]]:
-    """Each checkpoint of `paths` loaded through the store into a fresh engine: (error type, UserError?, message)."""
+    """Each checkpoint of `paths` loaded through the store into a fresh engine: (error type, UserError?,
+    message)."""
     from trainer.errors import UserError
 
     info = init_distributed(FSDP2)
@@ -96,9 +98,9 @@ def _loads(rank: int, world: int, paths: list[str]) -> list[tuple[str, bool, str
 
 
 def rewrite_storage_paths(checkpoint: Path, new_path) -> None:
-    """Rewrite the `.metadata` of `checkpoint`'s DCP shards with DCP's own classes (unpickled by the reader's own
-    allow-list): every item's storage path becomes `new_path(old)`; the checksums are recorded again, as a forger
-    would."""
+    """Rewrite the `.metadata` of `checkpoint`'s DCP shards with DCP's own classes (unpickled by the reader's
+    own allow-list): every item's storage path becomes `new_path(old)`; the checksums are recorded again, as a
+    forger would."""
     from trainer.distributed.fsdp import _MetadataUnpickler
 
     file = checkpoint / store.DCP_DIR / ".metadata"
@@ -111,8 +113,9 @@ def rewrite_storage_paths(checkpoint: Path, new_path) -> None:
 
 
 def test_dcp_storage_paths_that_leave_the_checkpoint_are_refused_before_any_read(fsdp_checkpoint, tmp_path):
-    """`../../../../outside/x.distcp`, an absolute path and a symlink leaving dcp/: each refused with one line naming
-    the checkpoint and the path (before: the outside file was loaded and trained on); the untouched copy loads."""
+    """`../../../../outside/x.distcp`, an absolute path and a symlink leaving dcp/: each refused with one line
+    naming the checkpoint and the path (before: the outside file was loaded and trained on); the untouched
+    copy loads."""
     outside = tmp_path / "outside"
     outside.mkdir()
     for shard in (fsdp_checkpoint / store.DCP_DIR).glob("*.distcp"):
@@ -142,14 +145,15 @@ ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def overwrite(file: Path, offset: int, data: bytes = b"\xff" * 64) -> None:
-    """64 bytes of `file` overwritten in place at `offset` (from the end if negative): a damaged disk block."""
+    """64 bytes of `file` overwritten in place at `offset` (from the end if negative): a damaged disk
+    block."""
     with open(file, "r+b") as f:
         f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
         f.write(data)
 
 
-@pytest.mark.parametrize("victim", ["dcp/__1_0.distcp", "rank_00001.pt", store.WEIGHTS_FILE, "tokenizer/tokenizer.json",
-                                    store.META_FILE])
+@pytest.mark.parametrize("victim", ["dcp/__1_0.distcp", "rank_00001.pt", store.WEIGHTS_FILE,
+                                    "tokenizer/tokenizer.json", store.META_FILE])
 def test_a_damaged_file_is_one_line_naming_it(fsdp_checkpoint, tmp_path, victim):
     """64 bytes overwritten in a DCP shard, a rank file, the safetensors (before: loaded without a word), the
     tokenizer or the meta: refused before anything is read, naming the file."""
@@ -165,18 +169,21 @@ def test_a_damaged_file_is_one_line_naming_it(fsdp_checkpoint, tmp_path, victim)
 def test_a_missing_file_or_a_manifest_naming_a_file_outside_is_refused(fsdp_checkpoint, tmp_path):
     path = copy_of(fsdp_checkpoint, tmp_path / "missing")
     (path / "rank_00000.pt").unlink()
-    with pytest.raises(DamagedCheckpointError, match=r"rank_00000.pt is missing \(its checksums.json lists it\): "
-                                                     r"the checkpoint is damaged; resume from an earlier one$"):
+    with pytest.raises(DamagedCheckpointError,
+                       match=r"rank_00000.pt is missing \(its checksums.json lists it\): "
+                             r"the checkpoint is damaged; resume from an earlier one$"):
         store.verify_checkpoint(path, ONE)
     path = copy_of(fsdp_checkpoint, tmp_path / "forged")
     manifest = json.loads((path / store.CHECKSUMS_FILE).read_text())
     manifest["files"]["../../../../etc/hostname"] = "0" * 64
     (path / store.CHECKSUMS_FILE).write_text(json.dumps(manifest))
-    with pytest.raises(OutsideCheckpointError, match=r"its checksums.json names '\.\./\.\./\.\./\.\./etc/hostname' "
-                                                     r"leaves the checkpoint \('\.\.'\)"):
+    with pytest.raises(OutsideCheckpointError,
+                       match=r"its checksums.json names '\.\./\.\./\.\./\.\./etc/hostname' "
+                             r"leaves the checkpoint \('\.\.'\)"):
         store.verify_checkpoint(path, ONE)
     (path / store.CHECKSUMS_FILE).write_text("{not json")
-    with pytest.raises(DamagedCheckpointError, match=r"checksums.json is not valid JSON .*: the checkpoint is damaged"):
+    with pytest.raises(DamagedCheckpointError,
+                       match=r"checksums.json is not valid JSON .*: the checkpoint is damaged"):
         store.verify_checkpoint(path, ONE)
 
 
@@ -185,8 +192,8 @@ def test_a_checkpoint_without_checksums_loads_unverified_and_says_so(fsdp_checkp
     as_written_before_checksums(path)
     assert store.verify_checkpoint(path, ONE) is False
     assert Checkpointer(tmp_path / "run", ONE, 0, 2, 10).resume_path(str(path)) == path
-    assert f"resume: {path} has no checksums.json (written before packtrain recorded checksums): its files are " \
-           "loaded unverified" in capsys.readouterr().out
+    assert f"resume: {path} has no checksums.json (written before packtrain recorded checksums): " \
+           "its files are loaded unverified" in capsys.readouterr().out
 
 
 def test_an_explicit_damaged_checkpoint_is_refused(fsdp_checkpoint, tmp_path):
@@ -206,16 +213,16 @@ def two_checkpoints(demo_data, tmp_path_factory) -> Path:
 
 
 def test_resume_true_skips_a_damaged_newest_checkpoint_and_says_which(two_checkpoints, demo_data, tmp_path):
-    """The newest checkpoint's rank file damaged: train.resume=true resumes from the one before, saying which it
-    skipped and why, and trains on from there."""
+    """The newest checkpoint's rank file damaged: train.resume=true resumes from the one before, saying which
+    it skipped and why, and trains on from there."""
     run_dir = tmp_path / "run"
     shutil.copytree(two_checkpoints, run_dir)
     damaged = store.checkpoint_dir(run_dir, 2)
     overwrite(damaged / store.rank_file(0), 100)
-    proc = run_train(run_dir, demo_data, "train.max_steps=3", "train.checkpoint_every=1", "train.eval_every=0",
-                     "train.resume=true")
-    assert (f"resume: skipping {damaged}: {damaged / store.rank_file(0)}: checksum mismatch: the checkpoint is "
-            "damaged; resume from an earlier one") in proc.stdout, proc.stdout
+    proc = run_train(run_dir, demo_data, "train.max_steps=3", "train.checkpoint_every=1",
+                     "train.eval_every=0", "train.resume=true")
+    assert (f"resume: skipping {damaged}: {damaged / store.rank_file(0)}: checksum mismatch: "
+            "the checkpoint is damaged; resume from an earlier one") in proc.stdout, proc.stdout
     assert f"resumed from {store.checkpoint_dir(run_dir, 1)} at step 1" in proc.stdout, proc.stdout
     assert store.verify_checkpoint(store.latest_checkpoint(run_dir), ONE) is True
     assert store.read_meta(store.latest_checkpoint(run_dir))["step"] == 3
@@ -229,8 +236,8 @@ def test_resume_true_skips_a_damaged_newest_checkpoint_and_says_which(two_checkp
 def test_non_finite_optimizer_state_is_refused_at_load_naming_the_file_and_tensor(two_checkpoints, demo_data,
                                                                                    tmp_path):
     """NaN in one `exp_avg` of engine.pt with its checksums recorded again (damaged before the save, e.g. in
-    memory): the resume is refused at load, one line naming engine.pt and the tensor (before: exit 0, the first step
-    finite, NaN in wte.weight a step later, saved again with valid checksums)."""
+    memory): the resume is refused at load, one line naming engine.pt and the tensor (before: exit 0, the
+    first step finite, NaN in wte.weight a step later, saved again with valid checksums)."""
     run_dir = tmp_path / "run"
     shutil.copytree(two_checkpoints, run_dir)
     path = store.checkpoint_dir(run_dir, 1)
@@ -239,20 +246,21 @@ def test_non_finite_optimizer_state_is_refused_at_load_naming_the_file_and_tenso
     state["optimizer"]["state"][first]["exp_avg"].view(-1)[0] = float("nan")
     save_state(state, path / store.ENGINE_FILE)
     store.record_checksums(path)
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
-                           *SMALL, "train.max_steps=3", "train.eval_every=0", f"train.resume={path}"],
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"data.path={demo_data}",
+                           f"hydra.run.dir={run_dir}", *SMALL, "train.max_steps=3", "train.eval_every=0",
+                           f"train.resume={path}"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     line = assert_one_error_line(proc.returncode, proc.stderr, f"{path / store.ENGINE_FILE}: optimizer.",
                                  ".exp_avg holds NaN values: the checkpoint is damaged")
     assert "optim.lr" not in line and not store.checkpoint_dir(run_dir, 3).exists(), line
 
 
-def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resume_true_skips_it(two_checkpoints,
-                                                                                              tmp_path, capsys):
-    """An entry removed from checksums.json, `"files": {}`, checksums.json deleted (meta.json says one was written),
-    a file added that it does not list: each refused in one line naming the checkpoint and the file (before: an
-    unlisted damaged engine.pt resumed with exit 0); train.resume=true skips such a newest checkpoint for the one
-    before it."""
+def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resume_true_skips_it(
+        two_checkpoints, tmp_path, capsys):
+    """An entry removed from checksums.json, `"files": {}`, checksums.json deleted (meta.json says one was
+    written), a file added that it does not list: each refused in one line naming the checkpoint and the file
+    (before: an unlisted damaged engine.pt resumed with exit 0); train.resume=true skips such a newest
+    checkpoint for the one before it."""
     def manifest(path: Path) -> dict:
         return json.loads((path / store.CHECKSUMS_FILE).read_text())
 
@@ -266,12 +274,14 @@ def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resum
         (path / store.CHECKSUMS_FILE).write_text(json.dumps({**manifest(path), "files": {}}))
 
     cases = {
-        "unlisted": (unlisted, r"engine\.pt is not listed in its checksums\.json \(every file of a checkpoint is\): "
-                               r"the checkpoint is damaged; resume from an earlier one$"),
+        "unlisted": (unlisted, r"engine\.pt is not listed in its checksums\.json \(every file of a "
+                               r"checkpoint is\): the checkpoint is damaged; resume from an earlier one$"),
         "empty": (emptied, r"checksums\.json lists no files: the checkpoint is damaged"),
         "deleted": (lambda p: (p / store.CHECKSUMS_FILE).unlink(),
-                    r"checksums\.json is missing \(its meta\.json says it was written\): the checkpoint is damaged"),
-        "added": (lambda p: (p / "notes.txt").write_text("x"), r"notes\.txt is not listed in its checksums\.json"),
+                    r"checksums\.json is missing \(its meta\.json says it was written\): "
+                    r"the checkpoint is damaged"),
+        "added": (lambda p: (p / "notes.txt").write_text("x"),
+                  r"notes\.txt is not listed in its checksums\.json"),
     }
     for name, (damage, message) in cases.items():
         run_dir = tmp_path / name
@@ -281,7 +291,8 @@ def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resum
         with pytest.raises(DamagedCheckpointError, match=message) as refused:
             Checkpointer(run_dir, ONE, 0, 2, 10).resume_path(str(newest))
         assert str(newest) in str(refused.value) and "\n" not in str(refused.value)
-        if name == "unlisted":  # the single-file readers (export, generate, evaluate, init_from) refuse it too
+        # the single-file readers (export, generate, evaluate, init_from) refuse it too
+        if name == "unlisted":
             with pytest.raises(DamagedCheckpointError, match=message):
                 store.verify_file(newest, store.WEIGHTS_FILE)
         assert Checkpointer(run_dir, ONE, 0, 2, 10).resume_path(True) == store.checkpoint_dir(run_dir, 1)
@@ -289,8 +300,8 @@ def test_a_checksums_list_that_does_not_cover_the_checkpoint_is_damage_and_resum
 
 
 def test_a_non_finite_step_after_a_resume_with_no_save_since_names_the_checkpoint():
-    """Steps after a resume with no checkpoint written since: the line names the resumed checkpoint as a suspect,
-    never "last good checkpoint: None" (what it said before)."""
+    """Steps after a resume with no checkpoint written since: the line names the resumed checkpoint as a
+    suspect, never "last good checkpoint: None" (what it said before)."""
     from types import SimpleNamespace
 
     from trainer.run.parts import NonFinite, Resumed
@@ -311,8 +322,8 @@ def test_a_non_finite_step_after_a_resume_with_no_save_since_names_the_checkpoin
 
 
 def _agreed_refusals(rank: int, world: int, paths: list[str]) -> list[tuple[str, bool, str]]:
-    """Each checkpoint of `paths` loaded on every rank, then a collective (as the trainer's next step would be):
-    (error type, UserError?, message) per checkpoint on this rank."""
+    """Each checkpoint of `paths` loaded on every rank, then a collective (as the trainer's next step would
+    be): (error type, UserError?, message) per checkpoint on this rank."""
     from trainer.distributed.groups import dist_max
 
     out = _loads(rank, world, paths)
@@ -322,13 +333,14 @@ def _agreed_refusals(rank: int, world: int, paths: list[str]) -> list[tuple[str,
 
 def test_damaged_dcp_metadata_and_a_crafted_rank_file_are_one_line_on_every_rank_without_tracebacks(
         fsdp_checkpoint, tmp_path, capfd):
-    """On 2 gloo ranks: a `.metadata` that is empty, cut short or missing (in a checkpoint without checksums, so
-    that DCP itself reads it; before: DCP's logger printed its tracebacks on every rank), and a crafted
+    """On 2 gloo ranks: a `.metadata` that is empty, cut short or missing (in a checkpoint without checksums,
+    so that DCP itself reads it; before: DCP's logger printed its tracebacks on every rank), and a crafted
     rank_00001.pt (checksums recorded again; before: refused on rank 1 alone, while rank 0 went on into a
-    collective and died with gloo's "Connection closed by peer" traceback): each the same one-line UserError on
-    both ranks, and no "Traceback" on stderr."""
+    collective and died with gloo's "Connection closed by peer" traceback): each the same one-line UserError
+    on both ranks, and no "Traceback" on stderr."""
     cases = []
-    for name, damage in (("empty", lambda f: f.write_bytes(b"")), ("cut", lambda f: f.write_bytes(f.read_bytes()[:50])),
+    for name, damage in (("empty", lambda f: f.write_bytes(b"")),
+                         ("cut", lambda f: f.write_bytes(f.read_bytes()[:50])),
                          ("missing", lambda f: f.unlink())):
         path = copy_of(fsdp_checkpoint, tmp_path / name)
         as_written_before_checksums(path)
@@ -369,15 +381,17 @@ def test_the_weights_readers_refuse_damaged_or_outside_weights(checkpoint, tmp_p
     damaged = copy_of(checkpoint, tmp_path / "damaged")
     assert load_weights(damaged).keys()  # intact
     overwrite(damaged / store.WEIGHTS_FILE, (damaged / store.WEIGHTS_FILE).stat().st_size // 2)
-    with pytest.raises(DamagedCheckpointError, match=r"model.safetensors: checksum mismatch: the checkpoint is "
-                                                     r"damaged; resume from an earlier one$"):
+    with pytest.raises(DamagedCheckpointError,
+                       match=r"model.safetensors: checksum mismatch: the checkpoint is "
+                             r"damaged; resume from an earlier one$"):
         load_weights(damaged)
     linked = copy_of(checkpoint, tmp_path / "linked")
     outside = tmp_path / "outside.safetensors"
     shutil.move(linked / store.WEIGHTS_FILE, outside)
     (linked / store.WEIGHTS_FILE).symlink_to(outside)
-    with pytest.raises(OutsideCheckpointError, match=r"its entry 'model.safetensors' leaves the checkpoint \(a "
-                                                     r"symlink to .*outside.safetensors\)"):
+    with pytest.raises(OutsideCheckpointError,
+                       match=r"its entry 'model.safetensors' leaves the checkpoint \(a "
+                             r"symlink to .*outside.safetensors\)"):
         load_weights(linked)
 
 

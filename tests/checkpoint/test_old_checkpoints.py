@@ -1,6 +1,7 @@
-"""Checkpoints written by an older packtrain still resume, export and initialize a run (tests/fixtures/<version>,
-built by tests/fixtures/build_old_checkpoint.py with the code named in each expected.json): v0 a single source,
-v1 (the data stream's state before issue 31's typed states) a single source and a two-source mixture."""
+"""Checkpoints written by an older packtrain still resume, export and initialize a run
+(tests/fixtures/<version>, built by tests/fixtures/build_old_checkpoint.py with the code named in each
+expected.json): v0 a single source, v1 (the data stream's state before issue 31's typed states) a single
+source and a two-source mixture."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def _train(version: str, run_dir: Path, data_args: list[str], *extra: str) -> su
 
 def test_every_fixture_is_tested():
     assert sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.json").is_file()) == list(VERSIONS)
-    assert sorted({(v, kind) for v in VERSIONS for kind in ("ddp", "mixture") if (FIXTURES / v / kind).is_dir()}) \
-        == sorted(CASES)
+    assert sorted({(v, kind) for v in VERSIONS for kind in ("ddp", "mixture")
+                   if (FIXTURES / v / kind).is_dir()}) == sorted(CASES)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """A preemption signal during the long phases of a resume that read no shard (hashing the checkpoint's files,
 reading every old rank's state, dealing a reshaped stream) stops them, as it stops a shard read
 (trainer.data.workers.ReadInterrupted); the trainer then ends the start on every rank (PreemptedAtStart,
-trainer.run.preemption.PreemptionHandler.during). Before, each phase ran to its end first: minutes for a checkpoint of a
-large run (thousands of rank files, gigabytes to hash) after a SIGTERM that gives a job seconds.
+trainer.run.preemption.PreemptionHandler.during). Before, each phase ran to its end first: minutes for a
+checkpoint of a large run (thousands of rank files, gigabytes to hash) after a SIGTERM that gives a job
+seconds.
 
 The signal is a real SIGTERM to this process, through the run's own handler (trainer.run.preemption)."""
 
@@ -28,7 +29,8 @@ ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 @contextlib.contextmanager
 def sigterm_received():
-    """The run's preemption handler installed, and SIGTERM delivered to this process (handled before the body)."""
+    """The run's preemption handler installed, and SIGTERM delivered to this process (handled before the
+    body)."""
     handler = PreemptionHandler()
     try:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,4 +1,5 @@
-"""Loading a checkpoint never runs code from it: crafted pickles are refused, weights also travel as safetensors."""
+"""Loading a checkpoint never runs code from it: crafted pickles are refused, weights also travel as
+safetensors."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def test_a_crafted_pickle_is_refused_and_never_runs(finished_run, demo_data, tmp
     target = store.checkpoint_dir(run_dir, 1) / victim
     torch.save({"model": {}, "rng": RunsCode(marker)}, target)
     store.record_checksums(target.parent)  # as a forger would: the file itself must be refused
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
-           "train.max_steps=2", "train.resume=true", "train.eval_every=0"]
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
+           *SMALL, "train.max_steps=2", "train.resume=true", "train.eval_every=0"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2
@@ -66,7 +67,8 @@ def test_deepspeed_files_are_checked_before_deepspeed_opens_them(tmp_path):
     from trainer.checkpoint.store import check_deepspeed_files
 
     marker = tmp_path / "pwned"
-    torch.save({"optimizer_state_dict": RunsCode(marker)}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"optimizer_state_dict": RunsCode(marker)},
+               tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: refused"):
         check_deepspeed_files(tmp_path)
     assert not marker.exists()

@@ -1,5 +1,6 @@
-"""The checkpoint store is the one owner of the checkpoint layout: its names are the only ones the package uses,
-a DDP save writes exactly the layout and loads back, and a sharded engine writes only where the store says."""
+"""The checkpoint store is the one owner of the checkpoint layout: its names are the only ones the package
+uses, a DDP save writes exactly the layout and loads back, and a sharded engine writes only where the store
+says."""
 
 from __future__ import annotations
 
@@ -47,18 +48,18 @@ OWNER = "trainer/checkpoint/store.py"
 ALSO_ALLOWED = {("trainer/checkpoint/hf.py", "model.safetensors"),
                 ("trainer/model/families/llama.py", "lm_head.weight"),
                 ("trainer/model/families/family.py", "lm_head.weight")}
-"""Hugging Face's own names for an export directory's weights and for Llama's untied head (transformers decides
-them): the same strings, another decision (hf.WEIGHTS_FILE, the Llama family's pieces). And the head's parameter
-as the model names it (families/family.py HEAD: the model's state-dict key, not a checkpoint's; the model room may
-not import the checkpoint room)."""
+"""Hugging Face's own names for an export directory's weights and for Llama's untied head (transformers
+decides them): the same strings, another decision (hf.WEIGHTS_FILE, the Llama family's pieces). And the head's
+parameter as the model names it (families/family.py HEAD: the model's state-dict key, not a checkpoint's; the
+model room may not import the checkpoint room)."""
 
 PENDING: set[tuple[str, str]] = set()
 """Files another change is editing; each must import the store's names instead (then leave this set)."""
 
 
 def string_literals(source: str) -> list[tuple[int, str]]:
-    """(line, text) of every string the code uses, an f-string as one text with `{}` for each field; docstrings
-    (any bare string statement) are prose, not code, and comments are not in the tree."""
+    """(line, text) of every string the code uses, an f-string as one text with `{}` for each field;
+    docstrings (any bare string statement) are prose, not code, and comments are not in the tree."""
     tree = ast.parse(source)
     prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
              and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
@@ -67,7 +68,8 @@ def string_literals(source: str) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
-            out.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+            out.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}"
+                                             for v in node.values)))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
             out.append((node.lineno, node.value))
     return out
@@ -94,13 +96,15 @@ def spellers(files: list[Path]) -> dict[tuple[str, str], list[int]]:
 def test_only_the_store_spells_a_checkpoints_names():
     found = spellers(sorted(PACKAGE.rglob("*.py")))
     stray = {k: v for k, v in found.items() if k[0] != OWNER and k not in ALSO_ALLOWED | PENDING}
-    assert stray == {}, f"use trainer.checkpoint.store's names instead of spelling them (file, name): lines {stray}"
+    assert stray == {}, ("use trainer.checkpoint.store's names instead of spelling them (file, name): "
+                         f"lines {stray}")
     fixed = PENDING - found.keys()
     assert not fixed, f"{fixed} no longer spell the name: remove them from PENDING"
 
 
 def test_the_scan_sees_every_name_and_can_fail():
-    assert set(names_spelled((PACKAGE / "checkpoint" / "store.py").read_text())) == set(NAMES)  # the owner's own
+    # the owner's own
+    assert set(names_spelled((PACKAGE / "checkpoint" / "store.py").read_text())) == set(NAMES)
     offender = '''
 """A docstring may say meta.json and step_000050 for the reader."""
 def save(d, rank, step, model):
@@ -129,8 +133,8 @@ LAYOUT = {"meta.json", "conventions.json", "tokenizer", "model.safetensors", "en
 
 
 def test_the_store_names_are_the_on_disk_names():
-    assert {store.META_FILE, store.CONVENTIONS_FILE, store.TOKENIZER_DIR, store.WEIGHTS_FILE, store.ENGINE_FILE,
-            store.rank_file(0)} == LAYOUT
+    assert {store.META_FILE, store.CONVENTIONS_FILE, store.TOKENIZER_DIR, store.WEIGHTS_FILE,
+            store.ENGINE_FILE, store.rank_file(0)} == LAYOUT
     assert (store.DEEPSPEED_DIR, store.TIED_KEY, store.TMP_PREFIX) == ("deepspeed", "lm_head.weight", ".tmp-")
     assert store.checkpoint_dir("run", 50) == Path("run/checkpoints/step_000050")
     assert store.rank_file(12) == "rank_00012.pt" and Path("rank_00012.pt").match(store.RANK_GLOB)
@@ -192,19 +196,21 @@ def test_a_ddp_checkpoint_holds_exactly_the_layout_and_loads_back(tmp_path, toke
     meta, rank_states = store.load_checkpoint(path, CPU, fresh)
     assert (meta["step"], meta["world_size"], meta["counters"]) == (3, 1, {"tokens": 7})
     record = store.Record.of(meta)  # the writer's parallel sizes, typed
-    assert (record.step, record.world_size, record.context, record.tensor, record.streams) == (3, 1, 1, 1, [0])
+    assert (record.step, record.world_size, record.context, record.tensor,
+            record.streams) == (3, 1, 1, 1, [0])
     assert rank_states == {0: {"data": {"read": 3}}}
     assert (random.random(), *torch.rand(2).tolist()) == (draws[0], *draws[1].tolist())
     assert all(torch.equal(v, state[k]) for k, v in fresh.module.state_dict().items())
     assert fresh.lr() == engine.lr() and fresh.optimizer.state_dict()["state"][0]["step"] == 1
-    assert all(torch.equal(v, state[k]) for k, v in load_model(path).state_dict().items())  # the weights reader
+    # the weights reader
+    assert all(torch.equal(v, state[k]) for k, v in load_model(path).state_dict().items())
     assert tokenizer_dir(path) == path / store.TOKENIZER_DIR
 
 
 @pytest.mark.parametrize("world, context, tensor", [(8, 2, 2), (8, 1, 2), (6, 3, 1), (4, 1, 1)])
 def test_a_records_streams_are_the_first_rank_of_each_data_rank(world, context, tensor):
-    """Which written rank holds each data stream: read from meta.json's parallel sizes, or from the run config of
-    a checkpoint written before they were recorded; checked against every rank's own ParallelDims."""
+    """Which written rank holds each data stream: read from meta.json's parallel sizes, or from the run config
+    of a checkpoint written before they were recorded; checked against every rank's own ParallelDims."""
     from trainer.distributed.dims import ParallelDims
 
     firsts: dict[int, int] = {}
@@ -284,7 +290,8 @@ def test_a_sharded_engine_gets_the_deepspeed_directory_and_checked_files(tmp_pat
     assert all(torch.equal(v, engine.module.state_dict()[k]) for k, v in fresh.module.state_dict().items())
 
     torch.save({"x": _RunsCode()}, path / store.DEEPSPEED_DIR / "shard_0.pt")  # the store refuses it first
-    with pytest.raises(DamagedCheckpointError, match=r"shard_0.pt: checksum mismatch: the checkpoint is damaged"):
+    with pytest.raises(DamagedCheckpointError,
+                       match=r"shard_0.pt: checksum mismatch: the checkpoint is damaged"):
         store.load_checkpoint(path, CPU, ShardedEngine(ddp_engine(1)))
     store.record_checksums(path)  # a forger records the checksums again: the file is still refused
     refused = ShardedEngine(ddp_engine(1))

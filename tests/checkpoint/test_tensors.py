@@ -1,5 +1,5 @@
-"""trainer.checkpoint.tensors: the non-finite scan (a sum as the fast path, the exact check when it overflows) and
-the parameter count a config describes, from two small builds on the meta device."""
+"""trainer.checkpoint.tensors: the non-finite scan (a sum as the fast path, the exact check when it overflows)
+and the parameter count a config describes, from two small builds on the meta device."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def test_the_first_nan_or_inf_is_named_by_its_path_and_huge_finite_values_are_no
 
 @pytest.mark.parametrize("cfg", [
     GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, max_seq_len=1024),  # gpt2-124m
-    GPTConfig(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536, norm="rmsnorm",
-              mlp="swiglu", pos_emb="rope", tie_embeddings=True, max_seq_len=2048),  # SmolLM2-135M's shape
+    GPTConfig(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
+              norm="rmsnorm", mlp="swiglu", pos_emb="rope", tie_embeddings=True,
+              max_seq_len=2048),  # SmolLM2-135M's shape
     GPTConfig(vocab_size=61, n_layer=3, n_head=2, n_embd=32, max_seq_len=32, tie_embeddings=False),
 ])
 def test_the_described_count_is_the_built_models_without_building_it(cfg):

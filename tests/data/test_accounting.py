@@ -27,13 +27,15 @@ from trainer.data.shards import shard_paths
 pytestmark = pytest.mark.slow
 
 SEQ_LEN, TOKENS_PER_STEP = 128, 2048
-# What the ranks consume does not depend on the model: one block 16 wide (the tiny model's two 64 wide cost more).
-COMMON = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.num_workers=2", "data.shuffle_buffer=8",
-          "packing.buffer_size=8", "train.eval_every=0", f"train.seq_len={SEQ_LEN}",
-          f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_tokens=1024", "logging.record_doc_keys=true",
-          "train.checkpoint_every=70", "train.keep_last=20")
-# Checkpoints: step 210 falls in rank 1's wait at the end of epoch 0 (209-216). Step 70, unlike 140, is a step at
-# which a resume that forgets which DataLoader worker's chunk comes next (loader epoch_chunks) trains other keys.
+# What the ranks consume does not depend on the model: one block 16 wide (the tiny model's two 64 wide cost
+# more).
+COMMON = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.num_workers=2",
+          "data.shuffle_buffer=8", "packing.buffer_size=8", "train.eval_every=0", f"train.seq_len={SEQ_LEN}",
+          f"train.tokens_per_step={TOKENS_PER_STEP}", "train.micro_batch_tokens=1024",
+          "logging.record_doc_keys=true", "train.checkpoint_every=70", "train.keep_last=20")
+# Checkpoints: step 210 falls in rank 1's wait at the end of epoch 0 (209-216). Step 70, unlike 140, is a step
+# at which a resume that forgets which DataLoader worker's chunk comes next (loader epoch_chunks) trains other
+# keys.
 MID_EPOCH, IN_A_WAIT = 70, 210
 
 
@@ -43,7 +45,8 @@ def corpus(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("accounting")
     # 8 shards of 30 documents, 9k to 131k tokens each: the readers' shares are balanced by tokens (the ranks'
-    # within 3%; readers left unbalanced drift apart by whole shards per epoch: docs/data.md, "Epochs in lockstep").
+    # within 3%; readers left unbalanced drift apart by whole shards per epoch: docs/data.md, "Epochs in
+    # lockstep").
     prepare("demo", out, vocab_size=300, max_docs=240, docs_per_shard=30, val_fraction=0.0, seed=0)
     assert len(shard_paths(out, "train")) == 8
     return out
@@ -70,8 +73,8 @@ def runs(corpus, tmp_path_factory) -> dict[str, Path]:
         out[f"resumed_{at}"] = resumed
     # Two independent runs in their own run dirs: side by side (a start is seconds of imports per rank).
     with ThreadPoolExecutor(len(resumes)) as pool:
-        list(pool.map(lambda item: run_train(item[0], corpus, *COMMON, f"train.max_steps={steps}", "train.resume=true",
-                                             launcher=item[1]), resumes))
+        list(pool.map(lambda item: run_train(item[0], corpus, *COMMON, f"train.max_steps={steps}",
+                                             "train.resume=true", launcher=item[1]), resumes))
     assert {IN_A_WAIT, IN_A_WAIT + 1} <= set(idle_steps(consumed(whole))), "the resume should fall in a wait"
     return out
 
@@ -82,7 +85,8 @@ def idle_steps(ranks: dict[int, dict[int, list[str]]]) -> list[int]:
 
 
 def epochs_of_steps(ranks: dict[int, dict[int, list[str]]]) -> dict[int, set[int]]:
-    """{step: the epochs of the keys any rank trained in it}: a key's n-th appearance, in step order, is epoch n-1."""
+    """{step: the epochs of the keys any rank trained in it}: a key's n-th appearance, in step order, is epoch
+    n-1."""
     seen: Counter = Counter()
     out: dict[int, set[int]] = {}
     for step in sorted({s for steps in ranks.values() for s in steps}):

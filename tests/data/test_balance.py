@@ -1,5 +1,6 @@
-"""The readers' shards, balanced by tokens (trainer.data.stream.assign_shards): every shard once per epoch, the
-same split on every rank, each rank's and reader's share close to the mean, and the tokens from the manifest."""
+"""The readers' shards, balanced by tokens (trainer.data.stream.assign_shards): every shard once per epoch,
+the same split on every rank, each rank's and reader's share close to the mean, and the tokens from the
+manifest."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from trainer.data.tokenizer import load_tokenizer, special_ids
 
 
 def deal(items: list[int], tokens: list[int], bins: int, at_least: int) -> list[list[int]]:
-    """The rule recomputed the slow way: each item (largest first) to the open bin with the fewest tokens (then
-    fewer items, then the lower index); a bin closes once the items left only just cover what the bins below
-    `at_least` still need and it is not one of them."""
+    """The rule recomputed the slow way: each item (largest first) to the open bin with the fewest tokens
+    (then fewer items, then the lower index); a bin closes once the items left only just cover what the bins
+    below `at_least` still need and it is not one of them."""
     members: list[list[int]] = [[] for _ in range(bins)]
     for k, item in enumerate(items):
         owed = sum(max(0, at_least - len(m)) for m in members)
@@ -80,7 +81,8 @@ def test_log_normal_shards_are_shared_within_a_few_percent_of_the_mean():
 def test_every_rank_computes_the_same_split_alone(demo_data):
     shards = shard_paths(demo_data, "train")
     tokens = [9_000, 10, 4_000, 700, 2_500]
-    streams = [DocumentStream(shards, demo_data / "tokenizer", 0, seed=4, rank=r, world_size=2, shard_tokens=tokens)
+    streams = [DocumentStream(shards, demo_data / "tokenizer", 0, seed=4, rank=r, world_size=2,
+                              shard_tokens=tokens)
                for r in range(2)]
     for epoch in range(2):
         split = [[shards[i] for i in slot] for slot in assign_shards(tokens, 2, 1, 4, epoch)]
@@ -113,15 +115,16 @@ def test_the_trainer_balances_its_readers_by_the_manifest(demo_data, tmp_path):
     trainer = make_trainer(demo_data, tmp_path / "run")
     try:
         listed = [s["tokens"] for s in load_manifest(demo_data)["splits"]["train"]["shards"]]
-        assert trainer.data.rows.rows.docs.stream.shard_tokens == listed  # RowPrefetcher -> RowStream -> loader
+        # RowPrefetcher -> RowStream -> loader
+        assert trainer.data.rows.rows.docs.stream.shard_tokens == listed
     finally:
         trainer.data.rows.close()
 
 
 def test_a_checkpoint_from_before_the_balanced_split_ends_its_epoch_on_the_old_split(demo_data):
-    """A slot state without `split` (written before the balanced split) reads the rest of its epoch from the old
-    rule's shards (every 2nd of the permutation), then balances the next epoch: read 70 documents, save, resume,
-    read to the end of two epochs; each epoch is exactly the documents of its shards, read alone."""
+    """A slot state without `split` (written before the balanced split) reads the rest of its epoch from the
+    old rule's shards (every 2nd of the permutation), then balances the next epoch: read 70 documents, save,
+    resume, read to the end of two epochs; each epoch is exactly the documents of its shards, read alone."""
     shards = [str(s) for s in shard_paths(demo_data, "train")]
     tokens = [s["tokens"] for s in load_manifest(demo_data)["splits"]["train"]["shards"]]
     eos = special_ids(load_tokenizer(demo_data / "tokenizer")).eos

@@ -38,8 +38,8 @@ def test_every_row_once_each_rank_its_count_heaviest_first_and_the_same_deal_eve
 
 @given(st.lists(st.floats(1, 1e6), min_size=8, max_size=64))
 def test_with_equal_counts_no_two_ranks_differ_by_more_than_the_heaviest_row(costs):
-    """Rows in falling cost, each to the least-loaded rank with room: a rank that fills early holds rows at least
-    as heavy as every later one, so the spread stays within one row's cost."""
+    """Rows in falling cost, each to the least-loaded rank with room: a rank that fills early holds rows at
+    least as heavy as every later one, so the spread stays within one row's cost."""
     ranks = 4
     counts = [len(costs) // ranks + (r < len(costs) % ranks) for r in range(ranks)]
     dealt = deal_rows(costs, counts)
@@ -48,8 +48,8 @@ def test_with_equal_counts_no_two_ranks_differ_by_more_than_the_heaviest_row(cos
 
 
 def test_a_wrong_deal_is_refused_before_any_row_moves():
-    """A deal that gives a rank a row twice (and so another to no rank), or changes a rank's row count, would change
-    the step's objective: RowDealer checks every deal (check_deal) and stops with what is wrong."""
+    """A deal that gives a rank a row twice (and so another to no rank), or changes a rank's row count, would
+    change the step's objective: RowDealer checks every deal (check_deal) and stops with what is wrong."""
     import numpy as np
 
     rows = [[Document(key=f"r{i}", tokens=np.arange(n))] for i, n in enumerate([5, 3, 2])]

@@ -1,6 +1,6 @@
-"""trainer.data.prepare.formats on real files written by the real libraries: every format reads as the same records,
-spans cut anywhere partition a file exactly, and bad input is one clear error (or one counted skip) naming
-the file and the line or row."""
+"""trainer.data.prepare.formats on real files written by the real libraries: every format reads as the same
+records, spans cut anywhere partition a file exactly, and bad input is one clear error (or one counted skip)
+naming the file and the line or row."""
 
 from __future__ import annotations
 
@@ -29,25 +29,29 @@ from trainer.data.prepare.formats import Span, expand_inputs, file_kind, plan_sp
 # One corpus, written in every format
 # ---------------------------------------------------------------------------------------------
 
-UNICODE = ["naïve café", "Grüße aus Köln — 日本語のテキスト", "emoji 🎉🚀", "a \u2028 line separator and a \u0085 NEL",
-           'quotes " and \\ backslash', "tab\tand\nnewline inside", "\r carriage return"]
+UNICODE = ["naïve café", "Grüße aus Köln — 日本語のテキスト", "emoji 🎉🚀",
+           "a \u2028 line separator and a \u0085 NEL", 'quotes " and \\ backslash',
+           "tab\tand\nnewline inside", "\r carriage return"]
 
 
 def make_records(n: int = 300) -> list[dict]:
     rng = random.Random(0)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9))) for _ in range(200)]
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9)))
+             for _ in range(200)]
     records = []
     for i in range(n):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
         if i % 7 == 3:
             text += " " + UNICODE[i % len(UNICODE)]
-        records.append({"id": i, "text": text, "meta": {"body": f"body {i} {UNICODE[i % len(UNICODE)]}", "n": i}})
+        records.append({"id": i, "text": text,
+                        "meta": {"body": f"body {i} {UNICODE[i % len(UNICODE)]}", "n": i}})
     return records
 
 
 RECORDS = make_records()
 LINES = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in RECORDS)
-EXPECTED = {field: [(i + 1, r["text"] if field == "text" else r["meta"]["body"]) for i, r in enumerate(RECORDS)]
+EXPECTED = {field: [(i + 1, r["text"] if field == "text" else r["meta"]["body"])
+                    for i, r in enumerate(RECORDS)]
             for field in ("text", "meta.body")}
 
 
@@ -72,7 +76,8 @@ def zst_streamed(data: bytes, block: int = 0) -> bytes:
 def corpus(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """name -> (path, kind) of RECORDS in each format."""
     root = tmp_path_factory.mktemp("corpus")
-    third, half = len(LINES) // 3, len(LINES) // 2  # cuts in the middle of lines: members/frames need not end at one
+    # cuts in the middle of lines: members/frames need not end at one
+    third, half = len(LINES) // 3, len(LINES) // 2
     files = {
         "c.jsonl": LINES,
         "c.jsonl.gz": gzip.compress(LINES[:half]) + gzip.compress(LINES[half:]),  # two members
@@ -93,7 +98,8 @@ def corpus(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return found
 
 
-def read_all(spans: list[Span], field: str = "text", policy: ErrorPolicy | None = None) -> list[tuple[int, object]]:
+def read_all(spans: list[Span], field: str = "text",
+             policy: ErrorPolicy | None = None) -> list[tuple[int, object]]:
     policy = policy or ErrorPolicy("raise")
     return [(n, value) for span in spans for n, _, value in read_span(span, policy, field)]
 
@@ -105,8 +111,8 @@ def skipping() -> tuple[ErrorPolicy, list[str]]:
 
 @pytest.mark.parametrize("target", [2000, 10**9])
 @pytest.mark.parametrize("field", ["text", "meta.body"])
-@pytest.mark.parametrize("name", ["c.jsonl", "c.jsonl.gz", "c.json.gz", "c.jsonl.zst", "multi.jsonl.zst", "c.parquet",
-                                  "hf"])
+@pytest.mark.parametrize("name", ["c.jsonl", "c.jsonl.gz", "c.json.gz", "c.jsonl.zst", "multi.jsonl.zst",
+                                  "c.parquet", "hf"])
 def test_every_format_reads_the_same_records_span_by_span(corpus, name, field, target):
     path, kind = corpus[name]
     spans = plan_spans(path, kind, target)
@@ -130,7 +136,8 @@ def test_plans_cover_the_input_on_disk(corpus):
     assert (spans[0].start, spans[-1].stop, sum(s.bytes for s in spans)) == (0, size, size)
     for name in ("c.jsonl.gz", "multi.jsonl.zst"):
         path, kind = corpus[name]
-        assert plan_spans(path, kind, 100) == [Span(path, kind, 0, -1, 1, os.path.getsize(path))]  # not seekable
+        # not seekable
+        assert plan_spans(path, kind, 100) == [Span(path, kind, 0, -1, 1, os.path.getsize(path))]
     path = corpus["c.parquet"][0]
     meta = pq.ParquetFile(path).metadata
     spans = plan_spans(path, "parquet", 1)
@@ -155,10 +162,12 @@ def test_plans_cover_the_input_on_disk(corpus):
 # ---------------------------------------------------------------------------------------------
 
 VARIANTS = {
-    "trailing newline": b'{"text": "one"}\n{"text": "two two"}\n{"text": "3"}\n{"text": "caf\xc3\xa9 four"}\n',
+    "trailing newline": b'{"text": "one"}\n{"text": "two two"}\n{"text": "3"}\n'
+                        b'{"text": "caf\xc3\xa9 four"}\n',
     "no trailing newline": b'{"text": "one"}\n{"text": "two two"}\n{"text": "3"}',
     "crlf": b'{"text": "one"}\r\n{"text": "two two"}\r\n\r\n{"text": "3"}\r\n',
-    "blank lines": b'\n{"text": "a"}\n\n   \n{"text": "b"}\r\n\t\n\n \t{"text": "indented"} \t\r\n{"text": "c"}\n\n',
+    "blank lines": b'\n{"text": "a"}\n\n   \n{"text": "b"}\r\n\t\n\n \t{"text": "indented"} \t\r\n'
+                   b'{"text": "c"}\n\n',
     "one line": b'{"text": "only"}',
     "byte-order mark": b'\xef\xbb\xbf{"text": "bom"}\n{"text": "\xef\xbb\xbf kept inside"}\n',
 }
@@ -188,7 +197,8 @@ def test_jsonl_spans_cut_anywhere_partition_the_lines(tmp_path, variant):
         assert all(s.bytes == s.stop - s.start >= target for s in spans[:-1]), target
         assert all(starts.get(s.start) == s.first for s in spans), target  # at a line start, its exact number
         # Each cut is the first line start at or after start + target, and the last span has none.
-        assert [s.stop for s in spans[:-1]] == [min(o for o in starts if o >= s.start + target) for s in spans[:-1]]
+        assert [s.stop for s in spans[:-1]] == [min(o for o in starts if o >= s.start + target)
+                                                for s in spans[:-1]]
         assert not [o for o in starts if o >= spans[-1].start + target]
         assert read_all(spans) == expected, target
 
@@ -198,8 +208,10 @@ def test_cuts_at_a_newline_mid_line_and_on_the_last_byte(tmp_path):
     path = str(tmp_path / "v.jsonl")
     Path(path).write_bytes(data)
     first_line = data.index(b"\n") + 1  # 16 bytes
-    assert [s.start for s in plan_spans(path, "jsonl", first_line)][:2] == [0, first_line]  # lands on a line start
-    assert [s.start for s in plan_spans(path, "jsonl", first_line - 1)][:2] == [0, first_line]  # on the newline
+    # lands on a line start
+    assert [s.start for s in plan_spans(path, "jsonl", first_line)][:2] == [0, first_line]
+    # on the newline
+    assert [s.start for s in plan_spans(path, "jsonl", first_line - 1)][:2] == [0, first_line]
     second_end = data.index(b"\n", first_line) + 1
     assert [s.start for s in plan_spans(path, "jsonl", first_line + 1)][:2] == [0, second_end]  # mid-line
     assert len(plan_spans(path, "jsonl", len(data) - 1)) == 1  # the last byte is the final newline: no cut
@@ -298,7 +310,8 @@ def test_bad_lines_are_skipped_and_counted_by_reason(tmp_path, kind):
     policy, warnings = skipping()
     assert read_all(plan_spans(str(path), kind, 10**6), "text", policy) == [(1, "good 1"), (9, "good 9")]
     assert policy.skipped == {"invalid_json": 4, "not_utf8": 1, "missing_text": 1}
-    assert warnings == [f"warning: skipping {path}:{n}: {BAD_LINES[c][1]}" for n, c in enumerate(sorted(BAD_LINES), 2)]
+    assert warnings == [f"warning: skipping {path}:{n}: {BAD_LINES[c][1]}"
+                        for n, c in enumerate(sorted(BAD_LINES), 2)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,19 +348,22 @@ CORRUPT = {  # name -> (file suffix, data, whole lines kept, the error after "PA
     "gzip member 1 bad crc": (".jsonl.gz", bad_crc(gzip.compress(HEAD)) + gzip.compress(TAIL), K,
                               f"corrupt gzip data after line {K} (CRC check failed 0x"),
     "gzip truncated": (".jsonl.gz", TRUNCATED_GZ, zlib_lines(TRUNCATED_GZ),
-                       f"corrupt gzip data after line {zlib_lines(TRUNCATED_GZ)} (Compressed file ended before the "
-                       "end-of-stream marker was reached)"),
+                       f"corrupt gzip data after line {zlib_lines(TRUNCATED_GZ)} (Compressed file ended "
+                       "before the end-of-stream marker was reached)"),
     "gzip not gzip": (".json.gz", b'{"text": "plain"}\n', 0,
                       "corrupt gzip data before its first line (Not a gzipped file (b'{\"'))"),
     "zstd truncated": (".jsonl.zst", TRUNCATED_ZST, zstd_lines(TRUNCATED_ZST),
-                       f"corrupt zstd data after line {zstd_lines(TRUNCATED_ZST)} (the file ends inside a frame: "
-                       "truncated?)"),
+                       f"corrupt zstd data after line {zstd_lines(TRUNCATED_ZST)} (the file ends inside a "
+                       "frame: truncated?)"),
     "zstd truncated in frame 2": (".jsonl.zst", zst(HEAD) + zst(TAIL)[:10], K,
-                                  f"corrupt zstd data after line {K} (the file ends inside a frame: truncated?)"),
+                                  f"corrupt zstd data after line {K} (the file ends inside a frame: "
+                                  "truncated?)"),
     "zstd garbage": (".jsonl.zst", b"this is not zstd\n" * 3, 0,
-                     "corrupt zstd data before its first line (zstd decompressor error: Unknown frame descriptor)"),
+                     "corrupt zstd data before its first line (zstd decompressor error: Unknown frame "
+                     "descriptor)"),
     "zstd trailing garbage": (".jsonl.zst", zst(HEAD) + b"garbage", K,
-                              f"corrupt zstd data after line {K} (zstd decompressor error: Unknown frame descriptor)"),
+                              f"corrupt zstd data after line {K} (zstd decompressor error: Unknown frame "
+                              "descriptor)"),
 }
 
 
@@ -373,7 +389,8 @@ def test_parquet_whole_file_problems(corpus, tmp_path):
     (tmp_path / "cut.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     not_parquet = "not a parquet file, or truncated (Parquet magic bytes not found in footer"
     for path in (tmp_path / "csv.parquet", tmp_path / "cut.parquet"):
-        for attempt in (lambda p: plan_spans(str(p), "parquet", 1000), lambda p: read_all([Span(str(p), "parquet")])):
+        for attempt in (lambda p: plan_spans(str(p), "parquet", 1000),
+                        lambda p: read_all([Span(str(p), "parquet")])):
             with pytest.raises(PrepareError) as e:
                 attempt(path)
             assert str(e.value).startswith(f"{path}: {not_parquet}")
@@ -438,13 +455,15 @@ def test_hf_dataset_dict_splits(tmp_path):
     assert read_all(plan_spans(str(dd), "hf", 10**6)) == [(i + 1, f"train {i}") for i in range(5)]
     spans = plan_spans(f"{dd}#test", "hf", 1)
     assert len(spans) == 3 and read_all(spans) == [(i + 1, f"test {i}") for i in range(3)]
-    assert read_all(plan_spans(str(tmp_path / "one"), "hf", 10**6)) == [(i + 1, f"test {i}") for i in range(3)]
+    assert read_all(plan_spans(str(tmp_path / "one"), "hf", 10**6)) == [(i + 1, f"test {i}")
+                                                                         for i in range(3)]
     with pytest.raises(PrepareError) as e:
         plan_spans(str(ab), "hf", 100)
     assert str(e.value) == f"{ab}: no train split (splits: ['a', 'b']); name one as hf:{ab}#SPLIT"
     with pytest.raises(PrepareError) as e:
         plan_spans(f"{dd}#nope", "hf", 100)
-    assert str(e.value) == f"{dd}#nope: no split 'nope' (splits: ['train', 'test']); name one as hf:{dd}#SPLIT"
+    assert str(e.value) == (f"{dd}#nope: no split 'nope' (splits: ['train', 'test']); "
+                            f"name one as hf:{dd}#SPLIT")
     with pytest.raises(PrepareError) as e:
         plan_spans(str(tmp_path), "hf", 100)
     assert str(e.value).startswith(f"{tmp_path}: not a dataset saved with save_to_disk (")
@@ -454,7 +473,8 @@ def test_hf_dataset_dict_splits(tmp_path):
 
 
 def test_hf_dataset_names_come_from_the_local_cache_only(tmp_path, monkeypatch):
-    # A dataset cached as `load_dataset("me/tiny_corpus")` leaves it: <cache>/me___tiny_corpus/default/0.0.0/<hash>/
+    # A dataset cached as `load_dataset("me/tiny_corpus")` leaves it:
+    # <cache>/me___tiny_corpus/default/0.0.0/<hash>/
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(50)))
     from datasets.packaged_modules.json.json import Json
 
@@ -474,7 +494,8 @@ def test_hf_dataset_names_come_from_the_local_cache_only(tmp_path, monkeypatch):
     assert str(e.value).startswith("me/not_cached: neither a dataset directory saved with save_to_disk nor a "
                                    "dataset in the local Hugging Face cache (ConnectionError: ")
     assert "OfflineModeIsEnabled" in str(e.value)  # the Hub was not asked
-    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False  # restored
+    # restored
+    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
 
 
 def test_a_missing_library_is_named_with_its_install(corpus, monkeypatch):
@@ -544,14 +565,16 @@ def test_reading_a_big_span_takes_bounded_memory(tmp_path, suffix):
 
 def test_file_kinds_by_suffix():
     kinds = {"a.jsonl": "jsonl", "a.JSON": "jsonl", "a.ndjson": "jsonl", "a.jsonl.gz": "jsonl.gz",
-             "a.json.gz": "jsonl.gz", "a.NDJSON.GZ": "jsonl.gz", "a.jsonl.zst": "jsonl.zst", "a.json.zst": "jsonl.zst",
-             "a.jsonl.zstd": "jsonl.zst", "a.parquet": "parquet", "dir.v2/a.Parquet": "parquet", "a.csv": None,
-             "a.gz": None, "a.txt": None, ".jsonl": None, "a.jsonl.bz2": None, "a.parquet.gz": None}
+             "a.json.gz": "jsonl.gz", "a.NDJSON.GZ": "jsonl.gz", "a.jsonl.zst": "jsonl.zst",
+             "a.json.zst": "jsonl.zst", "a.jsonl.zstd": "jsonl.zst", "a.parquet": "parquet",
+             "dir.v2/a.Parquet": "parquet", "a.csv": None, "a.gz": None, "a.txt": None, ".jsonl": None,
+             "a.jsonl.bz2": None, "a.parquet.gz": None}
     assert {p: file_kind(p) for p in kinds} == kinds
 
 
 def test_expand_inputs(tmp_path):
-    for rel in ("d/a.jsonl", "d/2024/b.json.gz", "d/2024/c.jsonl.zst", "d/x.csv", "p/one.parquet", "p/sub/two.parquet"):
+    for rel in ("d/a.jsonl", "d/2024/b.json.gz", "d/2024/c.jsonl.zst", "d/x.csv", "p/one.parquet",
+                "p/sub/two.parquet"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"")
     d = tmp_path / "d"
@@ -588,7 +611,8 @@ def test_record_stems_drop_format_suffixes():
 
 @pytest.mark.parametrize("block", [1, 7, 50])
 def test_spans_start_at_a_block_of_records_and_still_partition_the_file(tmp_path, block):
-    """prepare ends shards at blocks of `block` records: a span never cuts one, wherever the byte target falls."""
+    """prepare ends shards at blocks of `block` records: a span never cuts one, wherever the byte target
+    falls."""
     path = tmp_path / "b.jsonl"
     path.write_bytes(b"".join(json.dumps({"text": "x" * (i % 37)}).encode() + b"\n" for i in range(400)))
     starts = {}

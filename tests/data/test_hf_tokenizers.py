@@ -1,6 +1,7 @@
-"""A Hugging Face model's tokenizer directory in trainer.data.tokenizer, trainer.prepare and the stream: documents
-framed as that tokenizer frames them ([BOS] + text + [EOS] where it starts every text with BOS, text + [EOS]
-otherwise), with transformers as the reference for the ids. Tiny tokenizers are trained here (tests.helpers)."""
+"""A Hugging Face model's tokenizer directory in trainer.data.tokenizer, trainer.prepare and the stream:
+documents framed as that tokenizer frames them ([BOS] + text + [EOS] where it starts every text with BOS,
+text + [EOS] otherwise), with transformers as the reference for the ids. Tiny tokenizers are trained here
+(tests.helpers)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ KINDS = {  # name: (special tokens, hf_tokenizer_dir keywords, the SpecialIds ex
                SpecialIds(eos=1, pad=1, bos=0, add_bos=True, pad_from=PAD_FROM_EOS)),
     "gpt2": (("<|endoftext|>",), {"eos": "<|endoftext|>", "bos": "<|endoftext|>", "add_bos_token": False},
              SpecialIds(eos=0, pad=0, pad_from=PAD_FROM_EOS)),
-    "qwen2": (("<|endoftext|>", "<|im_start|>", "<|im_end|>"), {"eos": "<|endoftext|>", "pad": "<|endoftext|>"},
+    "qwen2": (("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+              {"eos": "<|endoftext|>", "pad": "<|endoftext|>"},
               SpecialIds(eos=0, pad=0, im_start=1, im_end=2)),
-    "add_bos_token": (("<s>", "</s>", "<pad>"), {"eos": "</s>", "bos": "<s>", "pad": "<pad>", "add_bos_token": True},
+    "add_bos_token": (("<s>", "</s>", "<pad>"),
+                      {"eos": "</s>", "bos": "<s>", "pad": "<pad>", "add_bos_token": True},
                       SpecialIds(eos=1, pad=2, bos=0, add_bos=True, pad_from=PAD_FROM_TOKEN)),
 }
 
@@ -61,8 +64,8 @@ def test_a_framed_document_is_transformers_encoding_then_eos(hf_dirs, kind):
 
 
 def test_add_bos_token_without_a_post_processor_frames_with_bos_too(hf_dirs):
-    """An older Llama/Mistral directory: the config says each sequence starts with BOS, tokenizer.json adds nothing
-    itself (transformers 4's LlamaTokenizerFast built the post-processor from add_bos_token)."""
+    """An older Llama/Mistral directory: the config says each sequence starts with BOS, tokenizer.json adds
+    nothing itself (transformers 4's LlamaTokenizerFast built the post-processor from add_bos_token)."""
     tok = FramedTokenizer.load(hf_dirs["add_bos_token"])
     text_ids = tok.tok.encode(HF_TEXTS[0]).ids
     assert tok.ids.frame(tok.encode(HF_TEXTS[0])) == [0, *text_ids, 1] and tok.ids.added == 2
@@ -70,7 +73,8 @@ def test_add_bos_token_without_a_post_processor_frames_with_bos_too(hf_dirs):
 
 def test_packtrains_own_tokenizer_keeps_its_ids_and_no_bos(demo_data):
     ids = tokenizer_ids(demo_data / "tokenizer")
-    assert ids == SpecialIds(eos=0, pad=1, im_start=2, im_end=3, bos=None, add_bos=False, pad_from=PAD_FROM_TOKEN)
+    assert ids == SpecialIds(eos=0, pad=1, im_start=2, im_end=3, bos=None, add_bos=False,
+                             pad_from=PAD_FROM_TOKEN)
     assert ids.head == () and ids.frame([7, 8]) == [7, 8, 0]
 
 
@@ -94,10 +98,11 @@ def test_prepare_copies_the_directory_and_records_its_framing(hf_dirs, llama_dat
     src, copied = hf_dirs["llama3"], llama_data / "tokenizer"
     assert tokenizer_hash(copied) == tokenizer_hash(src)  # the identity stays tokenizer.json's bytes
     assert (copied / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
-    assert not (src / "special_tokens_map.json").exists() and not (copied / "special_tokens_map.json").exists()
+    assert (not (src / "special_tokens_map.json").exists()
+            and not (copied / "special_tokens_map.json").exists())
     manifest = json.loads((llama_data / "manifest.json").read_text())
-    assert manifest["tokenizer"]["special_ids"] == {"eos": 1, "pad": 1, "pad_from": "eos", "bos": 0, "add_bos": True,
-                                                    "im_start": None, "im_end": None}
+    assert manifest["tokenizer"]["special_ids"] == {"eos": 1, "pad": 1, "pad_from": "eos", "bos": 0,
+                                                    "add_bos": True, "im_start": None, "im_end": None}
     assert manifest["tokenizer"]["chat_template"] is False
 
 
@@ -106,7 +111,8 @@ def test_the_stream_frames_documents_with_bos_and_the_loss_starts_after_it(hf_di
 
     hf = AutoTokenizer.from_pretrained(hf_dirs["llama3"])
     manifest = json.loads((llama_data / "manifest.json").read_text())
-    data = build_data(DataConfig(path=str(llama_data), num_workers=0, prefetch=False), PackingConfig(), 64, 0, 0, 1)
+    data = build_data(DataConfig(path=str(llama_data), num_workers=0, prefetch=False), PackingConfig(),
+                      64, 0, 0, 1)
     try:
         rows = data.rows.take(1000)  # the epoch: the stored ids, framed by the stream
     finally:
@@ -122,7 +128,7 @@ def test_the_stream_frames_documents_with_bos_and_the_loss_starts_after_it(hf_di
     (batch,) = micro_batches(rows[:1], PackingConfig(), 64, 64, data.pad_id)
     starts = batch.cu_seqlens[:-1].long()[np.array(batch.segment_sources) >= 0]
     ids, labels = batch.input_ids.reshape(-1), batch.labels.reshape(-1)
-    # Labels are unshifted (the loss predicts labels[t + 1] from position t): at each document's BOS the label is
-    # -100, and the first target is the first text token, predicted from the BOS.
+    # Labels are unshifted (the loss predicts labels[t + 1] from position t): at each document's BOS the label
+    # is -100, and the first target is the first text token, predicted from the BOS.
     assert (ids[starts] == 0).all() and (labels[starts] == IGNORE_INDEX).all()
     assert (labels[starts + 1] == ids[starts + 1]).all() and (ids[starts + 1] != 0).all()

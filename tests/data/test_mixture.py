@@ -69,7 +69,8 @@ def sample_key(key: str) -> str:
 
 
 def chunks_of(data: Path) -> Counter:
-    """Every chunk of `data`'s train split once, at SEQ_LEN (tests.helpers.epoch_chunks: tarfile + tokenizers)."""
+    """Every chunk of `data`'s train split once, at SEQ_LEN (tests.helpers.epoch_chunks: tarfile +
+    tokenizers)."""
     return epoch_chunks(data, SEQ_LEN)
 
 
@@ -86,7 +87,8 @@ def source_rows(data: Path, index: int, workers: int = 0, rank: int = 0, world_s
                             world_size=world_size, shuffle_buffer=8, expected_docs=source.expected_docs,
                             shard_tokens=manifest_tokens(source.train_urls, source.manifest), name=data.name,
                             source=index)
-    return RowStream(DocumentLoader(stream, num_workers=workers, lockstep=True), SEQ_LEN, PackingConfig(buffer_size=16))
+    return RowStream(DocumentLoader(stream, num_workers=workers, lockstep=True), SEQ_LEN,
+                     PackingConfig(buffer_size=16))
 
 
 def mixture(corpora, weights, exhausted="stop", workers=0, rank=0, world_size=1) -> Mixture:
@@ -96,7 +98,8 @@ def mixture(corpora, weights, exhausted="stop", workers=0, rank=0, world_size=1)
 
 
 def take_steps(rows: Mixture, steps: int) -> list[list[list]]:
-    """`steps` steps of ROWS_PER_STEP rows each, one rank, lockstep (an epoch's end: the next epoch starts)."""
+    """`steps` steps of ROWS_PER_STEP rows each, one rank, lockstep (an epoch's end: the next epoch
+    starts)."""
     out = []
     for _ in range(steps):
         if rows.exhausted:
@@ -122,8 +125,9 @@ def one_epoch(mix: Mixture) -> Counter:
 
 @pytest.mark.parametrize("exhausted", ["stop", "restart"])
 def test_a_mixture_of_0_7_and_0_3_holds_its_token_shares_over_200_steps(corpora, exhausted):
-    """Shares of the trained tokens (the rows, what every layout lays out), by key: within 2 % of the weights over
-    200 steps, and within one row at every step; under stop they cross 2.5 epochs (short runs out at ~20k tokens)."""
+    """Shares of the trained tokens (the rows, what every layout lays out), by key: within 2 % of the weights
+    over 200 steps, and within one row at every step; under stop they cross 2.5 epochs (short runs out at ~20k
+    tokens)."""
     rows = mixture(corpora, [0.7, 0.3], exhausted)
     try:
         steps = take_steps(rows, 200)
@@ -139,7 +143,8 @@ def test_a_mixture_of_0_7_and_0_3_holds_its_token_shares_over_200_steps(corpora,
         assert abs(tokens["short"] - 0.7 * total) <= SEQ_LEN, tokens
     share = tokens["short"] / (tokens["short"] + tokens["long"])
     assert abs(share - 0.7) < 0.02, (share, tokens)
-    assert sum(tokens.values()) > 0.95 * 200 * ROWS_PER_STEP * SEQ_LEN  # rows nearly full: the shares are of real work
+    # rows nearly full: the shares are of real work
+    assert sum(tokens.values()) > 0.95 * 200 * ROWS_PER_STEP * SEQ_LEN
 
 
 def test_rows_hold_one_source_each_and_the_layouts_lay_out_the_same_documents(corpora):
@@ -149,15 +154,16 @@ def test_rows_hold_one_source_each_and_the_layouts_lay_out_the_same_documents(co
     finally:
         rows.close()
     assert all(len({source_of(doc.key) for doc in row}) == 1 for row in step)
-    laid_out = {layout: sorted(key for mb in micro_batches(step, PackingConfig(layout=layout), SEQ_LEN, 512, 0)
+    laid_out = {layout: sorted(key
+                               for mb in micro_batches(step, PackingConfig(layout=layout), SEQ_LEN, 512, 0)
                                for key in mb.doc_keys) for layout in ("packed", "unpacked", "bucketed")}
     assert laid_out["packed"] == laid_out["unpacked"] == laid_out["bucketed"]
 
 
 def test_stop_ends_the_epoch_when_the_first_source_runs_out_and_every_source_starts_a_new_pass(corpora):
     """short (0.7 of ~14k tokens) runs out first: epoch 0 holds each short chunk once and a part of long, none
-    twice; epoch 1 again every short chunk once, and long from the start of a new pass (as long alone reads its
-    pass 1), not where epoch 0 left it."""
+    twice; epoch 1 again every short chunk once, and long from the start of a new pass (as long alone reads
+    its pass 1), not where epoch 0 left it."""
     mix = mixture(corpora, [0.7, 0.3], "stop")
     epochs = [one_epoch(mix) for _ in range(2)]
     short, long = chunks_of(corpora[0]), chunks_of(corpora[1])
@@ -170,17 +176,19 @@ def test_stop_ends_the_epoch_when_the_first_source_runs_out_and_every_source_sta
     assert dropped == 0  # nothing read yet
     first_rows = [doc.key for row in alone.take(len(epochs[1])) for doc in row]
     alone.close()
-    assert set(by_source(epochs[1], "long")) == {sample_key(k) for k in first_rows[: len(by_source(epochs[1], "long"))]}
+    assert set(by_source(epochs[1], "long")) == {sample_key(k)
+                                                 for k in first_rows[: len(by_source(epochs[1], "long"))]}
     summary = mix.summary()
     mix.close()
     assert summary["short"]["passes"] == 2 and summary["short"]["passes_cut"] == 0
-    assert summary["long"]["passes"] == 0 and summary["long"]["passes_cut"] == 2 and summary["long"]["docs_cut"] > 0
+    assert (summary["long"]["passes"] == 0 and summary["long"]["passes_cut"] == 2
+            and summary["long"]["docs_cut"] > 0)
     assert summary["short"]["docs"] == 2 * sum(short.values())
 
 
 def test_restart_reads_a_source_again_until_every_source_was_read_through(corpora):
-    """short at 0.3 (~14k tokens) runs out long before long at 0.7 (~112k): it is read again and again; the epoch
-    ends when long is read through, with each long chunk exactly once."""
+    """short at 0.3 (~14k tokens) runs out long before long at 0.7 (~112k): it is read again and again; the
+    epoch ends when long is read through, with each long chunk exactly once."""
     mix = mixture(corpora, [0.3, 0.7], "restart")
     keys = one_epoch(mix)
     summary = mix.summary()
@@ -197,9 +205,9 @@ def test_restart_reads_a_source_again_until_every_source_was_read_through(corpor
 
 @pytest.mark.parametrize("exhausted, cuts", [("stop", [30, 100]), ("restart", [100])])
 def test_a_resumed_mixture_continues_exactly(corpora, exhausted, cuts):
-    """Real DataLoader workers (2 per source). The state is pickled at each cut (mid-epoch 0 and in epoch 1 under
-    stop; in short's second pass under restart), a new mixture loads it and continues: the rows of every step
-    are the uninterrupted run's."""
+    """Real DataLoader workers (2 per source). The state is pickled at each cut (mid-epoch 0 and in epoch 1
+    under stop; in short's second pass under restart), a new mixture loads it and continues: the rows of every
+    step are the uninterrupted run's."""
     total = 130
 
     def keys(steps):
@@ -246,16 +254,16 @@ def test_a_mixture_state_is_refused_where_it_does_not_fit(corpora):
     finally:
         rows.close()
     single = source_rows(corpora[0], 0)
-    with pytest.raises(StreamStateError, match=r"the checkpoint's data stream mixes the sources \['short', 'long'\]; "
-                                           r"this run reads one source"):
+    with pytest.raises(StreamStateError, match=r"the checkpoint's data stream mixes the sources "
+                                           r"\['short', 'long'\]; this run reads one source"):
         single.reshaped_state([state, state], 1, lockstep=True)
     with pytest.raises(MixtureStateError, match=r"the checkpoint's data stream is one source"):
         mixture(corpora, [0.5, 0.5]).reshaped_state([single.state_dict()], 1, lockstep=True)
     with pytest.raises(ReshapeError, match=r"only with data.epoch_lockstep=true"):
         mixture(corpora, [0.5, 0.5]).reshaped_state([state, state], 1, lockstep=False)
     swapped = mixture(corpora[::-1], [0.5, 0.5])
-    with pytest.raises(MixtureStateError, match=r"the checkpoint mixes the sources \['short', 'long'\]; this run's "
-                                                r"data.sources names \['long', 'short'\]"):
+    with pytest.raises(MixtureStateError, match=r"the checkpoint mixes the sources \['short', 'long'\]; "
+                                                r"this run's data.sources names \['long', 'short'\]"):
         swapped.load_state_dict(state)
     single = source_rows(corpora[0], 0)
     try:
@@ -279,11 +287,12 @@ def test_a_source_that_gives_no_document_is_an_error_naming_it(corpora, tmp_path
     source = resolve_source(DataConfig(urls=str(bad / "train-{000000..000003}.tar"),
                                        tokenizer=str(corpora[0] / "tokenizer")))
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, on_error="skip", name="long", source=1)
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, on_error="skip", name="long",
+                            source=1)
     mix = mixture(corpora, [0.5, 0.5], "restart")
     mix.sources[1] = RowStream(DocumentLoader(stream, num_workers=0, lockstep=True), SEQ_LEN, PackingConfig())
-    with pytest.raises(DataStreamError, match=r"source 'long': a whole pass over this rank's share of its shards "
-                                              r"gave no document"):
+    with pytest.raises(DataStreamError, match=r"source 'long': a whole pass over this rank's share of "
+                                              r"its shards gave no document"):
         mix.take(4)
     mix.close()
 
@@ -321,29 +330,32 @@ def test_a_source_without_training_shards_is_named(corpora):
 
 
 def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpora, tmp_path):
-    """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (short runs out after ~20 steps on each
-    rank, so an epoch ends and the lockstep wait runs): the epoch's accounting by source (over both ranks, by the
-    metrics' epoch: every chunk of short once, none of long twice); 24 steps straight vs the same run resumed from
-    its step-12 checkpoint -> the same losses; resumed from it on 1 rank and on 3 ranks (1 worker each) -> the
-    same accounting of epoch 0 over both runs, the shares following the weights from the resume on, epoch 1
-    reached."""
+    """torchrun, 2 ranks x 2 DataLoader workers per source, 0.7/0.3 stop (short runs out after ~20 steps on
+    each rank, so an epoch ends and the lockstep wait runs): the epoch's accounting by source (over both
+    ranks, by the metrics' epoch: every chunk of short once, none of long twice); 24 steps straight vs the
+    same run resumed from its step-12 checkpoint -> the same losses; resumed from it on 1 rank and on 3 ranks
+    (1 worker each) -> the same accounting of epoch 0 over both runs, the shares following the weights from
+    the resume on, epoch 1 reached."""
     mix = sources_override(("short", corpora[0], 0.7), ("long", corpora[1], 0.3))
-    # What the ranks read does not depend on the model: one block 16 wide (the tiny model's two 64 wide cost more).
+    # What the ranks read does not depend on the model: one block 16 wide (the tiny model's two 64 wide cost
+    # more).
     common = [mix, "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "train.eval_every=0",
               "train.checkpoint_every=12", "train.max_steps=24", "logging.record_doc_keys=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, None, *common, "data.num_workers=2", launcher=torchrun(2))
     resumes = [(resumed, 2, ("data.num_workers=2",))]  # the same shape, then 1 and 3 ranks (1 worker each)
     # 4 shards of short over 3 readers: one new reader holds two rests, and the others wait for it
-    resumes += [(tmp_path / f"on_{ranks}", ranks, ("data.num_workers=1", "train.max_steps=40")) for ranks in (1, 3)]
+    resumes += [(tmp_path / f"on_{ranks}", ranks, ("data.num_workers=1", "train.max_steps=40"))
+                for ranks in (1, 3)]
     for run, _, _ in resumes:
         shutil.copytree(straight, run)
         shutil.rmtree(run / "checkpoints" / "step_000024")
     # Independent runs in their own run dirs: side by side (a start is seconds of imports per rank).
     launchers = [torchrun(ranks) for _, ranks, _ in resumes]
     with ThreadPoolExecutor(len(resumes)) as pool:
-        procs = list(pool.map(lambda item, launcher: run_train(item[0], None, *common, *item[2], "train.resume=true",
-                                                               launcher=launcher), resumes, launchers))
+        procs = list(pool.map(lambda item, launcher: run_train(item[0], None, *common, *item[2],
+                                                               "train.resume=true", launcher=launcher),
+                              resumes, launchers))
     a, b = metrics(straight), metrics(resumed)
     assert [m["step"] for m in b] == list(range(1, 25))
     assert max(m["epoch"] for m in a) >= 1  # an epoch boundary inside the run
@@ -353,7 +365,8 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpor
     long_chunks = epoch_chunks(corpora[1], 128)
 
     def check_epochs(runs: list[tuple[Path, int, int]]) -> None:
-        """Every epoch but the last one of these runs' steps from..to: short's chunks once, long's at most once."""
+        """Every epoch but the last one of these runs' steps from..to: short's chunks once, long's at most
+        once."""
         trained: dict[int, Counter] = {}
         for run, first, last in runs:
             epoch_of = {m["step"]: m["epoch"] for m in metrics(run)}
@@ -385,13 +398,15 @@ def test_a_real_two_rank_mixture_run_resumes_exactly_and_on_another_shape(corpor
 
 def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, tmp_path):
     other = tmp_path / "other"
-    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": f"other words {i} " * 9}) + "\n" for i in range(80)))
+    (tmp_path / "o.jsonl").write_text("".join(json.dumps({"text": f"other words {i} " * 9}) + "\n"
+                                              for i in range(80)))
     from trainer.prepare import prepare
 
-    prepare(f"jsonl:{tmp_path / 'o.jsonl'}", other, vocab_size=300, docs_per_shard=20, val_fraction=0.0, seed=0)
+    prepare(f"jsonl:{tmp_path / 'o.jsonl'}", other, vocab_size=300, docs_per_shard=20, val_fraction=0.0,
+            seed=0)
     mix = sources_override(("short", corpora[0], 0.5), ("other", other, 0.5))
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"hydra.run.dir={tmp_path / 'run'}", *SMALL, mix,
-                           "train.max_steps=1"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", f"hydra.run.dir={tmp_path / 'run'}", *SMALL,
+                           mix, "train.max_steps=1"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert_one_error_line(proc.returncode, proc.stderr, "source 'other' was prepared with another tokenizer",
                           str(other / "tokenizer"))
@@ -403,7 +418,8 @@ def test_a_mixture_of_sources_with_other_tokenizers_is_one_error_line(corpora, t
 
 def take_tracked(mix: Mixture, limit: int | None = None) -> tuple[list[str], list[str]]:
     """Rows taken one at a time, up to `limit` (None: to the lockstep epoch's end): (the keys of rows of a
-    source's pass of the epoch, the keys of rows of an extra pass begun after it was read through: restart)."""
+    source's pass of the epoch, the keys of rows of an extra pass begun after it was read through:
+    restart)."""
     first, extra = [], []
     while (limit is None or limit > 0) and not mix.exhausted:
         rows = mix.take(1)
@@ -417,7 +433,8 @@ def take_tracked(mix: Mixture, limit: int | None = None) -> tuple[list[str], lis
 
 def old_states(corpora, weights, exhausted, takes, tmp_path) -> tuple[list[dict], Counter, Counter]:
     """2 ranks x 2 DataLoader workers, rank r taking takes[r] rows (None: to its epoch's end, then it waits);
-    their states through safe_io (as a checkpoint holds them), the keys of the passes' rows and of extra ones."""
+    their states through safe_io (as a checkpoint holds them), the keys of the passes' rows and of extra
+    ones."""
     from trainer.checkpoint.safe_io import load_state, save_state
 
     states, first, extra = [], Counter(), Counter()
@@ -445,12 +462,13 @@ RESHAPES = [  # (policy, weights, rows taken per old rank (None: to the epoch's 
 
 @pytest.mark.parametrize("exhausted, weights, takes, new", RESHAPES,
                          ids=[f"{e}-{t}-{n[0]}x{n[1]}" for e, _, t, n in RESHAPES])
-def test_a_mixture_resumed_on_another_shape_trains_each_sources_rest_of_the_epoch_once(corpora, tmp_path, exhausted,
-                                                                                      weights, takes, new):
-    """Each source's rows of the interrupted epoch, before the resume (2 x 2) and after it (the new shape, each
-    rank to its epoch's end): every chunk of a source read through in the epoch exactly once (restart: both; stop:
-    short), none of any source twice, apart from the rows of extra passes (restart); from the resume on, the shares
-    follow the weights (within a row at every row, on every new rank: `mixed` starts at 0)."""
+def test_a_mixture_resumed_on_another_shape_trains_each_sources_rest_of_the_epoch_once(
+        corpora, tmp_path, exhausted, weights, takes, new):
+    """Each source's rows of the interrupted epoch, before the resume (2 x 2) and after it (the new shape,
+    each rank to its epoch's end): every chunk of a source read through in the epoch exactly once (restart:
+    both; stop: short), none of any source twice, apart from the rows of extra passes (restart); from the
+    resume on, the shares follow the weights (within a row at every row, on every new rank: `mixed` starts
+    at 0)."""
     states, first, extra = old_states(corpora, weights, exhausted, takes, tmp_path)
     if exhausted == "restart":
         assert extra, "an old rank should be in an extra pass of short"
@@ -482,8 +500,9 @@ def test_a_mixture_resumed_on_another_shape_trains_each_sources_rest_of_the_epoc
 
 
 def test_after_a_reshaped_epoch_each_source_starts_the_next_pass_of_the_new_shape(corpora, tmp_path):
-    """stop: after the dealt rest of epoch 0, each source's first rows of epoch 1 on every new rank are those a
-    mixture on the new shape from the start reads in its epoch 1 (the source's own pass 1, the new split)."""
+    """stop: after the dealt rest of epoch 0, each source's first rows of epoch 1 on every new rank are those
+    a mixture on the new shape from the start reads in its epoch 1 (the source's own pass 1, the new
+    split)."""
     states, _, _ = old_states(corpora, [0.7, 0.3], "stop", [None, 30], tmp_path)
     for rank in range(3):
         per_source = []
@@ -517,16 +536,18 @@ def test_a_mixture_state_of_ranks_in_different_epochs_is_refused(corpora, tmp_pa
 
 
 def test_a_source_whose_path_and_urls_name_two_datasets_is_one_line_naming_both(corpora):
-    """data.path of one dataset with data.urls of another (same shard names, other contents): refused at the start,
-    naming the shard, its size and the manifest's, instead of every shard being read through and then reported as
-    truncated. The same shards with their own manifest pass."""
+    """data.path of one dataset with data.urls of another (same shard names, other contents): refused at the
+    start, naming the shard, its size and the manifest's, instead of every shard being read through and then
+    reported as truncated. The same shards with their own manifest pass."""
     short, long = corpora
     with pytest.raises(ShardSourceError) as e:
         resolve_source(DataConfig(path=str(short), urls=f"{long}/train-*.tar"))
     size = (long / "train-000000.tar").stat().st_size
-    listed = next(s["bytes"] for s in json.loads((short / "manifest.json").read_text())["splits"]["train"]["shards"]
+    listed = next(s["bytes"]
+                  for s in json.loads((short / "manifest.json").read_text())["splits"]["train"]["shards"]
                   if s["name"] == "train-000000.tar")
-    assert str(e.value) == (f"{long}/train-000000.tar is not the shard train-000000.tar of {short}/manifest.json "
-                            f"({size:,} bytes; the manifest lists {listed:,}): data.path and data.urls name different "
-                            "datasets; give data.path of the dataset these shards belong to, or leave data.path out")
+    assert str(e.value) == (f"{long}/train-000000.tar is not the shard train-000000.tar of "
+                            f"{short}/manifest.json ({size:,} bytes; the manifest lists {listed:,}): "
+                            "data.path and data.urls name different datasets; "
+                            "give data.path of the dataset these shards belong to, or leave data.path out")
     assert resolve_source(DataConfig(path=str(long), urls=f"{long}/train-*.tar")).expected_docs

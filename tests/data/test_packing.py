@@ -56,7 +56,8 @@ def test_split_long_split():
     chunks = split_long(doc("k", [1, 2, 3, 4, 5, 6, 7, 8, 9]), 4, "split", stats)
     assert [c.key for c in chunks] == ["k#0", "k#1", "k#2"]
     assert [c.tokens.tolist() for c in chunks] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
-    assert stats == PackingStats(docs_in=1, tokens_in=9, docs_split=1, chunks_from_splits=3, tokens_without_start=5)
+    assert stats == PackingStats(docs_in=1, tokens_in=9, docs_split=1, chunks_from_splits=3,
+                                 tokens_without_start=5)
 
 
 def test_split_long_split_exact_multiple_and_mask():

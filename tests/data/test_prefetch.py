@@ -1,8 +1,10 @@
-"""data.prefetch: the next step's rows drawn in a background thread give the same rows, states and checkpoints as
-drawing them on demand, and the thread ends on every exit path (a finished run, an error, a preemption signal).
+"""data.prefetch: the next step's rows drawn in a background thread give the same rows, states and checkpoints
+as drawing them on demand, and the thread ends on every exit path (a finished run, an error, a preemption
+signal).
 
-The resume tests of test_train.py, test_accounting.py (2 ranks, epoch ends in lockstep) and test_cluster.py (SIGTERM,
-kill -9, elastic restarts) run with prefetching on, its default: they prove the checkpoints it writes resume exactly.
+The resume tests of test_train.py, test_accounting.py (2 ranks, epoch ends in lockstep) and test_cluster.py
+(SIGTERM, kill -9, elastic restarts) run with prefetching on, its default: they prove the checkpoints it
+writes resume exactly.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 def lockstep_takes(rows, epochs: int) -> list:
-    """One rank's takes over `epochs` epochs as trainer.data.epochs.StepRows.take makes them, prefetching after each
-    take when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the take)]."""
+    """One rank's takes over `epochs` epochs as trainer.data.epochs.StepRows.take makes them, prefetching
+    after each take when `rows` is a RowPrefetcher. Returns [(rows' keys, state at the take, exhausted at the
+    take)]."""
     out, epoch = [], 0
     while epoch < epochs:
         exhausted = rows.exhausted
@@ -97,8 +100,8 @@ def lockstep_takes(rows, epochs: int) -> list:
 
 
 def test_prefetched_rows_and_states_are_those_of_the_plain_stream():
-    """Over two epochs (each ending in an exhausted stream and next_epoch), the prefetcher hands out the same rows
-    and reports the same state and `exhausted` at every take, a draw pending or not."""
+    """Over two epochs (each ending in an exhausted stream and next_epoch), the prefetcher hands out the same
+    rows and reports the same state and `exhausted` at every take, a draw pending or not."""
     plain = lockstep_takes(stream(Docs()), epochs=2)
     prefetcher = RowPrefetcher(stream(Docs()))
     try:
@@ -192,9 +195,9 @@ def test_no_draw_starts_on_an_exhausted_stream():
 @pytest.mark.slow
 def test_the_thread_ends_when_training_ends_fails_or_is_preempted_and_the_preempted_run_resumes_exactly(
         demo_data, tmp_path, monkeypatch):
-    """Step 2 of 5 is preempted (SIGTERM) while step 3's rows are drawn ahead: the checkpoint of step 2 resumes
-    into the same steps 3-5 as the uninterrupted run. After each fit(), finished, failed or preempted, no
-    prefetch thread is left."""
+    """Step 2 of 5 is preempted (SIGTERM) while step 3's rows are drawn ahead: the checkpoint of step 2
+    resumes into the same steps 3-5 as the uninterrupted run. After each fit(), finished, failed or preempted,
+    no prefetch thread is left."""
     from trainer.run import loop
 
     summary = make_trainer(demo_data, tmp_path / "whole", "train.max_steps=5").fit()

@@ -149,10 +149,12 @@ def test_demo_modules_are_whole_modules_tokenized_with_the_demo_tokenizer(demo_d
     standard-library file, byte for byte, keyed by its module; far longer documents than the demo's."""
     out = tmp_path / "modules"
     assert main(["--source", "demo-modules", "--out", str(out), "--tokenizer", str(demo_data / "tokenizer"),
-                 "--max-docs", "40", "--docs-per-shard", "10", "--val-fraction", "0.1", "--workers", "1"]) == 0
+                 "--max-docs", "40", "--docs-per-shard", "10", "--val-fraction", "0.1",
+                 "--workers", "1"]) == 0
     assert capsys.readouterr().out.startswith(f"prepared demo-modules -> {out}")
     manifest, demo = load_manifest(out), load_manifest(demo_data)
-    assert manifest["tokenizer"]["sha256"] == demo["tokenizer"]["sha256"] and not manifest["tokenizer"]["trained"]
+    assert (manifest["tokenizer"]["sha256"] == demo["tokenizer"]["sha256"]
+            and not manifest["tokenizer"]["trained"])
     first = dict(whole_modules()[:40])
     samples = read_back(out, "train") + read_back(out, "val")
     assert sorted(key for key, _ in samples) == sorted(first)
@@ -222,7 +224,8 @@ def test_length_stats_worked_example():
     assert (stats["min"], stats["max"], stats["mean"], stats["median"]) == (2, 600, 202.0, 4.0)
     assert stats["p90"] == pytest.approx(480.8)
     assert (stats["count_gt_512"], stats["count_gt_2048"]) == (1, 0)
-    assert stats["histogram"] == {"edges": [2**i for i in range(11)], "counts": [0, 1, 1, 0, 0, 0, 0, 0, 0, 1]}
+    assert stats["histogram"] == {"edges": [2**i for i in range(11)],
+                                  "counts": [0, 1, 1, 0, 0, 0, 0, 0, 0, 1]}
 
 
 def write_jsonl_texts(path: Path, n: int) -> Path:
@@ -231,8 +234,9 @@ def write_jsonl_texts(path: Path, n: int) -> Path:
 
 
 def test_split_is_a_hash_of_the_key_and_gives_val_at_least_one_doc(tmp_path):
-    """Val holds exactly the keys whose sha256 score is below val_fraction (an independent recomputation here);
-    with too few documents for that, the lowest-scoring key moves to val, and train always keeps one."""
+    """Val holds exactly the keys whose sha256 score is below val_fraction (an independent recomputation
+    here); with too few documents for that, the lowest-scoring key moves to val, and train always keeps
+    one."""
     import hashlib
 
     def score(key: str, seed: int) -> float:
@@ -251,7 +255,8 @@ def test_split_is_a_hash_of_the_key_and_gives_val_at_least_one_doc(tmp_path):
     manifest = prepare(f"jsonl:{few}", tmp_path / "b", vocab_size=VOCAB, val_fraction=0.01, seed=0)
     assert [k for k, _ in read_back(tmp_path / "b", "val")] == [min(few_keys, key=lambda k: score(k, 0))]
     assert (manifest["splits"]["train"]["docs"], manifest["splits"]["val"]["docs"]) == (2, 1)
-    assert prepare(f"jsonl:{few}", tmp_path / "c", vocab_size=VOCAB, val_fraction=0.0)["splits"]["val"]["docs"] == 0
+    assert prepare(f"jsonl:{few}", tmp_path / "c", vocab_size=VOCAB,
+                   val_fraction=0.0)["splits"]["val"]["docs"] == 0
     one = write_jsonl_texts(tmp_path / "one.jsonl", 1)
     manifest = prepare(f"jsonl:{one}", tmp_path / "d", vocab_size=VOCAB, val_fraction=0.5)
     assert (manifest["splits"]["train"]["docs"], manifest["splits"]["val"]["docs"]) == (1, 0)
@@ -282,7 +287,8 @@ def test_tokenizer_loads_in_transformers_with_matching_special_ids(text_data):
     assert hf.pad_token == PAD_TOKEN and hf.pad_token_id == ids["pad"]
     assert hf.convert_tokens_to_ids([IM_START, IM_END]) == [ids["im_start"], ids["im_end"]]
     assert len(hf) == manifest["tokenizer"]["vocab_size"]
-    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                  add_generation_prompt=True)
     assert chat == f"{IM_START}user\nhi{IM_END}\n{IM_START}assistant\n"
     tok = load_tokenizer(out / "tokenizer")
     assert hf("def f(): pass")["input_ids"] == tok.encode("def f(): pass").ids  # HF adds nothing either
@@ -342,7 +348,8 @@ BAD_TEXT = {  # case -> (file content, or None for a dangling symlink; reason; w
 
 def make_bad_jsonl(tmp_path: Path, case: str) -> Path:
     path = tmp_path / "data.jsonl"
-    path.write_bytes(GOOD_LINE.encode() + b"\n" + BAD_JSONL[case][0] + GOOD_LINE.replace("good", "good2").encode())
+    path.write_bytes(GOOD_LINE.encode() + b"\n" + BAD_JSONL[case][0]
+                     + GOOD_LINE.replace("good", "good2").encode())
     return path  # the bad line is line 3 (line 2 is blank, which is allowed)
 
 
@@ -359,7 +366,8 @@ def make_bad_text(tmp_path: Path, case: str) -> Path:
 @pytest.mark.parametrize("case", sorted(BAD_JSONL))
 def test_bad_jsonl_line_is_a_clear_error(tmp_path, case, capsys):
     path = make_bad_jsonl(tmp_path, case)
-    assert main(["--source", f"jsonl:{path}", "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB)]) == 2
+    assert main(["--source", f"jsonl:{path}", "--out", str(tmp_path / "out"),
+                 "--vocab-size", str(VOCAB)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}:3: ")
     assert BAD_JSONL[case][2] in err
@@ -372,7 +380,8 @@ def test_bad_jsonl_line_is_skipped_and_counted(tmp_path, case, capsys):
     path = make_bad_jsonl(tmp_path, case)
     manifest = prepare(f"jsonl:{path}", tmp_path / "out", vocab_size=VOCAB, on_error="skip")
     assert manifest["skipped"] == {BAD_JSONL[case][1]: 1}
-    assert sorted(key for key, _ in read_back(tmp_path / "out", "train") + read_back(tmp_path / "out", "val")) == [
+    assert sorted(key for key, _ in read_back(tmp_path / "out", "train")
+                  + read_back(tmp_path / "out", "val")) == [
         "data--1", "data--4"
     ]
     assert f"warning: skipping {path}:3" in capsys.readouterr().err
@@ -392,9 +401,9 @@ def test_bad_text_file_is_a_clear_error_or_a_counted_skip(tmp_path, case, capsys
 
 @pytest.mark.parametrize("kind", ["text", "jsonl"])
 def test_symlink_loops_and_aliases_read_each_real_file_once(tmp_path, kind):
-    """`glob.glob("**")` follows `sub/up -> ..` round the loop until the path is too long: the same file read 41
-    times (two loops: exponentially many). Each real file is read once, under its first path in sorted order;
-    the other paths to it are counted as skipped (same_file), never silently read again."""
+    """`glob.glob("**")` follows `sub/up -> ..` round the loop until the path is too long: the same file read
+    41 times (two loops: exponentially many). Each real file is read once, under its first path in sorted
+    order; the other paths to it are counted as skipped (same_file), never silently read again."""
     src = tmp_path / "src"
     ext = "txt" if kind == "text" else "jsonl"
     for i in range(3):
@@ -408,7 +417,8 @@ def test_symlink_loops_and_aliases_read_each_real_file_once(tmp_path, kind):
     manifest = prepare(f"{kind}:{pattern}", tmp_path / "out", vocab_size=VOCAB, val_fraction=0.0)
     texts = sorted(text for _, text in read_back(tmp_path / "out", "train"))
     assert texts == ["document 0 body", "document 1 body", "document 2 body"]
-    assert manifest["skipped"] == {"same_file": 1}  # alias; the loops reach no file a second time as a listing
+    # alias; the loops reach no file a second time as a listing
+    assert manifest["skipped"] == {"same_file": 1}
     assert manifest["splits"]["train"]["docs"] == 3
 
 
@@ -435,9 +445,9 @@ def test_match_files_keeps_the_first_path_of_each_real_file(tmp_path):
 
 @pytest.mark.parametrize("kind", ["jsonl", "text"])
 def test_a_document_over_max_doc_mb_is_an_error_naming_it_or_a_counted_skip(tmp_path, kind, capsys):
-    """One 52 MB JSON line made prepare peak at 10.6 GB (a document is tokenized whole). A document over --max-doc-mb
-    (default 8) is an error naming it and its size, or under --on-error skip a counted skip (too_large), before it
-    is tokenized; a text file is judged by its size before it is read."""
+    """One 52 MB JSON line made prepare peak at 10.6 GB (a document is tokenized whole). A document over
+    --max-doc-mb (default 8) is an error naming it and its size, or under --on-error skip a counted skip
+    (too_large), before it is tokenized; a text file is judged by its size before it is read."""
     big, small = "word " * 6000, "a short document"  # 30,000 bytes and 16
     if kind == "jsonl":
         path = tmp_path / "d.jsonl"
@@ -446,16 +456,19 @@ def test_a_document_over_max_doc_mb_is_an_error_naming_it_or_a_counted_skip(tmp_
     else:
         src = write_files(tmp_path / "src", {"a.txt": small, "b.txt": big, "c.txt": small + " again"})
         source, where = f"text:{src}/*.txt", str(src / "b.txt")
-    argv = ["--source", source, "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB), "--max-doc-mb", "0.02"]
+    argv = ["--source", source, "--out", str(tmp_path / "out"), "--vocab-size", str(VOCAB),
+            "--max-doc-mb", "0.02"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {where}: the document is 30,000 bytes, over --max-doc-mb 0.02 (tokenizing one document "
-                   "takes ~200x its size in memory): split it, raise --max-doc-mb, or skip such documents with "
-                   "--on-error skip\n")
-    manifest = prepare(source, tmp_path / "out", vocab_size=VOCAB, on_error="skip", max_doc_mb=0.02, val_fraction=0.0)
+    assert err == (f"error: {where}: the document is 30,000 bytes, over --max-doc-mb 0.02 (tokenizing one "
+                   "document takes ~200x its size in memory): split it, raise --max-doc-mb, or skip such "
+                   "documents with --on-error skip\n")
+    manifest = prepare(source, tmp_path / "out", vocab_size=VOCAB, on_error="skip", max_doc_mb=0.02,
+                       val_fraction=0.0)
     assert manifest["skipped"] == {"too_large": 1} and manifest["splits"]["train"]["docs"] == 2
     assert manifest["options"]["max_doc_bytes"] == int(0.02 * 2**20)
-    assert prepare(source, tmp_path / "all", vocab_size=VOCAB, val_fraction=0.0)["splits"]["train"]["docs"] == 3
+    assert prepare(source, tmp_path / "all", vocab_size=VOCAB,
+                   val_fraction=0.0)["splits"]["train"]["docs"] == 3
     assert main([*argv[:-1], "nan"]) == 2 and "--max-doc-mb must be a finite number > 0, got nan" in \
         capsys.readouterr().err
 
@@ -464,7 +477,8 @@ def test_jsonl_keys_from_file_stem_and_line_number(tmp_path):
     """Keys come from the position (stem + line), never from a field: unique by construction, nothing to
     remember. A second file with the same stem gets `-2` and its documents count as renamed."""
     path = tmp_path / "c.jsonl"
-    path.write_text('{"text": "no body"}\n{"id": "x.1", "body": "custom key"}\n\n{"id": "x.1", "body": "dup"}\n')
+    path.write_text('{"text": "no body"}\n{"id": "x.1", "body": "custom key"}\n\n'
+                    '{"id": "x.1", "body": "dup"}\n')
     (tmp_path / "c.json").write_text('{"body": "same stem"}\n')
     manifest = prepare(f"jsonl:{tmp_path}/c.*", tmp_path / "out", vocab_size=VOCAB, text_key="body",
                        val_fraction=0.0, on_error="skip")
@@ -491,7 +505,8 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path, capsys):
 
 def test_main_prints_a_report(text_data, tmp_path, capsys):
     src, _ = text_data
-    assert main(["--source", f"text:{src}/*.txt", "--out", str(tmp_path / "o"), "--vocab-size", str(VOCAB)]) == 0
+    assert main(["--source", f"text:{src}/*.txt", "--out", str(tmp_path / "o"),
+                 "--vocab-size", str(VOCAB)]) == 0
     report = capsys.readouterr().out
     for words in ("train:", "tokens", "p99", "skipped: none", "tokenizer:", "sha256"):
         assert words in report
@@ -519,7 +534,8 @@ def test_write_shards_leaves_no_temp_file_when_interrupted(tmp_path):
     with pytest.raises(RuntimeError):
         write_shards(samples(), tmp_path, "train", docs_per_shard=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train-000000.tar"]  # complete shards only
-    assert [s["__key__"] for s in wds.WebDataset([str(tmp_path / "train-000000.tar")], shardshuffle=False)] == [
+    assert [s["__key__"]
+            for s in wds.WebDataset([str(tmp_path / "train-000000.tar")], shardshuffle=False)] == [
         "k0", "k1"
     ]
 
@@ -550,11 +566,12 @@ def test_error_policy_counts_skips():
 
 
 def test_shards_are_the_bytes_webdatasets_tar_writer_writes(tmp_path):
-    """Shards are written with tarfile alone (prepare must not import webdataset, which imports torch); the bytes
-    are those of webdataset's own writer, so any webdataset reads them as before."""
+    """Shards are written with tarfile alone (prepare must not import webdataset, which imports torch); the
+    bytes are those of webdataset's own writer, so any webdataset reads them as before."""
     import io
 
-    docs = [("k1", "short"), ("a" * 150, "a key longer than USTAR's 100 characters"), ("ü-key", "Grüße 🎉" * 300)]
+    docs = [("k1", "short"), ("a" * 150, "a key longer than USTAR's 100 characters"),
+            ("ü-key", "Grüße 🎉" * 300)]
     write_shards(docs, tmp_path, "train", docs_per_shard=10)
     expected = io.BytesIO()
     with wds.TarWriter(expected, encoder=False, mtime=0, format="PAX_FORMAT") as writer:
@@ -567,22 +584,26 @@ def test_prepare_and_its_workers_do_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, trainer.prepare; print(sorted(m for m in ('torch', 'webdataset') if m in sys.modules))"
+    code = ("import sys, trainer.prepare; "
+            "print(sorted(m for m in ('torch', 'webdataset') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"  # ~200 MB and 1.5 s less per worker process
 
 
 def test_a_source_glob_never_reads_prepared_data(tmp_path):
-    """`text:notes/**/*` with --out notes/prepared: the second run's glob matches the first run's shards, manifest
-    and tokenizer, which it used to read as documents. Refused, naming the file; so is another dataset's."""
+    """`text:notes/**/*` with --out notes/prepared: the second run's glob matches the first run's shards,
+    manifest and tokenizer, which it used to read as documents. Refused, naming the file; so is another
+    dataset's."""
     notes = tmp_path / "notes"
     notes.mkdir()
     for i in range(30):
         (notes / f"n{i}.txt").write_text(f"note number {i}: " + "some words of text " * 20)
     source = f"text:{notes}/**/*"
-    assert prepare(source, notes / "prepared", vocab_size=300, val_fraction=0.0)["splits"]["train"]["docs"] == 30
+    assert prepare(source, notes / "prepared", vocab_size=300,
+                   val_fraction=0.0)["splits"]["train"]["docs"] == 30
     with pytest.raises(PrepareError, match=r"the source matches .*/notes/prepared/.*, inside --out"):
         prepare(source, notes / "prepared", vocab_size=300, val_fraction=0.0)
-    with pytest.raises(PrepareError, match=r"the source matches .*/notes/prepared/.*, inside a prepared dataset"):
+    with pytest.raises(PrepareError,
+                       match=r"the source matches .*/notes/prepared/.*, inside a prepared dataset"):
         prepare(source, tmp_path / "other", vocab_size=300, val_fraction=0.0)
     assert not (tmp_path / "other").exists()

@@ -1,7 +1,7 @@
-"""trainer.data.prepare: a document too large to tokenize in the memory this process may still allocate is one line
-naming it, before the tokenizer sees it (issue 46: `prepare --max-doc-mb 100` on a 52 MB line under a 6 GB
-address-space cap ended in the tokenizer library's SIGABRT, no packtrain message). Here: a 24 MB line under a 2.5 GB
-cap."""
+"""trainer.data.prepare: a document too large to tokenize in the memory this process may still allocate is one
+line naming it, before the tokenizer sees it (issue 46: `prepare --max-doc-mb 100` on a 52 MB line under a
+6 GB address-space cap ended in the tokenizer library's SIGABRT, no packtrain message). Here: a 24 MB line
+under a 2.5 GB cap."""
 
 from __future__ import annotations
 

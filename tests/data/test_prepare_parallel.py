@@ -1,6 +1,7 @@
-"""`python -m trainer.prepare` at scale: units, worker processes, parts and their merge, resuming after kill -9,
-the formats corpora ship in, and the output directory (never a file prepare did not write; the old dataset kept
-until the new one is complete). Every comparison is with an uninterrupted one-process run on the same input."""
+"""`python -m trainer.prepare` at scale: units, worker processes, parts and their merge, resuming after
+kill -9, the formats corpora ship in, and the output directory (never a file prepare did not write; the old
+dataset kept until the new one is complete). Every comparison is with an uninterrupted one-process run on the
+same input."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def corpus(tmp_path_factory) -> Path:
 def reference(corpus, tmp_path_factory) -> Path:
     """The corpus prepared in one process, uninterrupted: what every other way must reproduce exactly."""
     out = tmp_path_factory.mktemp("reference")
-    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05,
+            unit_mb=UNIT_MB)
     return out
 
 
@@ -74,8 +76,8 @@ def assert_same_dataset(a: Path, b: Path) -> None:
 
 
 def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+    return subprocess.run([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300, **kwargs)
 
 
 def test_the_corpus_is_cut_into_units_and_every_document_is_there_once(corpus, reference):
@@ -97,8 +99,8 @@ def test_the_corpus_is_cut_into_units_and_every_document_is_there_once(corpus, r
 
 def test_two_workers_give_the_same_bytes_as_one(corpus, reference, tmp_path):
     out = tmp_path / "w2"
-    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB,
-            workers=2)
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05,
+            unit_mb=UNIT_MB, workers=2)
     assert_same_dataset(reference, out)
 
 
@@ -131,13 +133,14 @@ def test_a_part_with_other_options_is_refused_and_the_finished_parts_are_kept(co
     args = dict(vocab_size=VOCAB, val_fraction=0.05, unit_mb=UNIT_MB, parts=3)
     assert prepare(f"jsonl:{corpus}/*", out, part=0, docs_per_shard=100, **args) is None
     [stage] = (out / STATE_DIR).iterdir()
-    before = {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*") if p.is_file() and p.name != ".lock"}
+    before = {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*")
+              if p.is_file() and p.name != ".lock"}
     assert (stage / "part-000-of-003.json").is_file()
     with pytest.raises(PrepareError, match=r"holds finished parts of a prepare with other options or input .*"
                                            r"part-000-of-003.json"):
         prepare(f"jsonl:{corpus}/*", out, part=1, docs_per_shard=60, **args)
-    assert {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*") if p.is_file() and p.name != ".lock"} \
-        == before
+    assert {p.relative_to(stage): p.read_bytes() for p in stage.rglob("*")
+            if p.is_file() and p.name != ".lock"} == before
 
 
 def test_merge_is_idempotent_and_an_empty_dir_has_nothing_to_merge(reference, tmp_path, capsys):
@@ -160,8 +163,8 @@ def test_killed_with_sigkill_and_started_again_equals_an_uninterrupted_run(corpu
     out = tmp_path / "killed"
     old = prepare(f"jsonl:{corpus}/a.jsonl", out, vocab_size=VOCAB, docs_per_shard=100)  # a dataset to keep
     old_bytes = {p.name: p.read_bytes() for p in out.glob("*.tar")}
-    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB), "--docs-per-shard",
-            "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
+    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB),
+            "--docs-per-shard", "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -216,12 +219,13 @@ def test_a_merge_interrupted_midway_is_finished_by_the_next_run(corpus, referenc
 
 def test_the_same_prepare_started_twice_is_refused_naming_the_first(corpus, reference, tmp_path):
     """Two identical prepares into one --out used to work the same units side by side until one found the
-    other's files moved away ("[Errno 2] No such file or directory"). The second is refused with one line naming
-    the first (pid and host); the first, held stopped meanwhile, then finishes the dataset undisturbed. A prepare
-    with other options started beside it is refused too (its merge would replace the first's dataset)."""
+    other's files moved away ("[Errno 2] No such file or directory"). The second is refused with one line
+    naming the first (pid and host); the first, held stopped meanwhile, then finishes the dataset undisturbed.
+    A prepare with other options started beside it is refused too (its merge would replace the first's
+    dataset)."""
     out = tmp_path / "twice"
-    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB), "--docs-per-shard",
-            "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
+    args = ["--source", f"jsonl:{corpus}/*", "--out", str(out), "--vocab-size", str(VOCAB),
+            "--docs-per-shard", "100", "--val-fraction", "0.05", "--unit-mb", str(UNIT_MB), "--workers", "1"]
     first = subprocess.Popen([sys.executable, "-m", "trainer.prepare", *args], cwd=ROOT, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -236,8 +240,8 @@ def test_the_same_prepare_started_twice_is_refused_naming_the_first(corpus, refe
         second = cli(*args)
         assert second.returncode == 2
         assert second.stderr == (f"error: {out}: this prepare is already running there (pid {first.pid} on "
-                                 f"{os.uname().nodename}); wait for it to finish (it merges the dataset) or stop it "
-                                 "first\n")
+                                 f"{os.uname().nodename}); wait for it to finish (it merges the dataset) or "
+                                 "stop it first\n")
         other = cli(*args[:-2], "--seed", "7")
         assert other.returncode == 2 and "another prepare with other options or input is running there" in \
             other.stderr and other.stderr.count("\n") == 1
@@ -311,8 +315,10 @@ def test_a_bad_line_in_a_worker_is_one_error_line_naming_it(corpus, tmp_path):
                "--unit-mb", str(UNIT_MB), "--workers", "2")
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert lines == [f"error: {src / 'b.jsonl'}:501: invalid JSON: Unterminated string starting at (column 10)"] \
-        or (len(lines) == 1 and lines[0].startswith(f"error: {src / 'b.jsonl'}:501: invalid JSON")), proc.stderr
+    assert lines == [f"error: {src / 'b.jsonl'}:501: invalid JSON: Unterminated string starting at "
+                     "(column 10)"] \
+        or (len(lines) == 1
+            and lines[0].startswith(f"error: {src / 'b.jsonl'}:501: invalid JSON")), proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -341,10 +347,12 @@ def test_a_failed_reprepare_keeps_the_old_dataset(corpus, reference, tmp_path, c
     bad.write_text('{"text": "ok"}\n{"txt": "wrong field"}\n')
     assert main(["--source", f"jsonl:{bad}", "--out", str(out), "--vocab-size", str(VOCAB)]) == 2
     capsys.readouterr()
-    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and STATE_DIR not in p.parts}
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+             if p.is_file() and STATE_DIR not in p.parts}
     assert after == before
     # ... and a prepare that succeeds replaces it, leaving none of the old shards
-    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05, unit_mb=UNIT_MB)
+    prepare(f"jsonl:{corpus}/*", out, vocab_size=VOCAB, docs_per_shard=100, val_fraction=0.05,
+            unit_mb=UNIT_MB)
     assert_same_dataset(reference, out)
 
 
@@ -354,9 +362,9 @@ def test_a_failed_reprepare_keeps_the_old_dataset(corpus, reference, tmp_path, c
 
 
 def test_every_format_gives_the_same_dataset(tmp_path):
-    """The same records as .jsonl (cut into many byte-range units), .jsonl.zst (one unit: not seekable), parquet
-    (units of row groups) and a saved HF dataset (row ranges): byte-identical shards and the same manifest, because
-    shards end at blocks of records, whatever the units."""
+    """The same records as .jsonl (cut into many byte-range units), .jsonl.zst (one unit: not seekable),
+    parquet (units of row groups) and a saved HF dataset (row ranges): byte-identical shards and the same
+    manifest, because shards end at blocks of records, whatever the units."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -384,7 +392,8 @@ def test_every_format_gives_the_same_dataset(tmp_path):
         assert a["splits"] == b["splits"], name
         for split in a["splits"].values():
             for shard in split["shards"]:
-                assert (ref / shard["name"]).read_bytes() == (out / shard["name"]).read_bytes(), (name, shard["name"])
+                assert (ref / shard["name"]).read_bytes() == (out / shard["name"]).read_bytes(), \
+                    (name, shard["name"])
     assert units == 30  # 1500 records in blocks of 50: one train shard per block
     from trainer.data.prepare.plan import make_plan
 
@@ -424,7 +433,8 @@ def test_a_file_that_is_not_parquet_is_an_error_or_a_counted_skip(tmp_path, caps
     src.mkdir()
     pq.write_table(pa.Table.from_pylist(corpus_records(50)), src / "good.parquet")
     (src / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
-    assert main(["--source", f"parquet:{src}/*.parquet", "--out", str(tmp_path / "a"), "--vocab-size", str(VOCAB)]) == 2
+    assert main(["--source", f"parquet:{src}/*.parquet", "--out", str(tmp_path / "a"), "--vocab-size",
+                 str(VOCAB)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {src / 'broken.parquet'}: not a parquet file"), err
     manifest = prepare(f"parquet:{src}/*.parquet", tmp_path / "b", vocab_size=VOCAB, on_error="skip")

@@ -1,4 +1,5 @@
-"""Shards where clusters keep them: data.urls over a real local HTTP server, pipe: commands, retries, bad URLs.
+"""Shards where clusters keep them: data.urls over a real local HTTP server, pipe: commands, retries, bad
+URLs.
 
 The server is the standard library's ThreadingHTTPServer in a thread of this process, serving the prepared
 demo dataset; it can cut a response mid-way (Content-Length sent, half the bytes, connection closed) for
@@ -45,13 +46,14 @@ def http(server):
     return server
 
 
-def read(data: DataConfig, demo_data: Path, num_workers: int = 0) -> tuple[list[tuple[str, list[int]]], DocumentLoader]:
+def read(data: DataConfig, demo_data: Path,
+         num_workers: int = 0) -> tuple[list[tuple[str, list[int]]], DocumentLoader]:
     """(key, token ids) of every training document of one epoch, through the real stream and loader."""
     source = resolve_source(data)
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=3, shuffle_buffer=64, chunk_docs=16,
-                            epochs=1, on_error=data.on_error, expected_docs=source.expected_docs,
-                            retries=data.retries, retry_backoff_s=0.05)
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=3, shuffle_buffer=64,
+                            chunk_docs=16, epochs=1, on_error=data.on_error,
+                            expected_docs=source.expected_docs, retries=data.retries, retry_backoff_s=0.05)
     loader = DocumentLoader(stream, num_workers=num_workers)
     return [(d.key, d.tokens.tolist()) for d in loader], loader
 
@@ -101,7 +103,8 @@ def test_urls_with_a_manifest_take_its_counts_tokenizer_and_val_split(http, demo
 
 
 def test_eval_reads_val_urls(http, demo_data):
-    over_http = load_eval_docs(remote(demo_data, f"{http.base}/{TRAIN}", val_urls=f"{http.base}/val-000000.tar"),
+    over_http = load_eval_docs(remote(demo_data, f"{http.base}/{TRAIN}",
+                                      val_urls=f"{http.base}/val-000000.tar"),
                                demo_data / "tokenizer", 0, 64, max_docs=None)
     from_disk = load_eval_docs(demo_data, demo_data / "tokenizer", 0, 64, max_docs=None)
     assert [(d.key, d.tokens.tolist()) for d in over_http] == [(d.key, d.tokens.tolist()) for d in from_disk]
@@ -109,7 +112,8 @@ def test_eval_reads_val_urls(http, demo_data):
 
 def test_eval_without_val_urls_or_a_manifest_is_a_clear_error(http, demo_data):
     with pytest.raises(ShardSourceError, match=r"set data\.val_urls=SHARDS .* or train\.eval_every=0"):
-        load_eval_docs(remote(demo_data, f"{http.base}/{TRAIN}"), demo_data / "tokenizer", 0, 64, max_docs=None)
+        load_eval_docs(remote(demo_data, f"{http.base}/{TRAIN}"), demo_data / "tokenizer", 0, 64,
+                       max_docs=None)
 
 
 # -- failures -------------------------------------------------------------------------------------
@@ -123,8 +127,8 @@ def test_404_is_a_clear_error_naming_the_url_and_status_without_retries(http, de
 
 
 def test_404_under_skip_is_counted_and_the_other_shards_arrive(http, demo_data, from_disk):
-    docs, loader = read(remote(demo_data, [f"{http.base}/{TRAIN}", f"{http.base}/nothing.tar"], on_error="skip"),
-                        demo_data)
+    docs, loader = read(remote(demo_data, [f"{http.base}/{TRAIN}", f"{http.base}/nothing.tar"],
+                               on_error="skip"), demo_data)
     assert sorted(docs) == sorted(from_disk())
     assert loader.skipped() == {"unreadable_shard": 1}
 
@@ -132,7 +136,8 @@ def test_404_under_skip_is_counted_and_the_other_shards_arrive(http, demo_data, 
 def test_transfer_cut_midway_without_retries_is_a_clear_error(http, demo_data):
     http.cuts["train-000002.tar"] = 1
     url = f"{http.base}/train-000002.tar"
-    with pytest.raises(DataStreamError, match=rf"^{re.escape(url)}: cannot read shard \(after sample '.*curl exit 18"):
+    with pytest.raises(DataStreamError,
+                       match=rf"^{re.escape(url)}: cannot read shard \(after sample '.*curl exit 18"):
         read(remote(demo_data, f"{http.base}/{TRAIN}", retries=0), demo_data)
 
 
@@ -151,7 +156,8 @@ def test_retries_after_cut_transfers_give_the_exact_sequence(http, demo_data, fr
 
 def test_connection_refused_is_retried_then_named(demo_data):
     url = f"http://127.0.0.1:{free_port()}/train-000000.tar"  # nothing listens there
-    with pytest.raises(DataStreamError, match=rf"^{re.escape(url)}: .*; 2 attempts\): curl exit 7: could not connect"):
+    with pytest.raises(DataStreamError,
+                       match=rf"^{re.escape(url)}: .*; 2 attempts\): curl exit 7: could not connect"):
         read(remote(demo_data, url, retries=1), demo_data)
 
 
@@ -161,7 +167,8 @@ def test_connection_refused_is_retried_then_named(demo_data):
         ("{root}/nowhere-*.tar", r"data\.urls='.*/nowhere-\*\.tar' matches no file"),
         ("{root}/shard-{{000000..000004}}.tar", r"matches no shard: none of its 5 paths exists "
                                                 r"\(first: .*/shard-000000\.tar\)"),
-        ("{root}/train-{{000000..000009}}.tar", r"5 of its 10 shards do not exist \(first: .*/train-000005\.tar\)"),
+        ("{root}/train-{{000000..000009}}.tar", r"5 of its 10 shards do not exist "
+                                                r"\(first: .*/train-000005\.tar\)"),
         ("{root}/train-000000.tar::{root}/no.tar", r"1 of its 2 shards do not exist \(first: .*/no\.tar\)"),
     ],
 )

@@ -1,10 +1,10 @@
 """A data stream written on W ranks x K workers, resumed on W' x K' (trainer.data.reshape), in this process.
 
-Each old rank's real stream (shards -> shuffle buffer -> tokenizer -> packer) takes some rows and is checkpointed
-(through safe_io, as a checkpoint is); every new rank deals itself a part of all old states and reads to the
-epoch's end. The chunks trained before and after must be the epoch's, each exactly once (counted against the
-shards read with tarfile and the tokenizers library, not the trainer's reader), and the next epoch must be the new
-shape's own, as if the run had started on it.
+Each old rank's real stream (shards -> shuffle buffer -> tokenizer -> packer) takes some rows and is
+checkpointed (through safe_io, as a checkpoint is); every new rank deals itself a part of all old states and
+reads to the epoch's end. The chunks trained before and after must be the epoch's, each exactly once (counted
+against the shards read with tarfile and the tokenizers library, not the trainer's reader), and the next epoch
+must be the new shape's own, as if the run had started on it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def checkpointed(states: list[dict], tmp: Path) -> list[dict]:
 
 def train_part(data: Path, shape: tuple[int, int], takes: list[int], tmp: Path,
                states: list[dict] | None = None) -> tuple[list[str], list[dict]]:
-    """Each rank of `shape` takes takes[rank] rows (from `states` dealt to it, if given); their keys and states."""
+    """Each rank of `shape` takes takes[rank] rows (from `states` dealt to it, if given); their keys and
+    states."""
     world, workers = shape
     seen, out = [], []
     for rank in range(world):
@@ -69,8 +70,8 @@ def train_part(data: Path, shape: tuple[int, int], takes: list[int], tmp: Path,
 
 
 def finish_epoch(data: Path, shape: tuple[int, int], states: list[dict], next_rows: int = 6):
-    """Each new rank dealt its part of `states`, read to the epoch's end, then the first rows of the next epoch;
-    (keys of the rest of the epoch, per rank the next epoch's first keys, the dealt states)."""
+    """Each new rank dealt its part of `states`, read to the epoch's end, then the first rows of the next
+    epoch; (keys of the rest of the epoch, per rank the next epoch's first keys, the dealt states)."""
     world, workers = shape
     rest, nxt, dealt = [], [], []
     for rank in range(world):
@@ -90,28 +91,34 @@ def fresh_next_epoch(data: Path, shape: tuple[int, int], next_rows: int = 6) -> 
     return [first_keys_of_epoch(rows_on(data, rank, *shape), 1, next_rows) for rank in range(shape[0])]
 
 
-CASES = [  # (old shape, rows taken per old rank, new shape); workers 0 = the rank reads in-process, as one reader
+# (old shape, rows taken per old rank, new shape); workers 0 = the rank reads in-process, as one reader
+CASES = [
     ((2, 0), [10, 20], (1, 0)),
     ((2, 0), [3, 40], (3, 0)),  # rank 1 well into its shards, rank 0 barely started
     ((1, 0), [25], (2, 0)),  # more ranks than before
-    ((2, 0), [1000, 30], (3, 0)),  # rank 0 has finished the epoch and waits (lockstep): a resume inside the wait
+    # rank 0 has finished the epoch and waits (lockstep): a resume inside the wait
+    ((2, 0), [1000, 30], (3, 0)),
     ((2, 0), [0, 0], (1, 0)),  # nothing trained yet
     ((2, 2), [20, 7], (3, 0)),  # 2 DataLoader workers per rank before
     ((2, 0), [30, 12], (2, 2)),  # same ranks, other workers
 ]
 
 
-@pytest.mark.parametrize("old, takes, new", CASES, ids=[f"{o[0]}x{o[1]}-{t}-{n[0]}x{n[1]}" for o, t, n in CASES])
-def test_every_chunk_of_the_epoch_once_and_the_next_epoch_the_new_shapes(corpus, epoch, tmp_path, old, takes, new):
+@pytest.mark.parametrize("old, takes, new", CASES,
+                         ids=[f"{o[0]}x{o[1]}-{t}-{n[0]}x{n[1]}" for o, t, n in CASES])
+def test_every_chunk_of_the_epoch_once_and_the_next_epoch_the_new_shapes(corpus, epoch, tmp_path, old, takes,
+                                                                         new):
     seen, states = train_part(corpus, old, takes, tmp_path)
     rest, nxt, _ = finish_epoch(corpus, new, states)
     trained = Counter(seen + rest)
-    assert trained == epoch, ({k: n for k, n in trained.items() if n != 1}, sorted(set(epoch) - set(trained))[:5])
+    assert trained == epoch, ({k: n for k, n in trained.items() if n != 1},
+                              sorted(set(epoch) - set(trained))[:5])
     assert nxt == fresh_next_epoch(corpus, new)
 
 
 def test_a_reshape_of_a_reshape_in_the_same_epoch(corpus, epoch, tmp_path):
-    """2 -> 3 ranks, some rows, then 3 -> 1 rank x 2 workers: the dealt shards, read in part again, deal again."""
+    """2 -> 3 ranks, some rows, then 3 -> 1 rank x 2 workers: the dealt shards, read in part again, deal
+    again."""
     seen, states = train_part(corpus, (2, 0), [10, 40], tmp_path)
     more, states = train_part(corpus, (3, 0), [30, 2, 50], tmp_path, states)
     rest, nxt, _ = finish_epoch(corpus, (1, 2), states)
@@ -167,11 +174,12 @@ def test_every_new_rank_deals_the_same_in_another_process(corpus, tmp_path):
     """The deal is a function of the states and the seed alone: another process (another hash seed) gets the
     same."""
     _, states = train_part(corpus, (2, 2), [20, 7], tmp_path)
-    here = [summary(reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True).to_dict()) for r in range(3)]
+    here = [summary(reshape_state(states, rows_on(corpus, r, 3, 0).docs.stream, 0, True).to_dict())
+            for r in range(3)]
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from tests.data.test_reshape import *; "
             f"states = load_state({str(tmp_path / 'states.pt')!r}); "
-            f"print(json.dumps([summary(reshape_state(states, rows_on(Path({str(corpus)!r}), r, 3, 0).docs.stream, "
-            "0, True).to_dict()) for r in range(3)]))")
+            f"print(json.dumps([summary(reshape_state(states, rows_on(Path({str(corpus)!r}), "
+            "r, 3, 0).docs.stream, 0, True).to_dict()) for r in range(3)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -179,14 +187,16 @@ def test_every_new_rank_deals_the_same_in_another_process(corpus, tmp_path):
 
 
 def summary(state: dict) -> dict:
-    """What a dealt state decides: each reader's shards, starts, position and buffer keys; the loose documents."""
+    """What a dealt state decides: each reader's shards, starts, position and buffer keys; the loose
+    documents."""
     slots = {}
     for slot, s in state["docs"]["slot_states"].items():
         p = s["position"]
         slots[str(slot)] = [s["shards"], sorted(s["starts"].items()), p["shard_index"], p["taken"],
                             [(i, m, k) for i, m, k, _ in p["buffer"]]]
     return {"slots": slots, "pending": [d[0] for d in state["docs"]["pending"]],
-            "packer": [d[0] for d in state["packer"]["docs"]], "ready": [[d[0] for d in row] for row in state["ready"]]}
+            "packer": [d[0] for d in state["packer"]["docs"]],
+            "ready": [[d[0] for d in row] for row in state["ready"]]}
 
 
 def test_refusals_say_why(corpus, tmp_path):
@@ -194,9 +204,11 @@ def test_refusals_say_why(corpus, tmp_path):
     stream = rows_on(corpus, 0, 1, 0).docs.stream
     with pytest.raises(ReshapeError, match=r"only with data.epoch_lockstep=true"):
         reshape_state(states, stream, 0, lockstep=False)
-    # this run keeps lockstep, the checkpoint's did not: the refusal says so (not "set data.epoch_lockstep=true")
-    with pytest.raises(ReshapeError, match=r"the checkpoint was written with data.epoch_lockstep=false .*resumes "
-                                           r"only on the number of ranks and DataLoader workers it was written on"):
+    # this run keeps lockstep, the checkpoint's did not: the refusal says so (not "set
+    # data.epoch_lockstep=true")
+    with pytest.raises(ReshapeError, match=r"the checkpoint was written with data.epoch_lockstep=false "
+                                           r".*resumes only on the number of ranks and DataLoader workers it "
+                                           r"was written on"):
         reshape_state(states, stream, 0, lockstep=True, written_lockstep=False)
     legacy = copy.deepcopy(states)  # as a checkpoint written before reader positions were saved
     for state in legacy:
@@ -204,7 +216,8 @@ def test_refusals_say_why(corpus, tmp_path):
             s["position"], s["drawn"] = None, 3
     with pytest.raises(ReshapeError, match=r"written before reader positions were saved"):
         reshape_state(legacy, stream, 0, lockstep=True)
-    too_many = rows_on(corpus, 0, 3, 2).docs.stream  # 6 readers for 5 shards: refused now, not at the next epoch
+    # 6 readers for 5 shards: refused now, not at the next epoch
+    too_many = rows_on(corpus, 0, 3, 2).docs.stream
     with pytest.raises(DataStreamError, match=r"5 shards cannot feed 6 readers"):
         reshape_state(states, too_many, 2, lockstep=True)
     drifted = [states[0], {**states[1], "docs": {**states[1]["docs"], "lockstep_epoch": 2}}]

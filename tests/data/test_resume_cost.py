@@ -2,8 +2,8 @@
 
 The corpus: 120 shards of 20 documents (a few bad ones, skipped and counted under on_error=skip, and one shard
 the manifest counts wrong). A resumed slot reports what it read to restore its position (`restore_read`):
-at most the samples it had taken from its current shard, wherever the epoch stood. The replay that a checkpoint
-from before positions were saved falls back to reads everything before the position.
+at most the samples it had taken from its current shard, wherever the epoch stood. The replay that a
+checkpoint from before positions were saved falls back to reads everything before the position.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _legacy(state: dict) -> dict:
                                      for slot, s in state["slot_states"].items()}}
 
 
-def _resume(make, stop_after: int, tmp_path: Path, legacy: bool = False) -> tuple[list[str], list[str], DocumentLoader]:
+def _resume(make, stop_after: int, tmp_path: Path,
+            legacy: bool = False) -> tuple[list[str], list[str], DocumentLoader]:
     """(keys before the stop, keys after the resume, the resumed loader)."""
     first = make()
     head = [d.key for d in itertools.islice(iter(first), stop_after)]
@@ -104,9 +105,9 @@ def _resume(make, stop_after: int, tmp_path: Path, legacy: bool = False) -> tupl
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), buffer=st.sampled_from([1, 5, BUFFER]))
 def test_a_reader_rebuilt_at_any_draw_continues_exactly(corpus, data, buffer):
-    """Draw k samples, take the position (as the loader keeps it: changes applied to a copy of the buffer, then
-    the checkpoint's plain form), build a new reader there: it draws what the uninterrupted reader drew after
-    k, having read at most the samples taken from the current shard."""
+    """Draw k samples, take the position (as the loader keeps it: changes applied to a copy of the buffer,
+    then the checkpoint's plain form), build a new reader there: it draws what the uninterrupted reader drew
+    after k, having read at most the samples taken from the current shard."""
     stream = _stream(corpus, shuffle_buffer=buffer)
     shards = corpus["shards"][:8]
 
@@ -160,12 +161,14 @@ def uninterrupted(corpus) -> list[str]:
 
 @pytest.fixture(scope="module")
 def resumes(corpus, uninterrupted, tmp_path_factory) -> dict:
-    """{(fraction, legacy): (head, tail, per-slot restore_read)} for resumes at 10, 50 and 90% of the epoch."""
+    """{(fraction, legacy): (head, tail, per-slot restore_read)} for resumes at 10, 50 and 90% of the
+    epoch."""
     out = {}
     for fraction in (0.1, 0.5, 0.9):
         for legacy in (False, True):
             head, tail, loader = _resume(lambda: DocumentLoader(_stream(corpus, epochs=1), num_workers=2),
-                                         int(fraction * len(uninterrupted)), tmp_path_factory.mktemp("r"), legacy)
+                                         int(fraction * len(uninterrupted)), tmp_path_factory.mktemp("r"),
+                                         legacy)
             out[fraction, legacy] = (head, tail, dict(loader.restore_read), loader.skipped())
     return out
 
@@ -200,8 +203,8 @@ def test_resume_reads_at_most_one_shard_per_slot_wherever_the_epoch_stood(resume
 
 @pytest.mark.parametrize("stop_after", [3 * CHUNK, 333, 1250])  # 1250: past this rank's first epoch
 def test_two_ranks_two_workers_consume_each_key_exactly_once(corpus, tmp_path, stop_after):
-    """Each rank's documents across a resume (state through torch.save / weights_only load) are exactly those of
-    the uninterrupted run, in order; together the ranks read every good document once per epoch."""
+    """Each rank's documents across a resume (state through torch.save / weights_only load) are exactly those
+    of the uninterrupted run, in order; together the ranks read every good document once per epoch."""
     seen = collections.Counter()
     for rank in range(2):
         def make(rank=rank):
@@ -294,9 +297,9 @@ def test_a_changed_current_shard_is_refused_or_counted(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_run_reports_what_it_read(demo_data, tmp_path):
-    """`python -m trainer.train` resumed at step 2: the resume line, the metrics line of step 3 (logged although
-    log_every=2) and summary.json give resume_samples_read and resume_bytes_read: a part of one 200-document
-    shard (one reader: 1 rank, 1 DataLoader worker). A fresh run's summary holds None."""
+    """`python -m trainer.train` resumed at step 2: the resume line, the metrics line of step 3 (logged
+    although log_every=2) and summary.json give resume_samples_read and resume_bytes_read: a part of one
+    200-document shard (one reader: 1 rank, 1 DataLoader worker). A fresh run's summary holds None."""
     run_dir = tmp_path / "run"
     common = ("train.max_steps=4", "train.checkpoint_every=2", "train.eval_every=0", "logging.log_every=2")
     run_train(run_dir, demo_data, *common)

@@ -31,7 +31,8 @@ def rows_and_truth(demo_data):
             text = sample["txt"].decode()
             truth[sample["__key__"]] = tok.encode(text, add_special_tokens=False).ids + [ids.eos]
     stream = DocumentStream(shards, demo_data / "tokenizer", ids.eos, seed=0, epochs=1,
-                            expected_docs={s["name"]: s["docs"] for s in manifest["splits"]["train"]["shards"]})
+                            expected_docs={s["name"]: s["docs"]
+                                           for s in manifest["splits"]["train"]["shards"]})
     row_stream = RowStream(DocumentLoader(stream, num_workers=2), SEQ_LEN, PackingConfig(buffer_size=128))
     rows = row_stream.take(10**9)
     return manifest, truth, rows, row_stream.stats, ids

@@ -1,9 +1,10 @@
 """Shard sources that stall, fail or outlive their reader: nothing hangs, nothing is left running.
 
-Real parts only: the standard library's HTTP server in a thread of this process (tests.helpers.ShardServer, here
-also answering 503 for chosen files), a listening socket that never answers, real pipe: commands, and real
-`python -m trainer.train` runs on the tiny model that are sent SIGTERM or killed with SIGKILL. Processes are
-found with psutil: the shard commands are the trainer's descendants running `sleep <marker>`, `cat` or `curl`.
+Real parts only: the standard library's HTTP server in a thread of this process (tests.helpers.ShardServer,
+here also answering 503 for chosen files), a listening socket that never answers, real pipe: commands, and
+real `python -m trainer.train` runs on the tiny model that are sent SIGTERM or killed with SIGKILL. Processes
+are found with psutil: the shard commands are the trainer's descendants running `sleep <marker>`, `cat` or
+`curl`.
 """
 
 from __future__ import annotations
@@ -68,17 +69,19 @@ def silent():
 
 
 def marker() -> str:
-    """A `sleep` duration no other process on the machine uses: the shard commands' processes are found by it."""
+    """A `sleep` duration no other process on the machine uses: the shard commands' processes are found by
+    it."""
     return str(random.randint(7_000_000, 7_999_999))
 
 
 def read(demo_data: Path, urls, **kw) -> tuple[list[str], DocumentLoader]:
-    """The keys of one epoch read from `urls` in this process (DocumentStream, DocumentLoader without workers)."""
+    """The keys of one epoch read from `urls` in this process (DocumentStream, DocumentLoader without
+    workers)."""
     data = DataConfig(urls=urls, tokenizer=str(demo_data / "tokenizer"), on_error=kw.pop("on_error", "raise"))
     source = resolve_source(data)
     eos = special_ids(load_tokenizer(source.tokenizer_dir)).eos
-    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=3, shuffle_buffer=16, chunk_docs=16,
-                            epochs=1, on_error=data.on_error, **kw)
+    stream = DocumentStream(source.train_urls, source.tokenizer_dir, eos, seed=3, shuffle_buffer=16,
+                            chunk_docs=16, epochs=1, on_error=data.on_error, **kw)
     loader = DocumentLoader(stream, num_workers=0)
     return [d.key for d in loader], loader
 
@@ -92,17 +95,18 @@ def processes_running(mark: str) -> list[psutil.Process]:
     return found
 
 
-# -- a stalled source is a transient failure ---------------------------------------------------------------------
+# -- a stalled source is a transient failure --------------------------------------------------------------
 
 
 def test_a_stalled_pipe_command_is_retried_then_named_and_killed(demo_data):
     """A command that writes part of a shard and then nothing: after read_timeout_s without a byte the read
-    fails (transiently), is retried from the shard's start, and then stops with the URL and "no data for 1 s"."""
+    fails (transiently), is retried from the shard's start, and then stops with the URL and
+    "no data for 1 s"."""
     mark = marker()
     url = f"pipe:head -c 30000 {demo_data}/train-000000.tar; exec sleep {mark}"
     t0 = time.perf_counter()
-    with pytest.raises(DataStreamError, match=rf"^{re.escape(url)}: cannot read shard \(after sample '[^']+'; "
-                                              r"2 attempts\): no data for 1 s"):
+    with pytest.raises(DataStreamError, match=rf"^{re.escape(url)}: cannot read shard "
+                                              r"\(after sample '[^']+'; 2 attempts\): no data for 1 s"):
         read(demo_data, url, retries=1, retry_backoff_s=0.05, read_timeout_s=1)
     assert 2 <= time.perf_counter() - t0 < 10
     assert processes_running(f"sleep {mark}") == []
@@ -117,7 +121,7 @@ def test_a_server_that_never_answers_is_skipped_under_on_error_skip(demo_data, h
     assert processes_running(silent) == []  # no curl left waiting on it
 
 
-# -- HTTP errors: data.retries is the only retry policy ---------------------------------------------------------
+# -- HTTP errors: data.retries is the only retry policy --------------------------------------------------
 
 
 @pytest.mark.parametrize("retries", [0, 2])
@@ -127,21 +131,23 @@ def test_http_503_is_tried_exactly_retries_plus_one_times(demo_data, http, retri
     http.statuses["train-000001.tar"] = 503
     url = f"{http.base}/train-000001.tar"
     t0 = time.perf_counter()
-    with pytest.raises(DataStreamError, match=rf"^{re.escape(url)}: cannot read shard .*HTTP 503 Service Unavailable"):
+    with pytest.raises(DataStreamError,
+                       match=rf"^{re.escape(url)}: cannot read shard .*HTTP 503 Service Unavailable"):
         read(demo_data, url, retries=retries)
     elapsed = time.perf_counter() - t0
     assert http.curl_gets("train-000001.tar") == retries + 1
     assert elapsed < 3 if retries == 0 else 3 <= elapsed < 6  # backoff 1 s + 2 s
 
 
-# -- real training runs: SIGTERM while stalled, kill -9, abandoned shards ----------------------------------------
+# -- real training runs: SIGTERM while stalled, kill -9, abandoned shards ---------------------------------
 
 
-def start(run_dir: Path, demo_data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.Popen:
-    """`python -m trainer.train` (or `launcher` + trainer.train) in the background (its own session), output to
-    files beside run_dir."""
-    cmd = [*(launcher or [sys.executable, "-m"]), "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
-           *SMALL, "train.eval_every=0", "train.checkpoint_every=0", *overrides]
+def start(run_dir: Path, demo_data: Path, *overrides: str,
+          launcher: list[str] | None = None) -> subprocess.Popen:
+    """`python -m trainer.train` (or `launcher` + trainer.train) in the background (its own session), output
+    to files beside run_dir."""
+    cmd = [*(launcher or [sys.executable, "-m"]), "trainer.train", f"data.path={demo_data}",
+           f"hydra.run.dir={run_dir}", *SMALL, "train.eval_every=0", "train.checkpoint_every=0", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}.out", "a")  # noqa: SIM115 (closed with the process)
@@ -150,7 +156,8 @@ def start(run_dir: Path, demo_data: Path, *overrides: str, launcher: list[str] |
 
 
 def output(run_dir: Path) -> str:
-    return (run_dir.parent / f"{run_dir.name}.out").read_text() + (run_dir.parent / f"{run_dir.name}.err").read_text()
+    return ((run_dir.parent / f"{run_dir.name}.out").read_text()
+            + (run_dir.parent / f"{run_dir.name}.err").read_text())
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -158,7 +165,8 @@ def steps_logged(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def shard_commands(proc: subprocess.Popen, run_dir: Path, *marks: str, timeout: float = 90) -> list[psutil.Process]:
+def shard_commands(proc: subprocess.Popen, run_dir: Path, *marks: str,
+                   timeout: float = 90) -> list[psutil.Process]:
     """The trainer's descendants running the shard commands, once a command holding each of `marks` runs."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -229,7 +237,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def small_shard(tmp_path_factory) -> Path:
-    """A shard of 80 short documents (~60 tokens each): a reader's first chunk (64 documents) makes ~3 steps."""
+    """A shard of 80 short documents (~60 tokens each): a reader's first chunk (64 documents) makes ~3
+    steps."""
     path = tmp_path_factory.mktemp("small") / "small-000000.tar"
     with tarfile.open(path, "w") as tar:
         for i in range(80):
@@ -242,11 +251,11 @@ def small_shard(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_zero(demo_data, small_shard, tmp_path,
-                                                                                     num_workers):
-    """The only shard writes its 80 documents, then nothing (and never ends): the run trains on what came, then
-    blocks in the read, in the trainer itself (0 workers) or in its DataLoader worker (1). SIGTERM ends it within
-    seconds: the checkpoint of the last finished step, exit 0, the command gone."""
+def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_zero(demo_data, small_shard,
+                                                                                     tmp_path, num_workers):
+    """The only shard writes its 80 documents, then nothing (and never ends): the run trains on what came,
+    then blocks in the read, in the trainer itself (0 workers) or in its DataLoader worker (1). SIGTERM ends
+    it within seconds: the checkpoint of the last finished step, exit 0, the command gone."""
     mark = marker()
     run_dir = tmp_path / "run"
     proc = start(run_dir, demo_data, f"data.num_workers={num_workers}", "train.max_steps=1000",
@@ -256,7 +265,8 @@ def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_z
         commands = shard_commands(proc, run_dir, f"sleep {mark}")
         groups = groups_of(commands)
         deadline, logged, since = time.time() + 90, -1, time.time()
-        while time.time() < deadline and not (logged > 0 and time.time() - since > 2):  # steps stopped: blocked
+        # steps stopped: blocked
+        while time.time() < deadline and not (logged > 0 and time.time() - since > 2):
             if steps_logged(run_dir) != logged:
                 logged, since = steps_logged(run_dir), time.time()
             time.sleep(0.1)
@@ -281,15 +291,16 @@ def test_sigterm_while_a_reader_is_stalled_checkpoints_the_last_step_and_exits_z
 @pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_kill_9_of_the_trainer_leaves_no_shard_command_running(demo_data, tmp_path, silent, num_workers):
-    """kill -9 of the trainer while its readers wait on a pipe: command with children (`sleep | cat`) and, with
-    two workers, on curl: no process of theirs, nor of their process groups, survives."""
+    """kill -9 of the trainer while its readers wait on a pipe: command with children (`sleep | cat`) and,
+    with two workers, on curl: no process of theirs, nor of their process groups, survives."""
     mark = marker()
     urls = [f"pipe:sleep {mark} | cat"] + ([f"{silent}/train-{mark}.tar"] if num_workers else [])
     run_dir = tmp_path / "run"
     proc = start(run_dir, demo_data, f"data.num_workers={num_workers}", "train.max_steps=1000",
                  "data.read_timeout_s=600", f"data.urls=[{','.join(repr(u) for u in urls)}]")
     try:
-        commands = shard_commands(proc, run_dir, f"sleep {mark}", *([f"train-{mark}.tar"] if num_workers else []))
+        commands = shard_commands(proc, run_dir, f"sleep {mark}",
+                                  *([f"train-{mark}.tar"] if num_workers else []))
         groups = groups_of(commands)
         proc.kill()
         proc.wait()
@@ -299,8 +310,8 @@ def test_kill_9_of_the_trainer_leaves_no_shard_command_running(demo_data, tmp_pa
 
 
 def test_a_shard_read_to_its_end_leaves_no_child_of_its_command(demo_data):
-    """Each shard's command leaves a child running (`sleep &`, its output elsewhere) and exits: once the shard is
-    read, the command's process group is killed, the child with it."""
+    """Each shard's command leaves a child running (`sleep &`, its output elsewhere) and exits: once the shard
+    is read, the command's process group is killed, the child with it."""
     mark = marker()
     keys, _ = read(demo_data, [f"pipe:sleep {mark} >/dev/null 2>&1 & cat {demo_data}/train-{i:06d}.tar"
                                for i in range(2)])
@@ -353,13 +364,14 @@ def _rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_one_rank_stalled_in_a_read_checkpoints_every_rank_and_resumes_exactly(demo_data, tmp_path):
-    """Two ranks (torchrun, gloo). Rank 1's shard source stalls at its end while the flag file exists (the pipe:
-    command sees RANK): rank 1 trains on the first 64 documents (the stream tokenizes 64 at a time), then blocks
-    inside its read, rank 0 waits for it in the step's collective. SIGTERM to
-    rank 1 alone: both ranks checkpoint the last finished step together and exit 0 (before, rank 1 raised and the
-    job died). Resumed without the stall, the run's losses are those of a run never interrupted: rank 0's rows
-    of the abandoned step were put back, none lost or doubled."""
+def test_sigterm_to_the_one_rank_stalled_in_a_read_checkpoints_every_rank_and_resumes_exactly(
+        demo_data, tmp_path):
+    """Two ranks (torchrun, gloo). Rank 1's shard source stalls at its end while the flag file exists (the
+    pipe: command sees RANK): rank 1 trains on the first 64 documents (the stream tokenizes 64 at a time),
+    then blocks inside its read, rank 0 waits for it in the step's collective. SIGTERM to
+    rank 1 alone: both ranks checkpoint the last finished step together and exit 0 (before, rank 1 raised and
+    the job died). Resumed without the stall, the run's losses are those of a run never interrupted: rank 0's
+    rows of the abandoned step were put back, none lost or doubled."""
     shards = _small_shards(tmp_path, 2, docs=80)  # ~3 steps per epoch
     flag, mark = tmp_path / "stall", marker()
     urls = [f'pipe:cat {s}; if [ -e {flag} ] && [ "$RANK" = 1 ]; then exec sleep {mark}; fi' for s in shards]
@@ -380,7 +392,8 @@ def test_sigterm_to_the_one_rank_stalled_in_a_read_checkpoints_every_rank_and_re
     try:
         shard_commands(proc, run_dir, f"sleep {mark}", timeout=180)  # rank 1 reached the stall
         deadline, logged, since = time.time() + 90, -1, time.time()
-        while time.time() < deadline and not (logged > 0 and time.time() - since > 2):  # steps stopped: blocked
+        # steps stopped: blocked
+        while time.time() < deadline and not (logged > 0 and time.time() - since > 2):
             if steps_logged(run_dir) != logged:
                 logged, since = steps_logged(run_dir), time.time()
             time.sleep(0.1)
@@ -404,7 +417,9 @@ def test_sigterm_to_the_one_rank_stalled_in_a_read_checkpoints_every_rank_and_re
         assert resumed.wait(timeout=300) == 0, output(run_dir)[-3000:]
     finally:
         stop(resumed)
-    losses = {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    expected = {m["step"]: m["loss"] for m in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())}
+    losses = {m["step"]: m["loss"]
+              for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    expected = {m["step"]: m["loss"]
+                for m in map(json.loads, (reference / "metrics.jsonl").read_text().splitlines())}
     assert sorted(losses) == list(range(1, 11))
     assert losses == pytest.approx(expected, abs=1e-6), "the resumed run trained on other rows"

@@ -1,9 +1,10 @@
 """The data stream's typed states (trainer.data.state) and the one interface every row source implements
 (trainer.data.pipeline.RowSource).
 
-The states of real checkpoints of every format (tests/fixtures: v0, v1 single source, v1 mixture) read into typed
-objects and written back give the same dicts, plus what the current version adds; the sources that the trainer
-draws from (RowStream, Mixture, RowPrefetcher) each have every member of RowSource, with its signature.
+The states of real checkpoints of every format (tests/fixtures: v0, v1 single source, v1 mixture) read into
+typed objects and written back give the same dicts, plus what the current version adds; the sources that the
+trainer draws from (RowStream, Mixture, RowPrefetcher) each have every member of RowSource, with its
+signature.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ CHECKPOINTS = [("v0", "ddp"), ("v1", "ddp"), ("v1", "mixture")]
 def same(a, b) -> bool:
     """Deep equality of checkpoint data: dicts, lists and tuples element by element, numpy arrays by value."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and np.array_equal(a, b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
@@ -46,8 +48,9 @@ def data_state(version: str, kind: str) -> dict:
 
 
 def with_current_keys(old: dict) -> dict:
-    """An old data state dict as the current version writes it: + "version" (every stream state), + the mixer's
-    "dealt" (False for each source); a v0 reader state gains the keys SlotState has since (their defaults)."""
+    """An old data state dict as the current version writes it: + "version" (every stream state), + the
+    mixer's "dealt" (False for each source); a v0 reader state gains the keys SlotState has since (their
+    defaults)."""
     if is_mixture(old):
         mixture = {**old["docs"]["mixture"], "dealt": [False] * len(old["docs"]["mixture"]["names"])}
         return {"version": STATE_VERSION, **old, "docs": {**old["docs"], "mixture": mixture},
@@ -80,7 +83,8 @@ def test_a_mixture_state_is_not_one_sources_and_one_sources_is_not_a_mixtures():
 
 
 def test_the_epoch_a_state_is_in():
-    """A rank whose documents of the epoch ended (`ended`) has counted the epoch already: it is done with it."""
+    """A rank whose documents of the epoch ended (`ended`) has counted the epoch already: it is done with
+    it."""
     typed = stream_state(data_state("v1", "ddp"))
     assert typed.epoch == typed.docs.lockstep_epoch
     typed.ended, typed.docs.lockstep_epoch = True, 3

@@ -1,8 +1,9 @@
 """Token ids stored by trainer.prepare and read by the stream instead of tokenizing: the same rows either way.
 
-The stored ids are checked against the tokenizer itself (tokenizers' `encode`, tar members read with the standard
-library's tarfile), and rows read from them against rows tokenized from the text, for the demo corpus and a chat
-corpus (loss on the assistant's turns: the stored token ranges against the mask from the text's offsets)."""
+The stored ids are checked against the tokenizer itself (tokenizers' `encode`, tar members read with the
+standard library's tarfile), and rows read from them against rows tokenized from the text, for the demo corpus
+and a chat corpus (loss on the assistant's turns: the stored token ranges against the mask from the text's
+offsets)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_stored_ids_are_the_tokenizers_encoding_of_the_text(which, demo_data, ch
             for key, fields in members_of(shard).items():
                 text = fields["txt"].decode()
                 ids, check = fields["ids"][:-4], fields["ids"][-4:]  # the ids, then their check (ids_check)
-                assert np.frombuffer(ids, dtype="<u2").tolist() == tok.encode(text, add_special_tokens=False).ids, key
+                assert (np.frombuffer(ids, dtype="<u2").tolist()
+                        == tok.encode(text, add_special_tokens=False).ids), key
                 txt = fields["txt"]
                 ends = len(txt).to_bytes(8, "little") + txt[:64] + txt[-64:]
                 assert int.from_bytes(check, "little") == zlib.crc32(ids, zlib.crc32(ends)), key
@@ -130,9 +132,11 @@ def test_resume_from_a_saved_state_holding_stored_ids_continues_exactly(demo_dat
     head = [(d.key, d.tokens.tolist()) for d in itertools.islice(iter(first), stop_after)]
     state = first.state_dict()
     buffered = [item[3] for slot in state["slot_states"].values() for item in slot["position"]["buffer"]]
-    assert any(isinstance(data, tuple) for data in buffered)  # the buffer (300) reaches past the first shard (200)
+    # the buffer (300) reaches past the first shard (200)
+    assert any(isinstance(data, tuple) for data in buffered)
     save_state(state, tmp_path / "state.pt")  # the buffer's items of earlier shards hold their stored ids
-    # The resumed run may read the text (e.g. shards prepared again with --text-only): the buffered ids still work.
+    # The resumed run may read the text (e.g. shards prepared again with --text-only):
+    # the buffered ids still work.
     second = make(stored_of(demo_data) if resumed_reads == "ids" else None)
     second.load_state_dict(load_state(tmp_path / "state.pt"))
     assert head + [(d.key, d.tokens.tolist()) for d in second] == uninterrupted

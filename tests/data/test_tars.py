@@ -1,5 +1,6 @@
-"""trainer.data.tars against webdataset's own tar iterators: the same samples from the same bytes, errors where
-they raise. The reference (`tar_file_expander` + `group_by_keys` over `tarfile`) shares no code with the reader."""
+"""trainer.data.tars against webdataset's own tar iterators: the same samples from the same bytes, errors
+where they raise. The reference (`tar_file_expander` + `group_by_keys` over `tarfile`) shares no code with the
+reader."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ CASES = {
     "meta files and names without a field": [("__meta__", b"m"), ("__info__/x.txt", b"i"), ("README", b"r"),
                                              ("a.txt", b"1"), ("dir/noext", b"n"), ("b.txt", b"2")],
     "long and unicode names": [(f"{LONG}.txt", b"1"), (f"{LONG}.ids", b"2"), ("Grüße/日本.txt", b"3")],
-    "members across chunks": [("a.txt", b"a" * (CHUNK + 1000)), ("a.ids", b"\x00" * 513), ("b.txt", b"b" * 3 * CHUNK)],
+    "members across chunks": [("a.txt", b"a" * (CHUNK + 1000)), ("a.ids", b"\x00" * 513),
+                              ("b.txt", b"b" * 3 * CHUNK)],
     "a key split by another key": [("a.txt", b"1"), ("b.txt", b"2"), ("a.ids", b"3")],
 }
 
@@ -68,7 +70,8 @@ CASES = {
 def test_same_samples_as_webdataset(case, fmt):
     members = CASES[case]
     if fmt == tarfile.USTAR_FORMAT and case == "long and unicode names":
-        members = [(name.replace("x" * 150, "x" * 90), data) for name, data in members]  # ustar: prefix + name
+        # ustar: prefix + name
+        members = [(name.replace("x" * 150, "x" * 90), data) for name, data in members]
     data = tar_of(members, fmt)
     expected = _reference(data)
     assert expected, "the reference read no sample: the case tests nothing"
@@ -108,7 +111,8 @@ def test_damaged_shards_raise_where_webdataset_raises(damage):
         data = b"hello, this is not a tar file at all\n" * 40
     else:
         data = b""
-    with pytest.raises(Exception):  # noqa: B017 - the reference's own error types vary (ReadError, ValueError)
+    # the reference's own error types vary (ReadError, ValueError)
+    with pytest.raises(Exception):  # noqa: B017
         _reference(data)
     with pytest.raises(TarFormatError):
         _ours(data)
@@ -123,7 +127,7 @@ def test_sparse_members_are_refused_by_name():
         _ours(bytes(header) + b"\0" * 1024)
 
 
-# -- sizes: negative, past the file, over the bound (issue 42; issue 46's 7e9-byte header) ------------------------
+# -- sizes: negative, past the file, over the bound (issue 42; issue 46's 7e9-byte header) -------------------
 
 
 def _read(path) -> list[dict]:
@@ -133,11 +137,12 @@ def _read(path) -> list[dict]:
 
 @pytest.mark.parametrize("case", sorted(NEGATIVE))
 def test_a_negative_size_is_refused_by_name_and_never_reads_backwards(case, tmp_path):
-    """A negative base-256 size moved the read position backwards: the first members again and again, exit 0 (a
-    pax header), or a negative member read as an empty document."""
+    """A negative base-256 size moved the read position backwards: the first members again and again, exit 0
+    (a pax header), or a negative member read as an empty document."""
     path = tmp_path / "neg.tar"
     path.write_bytes(NEGATIVE[case])
-    with pytest.raises(ShardReadError, match=r"TarFormatError: .*: a negative size \(-\d+\) in its header") as info:
+    with pytest.raises(ShardReadError,
+                       match=r"TarFormatError: .*: a negative size \(-\d+\) in its header") as info:
         _read(path)
     assert not info.value.transient  # the bytes are as they are: not retried
     with pytest.raises(TarFormatError, match="a negative size"):
@@ -164,7 +169,8 @@ def test_a_size_past_the_file_is_refused_before_reading(tmp_path):
         _read(path)
     tracemalloc.start()
     try:  # a stream of unknown length (a pipe): read in bounded reads to its end, then the same kind of error
-        with pytest.raises(TarFormatError, match=r"a\.txt: unexpected end of data \(9728 of its 7000000000 bytes"):
+        with pytest.raises(TarFormatError,
+                           match=r"a\.txt: unexpected end of data \(9728 of its 7000000000 bytes"):
             _ours(path.read_bytes(), step=4096)
         assert tracemalloc.get_traced_memory()[1] < 4 << 20
     finally:
@@ -172,19 +178,23 @@ def test_a_size_past_the_file_is_refused_before_reading(tmp_path):
 
 
 def test_a_claim_past_the_file_is_no_memory_error_under_an_address_space_cap(tmp_path):
-    """The 7e9 claim read under a 2 GiB address-space cap (as the issue's run had): one TarFormatError line."""
+    """The 7e9 claim read under a 2 GiB address-space cap (as the issue's run had):
+    one TarFormatError line."""
     path = tmp_path / "huge.tar"
     path.write_bytes(with_size(PLAIN[:512], 7 * 10**9) + PLAIN[512:])
     script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
               "from trainer.data.sources import read_shard\n"
-              "try:\n    list(read_shard(sys.argv[1]))\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
-    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+              "try:\n    list(read_shard(sys.argv[1]))\n"
+              "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                         timeout=60)
     assert out.stdout.startswith("ShardReadError TarFormatError: a.txt: its header says 7,000,000,000"), out
 
 
 def test_a_member_over_the_bound_is_skipped_unread_and_named(tmp_path):
     """max_member_bytes: a member's data past the bound is never held (memory stays far below its 300 MB), and
-    its field names it (a TooLargeMember) so the stream can refuse or count that one sample; the shard reads on."""
+    its field names it (a TooLargeMember) so the stream can refuse or count that one sample; the shard reads
+    on."""
     path = sparse_shard(tmp_path / "big.tar")
     tracemalloc.start()
     try:
@@ -199,21 +209,22 @@ def test_a_member_over_the_bound_is_skipped_unread_and_named(tmp_path):
     assert isinstance(marker, TooLargeMember) and isinstance(marker, TarFormatError)
     assert (marker.url, marker.name, marker.key, marker.field, marker.size, marker.limit) == (
         str(path), "big.txt", "big", "txt", BIG, 2**20)
-    assert str(marker) == "member 'big.txt' is 314,572,800 bytes, over the bound of 1,048,576 bytes (refused from " \
-                          "its header, not read)"
+    assert str(marker) == "member 'big.txt' is 314,572,800 bytes, over the bound of 1,048,576 bytes " \
+                          "(refused from its header, not read)"
 
 
 def test_members_within_the_bound_are_read_as_before():
     data = tar_of(CASES["members across chunks"])
-    assert _ours(data) == list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK)) == _reference(data)
+    assert (_ours(data) == list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK))
+            == _reference(data))
     over = list(tar_samples(io.BytesIO(data), URL, max_member_bytes=3 * CHUNK - 1))
     assert isinstance(over[1]["txt"], TooLargeMember) and over[0] == _reference(data)[0]
 
 
 def test_a_compressed_shard_is_bounded_too():
-    """A gzip shard is read by tarfile (it decompresses): a member over the bound is passed over in small reads,
-    as the bound asks (a 48 MB member of zeros, 220 KB compressed; peak memory follows the decompressor's bursts,
-    ~7 MB at level 1 whatever the member's size, ~30 MB at level 9)."""
+    """A gzip shard is read by tarfile (it decompresses): a member over the bound is passed over in small
+    reads, as the bound asks (a 48 MB member of zeros, 220 KB compressed; peak memory follows the
+    decompressor's bursts, ~7 MB at level 1 whatever the member's size, ~30 MB at level 9)."""
     big = 48 * 2**20
     out = io.BytesIO()
     with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=1) as packed, \

@@ -1,11 +1,13 @@
-"""trainer.data.tars against the standard library's `tarfile` (through webdataset's tar iterators, the reference of
-tests/data/test_tars.py) on generated tars: valid ones written by `tarfile` (random names, sizes, types, pax and
-GNU long names), then damaged: header bytes overwritten (the checksum made right again, or not), or the file cut.
+"""trainer.data.tars against the standard library's `tarfile` (through webdataset's tar iterators, the
+reference of tests/data/test_tars.py) on generated tars: valid ones written by `tarfile` (random names, sizes,
+types, pax and GNU long names), then damaged: header bytes overwritten (the checksum made right again, or
+not), or the file cut.
 
-Where the reference reads the tar, `tar_samples` gives the same samples; where it fails, `tar_samples` raises a
-TarFormatError and nothing else; either way within a bounded time and without reading backwards (a reader that
-loops is caught by the alarm, or by yielding more samples than the tar has members). The reader is stricter in a
-few places, on purpose: a negative size and a sparse member are refused where `tarfile` reads on.
+Where the reference reads the tar, `tar_samples` gives the same samples; where it fails, `tar_samples` raises
+a TarFormatError and nothing else; either way within a bounded time and without reading backwards (a reader
+that loops is caught by the alarm, or by yielding more samples than the tar has members). The reader is
+stricter in a few places, on purpose: a negative size and a sparse member are refused where `tarfile` reads
+on.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from trainer.data.tars import TarFormatError, TooLargeMember, tar_samples
 
 URL = "/d/fuzz.tar"
 SECONDS_PER_EXAMPLE = 2.0
-KINDS = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
-         "fifo": tarfile.FIFOTYPE, "chardev": tarfile.CHRTYPE, "contiguous": tarfile.CONTTYPE}
+KINDS = {"file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+         "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE, "chardev": tarfile.CHRTYPE,
+         "contiguous": tarfile.CONTTYPE}
 FORMATS = [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT]
 # Offsets of a header's fields: name, mode, uid, gid, size, mtime, chksum, type, linkname, magic, ..., prefix.
 FIELDS = [0, 100, 108, 116, 124, 136, 148, 156, 157, 257, 263, 345]
@@ -34,8 +37,8 @@ FIELDS = [0, 100, 108, 116, 124, 136, 148, 156, 157, 257, 263, 345]
 def member_names(draw) -> str:
     """Names as shards have them (key.field, subdirectories, meta files, no field), some past ustar's 100
     characters, some not ASCII."""
-    parts = draw(st.lists(st.sampled_from(["a", "b", "dir", "d.v2", "Grüße", "x" * 60, "__meta__"]), min_size=1,
-                          max_size=3))
+    parts = draw(st.lists(st.sampled_from(["a", "b", "dir", "d.v2", "Grüße", "x" * 60, "__meta__"]),
+                          min_size=1, max_size=3))
     field = draw(st.sampled_from([".txt", ".ids", ".TXT", ".seg.json", "", ".txt"]))
     return "/".join(parts) + field
 
@@ -44,7 +47,8 @@ def member_names(draw) -> str:
 def valid_tars(draw) -> bytes:
     fmt = draw(st.sampled_from(FORMATS))
     out = io.BytesIO()
-    pax_global = draw(st.sampled_from([{}, {}, {"comment": "made by a fuzzer"}])) if fmt == tarfile.PAX_FORMAT else {}
+    pax_global = (draw(st.sampled_from([{}, {}, {"comment": "made by a fuzzer"}]))
+                  if fmt == tarfile.PAX_FORMAT else {})
     with tarfile.open(fileobj=out, mode="w", format=fmt, pax_headers=pax_global) as tar:
         for _ in range(draw(st.integers(0, 5))):
             info = tarfile.TarInfo(draw(member_names()))
@@ -96,10 +100,10 @@ def _reference(data: bytes) -> list[dict] | Exception:
 
 
 def _stricter(data: bytes, error: TarFormatError) -> bool:
-    """Whether `error` is one that tar_samples raises on purpose where tarfile reads on: a negative size, a sparse
-    member, a damaged header after the first (tarfile's `next()` takes a bad checksum or a cut header past offset 0
-    for the end of the archive), a pax record that does not parse (tarfile 3.11 drops it and the records after
-    it without a word)."""
+    """Whether `error` is one that tar_samples raises on purpose where tarfile reads on: a negative size, a
+    sparse member, a damaged header after the first (tarfile's `next()` takes a bad checksum or a cut header
+    past offset 0 for the end of the archive), a pax record that does not parse (tarfile 3.11 drops it and the
+    records after it without a word)."""
     if "bad pax header record" in str(error):
         return True
     try:

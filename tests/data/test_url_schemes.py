@@ -44,7 +44,8 @@ class Hung(BaseException):
 
 @pytest.fixture(autouse=True)
 def deadline():
-    """A read that hangs (a command without a timeout) fails the test after 30 s instead of blocking the suite."""
+    """A read that hangs (a command without a timeout) fails the test after 30 s instead of blocking the
+    suite."""
 
     def expired(signum, frame):
         raise Hung("the test ran for 30 s: a shard read hangs")
@@ -71,7 +72,8 @@ def standin(bin_dir: Path, demo_data: Path, program: str, then: str = 'cat "$f"'
     log = bin_dir / f"{program}.log"
     script = bin_dir / program
     script.write_text(f'#!/bin/sh\necho "$*" >> {log}\ncut -d" " -f5 /proc/$$/stat >> {log}.pgid\n'
-                      f'{STANDIN_ARGS[program]} || {{ echo "{program}: unexpected arguments: $*" >&2; exit 2; }}\n'
+                      f'{STANDIN_ARGS[program]} || '
+                      f'{{ echo "{program}: unexpected arguments: $*" >&2; exit 2; }}\n'
                       f'f={demo_data}/"${{2##*/}}"\n{then}\n')
     script.chmod(0o755)
     return log
@@ -85,8 +87,8 @@ def read(demo_data: Path, url: str, **kw) -> tuple[list[str], DocumentLoader]:
     """The keys of one epoch of the shard `url`, read in this process by the stream (data.retries,
     data.read_timeout_s ... in `kw`) and a DocumentLoader without workers."""
     tokenizer = demo_data / "tokenizer"
-    stream = DocumentStream([url], tokenizer, special_ids(load_tokenizer(tokenizer)).eos, shuffle_buffer=1, epochs=1,
-                            **{"retry_backoff_s": 0.05, **kw})
+    stream = DocumentStream([url], tokenizer, special_ids(load_tokenizer(tokenizer)).eos, shuffle_buffer=1,
+                            epochs=1, **{"retry_backoff_s": 0.05, **kw})
     loader = DocumentLoader(stream, num_workers=0)
     return [d.key for d in loader], loader
 
@@ -132,8 +134,9 @@ def test_a_stalled_gs_command_hits_read_timeout_s_and_is_retried_then_named(demo
     mark = marker()
     log = standin(bin_dir, demo_data, "gsutil", f'head -c 30000 "$f"; exec sleep {mark}')
     t0 = time.perf_counter()
-    with pytest.raises(DataStreamError, match=rf"^{re.escape(GS_URL)}: cannot read shard \(after sample '[^']+'; "
-                                              r"2 attempts\): no data for 1 s \(data.read_timeout_s\)"):
+    with pytest.raises(DataStreamError, match=rf"^{re.escape(GS_URL)}: cannot read shard "
+                                              r"\(after sample '[^']+'; 2 attempts\): no data for 1 s "
+                                              r"\(data.read_timeout_s\)"):
         read(demo_data, GS_URL, retries=1, read_timeout_s=1)
     assert 2 <= time.perf_counter() - t0 < 10
     assert calls(log) == [f"cat {GS_URL}"] * 2
@@ -143,9 +146,9 @@ def test_a_stalled_gs_command_hits_read_timeout_s_and_is_retried_then_named(demo
 @pytest.mark.parametrize("detach", ["", "setsid "])
 @pytest.mark.parametrize("how", ["read to its end", "abandoned"])
 def test_no_process_of_the_command_group_outlives_the_read(demo_data, bin_dir, how, detach):
-    """ais leaves a child running (`sleep &`, its output elsewhere) and writes the shard: once the shard is read,
-    or left after its first sample, the command's process group is killed, the child with it; a child detached
-    into a session of its own (`setsid sleep &`, out of the group's reach) too."""
+    """ais leaves a child running (`sleep &`, its output elsewhere) and writes the shard: once the shard is
+    read, or left after its first sample, the command's process group is killed, the child with it; a child
+    detached into a session of its own (`setsid sleep &`, out of the group's reach) too."""
     mark = marker()
     standin(bin_dir, demo_data, "ais", f'{detach}sleep {mark} >/dev/null 2>&1 & cat "$f"')
     samples = read_shard(AIS_URL)
@@ -171,7 +174,8 @@ def test_kill_9_of_the_reader_leaves_no_process_of_the_gs_command(demo_data, bin
     """A process that reads a gs: shard whose command stalls (and left a child) is killed with SIGKILL: the
     parent-death signal ends the command's whole group."""
     mark = marker()
-    standin(bin_dir, demo_data, "gsutil", f'sleep {mark} >/dev/null 2>&1 & head -c 30000 "$f"; exec sleep {mark}')
+    standin(bin_dir, demo_data, "gsutil",
+            f'sleep {mark} >/dev/null 2>&1 & head -c 30000 "$f"; exec sleep {mark}')
     proc = subprocess.Popen([sys.executable, "-c", READER, GS_URL], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -195,9 +199,9 @@ def test_kill_9_of_the_reader_leaves_no_process_of_the_gs_command(demo_data, bin
 
 
 class HubHandler(ShardHandler):
-    """The Hub's resolve endpoint over the demo data: /datasets/org/name/resolve/main/NAME serves NAME (or answers
-    `server.statuses[NAME]`, e.g. 503), and records each request's Authorization header and the command lines of
-    the processes that show it."""
+    """The Hub's resolve endpoint over the demo data: /datasets/org/name/resolve/main/NAME serves NAME (or
+    answers `server.statuses[NAME]`, e.g. 503), and records each request's Authorization header and the
+    command lines of the processes that show it."""
 
     PREFIX = "/datasets/org/name/resolve/main/"
 
@@ -228,16 +232,17 @@ def hub(demo_data, monkeypatch, tmp_path):
     else:
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     with serve_shards(demo_data, HubHandler) as srv:
-        srv.cuts, srv.statuses, srv.auth, srv.exposed, srv.requests = {}, {}, [], [], collections.defaultdict(list)
+        srv.cuts, srv.statuses, srv.auth, srv.exposed, srv.requests = ({}, {}, [], [],
+                                                                       collections.defaultdict(list))
         monkeypatch.setenv("HF_ENDPOINT", srv.base)
         yield srv
 
 
 @pytest.mark.parametrize("token", [None, "hf_test_token_1234"])
-def test_an_hf_dataset_shard_is_read_from_the_resolve_url_of_hf_endpoint(demo_data, hub, local_keys, monkeypatch,
-                                                                         token):
-    """hf://datasets/org/name/FILE is curl on HF_ENDPOINT/datasets/org/name/resolve/main/FILE: the documents of
-    the local shard; `Authorization: Bearer TOKEN` only with HF_TOKEN set, and never on a command line."""
+def test_an_hf_dataset_shard_is_read_from_the_resolve_url_of_hf_endpoint(demo_data, hub, local_keys,
+                                                                         monkeypatch, token):
+    """hf://datasets/org/name/FILE is curl on HF_ENDPOINT/datasets/org/name/resolve/main/FILE: the documents
+    of the local shard; `Authorization: Bearer TOKEN` only with HF_TOKEN set, and never on a command line."""
     if token:
         monkeypatch.setenv("HF_TOKEN", token)
     keys, _ = read(demo_data, HF_URL)
@@ -249,7 +254,8 @@ def test_an_hf_dataset_shard_is_read_from_the_resolve_url_of_hf_endpoint(demo_da
 
 @pytest.mark.parametrize("retries", [0, 2])
 def test_an_hf_503_is_requested_exactly_retries_plus_one_times(demo_data, hub, retries):
-    """curl runs without --retry: data.retries is the only retry policy; the error says what the Hub answered."""
+    """curl runs without --retry: data.retries is the only retry policy; the error says what the Hub
+    answered."""
     hub.statuses[SHARD] = 503
     with pytest.raises(DataStreamError, match=rf"^{re.escape(HF_URL)}: cannot read shard .*HTTP 503 Service "
                                               "Unavailable"):
@@ -260,7 +266,8 @@ def test_an_hf_503_is_requested_exactly_retries_plus_one_times(demo_data, hub, r
 # -- one clear error -----------------------------------------------------------------------------------------
 
 
-def test_a_missing_program_is_one_clear_error_naming_the_url_and_the_program(demo_data, tmp_path, monkeypatch):
+def test_a_missing_program_is_one_clear_error_naming_the_url_and_the_program(demo_data, tmp_path,
+                                                                             monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no gsutil (the machine may have a real one)

@@ -1,11 +1,12 @@
-"""Context parallelism (trainer/distributed/context.py): one packed row split over the ranks of a group gives the
-loss and EVERY parameter's gradient of the whole row on one rank, on real gloo process groups, for both strategies.
+"""Context parallelism (trainer/distributed/context.py): one packed row split over the ranks of a group gives
+the loss and EVERY parameter's gradient of the whole row on one rank, on real gloo process groups, for both
+strategies.
 
 The rows are laid out by the trainer's own collate_rows (positions reset per document, -100 at each document
-start, EOS kept as a target, a padding tail), with a document longer than a chunk, documents crossing every chunk
-boundary and single-token documents. Three references: the model on one rank (CP = 1), and, sharing no code with
-the model's attention or loss, a plain-PyTorch forward written here (each document alone through the same weights,
-softmax attention with an explicit causal mask, cross entropy of each next token).
+start, EOS kept as a target, a padding tail), with a document longer than a chunk, documents crossing every
+chunk boundary and single-token documents. Three references: the model on one rank (CP = 1), and, sharing no
+code with the model's attention or loss, a plain-PyTorch forward written here (each document alone through the
+same weights, softmax attention with an explicit causal mask, cross entropy of each next token).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from trainer.model import AttentionConfig, GPTConfig, build_model, model_inputs
 
 VOCAB, L = 61, 32
 ROWS = [[20, 1, 1, 10], [5, 3, 7, 9]]  # row 1 ends in a padding tail of 8
-"""Document lengths per row: at CP = 4 the chunks are 4 positions long, so the 20-token document spans five chunks
-and every chunk boundary of row 0 cuts a document; two documents of one token."""
+"""Document lengths per row: at CP = 4 the chunks are 4 positions long, so the 20-token document spans five
+chunks and every chunk boundary of row 0 cuts a document; two documents of one token."""
 
 
 def make_batch(layout: str = "packed", rows=ROWS, seed: int = 0, change: tuple[int, int] | None = None):
-    """A batch of the trainer's collate_rows; `change` = (document number, token index): that token altered."""
+    """A batch of the trainer's collate_rows; `change` = (document number, token index): that token
+    altered."""
     rng = np.random.default_rng(seed)
     docs, number = [], 0
     for row in rows:
@@ -47,9 +49,10 @@ def make_batch(layout: str = "packed", rows=ROWS, seed: int = 0, change: tuple[i
     return collate_rows(docs, L, 0, layout)
 
 
-LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, n_kv_head=1, tie_embeddings=False)
-"""pos_emb="llama" in the cases: the Llama family with ONE kv head, fewer than the CP degree (replicated per query
-head before attention, so ulysses splits 4 heads over 4 ranks)."""
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, n_kv_head=1,
+             tie_embeddings=False)
+"""pos_emb="llama" in the cases: the Llama family with ONE kv head, fewer than the CP degree (replicated per
+query head before attention, so ulysses splits 4 heads over 4 ranks)."""
 
 
 def model(pos_emb: str = "learned", isolate: bool = True, backend: str = "sdpa_docs"):
@@ -73,7 +76,8 @@ def whole(m, batch) -> tuple[float, int, dict]:
 
 def reference_loss(m, batch) -> torch.Tensor:
     """The summed next-token cross entropy of every document, each alone, through the weights of `m` in plain
-    PyTorch: no packing, no cu_seqlens, no trainer attention or loss code (tests.helpers.plain_document_loss)."""
+    PyTorch: no packing, no cu_seqlens, no trainer attention or loss code
+    (tests.helpers.plain_document_loss)."""
     total = torch.zeros(())
     params = dict(m.named_parameters())
     for b, lengths in enumerate(ROWS):
@@ -85,7 +89,8 @@ def reference_loss(m, batch) -> torch.Tensor:
 
 
 def _cp_rank(rank, world, size, strategy, layout, pos_emb, isolate, backend, change=None, split="zigzag"):
-    """One rank of DP = world / size x CP = size: its group's batch (seed = its data rank), its share, summed."""
+    """One rank of DP = world / size x CP = size: its group's batch (seed = its data rank), its share,
+    summed."""
     dp_rank = rank // size
     groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
     cp = ContextGroup(groups[dp_rank], size, rank % size, strategy, split)
@@ -134,7 +139,8 @@ CASES = [  # (world, CP size, strategy, layout, pos_emb, split)
 
 
 PLAIN = [("allgather", "zigzag"), ("ulysses", "zigzag"), ("allgather", "documents")]
-"""(strategy, split) of the comparisons with the plain-PyTorch reference (packed, learned positions, CP = 2)."""
+"""(strategy, split) of the comparisons with the plain-PyTorch reference (packed, learned positions,
+CP = 2)."""
 PROBES = [("allgather", "balanced"), ("ulysses", "zigzag"), ("allgather", "documents")]
 """(strategy, split) of the leakage probe."""
 
@@ -143,12 +149,13 @@ def _all_runs(rank, world, cases, plain, probes):
     """Every run of one world size in one spawn (a spawn costs seconds; each run makes its own groups)."""
     out = {("case", c): _cp_rank(rank, world, *c[1:5], True, "sdpa_docs", None, c[5]) for c in cases}
     for strategy, split in plain:
-        out[("plain", strategy, split)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True, "sdpa_docs",
-                                                   None, split)
+        out[("plain", strategy, split)] = _cp_rank(rank, world, 2, strategy, "packed", "learned", True,
+                                                   "sdpa_docs", None, split)
     for strategy, split in probes:
         for isolate in (True, False):
             for change in (None, (0, 3)):
-                run = _cp_rank(rank, world, 2, strategy, "packed", "learned", isolate, "sdpa_docs", change, split)
+                run = _cp_rank(rank, world, 2, strategy, "packed", "learned", isolate, "sdpa_docs", change,
+                               split)
                 out[("probe", strategy, split, isolate, change)] = run[3:]
     return out
 
@@ -174,8 +181,8 @@ def test_loss_and_every_gradient_equal_cp1(cp_runs, world, size, strategy, layou
 
 
 def test_the_cp1_model_equals_the_plain_pytorch_reference():
-    """The CP = 1 side of the comparisons above against code that shares nothing with the model's attention and
-    loss: loss and every gradient."""
+    """The CP = 1 side of the comparisons above against code that shares nothing with the model's attention
+    and loss: loss and every gradient."""
     m = model()
     batch = make_batch()
     loss, count, g = whole(m, batch)
@@ -223,8 +230,9 @@ def test_no_logit_of_another_document_changes_on_any_rank(cp_runs, strategy, spl
 
 
 def test_the_balanced_split_deals_chunks_by_work_with_equal_positions_per_rank():
-    """row_positions('balanced'): every rank as many positions, every position once, and on rows of many documents
-    a smaller work imbalance than zigzag's (here the test's rows at N = 2 and 4, and one long document: even)."""
+    """row_positions('balanced'): every rank as many positions, every position once, and on rows of many
+    documents a smaller work imbalance than zigzag's (here the test's rows at N = 2 and 4, and one long
+    document: even)."""
     from trainer.data.deal import imbalance
     from trainer.distributed.context import rank_pairs, row_positions
 
@@ -235,7 +243,8 @@ def test_the_balanced_split_deals_chunks_by_work_with_equal_positions_per_rank()
         assert positions.shape == (size, 2, L // size)
         for b in range(2):
             assert sorted(positions[:, b].reshape(-1).tolist()) == list(range(L))
-        assert imbalance(rank_pairs(cu, 2, L, size, "balanced")) < imbalance(rank_pairs(cu, 2, L, size, "zigzag"))
+        assert imbalance(rank_pairs(cu, 2, L, size, "balanced")) < imbalance(
+            rank_pairs(cu, 2, L, size, "zigzag"))
     assert rank_pairs(np.array([0, 12, 16]), 1, 16, 2, "balanced") == [44.0, 44.0]  # the docstring's example
     assert rank_pairs(np.array([0, 12, 16]), 1, 16, 2, "zigzag") == [20.0, 68.0]
     with pytest.raises(ValueError, match="cannot be cut into 16 equal chunks"):
@@ -255,8 +264,8 @@ def test_zigzag_gives_each_rank_a_cheap_and_a_dear_chunk():
 # ---------------------------------------------------------------------------------------------------
 
 LONG = ["experiment=long_context_cpu", "model=tiny", "train.max_steps=6", "train.checkpoint_every=3",
-        "train.tokens_per_step=2048", "train.micro_batch_tokens=1024", "data.num_workers=0", "data.shuffle_buffer=64",
-        "logging.progress=false", "logging.wandb.mode=disabled"]
+        "train.tokens_per_step=2048", "train.micro_batch_tokens=1024", "data.num_workers=0",
+        "data.shuffle_buffer=64", "logging.progress=false", "logging.wandb.mode=disabled"]
 
 
 def long_run(run_dir, data, *overrides, launcher=None):
@@ -266,8 +275,8 @@ def long_run(run_dir, data, *overrides, launcher=None):
 
     from tests.helpers import ROOT
 
-    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
-                                                  *LONG, *overrides]
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}",
+                                                  f"hydra.run.dir={run_dir}", *LONG, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -280,15 +289,17 @@ def assert_same_losses(a, b, steps):
     ma, mb = {m["step"]: m for m in metrics(a)}, {m["step"]: m for m in metrics(b)}
     assert sorted(mb) == list(steps)
     for step in steps:
-        assert ma[step]["valid_tokens"] == mb[step]["valid_tokens"] and ma[step]["docs"] == mb[step]["docs"], step
+        assert (ma[step]["valid_tokens"] == mb[step]["valid_tokens"]
+                and ma[step]["docs"] == mb[step]["docs"]), step
         assert abs(ma[step]["loss"] - mb[step]["loss"]) <= 1e-6, (step, ma[step]["loss"], mb[step]["loss"])
 
 
 def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp_sizes(demo_data, tmp_path):
-    """experiment=long_context_cpu (rows of 1,024 over 2 ranks) under torchrun: every step's loss, valid tokens and
-    documents equal the CP = 1 run's; its step-3 checkpoint resumed at CP = 1, and CP = 1's resumed at CP = 2
-    (ulysses), continue with the uninterrupted run's losses. (A resume at CP = 4 takes the same path, data rank 0's
-    stream on every rank of the group; it was run here until the suite's time needed its ~25 s.)"""
+    """experiment=long_context_cpu (rows of 1,024 over 2 ranks) under torchrun: every step's loss, valid
+    tokens and documents equal the CP = 1 run's; its step-3 checkpoint resumed at CP = 1, and CP = 1's resumed
+    at CP = 2 (ulysses), continue with the uninterrupted run's losses. (A resume at CP = 4 takes the same
+    path, data rank 0's stream on every rank of the group; it was run here until the suite's time needed its
+    ~25 s.)"""
     import shutil
 
     from tests.helpers import torchrun
@@ -301,8 +312,10 @@ def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp
     for src, dest, extra, launcher in ((cp2, "cp2_to_1", ["distributed.context_parallel=1"], None),
                                        (ref, "cp1_to_2", ["distributed.context_parallel_strategy=ulysses"],
                                         torchrun())):
-        resumed = shutil.copytree(src, tmp_path / dest)  # resumed from step 3: steps 4-6 are set aside, then redone
-        long_run(resumed, demo_data, *extra, f"train.resume={store.checkpoint_dir(resumed, 3)}", launcher=launcher)
+        # resumed from step 3: steps 4-6 are set aside, then redone
+        resumed = shutil.copytree(src, tmp_path / dest)
+        long_run(resumed, demo_data, *extra, f"train.resume={store.checkpoint_dir(resumed, 3)}",
+                 launcher=launcher)
         assert_same_losses(ref, resumed, range(1, 7))
     assert "run dir:" in out
     from tests.helpers import metrics
@@ -312,12 +325,13 @@ def test_experiment_long_context_under_torchrun_equals_cp1_and_resumes_across_cp
     assert all("cp_imbalance" not in m for m in metrics(ref))
 
 
-def test_deepspeed_with_cp_equals_ddp_with_cp_and_a_cp_checkpoint_resumes_on_more_data_ranks(demo_data, tmp_path):
-    """DeepSpeed ZeRO-2 at CP = 2 trains the same losses as DDP at CP = 2 (and so as CP = 1; ZeRO-3's gathering is
-    the same with or without CP, and a sharded engine under CP is proven in-process for FSDP2 at DP 2 x CP 2,
-    tests/distributed/test_fsdp.py). A CP = 2
-    checkpoint (one data rank) resumed on 2 data ranks at CP = 1: the stream's rest of the epoch is dealt over them
-    (trainer.data.reshape), the run goes on to its last step."""
+def test_deepspeed_with_cp_equals_ddp_with_cp_and_a_cp_checkpoint_resumes_on_more_data_ranks(demo_data,
+                                                                                             tmp_path):
+    """DeepSpeed ZeRO-2 at CP = 2 trains the same losses as DDP at CP = 2 (and so as CP = 1; ZeRO-3's
+    gathering is the same with or without CP, and a sharded engine under CP is proven in-process for FSDP2 at
+    DP 2 x CP 2, tests/distributed/test_fsdp.py). A CP = 2 checkpoint (one data rank) resumed on 2 data ranks
+    at CP = 1: the stream's rest of the epoch is dealt over them (trainer.data.reshape), the run goes on to
+    its last step."""
     import shutil
 
     from tests.harness import require_module
@@ -327,8 +341,8 @@ def test_deepspeed_with_cp_equals_ddp_with_cp_and_a_cp_checkpoint_resumes_on_mor
     require_module("deepspeed", "pip install -e '.[deepspeed]'")
     ddp, ds = tmp_path / "ddp", tmp_path / "ds"
     long_run(ddp, demo_data, "train.max_steps=4", launcher=torchrun())
-    long_run(ds, demo_data, "train.max_steps=4", "distributed=deepspeed_zero2", "distributed.context_parallel=2",
-             launcher=torchrun())
+    long_run(ds, demo_data, "train.max_steps=4", "distributed=deepspeed_zero2",
+             "distributed.context_parallel=2", launcher=torchrun())
     assert_same_losses(ddp, ds, range(1, 5))
     wider = shutil.copytree(ddp, tmp_path / "wider")
     out = long_run(wider, demo_data, "train.max_steps=6", "distributed.context_parallel=1",
@@ -338,9 +352,9 @@ def test_deepspeed_with_cp_equals_ddp_with_cp_and_a_cp_checkpoint_resumes_on_mor
 
 
 def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_long_document():
-    """rank_pairs against a count written here (each query at p of a document from s sees p - s + 1 keys); a row
-    that is one document is split exactly evenly by zigzag, a contiguous split is not (rank 1 of 2 has 3x the
-    pairs of rank 0)."""
+    """rank_pairs against a count written here (each query at p of a document from s sees p - s + 1 keys); a
+    row that is one document is split exactly evenly by zigzag, a contiguous split is not (rank 1 of 2 has 3x
+    the pairs of rank 0)."""
     from trainer.data.deal import imbalance
     from trainer.distributed.context import query_pairs, rank_pairs
 
@@ -361,10 +375,11 @@ def test_rank_work_counts_the_pairs_of_each_ranks_queries_and_zigzag_evens_one_l
 
 
 def test_the_documents_split_keeps_short_documents_whole_and_exchanges_only_split_ones():
-    """distributed.context_parallel_split=documents (issue 55): every position once, as many per rank; a document
-    longer than a rank's share (16) zigzagged over every rank, the short ones whole but for the few split to fill a
-    rank's last room; and each rank receives only the split documents' keys and values: on 16 rows of 64 positions
-    holding one document of 20 and short ones, CP = 4, under half of what the all-gather of whole rows moves."""
+    """distributed.context_parallel_split=documents (issue 55): every position once, as many per rank; a
+    document longer than a rank's share (16) zigzagged over every rank, the short ones whole but for the few
+    split to fill a rank's last room; and each rank receives only the split documents' keys and values: on 16
+    rows of 64 positions holding one document of 20 and short ones, CP = 4, under half of what the all-gather
+    of whole rows moves."""
     from trainer.distributed.context import ContextShard, document_positions
 
     assert document_positions(np.array([0, 3, 6, 7, 8]), 8, 2).tolist() == [[0, 1, 2, 6], [3, 4, 5, 7]]
@@ -372,7 +387,8 @@ def test_the_documents_split_keeps_short_documents_whole_and_exchanges_only_spli
     lengths = [[20, 5, 6, 3, 4, 6, 8, 7, 5], [7, 20, 2, 9, 3, 8, 8, 1, 6]] * 8
     cu = np.concatenate([[0], np.cumsum([n for row in lengths for n in row])])
     size, seq_len = 4, 64
-    shards = {split: ContextShard(ContextGroup(None, size, 0, "allgather", split), torch.as_tensor(cu), 16, seq_len)
+    shards = {split: ContextShard(ContextGroup(None, size, 0, "allgather", split), torch.as_tensor(cu), 16,
+                                  seq_len)
               for split in ("balanced", "documents")}
     positions = shards["documents"].positions
     for b, row in enumerate(lengths):
@@ -380,7 +396,8 @@ def test_the_documents_split_keeps_short_documents_whole_and_exchanges_only_spli
         starts = np.concatenate([[0], np.cumsum(row)])
         holders = [len({r for r in range(size) if np.isin(np.arange(s, e), positions[r, b]).any()})
                    for s, e in itertools.pairwise(starts)]
-        assert [h for h, n in zip(holders, row, strict=True) if n > 16] == [size]  # the long one over every rank
+        # the long one over every rank
+        assert [h for h, n in zip(holders, row, strict=True) if n > 16] == [size]
         assert sum(h > 1 for h, n in zip(holders, row, strict=True) if n <= 16) <= size - 1, holders
     ratio = shards["documents"].received_rows() / shards["balanced"].received_rows()
     assert ratio <= 0.5, ratio

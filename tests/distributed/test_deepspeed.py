@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-1/2/3 against DDP on real gloo ranks (DS_ACCELERATOR=cpu), and a ZeRO run resumed end to end.
+"""DeepSpeed ZeRO-1/2/3 against DDP on real gloo ranks (DS_ACCELERATOR=cpu), and a ZeRO run resumed end to
+end.
 
 The same logical batches, split unevenly over two ranks into several micro-batches each (a different
 number per rank), must end with the same parameters under DDP and every ZeRO stage: DeepSpeed's loss
@@ -49,7 +50,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", autouse=True)
 def deepspeed_installed() -> None:
-    """Under CI=true a missing deepspeed fails every test here (before the shared spawn) instead of skipping it."""
+    """Under CI=true a missing deepspeed fails every test here (before the shared spawn) instead of skipping
+    it."""
     if DEEPSPEED_MISSING:
         pytest.fail(f"{DEEPSPEED_MISSING}; CI is set, so these tests must run, not skip", pytrace=False)
 
@@ -76,8 +78,8 @@ def build_engine(name: str, info: DistInfo, optimizer: str, num_steps: int, seed
 
 
 def run_steps(engine, info: DistInfo, shares, balance: bool = False) -> list[dict]:
-    """One optimizer step per logical batch; `shares[step][rank]` are this rank's documents (with `balance`, the
-    step's rows dealt over the ranks by modeled work: data.balance=rows)."""
+    """One optimizer step per logical batch; `shares[step][rank]` are this rank's documents (with `balance`,
+    the step's rows dealt over the ranks by modeled work: data.balance=rows)."""
     from trainer.run.inputs import RowDealer
 
     dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
@@ -117,7 +119,8 @@ def resumed_run(name: str, info: DistInfo, shares, root: Path) -> dict:
     engine = build_engine(name, info, "adamw", len(shares), seed=1)  # the checkpoint must overwrite these
     checkpoint.load_checkpoint(path, info, engine)
     last = run_steps(engine, info, shares[-1:])
-    result = {"steps": first + last, "params": full_params(engine), "files": sorted(p.name for p in path.iterdir())}
+    result = {"steps": first + last, "params": full_params(engine),
+              "files": sorted(p.name for p in path.iterdir())}
     if name != "ddp":  # a DDP checkpoint is refused by a ZeRO engine, with a clear message
         try:
             checkpoint.load_checkpoint(checkpoint.checkpoint_root(root / "ddp") / path.name, info, engine)
@@ -139,7 +142,8 @@ def scenarios(rank: int, world_size: int, steps, root: str) -> dict:
     out = {}
     for name in ENGINES:  # SGD, uninterrupted, uneven ranks
         engine = build_engine(name, info, "sgd", len(steps))
-        out[("sgd", name)] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": full_params(engine)}
+        out[("sgd", name)] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                              "params": full_params(engine)}
     engine = build_engine("zero3", info, "sgd", len(steps))  # rank 1 has no documents at all
     out[("sgd_rank1_empty", "zero3")] = {"steps": run_steps(engine, info, split(steps, [1.0, 0.0])),
                                          "params": full_params(engine)}
@@ -153,7 +157,8 @@ def scenarios(rank: int, world_size: int, steps, root: str) -> dict:
     out[("sgd_balanced", "zero2")] = {"steps": run_steps(engine, info, split(steps, UNEVEN), balance=True),
                                       "params": full_params(engine)}
     engine = build_engine("ddp", info, "adamw", len(steps))  # AdamW reference, uninterrupted
-    out[("adamw", "ddp")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": full_params(engine)}
+    out[("adamw", "ddp")] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                             "params": full_params(engine)}
     for name in ENGINES:
         out[("adamw_resumed", name)] = resumed_run(name, info, split(steps, UNEVEN), Path(root))
     return out
@@ -176,20 +181,22 @@ def test_zero_ends_with_the_same_parameters_as_ddp(results, stage):
     for r in results:
         ddp, zero = r[("sgd", "ddp")], r[("sgd", stage)]
         assert_same_params(zero["params"], ddp["params"])
-        np.testing.assert_allclose([s["loss"] for s in zero["steps"]], [s["loss"] for s in ddp["steps"]], rtol=1e-6)
-        np.testing.assert_allclose([s["grad_norm"] for s in zero["steps"]], [s["grad_norm"] for s in ddp["steps"]],
-                                   rtol=1e-5)
+        np.testing.assert_allclose([s["loss"] for s in zero["steps"]], [s["loss"] for s in ddp["steps"]],
+                                   rtol=1e-6)
+        np.testing.assert_allclose([s["grad_norm"] for s in zero["steps"]],
+                                   [s["grad_norm"] for s in ddp["steps"]], rtol=1e-5)
 
 
 def test_zero2_with_rows_dealt_by_work_ends_as_ddp_on_the_rows_as_drawn(results):
-    """data.balance=rows under ZeRO-2 (issue 55): the same losses, gradient norms and parameters as DDP without
-    the deal (and so as one rank: tests/run/test_step.py), the micro-batch counts as drawn."""
+    """data.balance=rows under ZeRO-2 (issue 55): the same losses, gradient norms and parameters as DDP
+    without the deal (and so as one rank: tests/run/test_step.py), the micro-batch counts as drawn."""
     for r in results:
         ddp, dealt = r[("sgd", "ddp")], r[("sgd_balanced", "zero2")]
         assert_same_params(dealt["params"], ddp["params"])
-        np.testing.assert_allclose([s["loss"] for s in dealt["steps"]], [s["loss"] for s in ddp["steps"]], rtol=1e-6)
-        np.testing.assert_allclose([s["grad_norm"] for s in dealt["steps"]], [s["grad_norm"] for s in ddp["steps"]],
-                                   rtol=1e-5)
+        np.testing.assert_allclose([s["loss"] for s in dealt["steps"]], [s["loss"] for s in ddp["steps"]],
+                                   rtol=1e-6)
+        np.testing.assert_allclose([s["grad_norm"] for s in dealt["steps"]],
+                                   [s["grad_norm"] for s in ddp["steps"]], rtol=1e-5)
         assert [s["micro_batches"] for s in dealt["steps"]] == [s["micro_batches"] for s in ddp["steps"]]
 
 
@@ -211,8 +218,8 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
         ref, run = r[("adamw", "ddp")], r[("adamw_resumed", engine)]
         assert_same_params(run["params"], ref["params"])
         assert [s["lr"] for s in run["steps"]] == pytest.approx([s["lr"] for s in ref["steps"]], rel=1e-12)
-        np.testing.assert_allclose([s["grad_norm"] for s in run["steps"]], [s["grad_norm"] for s in ref["steps"]],
-                                   rtol=1e-5)
+        np.testing.assert_allclose([s["grad_norm"] for s in run["steps"]],
+                                   [s["grad_norm"] for s in ref["steps"]], rtol=1e-5)
         assert all(s["grad_norm"] > CLIP for s in ref["steps"])  # clipping did act
         assert (checkpoint.ENGINE_FILE in run["files"]) == (engine == "ddp")
         assert (checkpoint.DEEPSPEED_DIR in run["files"]) == (engine != "ddp")
@@ -222,8 +229,9 @@ def test_adamw_schedule_clipping_and_checkpoint_resume_match_uninterrupted_ddp(r
 
 
 def test_non_finite_optimizer_state_on_one_rank_is_one_line_on_every_rank(results):
-    """store.check_finite over each engine's local state (DeepSpeed's: its partition of the fp32 master weights and
-    their AdamW state): rank 1's NaN named alike on both ranks, with the checkpoint's state directory."""
+    """store.check_finite over each engine's local state (DeepSpeed's: its partition of the fp32 master
+    weights and their AdamW state): rank 1's NaN named alike on both ranks, with the checkpoint's state
+    directory."""
     for name in ENGINES:
         errors = [r[("adamw_resumed", name)].get("nonfinite_error") for r in results]
         where = "engine.pt" if name == "ddp" else "deepspeed"
@@ -233,7 +241,8 @@ def test_non_finite_optimizer_state_on_one_rank_is_one_line_on_every_rank(result
 
 def test_a_ddp_engine_never_imports_deepspeed():
     code = ("import sys, torch, trainer.train; from trainer.config import DistributedConfig; "
-            "from trainer.distributed.groups import DistInfo; from trainer.distributed.engine import parallelize; "
+            "from trainer.distributed.groups import DistInfo; "
+            "from trainer.distributed.engine import parallelize; "
             "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1); "
             "parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), "
             "DistInfo(0, 1, 0, torch.device('cpu')), DistributedConfig(device='cpu'), 0.0, 'fp32'); "
@@ -252,10 +261,12 @@ def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_p
     last = checkpoint.checkpoint_dir(whole, 3)
     assert json.loads((last / checkpoint.CONVENTIONS_FILE).read_text())["engine"] == "deepspeed_zero3"
     assert json.loads((last / checkpoint.META_FILE).read_text())["engine"] == "deepspeed_zero3"
-    assert len(list((last / checkpoint.DEEPSPEED_DIR).glob("*optim_states.pt"))) == 2  # one ZeRO shard per rank
+    # one ZeRO shard per rank
+    assert len(list((last / checkpoint.DEEPSPEED_DIR).glob("*optim_states.pt"))) == 2
     weights = load_file(last / checkpoint.WEIGHTS_FILE)  # gathered from both ranks' ZeRO-3 partitions
     assert checkpoint.TIED_KEY not in weights
-    assert weights["wte.weight"].shape == (512, 64) and weights["blocks.0.attn.c_attn.weight"].shape == (192, 64)
+    assert (weights["wte.weight"].shape == (512, 64)
+            and weights["blocks.0.attn.c_attn.weight"].shape == (192, 64))
     assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in weights.values())
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
@@ -267,5 +278,6 @@ def test_torchrun_zero3_resume_continues_and_records_the_engine(demo_data, tmp_p
     assert [m["step"] for m in b] == [1, 2, 3]
     assert a[2]["valid_tokens"] == b[2]["valid_tokens"] and a[2]["docs"] == b[2]["docs"]
     assert abs(a[2]["loss"] - b[2]["loss"]) <= 1e-6 and a[2]["lr"] == b[2]["lr"]
-    # The final eval ran under ZeRO-3 on both ranks (weights gathered in each forward), and again after resume.
+    # The final eval ran under ZeRO-3 on both ranks (weights gathered in each forward), and again after
+    # resume.
     assert a[2]["val_tokens"] == b[2]["val_tokens"] > 0 and abs(a[2]["val_loss"] - b[2]["val_loss"]) <= 1e-6

@@ -1,6 +1,6 @@
-"""The engine is one typed interface: both implementations satisfy `Engine`, hand their state to the checkpoint
-store instead of writing files, and the modules import in one direction (process groups <- engines <- parallelize),
-with no import circle anywhere in the package (tests/test_architecture.py)."""
+"""The engine is one typed interface: both implementations satisfy `Engine`, hand their state to the
+checkpoint store instead of writing files, and the modules import in one direction (process groups <- engines
+<- parallelize), with no import circle anywhere in the package (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
@@ -39,16 +39,18 @@ def test_each_engine_implements_every_member_with_the_protocols_signature(module
         assert list(inspect.signature(fn).parameters) == want, f"{cls}.{name} signature differs from Engine's"
 
 
-CHECKPOINT_MEMBERS = {"shard_format", "state_dict", "load_state_dict", "save_shards", "load_shards", "converts_from",
-                      "full_weights"}
-"""What the checkpoint store asks of an engine: state to write (replicated), or a directory to write into (sharded)."""
+CHECKPOINT_MEMBERS = {"shard_format", "state_dict", "load_state_dict", "save_shards", "load_shards",
+                      "converts_from", "full_weights"}
+"""What the checkpoint store asks of an engine: state to write (replicated), or a directory to write into
+(sharded)."""
 
 
 def test_the_protocol_hands_state_to_the_store_and_chooses_no_file():
     members = protocol_members(Engine)
     assert CHECKPOINT_MEMBERS <= members.keys()
     assert not {"save", "load"} & members.keys()  # engines no longer write a checkpoint directory themselves
-    assert list(inspect.signature(Engine.save_shards).parameters) == ["self", "directory"]  # the store names it
+    # the store names it
+    assert list(inspect.signature(Engine.save_shards).parameters) == ["self", "directory"]
 
 
 @pytest.mark.parametrize("module", ["ddp", "deepspeed"])
@@ -56,17 +58,18 @@ def test_engines_write_no_file_themselves(module):
     """All checkpoint I/O is the store's: no engine saves, loads or names a file (DeepSpeed's own
     save_checkpoint / load_checkpoint get the directory the store chose)."""
     source = (PACKAGE / "distributed" / f"{module}.py").read_text()
-    for call in ("torch.save(", "torch.load(", "save_file(", "load_file(", "open(", ".write_text(", "load_state(",
-                 "save_state("):
+    for call in ("torch.save(", "torch.load(", "save_file(", "load_file(", "open(", ".write_text(",
+                 "load_state(", "save_state("):
         assert call not in source, f"trainer/distributed/{module}.py calls {call}"
 
 
 def test_each_engine_refuses_the_half_of_the_checkpoint_protocol_it_does_not_have():
-    """Replicated engines (shard_format None) have state_dict and refuse save_shards; sharded ones the other way
-    round."""
+    """Replicated engines (shard_format None) have state_dict and refuse save_shards; sharded ones the other
+    way round."""
     from trainer.distributed.deepspeed import DeepSpeedEngine
 
-    ddp, zero = object.__new__(DDPEngine), object.__new__(DeepSpeedEngine)  # no process group needed to refuse
+    # no process group needed to refuse
+    ddp, zero = object.__new__(DDPEngine), object.__new__(DeepSpeedEngine)
     assert DDPEngine.shard_format is None and DeepSpeedEngine.shard_format == "deepspeed"
     for call in (lambda: ddp.save_shards(Path("x")), lambda: ddp.load_shards(Path("x"))):
         with pytest.raises(NotImplementedError, match="replicated"):
@@ -97,7 +100,8 @@ def test_a_ddp_engine_state_round_trips_and_its_weights_are_rank_0s():
     assert b.lr() == a.lr() and b.optimizer.state_dict()["state"][0]["step"] == 1
     assert all(torch.equal(v, a.module.state_dict()[k]) for k, v in b.module.state_dict().items())
     weights = a.full_weights()
-    assert weights.keys() == a.module.state_dict().keys() and all(v.device.type == "cpu" for v in weights.values())
+    assert (weights.keys() == a.module.state_dict().keys()
+            and all(v.device.type == "cpu" for v in weights.values()))
     assert engine(0, rank=1).full_weights() == {}  # only rank 0 copies them out
 
 
@@ -121,7 +125,8 @@ def test_process_groups_know_nothing_of_engines():
     graph = import_graph()
     assert not graph["trainer.distributed.groups"] & {"trainer.distributed.engine", "trainer.distributed.ddp",
                                                       "trainer.distributed.deepspeed"}
-    assert "trainer.distributed.engine" not in graph["trainer.distributed.ddp"] | graph["trainer.distributed.deepspeed"]
+    assert "trainer.distributed.engine" not in (graph["trainer.distributed.ddp"]
+                                                | graph["trainer.distributed.deepspeed"])
 
 
 def test_the_deepspeed_engine_never_sets_up_a_process_group():

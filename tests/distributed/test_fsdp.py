@@ -1,17 +1,20 @@
-"""FSDP2 (trainer/distributed/fsdp.py) against DDP on real gloo ranks, and its DCP checkpoints resharded on load.
+"""FSDP2 (trainer/distributed/fsdp.py) against DDP on real gloo ranks, and its DCP checkpoints resharded on
+load.
 
-The same logical batches, split unevenly over two ranks into several micro-batches each (a different number per
-rank), AdamW with the project's schedule and clipping active: FSDP2 must give DDP's per-step losses and gradient
-norms and, after the last step, its parameters (fp32, to 1e-6), packed and unpacked, with reshard_after_forward
-on and off, and at DP 2 x CP 2 on four ranks; bf16 (FSDP2's MixedPrecisionPolicy) within a stated tolerance of
-DDP's bf16 autocast. DDP is itself checked against plain PyTorch elsewhere; here the loss of a resumed step is
-also checked against a plain-PyTorch forward of the writer's weights (tests.helpers.plain_document_loss).
+The same logical batches, split unevenly over two ranks into several micro-batches each (a different number
+per rank), AdamW with the project's schedule and clipping active: FSDP2 must give DDP's per-step losses and
+gradient norms and, after the last step, its parameters (fp32, to 1e-6), packed and unpacked, with
+reshard_after_forward on and off, and at DP 2 x CP 2 on four ranks; bf16 (FSDP2's MixedPrecisionPolicy) within
+a stated tolerance of DDP's bf16 autocast. DDP is itself checked against plain PyTorch elsewhere; here the
+loss of a resumed step is also checked against a plain-PyTorch forward of the writer's weights
+(tests.helpers.plain_document_loss).
 
-Resume: a checkpoint written through the store on 2 ranks (DCP: each rank its shards) is loaded on 1, 2, 3 and 4
-ranks into an engine built from other weights: the weights and every AdamW moment and step equal the writer's
-(gathered whole on both sides with torch's own get_optimizer_state_dict), and the next step's loss equals the
-uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn of four processes for every world size
-(`in_worlds`: each world its own fresh gloo group; a spawned rank's start costs seconds of imports).
+Resume: a checkpoint written through the store on 2 ranks (DCP: each rank its shards) is loaded on 1, 2, 3 and
+4 ranks into an engine built from other weights: the weights and every AdamW moment and step equal the
+writer's (gathered whole on both sides with torch's own get_optimizer_state_dict), and the next step's loss
+equals the uninterrupted run's (1e-6) and the plain-PyTorch objective. One spawn of four processes for every
+world size (`in_worlds`: each world its own fresh gloo group; a spawned rank's start costs seconds of
+imports).
 """
 
 from __future__ import annotations
@@ -48,18 +51,20 @@ ADAMW = OptimConfig(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
 CLIP = 0.05  # below these steps' gradient norms (~0.4-0.7): clipping acts
 UNEVEN = [0.3, 0.7]
 BF16_LOSS_RTOL, BF16_NORM_RTOL = 1e-3, 1e-2
-"""bf16: FSDP2 computes in bf16 weights (MixedPrecisionPolicy), DDP in bf16 autocast over fp32 weights; both keep
-fp32 master weights and an fp32 loss, so they differ by bf16 rounding only: measured <= 5.6e-5 (loss) and
+"""bf16: FSDP2 computes in bf16 weights (MixedPrecisionPolicy), DDP in bf16 autocast over fp32 weights; both
+keep fp32 master weights and an fp32 loss, so they differ by bf16 rounding only: measured <= 5.6e-5 (loss) and
 <= 1.4e-3 (gradient norm), relative, on these steps; a wrong scale of the objective moves the norm by 2x."""
 
 
-def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32", checkpointing: str = "none",
-          compiled: bool = False):
-    """The tiny model (weights from `seed`), AdamW and its schedule under `cfg`'s engine. `compiled`: each block's
-    body through torch.compile's eager backend (dynamo traces it; no C++ compiler), before the engine wraps it."""
+def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "fp32",
+          checkpointing: str = "none", compiled: bool = False):
+    """The tiny model (weights from `seed`), AdamW and its schedule under `cfg`'s engine. `compiled`: each
+    block's body through torch.compile's eager backend (dynamo traces it; no C++ compiler), before the engine
+    wraps it."""
     torch.manual_seed(seed)
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
-    if compiled:  # parallelize's own compile is inductor's; the eager backend here, in the same place of its order
+    # parallelize's own compile is inductor's; the eager backend here, in the same place of its order
+    if compiled:
         compile_blocks(model, backend="eager")
     opt = build_optimizer(model, ADAMW)
     return parallelize(model, opt, build_scheduler(opt, ADAMW, STEPS), info, cfg, grad_clip=CLIP, dtype=dtype,
@@ -67,13 +72,15 @@ def build(info: DistInfo, cfg: DistributedConfig, seed: int = 0, dtype: str = "f
 
 
 def run_steps(engine, info: DistInfo, shares, layout: str = "packed", balance: bool = False) -> list[dict]:
-    """One optimizer step per logical batch; `shares[step][data rank]` are this rank's documents; `balance`: the
-    step's rows dealt over the data ranks by work (RowDealer, cost sum s^2), their keys recorded under "keys"."""
+    """One optimizer step per logical batch; `shares[step][data rank]` are this rank's documents; `balance`:
+    the step's rows dealt over the data ranks by work (RowDealer, cost sum s^2), their keys recorded under
+    "keys"."""
     out = []
     dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if balance else None
     for step_docs in shares:
         docs = step_docs[info.data_rank]
-        rows = list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs)) if layout == "packed" else [[d] for d in docs]
+        rows = (list(OnlinePacker(SEQ_LEN, buffer_size=8).pack(docs)) if layout == "packed"
+                else [[d] for d in docs])
         drawn_keys = [d.key for row in rows for d in row]
         if dealer is not None:
             rows = dealer.deal(rows)
@@ -83,8 +90,8 @@ def run_steps(engine, info: DistInfo, shares, layout: str = "packed", balance: b
         lr = engine.lr()
         stats = train_step(engine, mbs, info, PAD)
         out.append({"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr, "micro_batches": len(mbs),
-                    "keys": [d.key for row in rows for d in row], "moved": drawn_keys != [d.key for row in rows
-                                                                                         for d in row]})
+                    "keys": [d.key for row in rows for d in row],
+                    "moved": drawn_keys != [d.key for row in rows for d in row]})
     return out
 
 
@@ -145,8 +152,8 @@ def two_ranks(rank: int, world: int, steps, root: str) -> dict:
     if info.is_main:
         tokenizer.mkdir(parents=True, exist_ok=True)
     path = store.save_checkpoint(Path(root) / "run", STEPS - 1, info, engine, rank_state={},
-                                 meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
-                                 keep_last=1)
+                                 meta={"counters": {}, "engine": engine.name}, conventions={},
+                                 tokenizer_dir=tokenizer, keep_last=1)
     out["writer"] = gathered(engine)
     out["uninterrupted"] = run_steps(engine, info, even(steps, 2)[-1:])[0]
     out["uninterrupted_params"] = gathered(engine)["params"]
@@ -173,7 +180,8 @@ def dp2_cp2(rank: int, world: int, steps) -> dict:
         cfg = DistributedConfig(engine=engine_name, device="cpu", context_parallel=2)
         info = init_distributed(cfg)
         engine = build(info, cfg)
-        out[name] = {"steps": run_steps(engine, info, split(steps, UNEVEN)), "params": gathered(engine)["params"],
+        out[name] = {"steps": run_steps(engine, info, split(steps, UNEVEN)),
+                     "params": gathered(engine)["params"],
                      "shard_ranks": engine.module.wte.weight.device_mesh.size() if name == "fsdp2" else None}
     return out
 
@@ -183,14 +191,16 @@ UNEVEN4 = [0.1, 0.2, 0.3, 0.4]
 
 
 def balanced(rank: int, world: int) -> dict:
-    """data.balance=rows on four ranks (issue 55), 20 steps each: DDP on the rows as drawn (DP 4), the reference;
-    the same rows dealt by work under DDP and FSDP2 (DP 4), and under FSDP2 at DP 2 x CP 2 with short documents
-    whole on one context rank (context_parallel_split=documents). The weights after 20 AdamW steps agree to 1e-5:
-    Adam divides each gradient by its own running scale, so a last-bit difference of summation order in a near-zero
-    gradient becomes ~1e-6 of the weights by step 20 (measured 1.3e-6 on wte); the per-step losses stay at 1e-6."""
+    """data.balance=rows on four ranks (issue 55), 20 steps each: DDP on the rows as drawn (DP 4), the
+    reference; the same rows dealt by work under DDP and FSDP2 (DP 4), and under FSDP2 at DP 2 x CP 2 with
+    short documents whole on one context rank (context_parallel_split=documents). The weights after 20 AdamW
+    steps agree to 1e-5: Adam divides each gradient by its own running scale, so a last-bit difference of
+    summation order in a near-zero gradient becomes ~1e-6 of the weights by step 20 (measured 1.3e-6 on wte);
+    the per-step losses stay at 1e-6."""
     steps = make_steps(num_steps=BALANCE_STEPS, docs_per_step=16, seed=1)
     out = {}
-    arms = (("drawn", DDP, UNEVEN4, False), ("dealt", DDP, UNEVEN4, True), ("dealt_fsdp2", FSDP2, UNEVEN4, True),
+    arms = (("drawn", DDP, UNEVEN4, False), ("dealt", DDP, UNEVEN4, True),
+            ("dealt_fsdp2", FSDP2, UNEVEN4, True),
             ("dealt_cp_documents", DistributedConfig(engine="fsdp2", device="cpu", context_parallel=2,
                                                      context_parallel_split="documents"), UNEVEN, True))
     for name, cfg, fractions, balance in arms:
@@ -202,7 +212,8 @@ def balanced(rank: int, world: int) -> dict:
 
 
 def four_ranks(rank: int, world: int, steps, path: str) -> dict:
-    return {**resumed(rank, world, steps, path), "cp": dp2_cp2(rank, world, steps), "balanced": balanced(rank, world)}
+    return {**resumed(rank, world, steps, path), "cp": dp2_cp2(rank, world, steps),
+            "balanced": balanced(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -241,11 +252,12 @@ def test_fsdp2_gives_ddps_losses_norms_and_parameters(results, layout):
 
 @pytest.mark.parametrize("variant", ["keep", "checkpointing", "compiled"])
 def test_reshard_after_forward_off_activation_checkpointing_and_compile_change_nothing(results, variant):
-    """reshard_after_forward=false, train.activation_checkpointing=full (the blocks' forward rerun in backward while
-    FSDP2 has gathered their weights again) and compiled block bodies: DDP's steps and parameters."""
+    """reshard_after_forward=false, train.activation_checkpointing=full (the blocks' forward rerun in backward
+    while FSDP2 has gathered their weights again) and compiled block bodies: DDP's steps and parameters."""
     for r in results[2]:
         assert_same_steps(r[("packed", f"fsdp2_{variant}")]["steps"], r[("packed", "ddp")]["steps"])
-        assert_same_params(r[("packed", f"fsdp2_{variant}")]["params"], r[("packed", "ddp")]["params"], tol=1e-6)
+        assert_same_params(r[("packed", f"fsdp2_{variant}")]["params"], r[("packed", "ddp")]["params"],
+                           tol=1e-6)
 
 
 def test_bf16_mixed_precision_is_within_bf16_rounding_of_ddp_autocast(results):
@@ -254,7 +266,8 @@ def test_bf16_mixed_precision_is_within_bf16_rounding_of_ddp_autocast(results):
         assert_same_steps(fsdp["steps"], ddp["steps"], loss_rtol=BF16_LOSS_RTOL, norm_rtol=BF16_NORM_RTOL)
         assert fsdp["params"]["wte.weight"].dtype == torch.float32  # fp32 master weights
         # bf16 did run: the losses are not fp32's to the digit
-        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fsdp["steps"], fp32["steps"], strict=True)) > 1e-6
+        assert max(abs(a["loss"] - b["loss"])
+                   for a, b in zip(fsdp["steps"], fp32["steps"], strict=True)) > 1e-6
 
 
 def test_fsdp2_at_dp2_cp2_gives_ddps_losses_and_parameters(results):
@@ -267,9 +280,10 @@ def test_fsdp2_at_dp2_cp2_gives_ddps_losses_and_parameters(results):
 
 @pytest.mark.parametrize("arm", ["dealt", "dealt_fsdp2", "dealt_cp_documents"])
 def test_rows_dealt_by_work_on_four_ranks_train_the_drawn_runs_steps(results, arm):
-    """Issue 55 on four ranks, 20 steps: rows dealt by work (DDP, FSDP2 at DP 4; FSDP2 at DP 2 x CP 2 with documents
-    whole) train the same documents per step (each once, over the ranks) with DDP's losses (1e-6), gradient norms
-    and final parameters as drawn; rows did move; and step 0's loss is each document alone in plain PyTorch."""
+    """Issue 55 on four ranks, 20 steps: rows dealt by work (DDP, FSDP2 at DP 4; FSDP2 at DP 2 x CP 2 with
+    documents whole) train the same documents per step (each once, over the ranks) with DDP's losses (1e-6),
+    gradient norms and final parameters as drawn; rows did move; and step 0's loss is each document alone in
+    plain PyTorch."""
     drawn = [r["balanced"]["drawn"] for r in results[4]]
     dealt = [r["balanced"][arm] for r in results[4]]
     assert_same_steps(dealt[0]["steps"], drawn[0]["steps"])
@@ -278,7 +292,8 @@ def test_rows_dealt_by_work_on_four_ranks_train_the_drawn_runs_steps(results, ar
     data_ranks = dealt if arm != "dealt_cp_documents" else dealt[::2]  # one rank of each context group
     for s in range(BALANCE_STEPS):
         keys = [k for r in data_ranks for k in r["steps"][s]["keys"]]
-        assert sorted(keys) == sorted(k for r in drawn for k in r["steps"][s]["keys"]) and len(set(keys)) == len(keys)
+        assert (sorted(keys) == sorted(k for r in drawn for k in r["steps"][s]["keys"])
+                and len(set(keys)) == len(keys))
     assert any(st["moved"] for r in dealt for st in r["steps"])
     torch.manual_seed(0)
     params = dict(build_model(MODEL, AttentionConfig(backend="sdpa_docs")).named_parameters())
@@ -291,7 +306,8 @@ def test_rows_dealt_by_work_on_four_ranks_train_the_drawn_runs_steps(results, ar
 
 def test_a_checkpoint_holds_dcp_shards_of_every_rank_and_the_whole_weights(results):
     r = results[2][0]
-    assert store.DCP_DIR in r["files"] and store.WEIGHTS_FILE in r["files"] and store.ENGINE_FILE not in r["files"]
+    assert (store.DCP_DIR in r["files"] and store.WEIGHTS_FILE in r["files"]
+            and store.ENGINE_FILE not in r["files"])
     assert r["dcp_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     from safetensors.torch import load_file
 
@@ -315,8 +331,9 @@ def test_a_two_rank_checkpoint_loads_on_any_number_of_ranks(results, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_the_next_step_after_a_resume_equals_the_uninterrupted_run_and_the_plain_objective(results, world):
-    """Its loss is the uninterrupted 2-rank run's (1e-6; the global batch is the same, split over `world`) and the
-    plain-PyTorch loss of the writer's weights over that batch; the weights after it the uninterrupted run's."""
+    """Its loss is the uninterrupted 2-rank run's (1e-6; the global batch is the same, split over `world`) and
+    the plain-PyTorch loss of the writer's weights over that batch; the weights after it the uninterrupted
+    run's."""
     two = results[2][0]
     params = two["writer"]["params"]
     docs = results["steps"][-1]
@@ -377,8 +394,8 @@ def _damaged_loads(rank: int, world: int, root: str) -> list[tuple[str, bool, st
     tokenizer = Path(root) / "tokenizer"
     tokenizer.mkdir(parents=True, exist_ok=True)
     path = store.save_checkpoint(Path(root) / "run", 1, info, engine, rank_state={},
-                                 meta={"counters": {}, "engine": engine.name}, conventions={}, tokenizer_dir=tokenizer,
-                                 keep_last=1)
+                                 meta={"counters": {}, "engine": engine.name}, conventions={},
+                                 tokenizer_dir=tokenizer, keep_last=1)
     metadata = path / store.DCP_DIR / ".metadata"
     out = []
     for damage in (lambda: metadata.write_bytes(pickle.dumps(_RunsCode())), metadata.unlink):
@@ -399,19 +416,20 @@ def test_a_damaged_or_crafted_dcp_checkpoint_is_one_error_line_naming_it(results
     crafted, missing = results["damaged"]
     for kind, is_user_error, message in (crafted, missing):
         assert kind == "DCPLoadError" and is_user_error and "\n" not in message, (kind, message)
-        assert message.startswith("cannot load the FSDP2 checkpoint ") and "resume from another checkpoint" in message
+        assert (message.startswith("cannot load the FSDP2 checkpoint ")
+                and "resume from another checkpoint" in message)
     assert "refused to load: it names builtins.print" in crafted[2], crafted[2]
     assert ".metadata" in missing[2], missing[2]
 
 
 def test_weights_read_from_a_dcp_directory_without_its_metadata_is_one_line(tmp_path):
-    """read_dcp_weights (an FSDP2 checkpoint's weights, when it holds no model.safetensors) on a dcp/ that lost its
-    .metadata: a UserError naming the directory, not DCP's traceback."""
+    """read_dcp_weights (an FSDP2 checkpoint's weights, when it holds no model.safetensors) on a dcp/ that
+    lost its .metadata: a UserError naming the directory, not DCP's traceback."""
     from trainer.distributed.fsdp import DCPLoadError, read_dcp_weights
     from trainer.errors import UserError
 
     (tmp_path / "dcp").mkdir()
-    with pytest.raises(DCPLoadError, match=r"cannot read the model's weights from the FSDP2 checkpoint .*dcp: .*"
-                                           r"\.metadata") as e:
+    with pytest.raises(DCPLoadError, match=r"cannot read the model's weights from the FSDP2 checkpoint "
+                                           r".*dcp: .*\.metadata") as e:
         read_dcp_weights(tmp_path / "dcp", {"wte.weight": (4, 2)})
     assert isinstance(e.value, UserError) and "\n" not in str(e.value)

@@ -1,6 +1,6 @@
 """tests.harness.run_distributed: a rank that fails while another waits in one of the trainer's collectives
-(trainer.distributed.groups.dist_sum) fails the call with the failing rank's traceback within the timeout, instead
-of hanging the suite."""
+(trainer.distributed.groups.dist_sum) fails the call with the failing rank's traceback within the timeout,
+instead of hanging the suite."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The model, optimizer and LR schedule resume on another number of ranks (issue 21, the engine half), on gloo ranks.
+"""The model, optimizer and LR schedule resume on another number of ranks (issue 21, the engine half), on gloo
+ranks.
 
 For each case (engine, W, W'): W ranks run STEPS - 1 AdamW steps (clipping active) on fixed batches and save a
 checkpoint through the store; W' ranks build the engine from other weights, load it with store.load_checkpoint
@@ -8,10 +9,10 @@ checkpoint through the store; W' ranks build the engine from other weights, load
       (`optimizer_state`, so the expected values do not come from the files the conversion reads), and LR;
   (c) after one more step with the same global batch split over W' ranks, the weights that W ranks reach with
       that step split over W (within 1e-6: only the order of the gradient sums differs).
-The checkpoint itself is left as it was, and every new rank gets every old rank's state (its data stream is dealt
-from them: trainer.data.reshape, tests/data/test_reshape.py). One spawn of four processes for the world sizes 4, then 2,
-then 1, each a fresh gloo group (tests.harness.in_worlds: a spawned rank's start and DeepSpeed's first
-initialize take seconds each); DDP's 1-rank checkpoint is written in this process first.
+The checkpoint itself is left as it was, and every new rank gets every old rank's state (its data stream is
+dealt from them: trainer.data.reshape, tests/data/test_reshape.py). One spawn of four processes for the world
+sizes 4, then 2, then 1, each a fresh gloo group (tests.harness.in_worlds: a spawned rank's start and
+DeepSpeed's first initialize take seconds each); DDP's 1-rank checkpoint is written in this process first.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ CASES = [("zero2", 4, 2), ("zero2", 2, 1), ("zero1", 2, 1), ("zero3", 2, 1), ("d
 """(engine, ranks that write, ranks that load)."""
 IDS = [f"{name}-{w}-to-{v}" for name, w, v in CASES]
 ENGINES = {"ddp": DistributedConfig(device="cpu"),
-           **{f"zero{s}": DistributedConfig(engine="deepspeed", zero_stage=s, device="cpu") for s in (1, 2, 3)}}
+           **{f"zero{s}": DistributedConfig(engine="deepspeed", zero_stage=s, device="cpu")
+              for s in (1, 2, 3)}}
 STEPS = 3
 """Optimizer steps: STEPS - 1 before the checkpoint, one after it."""
 ADAMW = OptimConfig(lr=1e-2, warmup_steps=2, min_lr_ratio=0.1)
@@ -51,7 +53,8 @@ CLIP = 0.05
 
 
 def build(name: str, info: DistInfo, seed: int):
-    """The tiny model (initial weights from `seed`), AdamW over two groups and its schedule, under engine `name`."""
+    """The tiny model (initial weights from `seed`), AdamW over two groups and its schedule, under engine
+    `name`."""
     torch.manual_seed(seed)
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
     opt = build_optimizer(model, ADAMW)
@@ -80,9 +83,9 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: per parameter name, its whole fp32 value, exp_avg, exp_avg_sq and step, on every rank.
 
     ZeRO-1/2 keep one flat fp32 partition per group (each rank a contiguous slice of the group's flattened
-    parameters, which are views into one flat buffer); ZeRO-3 one per sub-group, each parameter's own partition
-    side by side. (DeepSpeed's safe_get_full_optimizer_state raises on some ranks for the no-decay group in
-    0.19.8, leaving the others in its all-reduce.)
+    parameters, which are views into one flat buffer); ZeRO-3 one per sub-group, each parameter's own
+    partition side by side. (DeepSpeed's safe_get_full_optimizer_state raises on some ranks for the no-decay
+    group in 0.19.8, leaving the others in its all-reduce.)
     """
     if engine.name == "ddp":
         opt = engine.optimizer
@@ -97,7 +100,8 @@ def optimizer_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     for g, params in enumerate(groups):
         state = opt.optimizer.state[masters[g]]
         step = torch.as_tensor(float(state["step"]))
-        for key, flat in (("fp32", masters[g]), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+        for key, flat in (("fp32", masters[g]), ("exp_avg", state["exp_avg"]),
+                          ("exp_avg_sq", state["exp_avg_sq"])):
             whole = None if zero3 else _gathered(flat)
             offset = 0
             for p in params:
@@ -138,7 +142,8 @@ def save_and_step(name: str, info: DistInfo, root: Path) -> dict:
 
 
 def load_and_step(name: str, written: int, info: DistInfo, root: Path) -> dict:
-    """A fresh engine from other weights, the engine state of a `written`-rank checkpoint, then the last step."""
+    """A fresh engine from other weights, the engine state of a `written`-rank checkpoint, then the last
+    step."""
     steps = make_steps(num_steps=STEPS, docs_per_step=8)
     path = store.checkpoint_dir(root / f"{name}-{written}", STEPS - 1)
     engine = build(name, info, seed=1)  # the load must replace all of it
@@ -151,8 +156,9 @@ def load_and_step(name: str, written: int, info: DistInfo, root: Path) -> dict:
 
 
 def forget_deepspeed_groups() -> None:
-    """Drop DeepSpeed's module-level hold on this world (its clone of the world group, the data-parallel group,
-    its comm backend), as deepspeed.comm.destroy_process_group does: in_worlds' next phase is another world."""
+    """Drop DeepSpeed's module-level hold on this world (its clone of the world group, the data-parallel
+    group, its comm backend), as deepspeed.comm.destroy_process_group does: in_worlds' next phase is another
+    world."""
     from deepspeed.comm import comm
     from deepspeed.utils import groups
 
@@ -214,4 +220,5 @@ def test_the_checkpoint_is_untouched_and_each_rank_gets_every_old_ranks_state(re
     saved, got = results[("written", name, written)], results[("loaded", name, written, loaded)]
     assert got["files"] == saved["files"]  # converted beside it, never in place
     assert got["beside"] == [store.step_name(STEPS - 1)]  # and the converted copy removed
-    assert got["rank_states"] == list(range(written))  # its data stream is dealt from all (trainer.data.reshape)
+    # its data stream is dealt from all (trainer.data.reshape)
+    assert got["rank_states"] == list(range(written))

@@ -1,13 +1,15 @@
-"""Tensor parallelism (trainer/distributed/tensor.py) on real gloo groups: the same losses, gradient norms, every
-parameter's gradient (gathered) and optimizer state as one rank, to 1e-6, for TP = 2, DP 2 x TP 2 and TP 2 x CP 2,
-through the real engine and step (parallelize + train_step, SGD with momentum, gradient clipping on).
+"""Tensor parallelism (trainer/distributed/tensor.py) on real gloo groups: the same losses, gradient norms,
+every parameter's gradient (gathered) and optimizer state as one rank, to 1e-6, for TP = 2, DP 2 x TP 2 and
+TP 2 x CP 2, through the real engine and step (parallelize + train_step, SGD with momentum, gradient clipping
+on).
 
-The one-rank reference is the unsplit model on every data rank's micro-batches (the union), in this process. Two
-models: GPT-2 with a vocabulary of 61 (odd: padded to 62 over two ranks, the padding must stay out of the softmax)
-and rows of 31 positions (the sequence shards padded too); Llama with 4 heads and 2 kv heads, SwiGLU, an untied
-head. A vocabulary-parallel loss that gathered and averaged logits (Megatron-LM#7452's loss + log N), or that let
-the padding column into the softmax, fails the loss comparison; `test_vocab_parallel_cross_entropy` checks that
-function alone against F.cross_entropy, with a plain-PyTorch logsumexp written here.
+The one-rank reference is the unsplit model on every data rank's micro-batches (the union), in this process.
+Two models: GPT-2 with a vocabulary of 61 (odd: padded to 62 over two ranks, the padding must stay out of the
+softmax) and rows of 31 positions (the sequence shards padded too); Llama with 4 heads and 2 kv heads, SwiGLU,
+an untied head. A vocabulary-parallel loss that gathered and averaged logits (Megatron-LM#7452's loss +
+log N), or that let the padding column into the softmax, fails the loss comparison;
+`test_vocab_parallel_cross_entropy` checks that function alone against F.cross_entropy, with a plain-PyTorch
+logsumexp written here.
 """
 
 from __future__ import annotations
@@ -55,23 +57,26 @@ def batches(name: str, step: int, data_rank: int) -> list:
 
 def build(name: str, chunk: int = 0):
     torch.manual_seed(0)
-    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"), loss_chunk_tokens=chunk)
+    model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"),
+                        loss_chunk_tokens=chunk)
     with torch.no_grad():  # no weight left at its init: the norms and biases too
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    # SGD with momentum: the weights a direct function of the gradients (Adam's m / sqrt(v) turns rounding in a
-    # near-zero gradient into a whole step), and a state tensor per parameter (its momentum) to gather and split.
+    # SGD with momentum: the weights a direct function of the gradients (Adam's m / sqrt(v) turns rounding in
+    # a near-zero gradient into a whole step), and a state tensor per parameter (its momentum) to gather and
+    # split.
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     return model, opt, sched
 
 
-def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int], resume: dict | str | None = None,
-          first: int = 0, save: str | None = None, chunk: int = 0, compile: bool = False) -> dict:
-    """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the gathered
-    gradients; a replicated engine's (whole) state after each step. `resume`: a whole state to load, or the DCP
-    directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0; `chunk`:
-    loss.chunk_tokens; `compile`: train.compile (parallelize compiles the split blocks)."""
+def train(name: str, info: DistInfo, cfg: DistributedConfig, data_ranks: list[int],
+          resume: dict | str | None = None, first: int = 0, save: str | None = None, chunk: int = 0,
+          compile: bool = False) -> dict:
+    """Steps `first`..STEPS - 1 on the micro-batches of `data_ranks`; per step the loss, the norm and the
+    gathered gradients; a replicated engine's (whole) state after each step. `resume`: a whole state to load,
+    or the DCP directory of a sharded engine's; `save`: where a sharded engine writes its shards after step 0;
+    `chunk`: loss.chunk_tokens; `compile`: train.compile (parallelize compiles the split blocks)."""
     from torch.distributed.tensor import DTensor
 
     model, opt, sched = build(name, chunk)
@@ -121,7 +126,8 @@ def copied(x):
 def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=None, chunk=0, compile=False):
     cfg = DistributedConfig(device="cpu", engine=engine, tensor_parallel=tp, context_parallel=cp)
     info = init_distributed(cfg)
-    if resume is not None and resume.endswith(".pt"):  # a whole state, mapped as the store maps engine.pt under TP
+    # a whole state, mapped as the store maps engine.pt under TP
+    if resume is not None and resume.endswith(".pt"):
         from trainer.checkpoint.safe_io import load_state
 
         resume = load_state(resume, map_location="cpu", mmap=True)
@@ -131,8 +137,8 @@ def _rank(rank, world, name, tp, cp, resume=None, first=0, engine="ddp", save=No
 
 
 def one_rank(name: str, data_world: int, resume=None, first=0) -> dict:
-    return train(name, DistInfo(0, 1, 0, CPU), DistributedConfig(device="cpu"), list(range(data_world)), resume,
-                 first)
+    return train(name, DistInfo(0, 1, 0, CPU), DistributedConfig(device="cpu"), list(range(data_world)),
+                 resume, first)
 
 
 def _meta_rank(rank, world, name, engine, tp):
@@ -142,17 +148,21 @@ def _meta_rank(rank, world, name, engine, tp):
     torch.manual_seed(0)
     model = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs"), meta=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), info, cfg, 0.0, "fp32")
+    engine = parallelize(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+                         info, cfg, 0.0, "fp32")
     assert not any(p.is_meta for p in model.parameters())
-    assert {id(p) for group in opt.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
-    return {"weights": engine.full_weights(), "after": torch.rand(4)}  # the RNG where a one-rank build leaves it
+    assert ({id(p) for group in opt.param_groups for p in group["params"]}
+            == {id(p) for p in model.parameters()})
+    # the RNG where a one-rank build leaves it
+    return {"weights": engine.full_weights(), "after": torch.rand(4)}
 
 
 def candidates():
     from trainer.tasks.scoring import Candidate
 
     rng = np.random.default_rng(7)
-    return [Candidate(tuple(rng.integers(2, 61, size=q).tolist()), tuple(rng.integers(2, 61, size=c).tolist()))
+    return [Candidate(tuple(rng.integers(2, 61, size=q).tolist()),
+                      tuple(rng.integers(2, 61, size=c).tolist()))
             for q, c in ((5, 3), (9, 1), (2, 7), (12, 4), (3, 3), (7, 6))]
 
 
@@ -165,7 +175,8 @@ def shared_queries():
 
 
 def _score_rank(rank, world):
-    """Task scoring (trainer.tasks.scoring.score, as train.eval_tasks runs it) on a model split over 2 tensor ranks."""
+    """Task scoring (trainer.tasks.scoring.score, as train.eval_tasks runs it) on a model split over 2 tensor
+    ranks."""
     from trainer.tasks.scoring import score
 
     cfg = DistributedConfig(device="cpu", tensor_parallel=2)
@@ -206,13 +217,16 @@ FSDP = {  # FSDP2 x TP: (world, tp, resume, first, save) of the phases after `ph
 TP1_TO_DP2_TP2 = len(phases()) + len(FSDP)
 """The phase resuming the one-rank DDP run's state (whole tensors, engine.pt's) on DP 2 x TP 2."""
 CHUNKED = ("gpt2", "llama")
-"""TP 2 with loss.chunk_tokens=7 (chunks that do not divide the rows; GPT-2's padded vocabulary), after the rest."""
+"""TP 2 with loss.chunk_tokens=7 (chunks that do not divide the rows; GPT-2's padded vocabulary), after the
+rest."""
 ONE_RANK_STEP0 = "one-rank-step0.pt"
-"""The one-rank run's state after step 0 (gpt2, two data ranks' micro-batches), written by the `spawned` fixture."""
+"""The one-rank run's state after step 0 (gpt2, two data ranks' micro-batches), written by the `spawned`
+fixture."""
 
 
 def all_phases(root: str) -> list:
-    fsdp = [(world, _rank, ("gpt2", tp, 1, resume and f"{root}/{resume}", first, "fsdp2", save and f"{root}/{save}"))
+    fsdp = [(world, _rank, ("gpt2", tp, 1, resume and f"{root}/{resume}", first, "fsdp2",
+                            save and f"{root}/{save}"))
             for world, tp, resume, first, save in FSDP.values()]
     chunked = [(2, _rank, (name, 2, 1, None, 0, "ddp", None, 7)) for name in CHUNKED]
     compiled = (2, _rank, ("llama", 2, 1, None, 0, "ddp", None, 0, True))
@@ -253,31 +267,38 @@ def assert_close(got: dict, want: dict, what: str, tol: float = 1e-6) -> None:
 
 
 def assert_same_steps(ranks: list[dict], want: dict, what: str, first: int = 0) -> None:
-    """Every rank's losses, gradient norms and gathered gradients of steps `first`.. == the reference run's, 1e-6."""
+    """Every rank's losses, gradient norms and gathered gradients of steps `first`.. == the reference run's,
+    1e-6."""
     for rank, got in enumerate(ranks):
-        np.testing.assert_allclose(got["loss"], want["loss"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
-        np.testing.assert_allclose(got["norm"], want["norm"][first:], rtol=1e-6, atol=0, err_msg=f"{what} {rank}")
+        np.testing.assert_allclose(got["loss"], want["loss"][first:], rtol=1e-6, atol=0,
+                                   err_msg=f"{what} {rank}")
+        np.testing.assert_allclose(got["norm"], want["norm"][first:], rtol=1e-6, atol=0,
+                                   err_msg=f"{what} {rank}")
         assert len(got["grads"]) == STEPS - first, what
         for step, g in enumerate(got["grads"], start=first):
             assert_close(g, want["grads"][step], f"{what} rank {rank} step {step} gradients")
 
 
-CASES = [(0, "gpt2", 1, "TP 2"), (1, "llama", 1, "TP 2"), (2, "gpt2", 2, "DP 2 x TP 2"), (3, "llama", 1, "TP 2 x CP 2")]
+CASES = [(0, "gpt2", 1, "TP 2"), (1, "llama", 1, "TP 2"), (2, "gpt2", 2, "DP 2 x TP 2"),
+         (3, "llama", 1, "TP 2 x CP 2")]
 
 
 @pytest.mark.parametrize("phase,name,data_world,what", CASES, ids=[f"{c[1]}-{c[3]}" for c in CASES])
 def test_same_step_as_one_rank(spawned, references, phase, name, data_world, what):
     want = references[(name, data_world)]
     for rank, got in enumerate(spawned[phase]):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0, err_msg=f"{what} rank {rank} loss")
-        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0, err_msg=f"{what} rank {rank} norm")
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, atol=0,
+                                   err_msg=f"{what} rank {rank} loss")
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-6, atol=0,
+                                   err_msg=f"{what} rank {rank} norm")
         assert got["valid"] == want["valid"]
         for step in range(STEPS):
             assert_close(got["grads"][step], want["grads"][step], f"{what} rank {rank} step {step} gradients")
             if rank > 0:  # the state is gathered onto rank 0, which writes checkpoints, alone
                 assert got["state"][step] == {}
                 continue
-            assert_close(got["state"][step]["model"], want["state"][step]["model"], f"{what} rank {rank} weights")
+            assert_close(got["state"][step]["model"], want["state"][step]["model"],
+                         f"{what} rank {rank} weights")
             assert_close(got["state"][step]["optimizer"]["state"], want["state"][step]["optimizer"]["state"],
                          f"{what} rank {rank} optimizer state")
     assert_close(spawned[phase][0]["weights"], want["weights"], f"{what} full_weights")
@@ -291,8 +312,8 @@ def test_layout_of_the_world(spawned):
 
 
 def test_resume_across_tensor_sizes(spawned, references):
-    """TP 2 -> TP 1: the TP 2 run's state after step 0 (whole tensors) resumes on one rank with the uninterrupted
-    run's loss; TP 1 -> TP 2 is the DP 2 x TP 2 phase's twin below."""
+    """TP 2 -> TP 1: the TP 2 run's state after step 0 (whole tensors) resumes on one rank with the
+    uninterrupted run's loss; TP 1 -> TP 2 is the DP 2 x TP 2 phase's twin below."""
     want = references[("llama", 1)]
     saved = spawned[1][0]["state"][0]
     resumed = one_rank("llama", 1, resume=saved, first=1)
@@ -301,15 +322,16 @@ def test_resume_across_tensor_sizes(spawned, references):
 
 
 def test_vocab_parallel_cross_entropy():
-    """The loss on vocabulary shards == F.cross_entropy of the whole logits, and == logsumexp - target logit written
-    here; the padding column takes no probability; gradients too."""
+    """The loss on vocabulary shards == F.cross_entropy of the whole logits, and == logsumexp - target logit
+    written here; the padding column takes no probability; gradients too."""
     got = run_distributed(_vocab_ce, world_size=2)
     torch.manual_seed(1)
     logits = torch.randn(7, 61, dtype=torch.float64).float().requires_grad_()
     targets = torch.tensor([0, 60, 30, 31, IGNORE_INDEX, 5, 59])
     want = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
     plain = torch.where(targets != IGNORE_INDEX,
-                        logits.logsumexp(-1) - logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+                        logits.logsumexp(-1) - logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1),
+                        0.0)
     (want * torch.arange(1.0, 8.0)).sum().backward()
     for ce, grad in got:
         torch.testing.assert_close(ce, want.detach(), rtol=1e-6, atol=1e-6)
@@ -359,10 +381,10 @@ def test_shapes_that_do_not_split(shape, size, needle):
 
 
 def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, tmp_path):
-    """`torchrun --nproc_per_node=2 -m trainer.train distributed.tensor_parallel=2`: the session's one-rank run
-    (tests/conftest.py `checkpoint`: 3 steps, eval on) again, with each layer split over two ranks: the same losses
-    and val loss, and its model.safetensors (gathered whole, the padding dropped) the one-rank run's weights; its
-    step-2 checkpoint resumes on one rank with the one-rank run's step 3."""
+    """`torchrun --nproc_per_node=2 -m trainer.train distributed.tensor_parallel=2`: the session's one-rank
+    run (tests/conftest.py `checkpoint`: 3 steps, eval on) again, with each layer split over two ranks: the
+    same losses and val loss, and its model.safetensors (gathered whole, the padding dropped) the one-rank
+    run's weights; its step-2 checkpoint resumes on one rank with the one-rank run's step 3."""
     from safetensors.torch import load_file
 
     from tests.helpers import CHECKPOINT_SEQ_LEN, latest_checkpoint, metrics, run_train, torchrun
@@ -379,12 +401,14 @@ def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, t
         assert [m.get(key) is None for m in got] == [m.get(key) is None for m in want], key
         values = [(g[key], w[key]) for g, w in zip(got, want, strict=True) if w.get(key) is not None]
         assert values and all(g == pytest.approx(w, rel=1e-6) for g, w in values), (key, values)
-    a, b = load_file(latest_checkpoint(tp2) / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    a, b = (load_file(latest_checkpoint(tp2) / "model.safetensors"),
+            load_file(checkpoint / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in b:
         assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k
-    # Step 2's checkpoint, not the run's last: no model.safetensors (train.save_weights=end), its whole weights in
-    # engine.pt; resumed on ONE rank (TP 2 -> TP 1, data stream included), step 3 is the uninterrupted run's.
+    # Step 2's checkpoint, not the run's last: no model.safetensors (train.save_weights=end), its whole
+    # weights in engine.pt; resumed on ONE rank (TP 2 -> TP 1, data stream included), step 3 is the
+    # uninterrupted run's.
     mid = store.checkpoint_dir(tp2, 2)
     assert not (mid / store.WEIGHTS_FILE).exists() and load_weights(mid).keys() == b.keys()
     run_train(tp1, demo_data, *common, f"train.resume={mid}")
@@ -394,8 +418,9 @@ def test_a_real_tensor_parallel_run_is_the_one_rank_run(checkpoint, demo_data, t
 
 @pytest.mark.parametrize("i", range(len(META)), ids=["-".join(map(str, m)) for m in META])
 def test_a_meta_build_has_the_one_rank_weights_bit_for_bit(spawned, i):
-    """Weights never built whole: built on the meta device, split (TP) or sharded (FSDP2), then each rank draws its
-    part: the same seed gives the CPU build's weights exactly (torch.equal), and leaves the RNG where it would."""
+    """Weights never built whole: built on the meta device, split (TP) or sharded (FSDP2), then each rank
+    draws its part: the same seed gives the CPU build's weights exactly (torch.equal), and leaves the RNG
+    where it would."""
     name, engine, tp, world = META[i]
     torch.manual_seed(0)
     want = build_model(GPTConfig(**MODELS[name][0]), AttentionConfig(backend="sdpa_docs")).state_dict()
@@ -408,9 +433,9 @@ def test_a_meta_build_has_the_one_rank_weights_bit_for_bit(spawned, i):
 
 
 def test_task_scoring_on_a_split_model_is_the_one_rank_scoring(spawned):
-    """train.eval_tasks under tensor parallelism: the tensor group scores the same rows together, the logits gathered
-    over the vocabulary shards; every choice's log-likelihood and greedy match == the one-rank model's, packed and in
-    the tree layout (issue 57)."""
+    """train.eval_tasks under tensor parallelism: the tensor group scores the same rows together, the logits
+    gathered over the vocabulary shards; every choice's log-likelihood and greedy match == the one-rank
+    model's, packed and in the tree layout (issue 57)."""
     from trainer.tasks.scoring import score
 
     torch.manual_seed(0)
@@ -437,10 +462,10 @@ def _step_docs(name: str, step: int, data_rank: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("phase,data_world", [(0, 1), (2, 2)], ids=["TP 2", "DP 2 x TP 2"])
 def test_the_split_step_is_plain_pytorch_s(spawned, phase, data_world):
-    """Against code that shares nothing with the trainer's model, loss or split: each document alone through the
-    starting weights in plain PyTorch (tests.helpers.plain_document_loss: explicit causal softmax, F.cross_entropy),
-    summed over the step's documents of every data rank and divided by their targets. The TP ranks' first loss,
-    gradient norm and (clipped) gradients are that, to 1e-6."""
+    """Against code that shares nothing with the trainer's model, loss or split: each document alone through
+    the starting weights in plain PyTorch (tests.helpers.plain_document_loss: explicit causal softmax,
+    F.cross_entropy), summed over the step's documents of every data rank and divided by their targets. The TP
+    ranks' first loss, gradient norm and (clipped) gradients are that, to 1e-6."""
     from tests.helpers import plain_document_loss
 
     model, _, _ = build("gpt2")  # the same starting weights as every run of the test
@@ -459,11 +484,11 @@ def test_the_split_step_is_plain_pytorch_s(spawned, phase, data_world):
 
 @pytest.mark.parametrize("i,what", list(enumerate(FSDP)), ids=list(FSDP))
 def test_fsdp2_with_tensor_parallel_is_ddp(spawned, references, i, what):
-    """FSDP2 x TP: each rank's tensor-parallel shards sharded again over the fsdp group (data x context). Losses,
-    gradient norms and every gradient (gathered over both) == the one-rank run on the union of the data ranks'
-    micro-batches (the DDP reference), to 1e-6, and the weights after the last step. The DCP checkpoint holds the
-    whole tensors (their rows over every rank), so it resumes across tensor sizes both ways, with the
-    uninterrupted run's later losses."""
+    """FSDP2 x TP: each rank's tensor-parallel shards sharded again over the fsdp group (data x context).
+    Losses, gradient norms and every gradient (gathered over both) == the one-rank run on the union of the
+    data ranks' micro-batches (the DDP reference), to 1e-6, and the weights after the last step. The DCP
+    checkpoint holds the whole tensors (their rows over every rank), so it resumes across tensor sizes both
+    ways, with the uninterrupted run's later losses."""
     world, tp, resume, first, save = FSDP[what]
     want = references[("gpt2", 2)]
     assert_same_steps(spawned[len(phases()) + i], want, what, first)
@@ -473,8 +498,8 @@ def test_fsdp2_with_tensor_parallel_is_ddp(spawned, references, i, what):
 
 def test_an_fsdp2_tensor_parallel_checkpoint_holds_the_one_rank_weights(spawned, references):
     """The DCP checkpoint FSDP2 x TP 2 wrote after step 0, read whole on one process without a group
-    (trainer.distributed.fsdp.read_dcp_weights, as export and init_from read it): the one-rank run's weights after
-    step 0, the vocabulary padding dropped."""
+    (trainer.distributed.fsdp.read_dcp_weights, as export and init_from read it): the one-rank run's weights
+    after step 0, the vocabulary padding dropped."""
     from trainer.distributed.fsdp import read_dcp_weights
 
     want = references[("gpt2", 2)]["state"][0]["model"]
@@ -483,33 +508,35 @@ def test_an_fsdp2_tensor_parallel_checkpoint_holds_the_one_rank_weights(spawned,
 
 
 def test_resume_from_one_rank_on_data_2_x_tensor_2(spawned, references):
-    """TP 1 -> DP 2 x TP 2: the one-rank run's state after step 0 (whole tensors, as engine.pt holds them) loaded
-    on four ranks, each keeping its shards: step 1's loss and gradients are the uninterrupted run's."""
+    """TP 1 -> DP 2 x TP 2: the one-rank run's state after step 0 (whole tensors, as engine.pt holds them)
+    loaded on four ranks, each keeping its shards: step 1's loss and gradients are the uninterrupted run's."""
     want = references[("gpt2", 2)]
     for rank, got in enumerate(spawned[TP1_TO_DP2_TP2]):
         np.testing.assert_allclose(got["loss"], want["loss"][1:], rtol=1e-6, atol=0, err_msg=f"rank {rank}")
         assert_close(got["grads"][0], want["grads"][1], f"rank {rank} step 1 gradients")
-    assert_close(spawned[TP1_TO_DP2_TP2][0]["state"][0]["model"], want["state"][1]["model"], "weights after step 1")
+    assert_close(spawned[TP1_TO_DP2_TP2][0]["state"][0]["model"], want["state"][1]["model"],
+                 "weights after step 1")
 
 
 @pytest.mark.parametrize("i,name", list(enumerate(CHUNKED)), ids=list(CHUNKED))
 def test_a_chunked_loss_on_vocabulary_shards_is_the_one_rank_plain_loss(spawned, references, i, name):
     """loss.chunk_tokens under TP 2: each chunk's logits exist only as this rank's vocabulary columns, the
-    logsumexp and the target's logit joined over the group (VocabShard.chunk_stats), the padding column out of the
-    softmax: losses, norms and every gradient == the one-rank run with whole logits (no chunking), 1e-6."""
+    logsumexp and the target's logit joined over the group (VocabShard.chunk_stats), the padding column out of
+    the softmax: losses, norms and every gradient == the one-rank run with whole logits (no chunking),
+    1e-6."""
     assert_same_steps(spawned[TP1_TO_DP2_TP2 + 1 + i], references[(name, 1)], f"{name} chunked")
 
 
 def test_compiled_split_blocks_train_as_the_one_rank_model(spawned, references):
-    """train.compile under TP 2 (torch.compile of each split block, inductor; dynamo traces the sequence-parallel
-    collectives into the graphs, the attention call stays eager as without TP): losses, norms and every gradient
-    == the one-rank eager run (Llama: GQA, SwiGLU, untied head), 1e-6."""
+    """train.compile under TP 2 (torch.compile of each split block, inductor; dynamo traces the
+    sequence-parallel collectives into the graphs, the attention call stays eager as without TP): losses,
+    norms and every gradient == the one-rank eager run (Llama: GQA, SwiGLU, untied head), 1e-6."""
     assert_same_steps(spawned[TP1_TO_DP2_TP2 + 1 + len(CHUNKED)], references[("llama", 1)], "compiled")
 
 
 def test_fsdp2_over_context_ranks_with_tensor_parallel_is_the_one_rank_run(spawned, references):
-    """Every dimension at once: 4 ranks as CP 2 x TP 2, FSDP2 sharding each tensor shard over the context group
-    (the fsdp group is data x context): losses, norms and every gradient == the one-rank run, 1e-6."""
+    """Every dimension at once: 4 ranks as CP 2 x TP 2, FSDP2 sharding each tensor shard over the context
+    group (the fsdp group is data x context): losses, norms and every gradient == the one-rank run, 1e-6."""
     want = references[("llama", 1)]
     assert_same_steps(spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)], want, "FSDP2 x CP 2 x TP 2")
     assert all(got["weights"] == {} for got in spawned[TP1_TO_DP2_TP2 + 2 + len(CHUNKED)][1:])

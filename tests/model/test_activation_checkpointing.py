@@ -86,7 +86,8 @@ def test_rope_bf16_and_chunked_loss_together(mode):
 def test_what_each_mode_recomputes(mode, attn_calls, mlp_calls):
     model = tiny(mode)
     calls = {"attn": 0, "mlp": 0}
-    for block in model.blocks:  # pre-hooks: a recompute stops once the last stored tensor is remade (early stop)
+    # pre-hooks: a recompute stops once the last stored tensor is remade (early stop)
+    for block in model.blocks:
         block.attn.register_forward_pre_hook(lambda *_: calls.__setitem__("attn", calls["attn"] + 1))
         block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1))
     loss_and_grads(model, model_inputs(batch("packed")))
@@ -135,6 +136,6 @@ def test_parameters_and_config_keys():
     assert TrainConfig().activation_checkpointing == "none"
     assert (_build(TrainConfig, {"activation_checkpointing": "selective"}, "train").activation_checkpointing
             == "selective")
-    with pytest.raises(ConfigError,
-                       match=r"train.activation_checkpointing must be one of \('none', 'full', 'selective'\)"):
+    with pytest.raises(ConfigError, match=r"train.activation_checkpointing must be one of "
+                                          r"\('none', 'full', 'selective'\)"):
         _build(TrainConfig, {"activation_checkpointing": "true"}, "train")

@@ -1,4 +1,5 @@
-"""loss.chunk_tokens: the head and the loss chunk by chunk give the plain path's loss and gradients (CPU, fp32).
+"""loss.chunk_tokens: the head and the loss chunk by chunk give the plain path's loss and gradients
+(CPU, fp32).
 
 Two yardsticks: the model's own plain path (whole logits, plain_cross_entropy), and an independent
 reference written here: F.cross_entropy over the full logits of the model's final hidden states (ln_f's
@@ -35,7 +36,8 @@ def tiny(chunk_tokens: int = 0, **overrides) -> GPT:
 
 
 def batch(layout: str) -> Batch:
-    """Three documents (lengths 9, 7, 20), packed into 2 rows or one per padded row; with padding either way."""
+    """Three documents (lengths 9, 7, 20), packed into 2 rows or one per padded row;
+    with padding either way."""
     rng = np.random.default_rng(0)
     a, b, c = (Document(k, rng.integers(1, VOCAB, n)) for k, n in (("a", 9), ("b", 7), ("c", 20)))
     rows = [[a, b], [c]] if layout == "packed" else [[a], [b], [c]]
@@ -63,7 +65,8 @@ def run(model: GPT, inputs: dict, weighted: bool):
 
 
 def reference(model: GPT, inputs: dict, weighted: bool):
-    """The same four, from F.cross_entropy over the full logits of the hidden states (written independently)."""
+    """The same four, from F.cross_entropy over the full logits of the hidden states
+    (written independently)."""
     model.zero_grad(set_to_none=True)
     captured = {}
     handle = model.ln_f.register_forward_hook(lambda mod, args, out: captured.update(h=out))
@@ -170,7 +173,8 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_the_logits_never_exist_whole():
-    """Forward + backward of a 48-position micro-batch: the largest tensor is one chunk's logits, not all of them."""
+    """Forward + backward of a 48-position micro-batch: the largest tensor is one chunk's logits,
+    not all of them."""
     inputs = model_inputs(batch("packed"))  # 2 rows x 24 = 48 positions
     vocab = 4096  # 40 x vocab is more than any other tensor (the head's 32 x vocab, activations of 48 x 128)
     for chunk, bound in ((0, 48 * vocab), (40, 40 * vocab)):
@@ -202,7 +206,8 @@ def test_eval_without_gradients_gives_the_same_loss():
 
 def test_bf16_autocast_is_as_close_to_fp32_as_the_plain_path():
     """Under autocast the head runs in bf16 and the loss in fp32, as on the plain path: the chunked path's
-    error against the fp32 result is the plain path's (measured: loss 1.3e-6, gradients 8.4e-3, both paths)."""
+    error against the fp32 result is the plain path's (measured: loss 1.3e-6, gradients 8.4e-3, both
+    paths)."""
     inputs = model_inputs(batch("packed"))
     exact = run(tiny(), inputs, weighted=False)
     results = {}
@@ -222,5 +227,5 @@ def test_config_key():
         _build(LossConfig, {"chunk_tokens": -1}, "loss")
     with pytest.raises(ConfigError, match=r"loss.chunk_tokens must be an integer or null"):
         _build(LossConfig, {"chunk_tokens": 1.5}, "loss")
-    assert build_model(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=4, max_seq_len=4), AttentionConfig(),
-                       loss_chunk_tokens=None).loss_chunk_tokens == 0
+    assert build_model(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=4, max_seq_len=4),
+                       AttentionConfig(), loss_chunk_tokens=None).loss_chunk_tokens == 0

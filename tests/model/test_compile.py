@@ -25,8 +25,8 @@ T = 64
 
 
 def packed_batches(n: int, seed: int = 0) -> list[Batch]:
-    """n packed (2, T) micro-batches; the number and lengths of documents, so cu_seqlens' length and max_seqlen,
-    change from batch to batch."""
+    """n packed (2, T) micro-batches; the number and lengths of documents, so cu_seqlens' length and
+    max_seqlen, change from batch to batch."""
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(n):
@@ -85,9 +85,10 @@ class RecordingBackend:
 ])
 def test_new_document_boundaries_never_recompile_and_the_block_body_is_compiled(backend, recompute, family):
     """Ten batches whose cu_seqlens length and max_seqlen all differ: dynamo compiles the block once and never
-    again, whatever the attention backend and activation checkpointing; the MLP (gelu) is in the compiled graphs
-    (with `full`, compiling the module call instead would run the checkpointed block eagerly); parameter names
-    are unchanged; and the values are eager's, exactly (the eager backend runs the traced graphs unfused)."""
+    again, whatever the attention backend and activation checkpointing; the MLP (gelu) is in the compiled
+    graphs (with `full`, compiling the module call instead would run the checkpointed block eagerly);
+    parameter names are unchanged; and the values are eager's, exactly (the eager backend runs the traced
+    graphs unfused)."""
     torch._dynamo.reset()
     batches = packed_batches(10)
     assert len({b.max_seqlen for b in batches}) > 3 and len({b.cu_seqlens.numel() for b in batches}) > 3
@@ -98,11 +99,13 @@ def test_new_document_boundaries_never_recompile_and_the_block_body_is_compiled(
     counter = CompileCounter()
     try:
         for batch in batches:
-            (loss_c, grad_c), (loss_e, grad_e) = forward_backward(compiled, batch), forward_backward(eager, batch)
+            (loss_c, grad_c), (loss_e, grad_e) = (forward_backward(compiled, batch),
+                                                  forward_backward(eager, batch))
             assert loss_c == loss_e and torch.equal(grad_c, grad_e)
     finally:
         counter.close()
-    assert counter.compiles > 0 and counter.recompiles == 0, (counter.compiles, counter.recompiles, counter.reasons())
+    assert counter.compiles > 0 and counter.recompiles == 0, (counter.compiles, counter.recompiles,
+                                                              counter.reasons())
     assert ("gelu" if family == "gpt2" else "silu") in record.ops()
 
 
@@ -118,7 +121,8 @@ def test_flex_attention_runs_inside_compiled_blocks_for_evaluation():
     try:
         with torch.no_grad():
             for batch in packed_batches(4):
-                assert float(compiled(**model_inputs(batch)).loss_sum) == float(eager(**model_inputs(batch)).loss_sum)
+                assert (float(compiled(**model_inputs(batch)).loss_sum)
+                        == float(eager(**model_inputs(batch)).loss_sum))
     finally:
         counter.close()
     assert counter.compiles > 0 and counter.recompiles == 0
@@ -162,7 +166,8 @@ def test_compile_counter_counts_recompilations():
 
 def test_compile_under_zero3_is_refused_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match="ZeRO-3"):
-        make_trainer(tmp_path / "no_data", tmp_path / "run", "train.compile=true", "distributed=deepspeed_zero3")
+        make_trainer(tmp_path / "no_data", tmp_path / "run", "train.compile=true",
+                     "distributed=deepspeed_zero3")
 
 
 @pytest.mark.slow
@@ -196,5 +201,6 @@ def test_compiled_training_run_gives_the_eager_losses(demo_data, tmp_path):
     assert summary["compile"] is True and summary["compile_frames"] > 0 and summary["compile_recompiles"] == 0
     assert summary["dtype"] == "fp32" and summary["optimizer_fused"] is False
     assert json.loads((tmp_path / "eager" / "summary.json").read_text())["compile"] is False
-    conventions = json.loads((tmp_path / "compiled" / "checkpoints" / "step_000008" / "conventions.json").read_text())
+    conventions = json.loads((tmp_path / "compiled" / "checkpoints" / "step_000008"
+                              / "conventions.json").read_text())
     assert conventions["dtype"] == "fp32"

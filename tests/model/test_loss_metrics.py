@@ -69,8 +69,8 @@ def forward_backward(model: GPT, inputs: dict) -> tuple[dict, dict[str, torch.Te
 @pytest.mark.parametrize("layout", ["packed", "unpacked"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_groups_leave_the_loss_and_gradients_bit_for_bit(chunk, layout, weighted):
-    """With and without the metrics' groups, the same loss, weighted sum and gradients, exactly: the groups only
-    add a reduction of the token losses, never another loss computation."""
+    """With and without the metrics' groups, the same loss, weighted sum and gradients, exactly: the groups
+    only add a reduction of the token losses, never another loss computation."""
     b = batch(layout)
     if weighted:
         b = replace(b, loss_weights=torch.rand(b.shape, generator=torch.Generator().manual_seed(1)))
@@ -118,7 +118,8 @@ def test_group_sums_are_the_token_losses_of_the_objective(chunk, layout):
 
 
 class LargeStorages(TorchDispatchMode):
-    """The distinct storages of at least `numel` elements that ops produce (views of one storage count once)."""
+    """The distinct storages of at least `numel` elements that ops produce (views of one storage count
+    once)."""
 
     def __init__(self, numel: int) -> None:
         super().__init__()
@@ -134,8 +135,8 @@ class LargeStorages(TorchDispatchMode):
 
 @pytest.mark.parametrize("with_groups", [False, True])
 def test_the_loss_reads_the_logits_in_place(with_groups):
-    """Forward of the plain loss makes two logits-sized tensors, the logits and their log-softmax: no copy of the
-    logits without each row's last position (a slice, then reshape) nor of a transposed (B, V, L) view."""
+    """Forward of the plain loss makes two logits-sized tensors, the logits and their log-softmax: no copy of
+    the logits without each row's last position (a slice, then reshape) nor of a transposed (B, V, L) view."""
     b = batch("unpacked")
     if with_groups:
         b, _ = with_loss_groups(b, GROUPS)
@@ -155,9 +156,11 @@ def test_a_step_with_metrics_trains_exactly_as_one_without():
         model = tiny()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-        engine = parallelize(model, opt, sched, CPU, DistributedConfig(device="cpu"), grad_clip=1.0, dtype="fp32")
+        engine = parallelize(model, opt, sched, CPU, DistributedConfig(device="cpu"), grad_clip=1.0,
+                             dtype="fp32")
         stats = train_step(engine, [batch("packed"), batch("unpacked")], CPU, 0, groups=groups)
-        params[name] = (stats.loss, stats.grad_norm, {n: p.detach().clone() for n, p in model.named_parameters()})
+        params[name] = (stats.loss, stats.grad_norm,
+                        {n: p.detach().clone() for n, p in model.named_parameters()})
     (loss_off, norm_off, p_off), (loss_on, norm_on, p_on) = params["off"], params["on"]
     assert loss_on == loss_off and norm_on == norm_off
     assert all(torch.equal(p_on[n], p_off[n]) for n in p_off)

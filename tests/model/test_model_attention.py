@@ -73,10 +73,12 @@ def lengths_summing_to(total: int):
 
 def test_block_diagonal_mask_worked_example():
     expected = torch.tensor(
-        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
+        dtype=torch.bool
     )
     assert torch.equal(block_diagonal_mask([3, 2]), expected)
-    assert document_ids(torch.tensor([0, 3, 5, 10], dtype=torch.int32), 10).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2]
+    assert (document_ids(torch.tensor([0, 3, 5, 10], dtype=torch.int32), 10).tolist()
+            == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2])
 
 
 @given(seq_lens=segment_lengths)
@@ -100,7 +102,8 @@ def test_additive_mask_is_zero_or_minus_inf_and_a_zero_one_float_mask_is_not_equ
     with_additive = F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
     with_zero_one = F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask.float())
     assert torch.allclose(with_bool, with_additive, atol=1e-6)
-    assert (with_bool - with_zero_one).abs().max() > 1e-2, "a 0/1 float mask blocks nothing: it is added to scores"
+    assert (with_bool - with_zero_one).abs().max() > 1e-2, (
+        "a 0/1 float mask blocks nothing: it is added to scores")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,7 +148,8 @@ def test_sdpa_docs_and_dense_agree_with_naive_attention_forward_and_backward(seq
         (out * grad_out).sum().backward()
         results[backend] = (out.detach(), q.grad, k.grad, v.grad)
     for backend in ("sdpa_docs", "dense"):
-        for got, want, what in zip(results[backend], results["naive"], ("out", "dq", "dk", "dv"), strict=True):
+        for got, want, what in zip(results[backend], results["naive"], ("out", "dq", "dk", "dv"),
+                                   strict=True):
             assert (got - want).abs().max() <= 1e-5, f"{backend} {what}"
 
 
@@ -196,8 +200,8 @@ def test_auto_prefers_flash_then_torch_varlen_then_flex_then_sdpa_docs(monkeypat
         attention, "backend_unavailable_reason",
         lambda backend, device, dtype, requires_grad=True: None if backend in available else "missing",
     )
-    expected_order = [({"flash", "torch_varlen", "flex"}, "flash"), ({"torch_varlen", "flex"}, "torch_varlen"),
-                      ({"flex"}, "flex"), (set(), "sdpa_docs")]
+    expected_order = [({"flash", "torch_varlen", "flex"}, "flash"),
+                      ({"torch_varlen", "flex"}, "torch_varlen"), ({"flex"}, "flex"), (set(), "sdpa_docs")]
     for names, expected in expected_order:
         available.clear()
         available.update(names)

@@ -27,13 +27,15 @@ def test_flash_varlen_args_have_the_kernels_types():
     q, k, v = flat_qkv()
     cu = torch.tensor([0, 3, 5, 12], dtype=torch.int64)  # int64 on purpose: the adapter casts
     args = flash_varlen_args(q, k, v, cu, np.int64(7))
-    assert set(args) == {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal"}
+    assert set(args) == {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                         "causal"}
     assert args["q"] is q and args["k"] is k and args["v"] is v
     assert args["q"].shape == (12, 2, 8)  # (total_tokens, heads, head_dim)
     for name in ("cu_seqlens_q", "cu_seqlens_k"):
         assert args[name].dtype == torch.int32 and args[name].device == q.device
         assert args[name].tolist() == [0, 3, 5, 12]
-    assert type(args["max_seqlen_q"]) is int and type(args["max_seqlen_k"]) is int and args["max_seqlen_q"] == 7
+    assert (type(args["max_seqlen_q"]) is int and type(args["max_seqlen_k"]) is int
+            and args["max_seqlen_q"] == 7)
     assert args["causal"] is True
 
 
@@ -93,7 +95,8 @@ def test_torch_varlen_args_bind_to_the_installed_signature():
     q, k, v = flat_qkv()
     args = torch_varlen_args(q, k, v, torch.tensor([0, 3, 12]), 9, varlen_attn)
     bound = inspect.signature(varlen_attn).bind(**args)  # raises if a name is wrong for this torch
-    assert bound.arguments["cu_seq_q"].dtype == torch.int32 and bound.arguments["cu_seq_q"] is args["cu_seq_k"]
+    assert (bound.arguments["cu_seq_q"].dtype == torch.int32
+            and bound.arguments["cu_seq_q"] is args["cu_seq_k"])
     assert bound.arguments["max_q"] == bound.arguments["max_k"] == 9
     causal = args.get("is_causal") is True or args.get("window_size") == (-1, 0)
     assert causal, args

@@ -30,7 +30,8 @@ def tiny(**overrides):
 
 def test_yaml_files_exist():
     assert {p.stem for p in MODEL_YAMLS} >= {"tiny", "small", "gpt2-124m"}
-    assert {p.stem for p in ATTENTION_YAMLS} >= {"auto", "flash", "torch_varlen", "flex", "sdpa_docs", "dense"}
+    assert {p.stem for p in ATTENTION_YAMLS} >= {"auto", "flash", "torch_varlen", "flex", "sdpa_docs",
+                                                 "dense"}
 
 
 @pytest.mark.parametrize("path", MODEL_YAMLS + ATTENTION_YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -40,14 +40,16 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 
 @functools.cache
-def tiny_model(backend: str = "sdpa_docs", pos_emb: str = "learned", isolate: bool = True, seed: int = 0) -> GPT:
+def tiny_model(backend: str = "sdpa_docs", pos_emb: str = "learned", isolate: bool = True,
+               seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64, max_seq_len=64, pos_emb=pos_emb)
     return build_model(cfg, AttentionConfig(backend=backend, isolate_documents=isolate))
 
 
 @st.composite
-def packed_rows(draw, num_rows=ONE_TO_THREE, row_len: int = ROW_LEN, max_docs: int = 4) -> list[list[Document]]:
+def packed_rows(draw, num_rows=ONE_TO_THREE, row_len: int = ROW_LEN,
+                max_docs: int = 4) -> list[list[Document]]:
     """Rows of 1..max_docs documents (lengths 1..row_len, EOS-terminated, random tokens) that fit row_len."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rows = []
@@ -65,7 +67,8 @@ def packed_rows(draw, num_rows=ONE_TO_THREE, row_len: int = ROW_LEN, max_docs: i
     return rows
 
 
-def both_layouts(rows: list[list[Document]], row_len: int, reset_positions: bool = True) -> tuple[Batch, Batch]:
+def both_layouts(rows: list[list[Document]], row_len: int,
+                 reset_positions: bool = True) -> tuple[Batch, Batch]:
     packed = collate_rows(rows, row_len, PAD_ID, "packed", reset_positions=reset_positions)
     unpacked = collate_rows([[doc] for row in rows for doc in row], row_len, PAD_ID, "unpacked")
     return packed, unpacked
@@ -104,7 +107,8 @@ def max_doc_logit_diff(rows, logits_a, spans_a, logits_b, spans_b) -> float:
 
 
 def assert_same_objective(rows, packed_out, unpacked_out, tol: float) -> None:
-    diff = max_doc_logit_diff(rows, packed_out.logits, packed_spans(rows), unpacked_out.logits, unpacked_spans(rows))
+    diff = max_doc_logit_diff(rows, packed_out.logits, packed_spans(rows), unpacked_out.logits,
+                              unpacked_spans(rows))
     assert diff <= tol, f"per-token logits differ by {diff:.3g}"
     expected_targets = sum(valid_targets(doc) for row in rows for doc in row)
     assert packed_out.num_targets.item() == unpacked_out.num_targets.item() == expected_targets
@@ -172,8 +176,10 @@ def test_backends_agree_on_the_packed_model_forward_and_backward(rows):
 
 @st.composite
 def rows_and_edit(draw, num_rows=ONE_TO_THREE, row_len: int = ROW_LEN):
-    """Rows with at least one two-document row, and an edit (row, doc, position, new token) to a non-last doc."""
-    rows = draw(packed_rows(num_rows=num_rows, row_len=row_len).filter(lambda rs: any(len(r) > 1 for r in rs)))
+    """Rows with at least one two-document row, and an edit (row, doc, position, new token) to a non-last
+    doc."""
+    rows = draw(packed_rows(num_rows=num_rows, row_len=row_len)
+                .filter(lambda rs: any(len(r) > 1 for r in rs)))
     r = draw(st.sampled_from([i for i, row in enumerate(rows) if len(row) > 1]))
     a = draw(st.integers(0, len(rows[r]) - 2))
     pos = draw(st.integers(0, len(rows[r][a]) - 1))
@@ -200,7 +206,8 @@ def isolation_diffs(model: GPT, rows, edit, row_len: int) -> tuple[float, float]
     edited_index = sum(len(row) for row in rows[:r]) + a
     others = [s for i, s in enumerate(spans) if i != edited_index]
     later_same_row = [s for i, s in enumerate(spans) if s[0] == r and i > edited_index]
-    diff = lambda spans: max((after[r_, s:e] - before[r_, s:e]).abs().max().item() for r_, s, e in spans)  # noqa: E731
+    diff = lambda spans: max((after[r_, s:e] - before[r_, s:e]).abs().max().item()  # noqa: E731
+                             for r_, s, e in spans)
     return diff(others), diff(later_same_row)
 
 
@@ -244,7 +251,8 @@ def test_learned_positions_without_reset_change_later_documents(rows):
     reset, _ = both_layouts(rows, ROW_LEN, reset_positions=True)
     continuous, _ = both_layouts(rows, ROW_LEN, reset_positions=False)
     with torch.no_grad():
-        logits_reset, logits_cont = model(**model_inputs(reset)).logits, model(**model_inputs(continuous)).logits
+        logits_reset, logits_cont = (model(**model_inputs(reset)).logits,
+                                     model(**model_inputs(continuous)).logits)
     for r, start, end in packed_spans(rows):
         diff = (logits_reset[r, start:end] - logits_cont[r, start:end]).abs().max().item()
         if start == 0:  # the first document of a row has the same positions either way
@@ -261,7 +269,8 @@ def test_rope_with_isolation_is_invariant_to_a_constant_position_offset(rows):
     continuous, _ = both_layouts(rows, ROW_LEN, reset_positions=False)
     assert not torch.equal(reset.position_ids, continuous.position_ids)
     with torch.no_grad():
-        logits_reset, logits_cont = model(**model_inputs(reset)).logits, model(**model_inputs(continuous)).logits
+        logits_reset, logits_cont = (model(**model_inputs(reset)).logits,
+                                     model(**model_inputs(continuous)).logits)
     for r, start, end in packed_spans(rows):
         diff = (logits_reset[r, start:end] - logits_cont[r, start:end]).abs().max().item()
         assert diff <= 1e-4, f"offset {start} moved RoPE logits by {diff:.3g}"
@@ -273,7 +282,8 @@ def test_rope_positions_do_matter_when_not_a_constant_offset():
     ids = torch.arange(2, 18).view(1, 16)
     with torch.no_grad():
         ordered = model(ids).logits
-        shuffled = model(ids, position_ids=torch.randperm(16, generator=torch.Generator().manual_seed(0))[None]).logits
+        shuffled = model(ids, position_ids=torch.randperm(
+            16, generator=torch.Generator().manual_seed(0))[None]).logits
     assert (ordered - shuffled).abs().max() > 1e-4
 
 

@@ -40,10 +40,11 @@ from trainer.reporting.verdicts import verdict
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
     "seed": 0,
-    "train": {"seq_len": 128, "tokens_per_step": 1024, "micro_batch_tokens": 512, "max_steps": 6, "grad_clip": 1.0,
-              "dtype": "fp32", "checkpoint_every": 50, "keep_last": 2, "resume": False, "warmup_marked_steps": 2,
-              "eval_every": 3, "eval_docs": None, "eval_layout": "packed"},
-    "data": {"path": "reportdata/demo", "split": "train", "num_workers": 1, "shuffle_buffer": 64, "on_error": "raise"},
+    "train": {"seq_len": 128, "tokens_per_step": 1024, "micro_batch_tokens": 512, "max_steps": 6,
+              "grad_clip": 1.0, "dtype": "fp32", "checkpoint_every": 50, "keep_last": 2, "resume": False,
+              "warmup_marked_steps": 2, "eval_every": 3, "eval_docs": None, "eval_layout": "packed"},
+    "data": {"path": "reportdata/demo", "split": "train", "num_workers": 1, "shuffle_buffer": 64,
+             "on_error": "raise"},
     "packing": {"layout": "packed", "buffer_size": 64, "long_docs": "split", "reset_positions": True,
                 "pad_to": "longest"},
     "model": {"vocab_size": 512, "n_layer": 2, "n_head": 2, "n_embd": 64, "max_seq_len": 128, "dropout": 0.0,
@@ -78,14 +79,16 @@ def make_run(root: Path, name: str, overrides: dict | None = None, losses: list[
     lines, elapsed = [], 0.0
     for i, loss in enumerate(losses):
         step, elapsed = i + 1, elapsed + step_times[i]
-        m = {"step": step, "loss": loss, "token_loss": (token_losses or losses)[i], "lr": 1e-3, "grad_norm": 1.0,
-             "valid_tokens": 1000, "allocated_tokens": int(1000 / utilization), "token_utilization": utilization,
-             "docs": (docs or [8] * len(losses))[i], "docs_per_row": 1.0,
-             "valid_tokens_per_s": 1000 / step_times[i], "allocated_tokens_per_s": 1000 / utilization / step_times[i],
-             "step_time_s": step_times[i], "data_time_s": 0.01, "elapsed_s": elapsed, "peak_mem_gb": 0.5 + i / 100,
-             "warmup": step <= 2}
+        m = {"step": step, "loss": loss, "token_loss": (token_losses or losses)[i], "lr": 1e-3,
+             "grad_norm": 1.0, "valid_tokens": 1000, "allocated_tokens": int(1000 / utilization),
+             "token_utilization": utilization, "docs": (docs or [8] * len(losses))[i], "docs_per_row": 1.0,
+             "valid_tokens_per_s": 1000 / step_times[i],
+             "allocated_tokens_per_s": 1000 / utilization / step_times[i],
+             "step_time_s": step_times[i], "data_time_s": 0.01, "elapsed_s": elapsed,
+             "peak_mem_gb": 0.5 + i / 100, "warmup": step <= 2}
         if step in val:
-            m.update(val_loss=val[step], val_tokens=500, val_docs=5, val_ppl=2.718 ** val[step], eval_time_s=0.1)
+            m.update(val_loss=val[step], val_tokens=500, val_docs=5, val_ppl=2.718 ** val[step],
+                     eval_time_s=0.1)
         lines.append(json.dumps(m))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if summary:
@@ -117,9 +120,11 @@ def test_flatten_and_key_classes():
     assert key_class("attention.isolate_documents") == "ablation"
     assert key_class("packing.buffer_size") == "other"
     assert key_class("seed") == "other"
-    for key in ("train.compile", "train.activation_checkpointing", "loss.chunk_tokens", "data.prefetch", "optim.fused"):
+    for key in ("train.compile", "train.activation_checkpointing", "loss.chunk_tokens", "data.prefetch",
+                "optim.fused"):
         assert key_class(key) == "same objective", key  # loss-preserving (trainer/registry.py)
-    assert key_class("train.from_another_version") == "other"  # a key the registry does not know: not comparable
+    # a key the registry does not know: not comparable
+    assert key_class("train.from_another_version") == "other"
 
 
 def test_differing_keys_ignore_logging_and_checkpoint_cadence(tmp_path):
@@ -153,7 +158,8 @@ def test_old_and_crashed_runs_fall_back(tmp_path):
     assert report_runs.train_loss(run) == {1: 4.0, 2: 2.9, 3: 2.0}
     assert report_runs.elapsed(run) == {1: 1.0, 2: 3.0, 3: 6.0}  # the running sum of step_time_s
     assert run.config["loss.normalization"] == "global_tokens"
-    assert run.notes == ["no summary.json (crashed or still running)", "metrics.jsonl line 5 unreadable (skipped)"]
+    assert run.notes == ["no summary.json (crashed or still running)",
+                         "metrics.jsonl line 5 unreadable (skipped)"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,7 +182,8 @@ def test_same_objective_within_tolerance(tmp_path):
 ])
 def test_loss_preserving_settings_are_the_same_objective(tmp_path, key, value):
     ref, run = pair(tmp_path, {}, {"overrides": {key: value}})
-    assert verdict(run, ref, 1e-4).startswith("same objective: max |Δloss| 0 over 6 steps; 1.00x valid tokens/s")
+    assert verdict(run, ref, 1e-4).startswith(
+        "same objective: max |Δloss| 0 over 6 steps; 1.00x valid tokens/s")
 
 
 def test_loss_gap_above_tolerance_is_not_comparable(tmp_path):
@@ -209,7 +216,8 @@ def test_different_seed_is_not_comparable_naming_every_key(tmp_path):
     ref, run = pair(tmp_path, {}, {"overrides": {"seed": 1}})
     assert verdict(run, ref, 1e-4) == "not comparable: different seed (0 vs 1)"
     both = one(tmp_path, "both", overrides={"seed": 1, "optim.lr": 0.001, "packing.layout": "unpacked"})
-    assert verdict(both, ref, 1e-4) == "not comparable: different optim.lr (0.003 vs 0.001), different seed (0 vs 1)"
+    assert verdict(both, ref, 1e-4) == (
+        "not comparable: different optim.lr (0.003 vs 0.001), different seed (0 vs 1)")
     buffer = one(tmp_path, "buffer", overrides={"packing.buffer_size": 128})
     assert verdict(buffer, ref, 1e-4) == "not comparable: different packing.buffer_size (64 vs 128)"
 
@@ -218,15 +226,17 @@ def test_isolation_ablation_names_the_setting_and_its_effect(tmp_path):
     ref, run = pair(tmp_path, {}, {"overrides": {"attention.isolate_documents": False},
                                    "losses": [*LOSSES[:5], 2.05], "val": {3: 3.2, 6: 2.5}})
     assert verdict(run, ref, 1e-4) == (
-        "ablation attention.isolate_documents true -> false: final train loss 2.0000 -> 2.0500 (+0.05) at step 6, "
-        "final val loss 2.4000 -> 2.5000 (+0.1) at step 6, at equal documents per step (6 steps)")
-    also_layout = one(tmp_path, "also", overrides={"attention.isolate_documents": False, "packing.layout": "unpacked"})
+        "ablation attention.isolate_documents true -> false: final train loss 2.0000 -> 2.0500 (+0.05) at "
+        "step 6, final val loss 2.4000 -> 2.5000 (+0.1) at step 6, at equal documents per step (6 steps)")
+    also_layout = one(tmp_path, "also",
+                      overrides={"attention.isolate_documents": False, "packing.layout": "unpacked"})
     assert verdict(also_layout, ref, 1e-4).endswith(
         "; also differs in packing.layout packed -> unpacked (objective-neutral)")
 
 
 def test_ablation_with_different_documents_per_step_is_not_comparable(tmp_path):
-    ref, run = pair(tmp_path, {}, {"overrides": {"packing.reset_positions": False}, "docs": [8, 8, 9, 8, 8, 8]})
+    ref, run = pair(tmp_path, {}, {"overrides": {"packing.reset_positions": False},
+                                   "docs": [8, 8, 9, 8, 8, 8]})
     assert verdict(run, ref, 1e-4) == (
         "not comparable: different documents per step (from step 3: docs 8 vs 9, valid tokens 1000 vs 1000) "
         "although only packing.reset_positions true -> false differs")
@@ -236,7 +246,8 @@ def test_normalization_ablation_compares_token_loss(tmp_path):
     ref, run = pair(tmp_path, {}, {"overrides": {"loss.normalization": "document_mean"},
                                    "losses": [5.0] * 6, "token_losses": [*LOSSES[:5], 1.9]})
     assert verdict(run, ref, 1e-4).startswith(
-        "ablation loss.normalization global_tokens -> document_mean: final train loss 2.0000 -> 1.9000 (-0.1)")
+        "ablation loss.normalization global_tokens -> document_mean: "
+        "final train loss 2.0000 -> 1.9000 (-0.1)")
 
 
 def test_layout_dependent_normalization_reports_the_loss_difference(tmp_path):
@@ -245,8 +256,8 @@ def test_layout_dependent_normalization_reports_the_loss_difference(tmp_path):
                     {"overrides": row_mean, "losses": [*LOSSES[:5], 2.02]})
     assert verdict(run, ref, 1e-4) == (
         "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
-        "packing.layout unpacked -> packed changes it by up to 0.02 over 6 steps (final 2.0000 -> 2.0200 (+0.02)); "
-        "1.00x valid tokens/s; utilization 50.0% -> 50.0%")
+        "packing.layout unpacked -> packed changes it by up to 0.02 over 6 steps "
+        "(final 2.0000 -> 2.0200 (+0.02)); 1.00x valid tokens/s; utilization 50.0% -> 50.0%")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -442,8 +453,9 @@ def test_cli_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "empty")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: {tmp_path / 'empty'}: no runs found (a run dir holds metrics.jsonl "
-                                   f"and config.json; a sweep dir holds run dirs one level down)")
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'empty'}: no runs found (a run dir holds "
+                                   "metrics.jsonl and config.json; a sweep dir holds run dirs one "
+                                   "level down)")
     proc = subprocess.run([sys.executable, "-m", "trainer.report", str(tmp_path / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {tmp_path / 'nope'}: not a directory")
@@ -462,10 +474,12 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     """Packed, unpacked and seed=1, 6 steps each (the three trainings run side by side)."""
     from tests.helpers import run_train
 
-    variants = {"packed": ["packing=packed"], "unpacked": ["packing=unpacked"], "seed1": ["packing=packed", "seed=1"]}
+    variants = {"packed": ["packing=packed"], "unpacked": ["packing=unpacked"],
+                "seed1": ["packing=packed", "seed=1"]}
     with ThreadPoolExecutor(len(variants)) as pool:
-        list(pool.map(lambda item: run_train(tmp_path / item[0], demo_data, "train.max_steps=6", "train.eval_every=3",
-                                             "train.checkpoint_every=0", "logging.position_buckets=[64,256]",
+        list(pool.map(lambda item: run_train(tmp_path / item[0], demo_data, "train.max_steps=6",
+                                             "train.eval_every=3", "train.checkpoint_every=0",
+                                             "logging.position_buckets=[64,256]",
                                              *item[1]), variants.items()))
     out = tmp_path / "report"
     paths = make_report([tmp_path / name for name in variants], out)
@@ -481,7 +495,8 @@ def test_report_over_real_tiny_runs(demo_data, tmp_path):
     assert verdicts["packed by document length"].startswith("every length bucket within 0.0001 of unpacked")
     assert "seed1 by document length" not in verdicts  # not comparable: no per-bucket judgement
     assert "## Token loss by document length" in md and "| packed | <=64 | " in md
-    assert verdicts["packed by position in document"].startswith("every position bucket within 0.0001 of unpacked")
+    assert verdicts["packed by position in document"].startswith(
+        "every position bucket within 0.0001 of unpacked")
     assert "## Token loss by position in the document" in md
     rows = {row[0]: dict(zip(TABLE_COLUMNS, row, strict=True))
             for row in report_tables.table_rows(load_runs([tmp_path / n for n in variants]),
@@ -524,7 +539,8 @@ def test_each_packed_run_is_also_judged_against_its_unpacked_counterpart(tmp_pat
                  losses=losses)
     runs = load_runs([tmp_path])
     pairs = dict(report_verdicts.layout_verdicts(runs, runs[1], 1e-4))
-    assert list(pairs) == ["2_row_mean_packed vs 3_row_mean_unpacked"]  # 0 vs 1 is the reference's own verdict
+    # 0 vs 1 is the reference's own verdict
+    assert list(pairs) == ["2_row_mean_packed vs 3_row_mean_unpacked"]
     assert pairs["2_row_mean_packed vs 3_row_mean_unpacked"].startswith(
         "layout-dependent objective: under loss.normalization=row_mean the loss depends on the layout; "
         "packing.layout unpacked -> packed changes it by up to 0.05 over 6 steps")
@@ -551,7 +567,8 @@ def add_to_summary(run_dir: Path, extra: dict) -> None:
 def with_groups(run_dir: Path, by: report_tables.Breakdown, train: dict[str, list[float | None]],
                 targets: dict[str, list[int]], val: dict[str, float], **per_step: dict[str, list]) -> Path:
     """Add `by`'s per-group token losses and targets to every step of a hand-built run, its val losses to the
-    last eval step, and each `per_step` key's {group: value of the step} (tokens_by_source=...) to every step."""
+    last eval step, and each `per_step` key's {group: value of the step} (tokens_by_source=...) to every
+    step."""
     lines = metric_lines(run_dir)
     for i, m in enumerate(lines):
         m[by.loss] = {g: train[g][i] for g in train}
@@ -570,7 +587,8 @@ def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
     ref_train = {"<=64": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], ">64": [2.5] * 6}
     ref = with_groups(make_run(tmp_path, "unpacked", {"packing.layout": "unpacked"}), by, ref_train, targets,
                       {"<=64": 2.2, ">64": 2.4})
-    same = with_groups(make_run(tmp_path, "packed"), by, {b: [x + 1e-6 for x in v] for b, v in ref_train.items()},
+    same = with_groups(make_run(tmp_path, "packed"), by,
+                       {b: [x + 1e-6 for x in v] for b, v in ref_train.items()},
                        targets, {"<=64": 2.2, ">64": 2.4 + 2e-6})
     # Without isolation short documents read their neighbours: their loss drops by 0.05, long ones' do not.
     mixed = with_groups(make_run(tmp_path, "mixed", {"attention.isolate_documents": False}), by,
@@ -584,9 +602,11 @@ def test_loss_by_length_table_and_verdicts_by_hand(tmp_path):
     assert rows[4] == ["mixed", "<=64", "2.4500", "-0.05", "2.1500", "-0.05", "600"]
     assert rows[5] == ["mixed", ">64", "2.5000", "+0", "2.4000", "+0", "5,400"]
     verdicts = dict(report_tables.group_verdicts(runs, runs[0], 1e-4, by))
-    assert verdicts["packed by document length"] == "every length bucket within 0.0001 of unpacked (max |Δ| 2e-06)"
-    assert verdicts["mixed by document length"] == ("documents <=64 tokens: train token loss -0.05, final val token "
-                                                    "loss -0.05 against unpacked (beyond 0.0001)")
+    assert verdicts["packed by document length"] == (
+        "every length bucket within 0.0001 of unpacked (max |Δ| 2e-06)")
+    assert verdicts["mixed by document length"] == ("documents <=64 tokens: train token loss -0.05, "
+                                                    "final val token loss -0.05 against unpacked "
+                                                    "(beyond 0.0001)")
     out = tmp_path / "out"
     paths = make_report([ref, same, mixed], out)
     assert out / "loss_by_length.png" in paths and out / "loss_by_source.png" not in paths
@@ -612,10 +632,11 @@ def mixture_run(root: Path, name: str, weights: tuple[float, float], layout: str
                 train: dict[str, list[float | None]] | None = None, val: dict[str, float] | None = None,
                 tokens: dict[str, list[int]] | None = None, targets: dict[str, list[int]] | None = None,
                 share_summary: dict | None = None) -> Path:
-    """A hand-built run of a two-source mixture: 6 steps; by default functions' targets 100, 100, 100, 300, 300,
-    300 and modules' 700; the losses, shares and summary keys given."""
+    """A hand-built run of a two-source mixture: 6 steps; by default functions' targets 100, 100, 100, 300,
+    300, 300 and modules' 700; the losses, shares and summary keys given."""
     target_share = {"functions": weights[0] / sum(weights), "modules": weights[1] / sum(weights)}
-    run = make_run(root, name, {"data.sources": sources(*weights), "data.path": None, "packing.layout": layout})
+    run = make_run(root, name, {"data.sources": sources(*weights), "data.path": None,
+                                "packing.layout": layout})
     train = train or {"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0], "modules": [2.0] * 6}
     tokens = tokens or {"functions": [300] * 6, "modules": [700] * 6}
     targets = targets or {"functions": [100] * 3 + [300] * 3, "modules": [700] * 6}
@@ -630,11 +651,12 @@ def mixture_run(root: Path, name: str, weights: tuple[float, float], layout: str
 def test_loss_by_source_table_and_verdicts_by_hand(tmp_path):
     by = report_tables.BY_SOURCE
     ref = mixture_run(tmp_path, "unpacked", (0.3, 0.7), "unpacked")
-    same = mixture_run(tmp_path, "packed", (0.3, 0.7), train={"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0 + 4e-5],
-                                                               "modules": [2.0] * 6})
+    same = mixture_run(tmp_path, "packed", (0.3, 0.7),
+                       train={"functions": [3.0, 3.0, 3.0, 2.0, 2.0, 2.0 + 4e-5], "modules": [2.0] * 6})
     # Another weighting: not comparable step by step (data.sources differs), so no verdict line by source; its
     # last step holds no module target (a null loss).
-    other = mixture_run(tmp_path, "w70", (0.7, 0.3), train={"functions": [2.8] * 6, "modules": [2.2] * 5 + [None]},
+    other = mixture_run(tmp_path, "w70", (0.7, 0.3),
+                        train={"functions": [2.8] * 6, "modules": [2.2] * 5 + [None]},
                         targets={"functions": [100] * 3 + [300] * 3, "modules": [700] * 5 + [0]},
                         val={"functions": 2.1, "modules": 2.0})
     runs = load_runs([ref, same, other])
@@ -663,7 +685,8 @@ def test_token_shares_held_or_not_by_hand(tmp_path):
     wobbly = mixture_run(tmp_path, "wobbly", (0.3, 0.7),
                          tokens={"functions": [330] * 3 + [280] * 3, "modules": [670] * 3 + [720] * 3})
     # The summary's whole-run shares win over the logged steps (log_every > 1 logs only some steps).
-    drifted = mixture_run(tmp_path, "drifted", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6},
+    drifted = mixture_run(tmp_path, "drifted", (0.7, 0.3),
+                          tokens={"functions": [700] * 6, "modules": [300] * 6},
                           share_summary={"token_share_by_source": {"functions": 0.65, "modules": 0.35},
                                          "target_share_by_source": {"functions": 0.7, "modules": 0.3},
                                          "mixture": {"functions": {"weight": 0.7, "docs": 90, "tokens": 6900},
@@ -687,8 +710,8 @@ def test_loss_by_source_plot_averages_over_logged_steps_by_targets(tmp_path):
     run = load_runs([mixture_run(tmp_path, "mix", (0.3, 0.7),
                                  train={"functions": [2.0, 3.0, 1.0, None, 4.0, 4.0], "modules": [2.0] * 6},
                                  targets={"functions": [10, 30, 10, 0, 10, 10], "modules": [700] * 6})])[0]
-    # Window 2 over the steps with targets (step 4 has none): (2.0), (2 x 10 + 3 x 30) / 40, (3 x 30 + 1 x 10) / 40,
-    # then (1.0 + 4.0) / 2 at step 5 and 4.0 at step 6.
+    # Window 2 over the steps with targets (step 4 has none): (2.0), (2 x 10 + 3 x 30) / 40,
+    # (3 x 30 + 1 x 10) / 40, then (1.0 + 4.0) / 2 at step 5 and 4.0 at step 6.
     assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 2) == pytest.approx(
         {1: 2.0, 2: 2.75, 3: 2.5, 5: 2.5, 6: 4.0})
     assert report_plots.trailing_loss(run, report_tables.BY_SOURCE, "functions", 1) == {
@@ -696,7 +719,8 @@ def test_loss_by_source_plot_averages_over_logged_steps_by_targets(tmp_path):
 
 
 def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary: dict | None = None) -> Path:
-    """Add model_flops / hardware_flops to every step of a hand-built run (a CPU run: no mfu), and `summary`."""
+    """Add model_flops / hardware_flops to every step of a hand-built run (a CPU run: no mfu), and
+    `summary`."""
     lines = metric_lines(run_dir)
     for m, a, b in zip(lines, model, hardware, strict=True):
         m.update(model_flops=a, hardware_flops=b)
@@ -706,35 +730,40 @@ def with_flops(run_dir: Path, model: list[float], hardware: list[float], summary
 
 
 def test_the_keys_the_report_reads_are_registered():
-    """A metric renamed in trainer/registry.py (its one owner) fails here, not as a report section gone quiet."""
+    """A metric renamed in trainer/registry.py (its one owner) fails here, not as a report section gone
+    quiet."""
     from trainer.registry import METRIC_KEYS, SUMMARY_KEYS
 
     for by in (report_tables.BY_LENGTH, report_tables.BY_SOURCE):
         assert {by.loss, by.targets, by.val_loss} <= set(METRIC_KEYS), by
-    assert {"tokens_by_source", "token_share_by_source", "target_share_by_source", "model_flops", "hardware_flops",
-            "mfu", "hfu"} <= set(METRIC_KEYS)
-    assert {"token_share_by_source", "target_share_by_source", "mean_model_flops_per_s", "mean_hardware_flops_per_s",
-            "mean_mfu", "mean_hfu"} <= set(SUMMARY_KEYS)
+    assert {"tokens_by_source", "token_share_by_source", "target_share_by_source", "model_flops",
+            "hardware_flops", "mfu", "hfu"} <= set(METRIC_KEYS)
+    assert {"token_share_by_source", "target_share_by_source", "mean_model_flops_per_s",
+            "mean_hardware_flops_per_s", "mean_mfu", "mean_hfu"} <= set(SUMMARY_KEYS)
 
 
 def test_flops_both_ways_by_hand(tmp_path):
     # Steady steps 3..6 (1 and 2 are warm-up): (2 + 4 + 6 + 6) GFLOP in 1 + 1 + 2 + 2 s = 3 GFLOP/s.
     model = [9e9, 9e9, 2e9, 4e9, 6e9, 6e9]
-    cpu = with_flops(make_run(tmp_path, "cpu", step_times=[1, 1, 1, 1, 2, 2]), model, [1.5 * x for x in model])
+    cpu = with_flops(make_run(tmp_path, "cpu", step_times=[1, 1, 1, 1, 2, 2]), model,
+                     [1.5 * x for x in model])
     assert report_tables.flop_rates(load_runs([cpu])[0]) == pytest.approx(
-        {"mean_model_flops_per_s": 3e9, "mean_hardware_flops_per_s": 4.5e9, "mean_mfu": None, "mean_hfu": None})
+        {"mean_model_flops_per_s": 3e9, "mean_hardware_flops_per_s": 4.5e9, "mean_mfu": None,
+         "mean_hfu": None})
     assert report_tables.flops_table(load_runs([cpu])) == (
         ["run", "model FLOPs/s", "hardware FLOPs/s", "hardware / model"],
         [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50"]])  # no peak known: FLOPs/s only
     gpu = with_flops(make_run(tmp_path, "gpu"), model, model, {
-        "mean_model_flops_per_s": 2.5e14, "mean_hardware_flops_per_s": 3e14, "mean_mfu": 0.253, "mean_hfu": 0.3036})
+        "mean_model_flops_per_s": 2.5e14, "mean_hardware_flops_per_s": 3e14, "mean_mfu": 0.253,
+        "mean_hfu": 0.3036})
     old = make_run(tmp_path, "old")  # before FLOPs were logged
     columns, rows = report_tables.flops_table(load_runs([cpu, gpu, old]))
     assert columns == report_tables.FLOPS_COLUMNS
     assert rows == [["cpu", "3 GFLOP/s", "4.5 GFLOP/s", "1.50", "n/a", "n/a"],
                     ["gpu", "250 TFLOP/s", "300 TFLOP/s", "1.20", "25.3%", "30.4%"],
                     ["old", "n/a", "n/a", "n/a", "n/a", "n/a"]]
-    assert report_tables.flops_table(load_runs([old])) == (report_tables.FLOPS_COLUMNS, [])  # no section at all
+    # no section at all
+    assert report_tables.flops_table(load_runs([old])) == (report_tables.FLOPS_COLUMNS, [])
 
 
 def test_mixture_report_sections_and_html(tmp_path):
@@ -743,12 +772,13 @@ def test_mixture_report_sections_and_html(tmp_path):
     write_data(tmp_path)
     modules = tmp_path / "reportdata" / "modules"
     modules.mkdir()
-    (modules / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {"lengths": {
-        "histogram": {"edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
+    (modules / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "splits": {"train": {
+        "lengths": {"histogram": {"edges": [256, 512, 1024, 2048, 4096], "counts": [10, 30, 40, 20]}}}}}))
     sweep = tmp_path / "multirun"
     runs = [mixture_run(sweep, "0_w30_packed", (0.3, 0.7)),
             mixture_run(sweep, "1_w30_unpacked", (0.3, 0.7), "unpacked"),
-            mixture_run(sweep, "2_w70_packed", (0.7, 0.3), tokens={"functions": [700] * 6, "modules": [300] * 6})]
+            mixture_run(sweep, "2_w70_packed", (0.7, 0.3),
+                        tokens={"functions": [700] * 6, "modules": [300] * 6})]
     for run in runs:
         with_flops(run, [3e9] * 6, [4e9] * 6)
     out = tmp_path / "out"
@@ -760,9 +790,11 @@ def test_mixture_report_sections_and_html(tmp_path):
     assert "| 2_w70_packed | functions | 2.2500 | +0 | 2.3000 | +0 | 1,200 | 70.0% | 70.0% |" in md
     assert "- **0_w30_packed by source**: every source within 0.0001 of 1_w30_unpacked (max |Δ| 0)" in md
     assert "2_w70_packed by source" not in md  # not comparable: other weights
-    assert "- **2_w70_packed mixture**: token shares held within 2 points of the targets: functions 70.0%" in md
-    assert ("- **2_w70_packed**: not comparable: different data.sources ([{name: functions, path: reportdata/demo, "
-            "weight: 0.3}, {name: modules, path: reportdata/modules, weight: 0.7}] vs [{name: functions, ") in md
+    assert ("- **2_w70_packed mixture**: token shares held within 2 points of the targets: functions 70.0%"
+            in md)
+    assert ("- **2_w70_packed**: not comparable: different data.sources ([{name: functions, "
+            "path: reportdata/demo, weight: 0.3}, {name: modules, path: reportdata/modules, weight: 0.7}] vs "
+            "[{name: functions, ") in md
     assert "## FLOPs both ways" in md and "| 0_w30_packed | 3 GFLOP/s | 4 GFLOP/s | 1.33 |" in md
     assert "| run | model FLOPs/s | hardware FLOPs/s | hardware / model |\n" in md  # CPU runs: no MFU columns
     assert "Document-length histogram" not in md  # both sources' histograms found
@@ -772,8 +804,8 @@ def test_mixture_report_sections_and_html(tmp_path):
 
 
 def test_hostile_run_names_stay_text_in_markdown_and_plots(tmp_path):
-    """A run dir named like HTML is escaped in report.md too (Markdown renderers pass raw HTML through), and one
-    named like TeX (`$\\frac{1}{$`: matplotlib's mathtext would fail on it) still gets its plots."""
+    """A run dir named like HTML is escaped in report.md too (Markdown renderers pass raw HTML through), and
+    one named like TeX (`$\\frac{1}{$`: matplotlib's mathtext would fail on it) still gets its plots."""
     runs_dir = tmp_path / "runs"
     names = ["<img src=x onerror=alert(1)>", "$\\frac{1}{$", "$\\undefinedcmd$"]
     for name in names:
@@ -782,12 +814,13 @@ def test_hostile_run_names_stay_text_in_markdown_and_plots(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "<img" not in md and "&lt;img src=x onerror=alert(1)>" in md
     assert "$\\frac{1}{$" in md
-    assert (tmp_path / "out" / "loss_vs_step.png") in written and (tmp_path / "out" / "loss_vs_step.png").stat().st_size
+    assert ((tmp_path / "out" / "loss_vs_step.png") in written
+            and (tmp_path / "out" / "loss_vs_step.png").stat().st_size)
 
 
 def test_the_table_shows_how_many_ranks_and_the_context_parallel_split(tmp_path):
-    """The "ranks" column: the world size from summary.json; under context parallelism the data x context split
-    (the CP degree of each run); n/a without summary.json."""
+    """The "ranks" column: the world size from summary.json; under context parallelism the data x context
+    split (the CP degree of each run); n/a without summary.json."""
     plain = one(tmp_path, "plain")
     cp = one(tmp_path, "cp", overrides={"distributed.context_parallel": 2})
     cp.config["world_size"] = 4

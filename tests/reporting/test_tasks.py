@@ -1,4 +1,5 @@
-"""The report's downstream scores (trainer.reporting.tasks): intervals and differences against textbook values."""
+"""The report's downstream scores (trainer.reporting.tasks): intervals and differences against textbook
+values."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from trainer.reporting.tasks import differ, resolvable, task_rows, task_verdicts
 @pytest.mark.parametrize("hits, n, low, high", [(0, 10, 0.0, 0.2775), (8, 10, 0.4902, 0.9433),
                                                  (620, 1000, 0.5895, 0.6496), (10, 10, 0.7225, 1.0)])
 def test_the_interval_is_wilsons(hits, n, low, high):
-    """Wilson's score interval at 95 %, as tabulated (Newcombe 1998; e.g. 8 of 10: 0.490-0.943), not the normal
-    approximation (which gives 0.552-1.048 for 8 of 10, and a width of 0 at 0 of 10)."""
+    """Wilson's score interval at 95 %, as tabulated (Newcombe 1998; e.g. 8 of 10: 0.490-0.943), not the
+    normal approximation (which gives 0.552-1.048 for 8 of 10, and a width of 0 at 0 of 10)."""
     got = wilson(hits / n, n)
     assert got == pytest.approx((low, high), abs=5e-4)
 
@@ -25,8 +26,10 @@ def test_arms_differ_beyond_noise_only_past_what_the_items_resolve():
 
 
 def run_with(name: str, acc: float, n: int = 1000) -> Run:
-    line = {"step": 10, "loss": 1.0, "tasks": {"arc": {"n": n, "acc": acc, "acc_norm": acc, "bits_per_byte": 1.5}}}
-    return Run(name=name, path=None, config={}, metrics=[{"step": 5, "loss": 2.0}, line], summary=None, notes=[])
+    line = {"step": 10, "loss": 1.0,
+            "tasks": {"arc": {"n": n, "acc": acc, "acc_norm": acc, "bits_per_byte": 1.5}}}
+    return Run(name=name, path=None, config={}, metrics=[{"step": 5, "loss": 2.0}, line], summary=None,
+               notes=[])
 
 
 def test_rows_and_verdicts_name_each_arm_its_interval_and_the_resolution():
@@ -42,9 +45,9 @@ def test_rows_and_verdicts_name_each_arm_its_interval_and_the_resolution():
 
 
 def test_the_long_document_table_gives_each_layouts_shares():
-    """The packing papers' ratios from summary.json's packing_stats: split and truncation shares of documents, cut
-    tokens and tokens trained without their start as shares of the tokens in; runs that met no long document give
-    no row."""
+    """The packing papers' ratios from summary.json's packing_stats: split and truncation shares of documents,
+    cut tokens and tokens trained without their start as shares of the tokens in; runs that met no long
+    document give no row."""
     from trainer.reporting.tables import long_doc_rows
 
     def run(name, policy, **stats):

@@ -22,7 +22,8 @@ def due_steps(due, max_steps: int) -> list[int]:
 
 
 def test_checkpoints_every_n_steps_and_at_the_end(tmp_path):
-    assert due_steps(Checkpointer(tmp_path, INFO, every=50, keep_last=2, max_steps=120).due, 120) == [50, 100, 120]
+    assert due_steps(Checkpointer(tmp_path, INFO, every=50, keep_last=2, max_steps=120).due,
+                     120) == [50, 100, 120]
     assert due_steps(Checkpointer(tmp_path, INFO, every=0, keep_last=2, max_steps=7).due, 7) == [7]
 
 
@@ -42,14 +43,16 @@ def test_the_loop_decides_no_cadence_itself():
     arithmetic is left in the loop or the parts."""
     loop_source, parts_source = inspect.getsource(loop), inspect.getsource(parts)
     assert "part.due(" in loop_source
-    assert "checkpointer.due(" in parts_source and "evaluator.due(" in parts_source and "metrics.due(" in parts_source
+    assert ("checkpointer.due(" in parts_source and "evaluator.due(" in parts_source
+            and "metrics.due(" in parts_source)
     for source in (loop_source, parts_source):
         for rule in ("checkpoint_every", "eval_every ==", "% cfg", "% self.cfg", "log_every =="):
             assert rule not in source.replace("cfg.train.checkpoint_every, cfg.train.keep_last", ""), rule
 
 
 def test_the_trainer_is_a_short_list_of_methods():
-    """What happens after a step is the parts' (trainer.run.parts); the Trainer builds, resumes and runs them."""
+    """What happens after a step is the parts' (trainer.run.parts); the Trainer builds, resumes and runs
+    them."""
     methods = [name for name, value in vars(loop.Trainer).items() if inspect.isfunction(value)]
     assert len(methods) < 12, methods
 

@@ -1,8 +1,9 @@
-"""python -m trainer.certify (trainer.run.certify, issue 56): the user's own config certified cell by cell against
-the unpacked one-process fp32 reference. It passes on the tiny model and the demo data, under torchrun with every
-parallel cell; and it FAILS, naming the cells, on the three ways a packed run can silently change the objective:
-documents not isolated, positions continuing across documents with learned embeddings, a denominator that
-depends on the micro-batches. Kernels this CPU lacks are listed as skipped, never as passed."""
+"""python -m trainer.certify (trainer.run.certify, issue 56): the user's own config certified cell by cell
+against the unpacked one-process fp32 reference. It passes on the tiny model and the demo data, under torchrun
+with every parallel cell; and it FAILS, naming the cells, on the three ways a packed run can silently change
+the objective: documents not isolated, positions continuing across documents with learned embeddings, a
+denominator that depends on the micro-batches. Kernels this CPU lacks are listed as skipped, never as
+passed."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ BROKEN = {  # override: (cells that must fail, cells that must pass, a phrase of
 
 @pytest.mark.parametrize("override", list(BROKEN))
 def test_a_broken_configuration_fails_naming_its_cells(demo_data, tmp_path, override, capsys):
-    """Exit status 1 and each failing cell named with what differs; the cells the breakage cannot touch pass."""
+    """Exit status 1 and each failing cell named with what differs; the cells the breakage cannot touch
+    pass."""
     out = tmp_path / "cert"
     code = certify_main([f"data.path={demo_data}", *TINY, "--out", str(out), override])
     assert code == 1
@@ -71,7 +73,8 @@ def test_a_broken_configuration_fails_naming_its_cells(demo_data, tmp_path, over
     ran = [c for c in cert["cells"] if c["status"] != "skipped"]
     for group in failing:
         cells = [c for c in ran if groups[group](c)]
-        assert cells and all(c["status"] == "FAIL" and phrase in " ".join(c["problems"]) for c in cells), cells
+        assert cells and all(c["status"] == "FAIL" and phrase in " ".join(c["problems"])
+                             for c in cells), cells
     for group in passing:
         assert all(c["status"] == "pass" for c in ran if groups[group](c)), [c["name"] for c in ran]
     printed = capsys.readouterr().out
@@ -79,8 +82,8 @@ def test_a_broken_configuration_fails_naming_its_cells(demo_data, tmp_path, over
 
 
 def test_bf16_cells_are_held_to_the_measured_noise_and_a_leak_fails_whatever_the_losses():
-    """The bf16 tolerance is 3x the unpacked bf16 run's own distance from fp32, the loss and the gradients each by
-    their own (a gradient noise of 1e-3 must not excuse a loss off by 2e-3)."""
+    """The bf16 tolerance is 3x the unpacked bf16 run's own distance from fp32, the loss and the gradients
+    each by their own (a gradient noise of 1e-3 must not excuse a loss off by 2e-3)."""
     reference = Measured([1.0, 1.0], [1.0, 1.0], {"w": torch.tensor([1.0, -2.0])})
     near = Measured([1.0 + 2e-3, 1.0], [1.0, 1.0], {"w": torch.tensor([1.0, -2.002])})
     cell = Cell("packed", "flash", "bf16", 1024, 1)
@@ -88,7 +91,8 @@ def test_bf16_cells_are_held_to_the_measured_noise_and_a_leak_fails_whatever_the
     assert Tolerance.from_noise(1e-9, 1e-3) == Tolerance(1e-5, 3e-3)  # never below fp32's
     assert judge(cell, near, reference, Tolerance.from_noise(1e-3, 1e-3)).status == "pass"
     loss_only = judge(cell, near, reference, Tolerance.from_noise(1e-6, 1e-3))
-    assert loss_only.status == "FAIL" and len(loss_only.problems) == 1 and "the loss differs" in loss_only.problems[0]
+    assert (loss_only.status == "FAIL" and len(loss_only.problems) == 1
+            and "the loss differs" in loss_only.problems[0])
     failed = judge(cell, near, reference)
     assert failed.status == "FAIL" and "step 1 at lr 0" in failed.problems[0] and "w differs by 0.001" in \
         failed.problems[1]
@@ -96,8 +100,8 @@ def test_bf16_cells_are_held_to_the_measured_noise_and_a_leak_fails_whatever_the
                      probe={"moved": 3, "checked": 40, "noise": 0.0, "document": 1})
     verdict = judge(cell, leaky, reference)
     assert verdict.status == "FAIL" and verdict.problems == [
-        "document 2 of a packed row moved 3 logit positions of the row's other documents (of 40 checked; kernel "
-        "noise 0)"]
+        "document 2 of a packed row moved 3 logit positions of the row's other documents (of 40 checked; "
+        "kernel noise 0)"]
 
 
 def test_bad_arguments_are_one_line(demo_data, tmp_path, capsys):

@@ -34,8 +34,8 @@ CLUSTER = ("model.dropout=0.1", "data.num_workers=2", "train.eval_every=0", "tra
 
 def start(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.Popen:
     """The trainer in the background; stdout/stderr go to files in run_dir's parent."""
-    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
-                                                  *SMALL, *CLUSTER, *overrides]
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}",
+                                                  f"hydra.run.dir={run_dir}", *SMALL, *CLUSTER, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115 (closed with the process)
@@ -44,7 +44,8 @@ def start(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None
 
 
 def output(run_dir: Path) -> tuple[str, str]:
-    return ((run_dir.parent / f"{run_dir.name}.out").read_text(), (run_dir.parent / f"{run_dir.name}.err").read_text())
+    return ((run_dir.parent / f"{run_dir.name}.out").read_text(),
+            (run_dir.parent / f"{run_dir.name}.err").read_text())
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -163,12 +164,14 @@ def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(demo_data, tmp_pa
     assert_same_losses_from(run_dir, uninterrupted[2], step + 1)
 
 
-def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(demo_data, tmp_path, uninterrupted):
+def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(demo_data, tmp_path,
+                                                                                uninterrupted):
     """distributed=fsdp2 on 2 ranks, SIGTERM to rank 0 mid-run: both ranks stop at one step and write a DCP
-    checkpoint; resumed, every step's loss (dropout on, before and after the preemption) equals the uninterrupted DDP
-    run's. The last checkpoint exports to the Hugging Face format without a GPU (its weights are the whole model's).
-    Only the last checkpoint holds model.safetensors (train.save_weights=end); the preempted one's weights are read
-    from its DCP shards, and the last one's shards read whole equal its model.safetensors exactly."""
+    checkpoint; resumed, every step's loss (dropout on, before and after the preemption) equals the
+    uninterrupted DDP run's. The last checkpoint exports to the Hugging Face format without a GPU (its weights
+    are the whole model's). Only the last checkpoint holds model.safetensors (train.save_weights=end); the
+    preempted one's weights are read from its DCP shards, and the last one's shards read whole equal its
+    model.safetensors exactly."""
     from safetensors.torch import load_file
 
     from tests.helpers import run_export
@@ -182,9 +185,11 @@ def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(
     assert "preempted (SIGTERM) after step" in output(run_dir)[0]
     step = json.loads((run_dir / "summary.json").read_text())["final_step"]
     ckpt = store.checkpoint_dir(run_dir, step)
-    assert sorted(p.name for p in (ckpt / store.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (ckpt / store.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp",
+                                                                        "__1_0.distcp"]
     assert json.loads((ckpt / store.META_FILE).read_text())["engine"] == "fsdp2"
-    assert not (ckpt / store.WEIGHTS_FILE).exists()  # train.save_weights=end: a save before the last gathers nothing
+    # train.save_weights=end: a save before the last gathers nothing
+    assert not (ckpt / store.WEIGHTS_FILE).exists()
     preempted_weights = load_weights(ckpt)  # read from its DCP shards instead, on one process
     run_train(run_dir, demo_data, *CLUSTER, "distributed=fsdp2", "train.resume=true", launcher=torchrun())
     assert_same_losses_from(run_dir, uninterrupted[2], 1)
@@ -201,9 +206,10 @@ def test_fsdp2_under_torchrun_trains_as_ddp_and_resumes_exactly_after_a_sigterm(
 
 
 def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_them(demo_data, tmp_path):
-    """The agent killed with SIGKILL: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG, set at its start),
-    so the ranks checkpoint the step they reached together and exit, their DataLoader workers with them (without
-    it they train on as orphans: max_steps is far away); the run then resumes from that checkpoint."""
+    """The agent killed with SIGKILL: each rank gets SIGTERM from the kernel (PR_SET_PDEATHSIG, set at its
+    start), so the ranks checkpoint the step they reached together and exit, their DataLoader workers with
+    them (without it they train on as orphans: max_steps is far away); the run then resumes from that
+    checkpoint."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, demo_data, "train.max_steps=100000", launcher=torchrun())
     wait_for_step(run_dir, 5, proc)
@@ -217,13 +223,14 @@ def test_kill_9_of_the_torchrun_agent_preempts_its_ranks_instead_of_orphaning_th
     step = store.read_meta(ckpt)["step"]
     assert step >= 5 and f"preempted (SIGTERM) after step {step}" in output(run_dir)[0], output(run_dir)
     assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
-    run_train(run_dir, demo_data, *CLUSTER, "train.resume=true", f"train.max_steps={step + 2}", launcher=torchrun())
+    run_train(run_dir, demo_data, *CLUSTER, "train.resume=true", f"train.max_steps={step + 2}",
+              launcher=torchrun())
     assert [m["step"] for m in metrics(run_dir)][-2:] == [step + 1, step + 2]
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(demo_data, tmp_path, uninterrupted,
-                                                                            engine):
+def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(demo_data, tmp_path,
+                                                                             uninterrupted, engine):
     """FSDP2 (DCP's files, written by the engine into the save's .tmp- directory) as DDP; on one process both
     train the same losses, so the uninterrupted DDP run is the reference for both."""
     run_dir = tmp_path / "run"
@@ -252,7 +259,8 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_last_complete_one(dem
 def test_torchrun_elastic_restart_resumes_from_the_last_checkpoint(demo_data, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     # A c10d rendezvous, as launch/torchrun.sh (--standalone) and launch/slurm.sbatch use: each restart gets a
-    # fresh round. (The static rendezvous of a bare --master_port can hand the restarted ranks stale addresses.)
+    # fresh round. (The static rendezvous of a bare --master_port can hand the restarted ranks stale
+    # addresses.)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "--max-restarts=1", "-m"]
     proc = start(run_dir, demo_data, "train.resume=true", launcher=launcher)
@@ -273,7 +281,8 @@ def test_a_failing_rank_takes_the_job_down_within_seconds(demo_data, tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     shards = [s["name"] for s in manifest["splits"]["train"]["shards"]]
     tokens = [s["tokens"] for s in manifest["splits"]["train"]["shards"]]
-    order = list(np.random.default_rng([0, 0]).permutation(len(shards)))  # the stream's epoch-0 order for seed 0
+    # the stream's epoch-0 order for seed 0
+    order = list(np.random.default_rng([0, 0]).permutation(len(shards)))
     held, loads = [[], []], [0, 0]  # its split by tokens: largest shard first, to the rank holding fewer
     for i in sorted(order, key=lambda i: -tokens[i]):
         rank = min((0, 1), key=lambda r: (loads[r], len(held[r]), r))
@@ -333,7 +342,8 @@ def nan_on_rank1_step2(rank: int, world_size: int, policy_skip: bool) -> dict:
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=1.0, dtype="fp32")
+    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=1.0,
+                         dtype="fp32")
     poison = {"on": False}
     model.lm_head.register_forward_hook(lambda _m, _i, out: out * float("nan") if poison["on"] else out)
     history = []
@@ -372,10 +382,10 @@ def test_skip_policy_counts_skipped_steps(demo_data, tmp_path):
 
 
 def test_sigterm_while_a_resume_restores_the_readers_ends_the_start_within_seconds(demo_data, tmp_path):
-    """A resume replays each reader's shards to its position before training; over a slow source that takes long
-    (here: the shards' command stalls once FLAG exists). SIGTERM then ends the start within seconds, with one line
-    and exit 0, writing nothing (before: the default action killed it without a word, or a launcher's handler left
-    it replaying to the end). The next start resumes from the same checkpoint."""
+    """A resume replays each reader's shards to its position before training; over a slow source that takes
+    long (here: the shards' command stalls once FLAG exists). SIGTERM then ends the start within seconds, with
+    one line and exit 0, writing nothing (before: the default action killed it without a word, or a launcher's
+    handler left it replaying to the end). The next start resumes from the same checkpoint."""
     flag, slow = tmp_path / "FLAG", tmp_path / "slow_cat.sh"
     slow.write_text(f'#!/bin/sh\n[ -e {flag} ] && sleep 600\nexec cat "$1"\n')
     urls = f"data.urls='pipe:sh {slow} {demo_data}/train-{{000000..000004}}.tar'"

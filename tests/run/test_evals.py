@@ -41,7 +41,8 @@ def model_and_engine(vocab: int, info: DistInfo, dropout: float = 0.0):
     model = build_model(cfg, AttentionConfig(backend="sdpa_docs"), vocab_size=vocab)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    return model, parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=0.0, dtype="fp32")
+    return model, parallelize(model, opt, sched, info, DistributedConfig(device="cpu"), grad_clip=0.0,
+                              dtype="fp32")
 
 
 def evaluate(rank: int, world_size: int, data, layout: str, mb_tokens: int) -> dict:
@@ -87,9 +88,11 @@ def test_val_loss_matches_plain_pytorch_per_document(demo_data, packed_one_rank)
 
 
 @pytest.mark.parametrize("layout,mb_tokens", [("unpacked", 4 * SEQ_LEN), ("packed", SEQ_LEN)])
-def test_val_loss_is_the_same_in_every_layout_and_micro_batch_size(demo_data, packed_one_rank, layout, mb_tokens):
+def test_val_loss_is_the_same_in_every_layout_and_micro_batch_size(demo_data, packed_one_rank, layout,
+                                                                   mb_tokens):
     other = evaluate(0, 1, demo_data, layout, mb_tokens)
-    assert other["val_tokens"] == packed_one_rank["val_tokens"] and other["val_docs"] == packed_one_rank["val_docs"]
+    assert (other["val_tokens"] == packed_one_rank["val_tokens"]
+            and other["val_docs"] == packed_one_rank["val_docs"])
     assert abs(other["val_loss"] - packed_one_rank["val_loss"]) <= 1e-5
 
 
@@ -102,7 +105,8 @@ def test_val_loss_two_ranks_equals_one_rank(demo_data, packed_one_rank):
 
 def test_eval_draws_no_randomness_and_restores_train_mode(demo_data):
     docs, pad = eval_docs(demo_data)
-    model, engine = model_and_engine(load_tokenizer(demo_data / "tokenizer").get_vocab_size(), CPU, dropout=0.5)
+    model, engine = model_and_engine(load_tokenizer(demo_data / "tokenizer").get_vocab_size(), CPU,
+                                     dropout=0.5)
     evaluator = Evaluator(docs, CPU, SEQ_LEN, "packed", 4 * SEQ_LEN, pad)
     before = torch.get_rng_state()
     first, second = evaluator.run(engine), evaluator.run(engine)
@@ -120,9 +124,9 @@ def test_empty_val_split_is_a_clear_error(tmp_path):
 
 
 def test_a_preemption_signal_abandons_the_eval_within_one_forward(demo_data, tmp_path):
-    """`stop` is asked before each micro-batch: once it says so the eval ends there (EvalInterrupted), on every
-    rank at the same micro-batch since the answer is collective; the Trainer's eval then returns no metrics and
-    the run checkpoints the step at once (the preemption path of tests/run/test_cluster.py)."""
+    """`stop` is asked before each micro-batch: once it says so the eval ends there (EvalInterrupted), on
+    every rank at the same micro-batch since the answer is collective; the Trainer's eval then returns no
+    metrics and the run checkpoints the step at once (the preemption path of tests/run/test_cluster.py)."""
     docs, pad = eval_docs(demo_data)
     _, engine = model_and_engine(load_tokenizer(demo_data / "tokenizer").get_vocab_size(), CPU)
     evaluator = Evaluator(docs, CPU, SEQ_LEN, "packed", SEQ_LEN, pad)
@@ -137,9 +141,11 @@ def test_a_preemption_signal_abandons_the_eval_within_one_forward(demo_data, tmp
     engine.eval_forward = counting
     with pytest.raises(EvalInterrupted):
         evaluator.run(engine, stop=lambda: asked.append(1) or len(asked) > 2)
-    assert len(forwards) == 2 and engine.module.training  # stopped before the third forward, train mode restored
+    # stopped before the third forward, train mode restored
+    assert len(forwards) == 2 and engine.module.training
     forwards.clear()
-    assert evaluator.run(engine, stop=lambda: False).val_tokens > 0 and len(forwards) == len(evaluator.batches)
+    assert (evaluator.run(engine, stop=lambda: False).val_tokens > 0
+            and len(forwards) == len(evaluator.batches))
 
 
 def test_the_trainer_abandons_its_eval_on_a_signal(demo_data, tmp_path):

@@ -1,4 +1,5 @@
-"""trainer.run.flops: model and hardware FLOPs by hand on tiny rows, layouts compared, and a real run's metrics.
+"""trainer.run.flops: model and hardware FLOPs by hand on tiny rows, layouts compared, and a real run's
+metrics.
 
 The tiny FLOP model throughout: N = 100 matmul parameters, 2 layers, width 4, so 6 N = 600 per position and
 6 n_layer d = 48 per L^2 of attention (12 n_layer d = 96 per (query, key) pair).
@@ -64,7 +65,8 @@ def test_packed_and_unpacked_same_documents_same_model_flops_other_hardware_flop
 
 
 def test_flex_counts_the_block_masks_tiles():
-    # tiles of 128 over segments [100, 100, 56]: (0, 0) and (1, 1) on the diagonal, (1, 0) shares the second document
+    # tiles of 128 over segments [100, 100, 56]: (0, 0) and (1, 1) on the diagonal, (1, 0) shares the second
+    # document
     batch = collate_rows([[doc(100), doc(100), doc(56)]], row_len=256, pad_id=0, layout="packed")
     assert flex_tiles(batch.cu_seqlens, 256) == 3
     assert attention_pairs(batch, "flex") == 3 * 128 * 128
@@ -72,7 +74,8 @@ def test_flex_counts_the_block_masks_tiles():
 
 
 def test_at_long_context_attention_dominates_and_the_layouts_part():
-    gpt2 = FlopModel(matmul_params=123_689_472, n_layer=12, n_embd=768, kernel="flash")  # gpt2-124m, tied head
+    # gpt2-124m, tied head
+    gpt2 = FlopModel(matmul_params=123_689_472, n_layer=12, n_embd=768, kernel="flash")
     # attention / 6N for one document of L: 6 * 12 * 768 * L^2 / (6 * 123_689_472 * L) = 9216 L / 123_689_472
     for length, ratio in ((2048, 0.1526), (32768, 2.4415)):
         attention = gpt2.model_flops([length]) - 6 * 123_689_472 * length
@@ -140,6 +143,7 @@ def test_a_real_run_logs_both_counts_per_step(demo_data, tmp_path):
         # the packed rows' kernel (sdpa_docs) runs every segment, padding too: 6 N per allocated position
         segment_squares = (p["hardware_flops"] - 6 * TINY_MODEL_N * p["allocated_tokens"]) / (6 * 2 * 64)
         assert squares <= segment_squares <= 128 * p["allocated_tokens"]
-        assert u["hardware_flops"] >= p["hardware_flops"] >= p["model_flops"]  # unpacked rows compute their padding
+        # unpacked rows compute their padding
+        assert u["hardware_flops"] >= p["hardware_flops"] >= p["model_flops"]
     # (a step of eight 128-token chunks has no padding in either layout; over the run, unpacking costs more)
     assert sum(u["hardware_flops"] for u in unpacked) > sum(p["hardware_flops"] for p in packed)

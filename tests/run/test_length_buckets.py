@@ -1,10 +1,11 @@
-"""Token loss by document-length bucket (`token_loss_by_length`): against plain PyTorch, across layouts, in a run.
+"""Token loss by document-length bucket (`token_loss_by_length`): against plain PyTorch, across layouts, in a
+run.
 
 The reference runs every document alone through a copy of the model and takes its token losses from
 F.cross_entropy written here, then sums them by the document's length bucket. The trainer's step must report
 the same per-bucket token losses (from the forward that computes the objective, without changing it), in the
-packed and the unpacked layout alike while documents are isolated; with `attention.isolate_documents=false` the
-packed documents read their row neighbours, and the buckets show it.
+packed and the unpacked layout alike while documents are isolated; with `attention.isolate_documents=false`
+the packed documents read their row neighbours, and the buckets show it.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def test_a_run_logs_them_every_step_and_eval(demo_data, tmp_path):
     lines = metrics(tmp_path / "run")
     names = ["<=16", "<=64", ">64"]
     for m in lines:
-        assert list(m["token_loss_by_length"]) == names and sum(m["targets_by_length"].values()) == m["valid_tokens"]
+        assert (list(m["token_loss_by_length"]) == names
+                and sum(m["targets_by_length"].values()) == m["valid_tokens"])
         known = {b: v for b, v in m["token_loss_by_length"].items() if v is not None}
         mean = sum(v * m["targets_by_length"][b] for b, v in known.items()) / m["valid_tokens"]
         assert mean == pytest.approx(m["token_loss"], rel=1e-5)
@@ -180,9 +182,9 @@ def test_per_position_token_loss_equals_each_document_alone(docs):
 
 
 def test_continuous_positions_show_at_the_documents_later_positions(docs):
-    """packing.reset_positions=false gives each packed document the positions of its place in the row: its early
-    targets are read at positions the model gives other weights, and the position buckets show the change (the
-    unpacked layout, each document at the start of its row, is the reference)."""
+    """packing.reset_positions=false gives each packed document the positions of its place in the row: its
+    early targets are read at positions the model gives other weights, and the position buckets show the
+    change (the unpacked layout, each document at the start of its row, is the reference)."""
     unpacked = step_by_position(docs, "unpacked")["token_loss_by_position"]
     reset = step_by_position(docs, "packed")["token_loss_by_position"]
     continuous = step_by_position(docs, "packed", reset=False)["token_loss_by_position"]

@@ -75,7 +75,8 @@ def reference(docs: list[Document], layout: str, normalization: str) -> tuple[fl
         ce[doc.key] = F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
     mbs, rows = laid_out(docs, layout)
 
-    def mean_over(groups: list[list[str]]) -> torch.Tensor:  # mean of each group's token losses, then of groups
+    # mean of each group's token losses, then of groups
+    def mean_over(groups: list[list[str]]) -> torch.Tensor:
         return torch.stack([torch.cat([ce[k] for k in g]).mean() for g in groups]).mean()
 
     if normalization == "global_tokens":

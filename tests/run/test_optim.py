@@ -1,6 +1,6 @@
-"""optim.fused and train.dtype=auto: what each resolves to on this device, and that the fused AdamW kernel makes
-the same update as the default (foreach) one up to float rounding; which optimizer classes optim._target_ takes;
-the warm-up's first steps."""
+"""optim.fused and train.dtype=auto: what each resolves to on this device, and that the fused AdamW kernel
+makes the same update as the default (foreach) one up to float rounding; which optimizer classes
+optim._target_ takes; the warm-up's first steps."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_dtype_auto_is_fp32_on_cpu_and_explicit_dtypes_stay():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dtype_auto_is_bf16_on_a_gpu_that_has_it():
-    assert resolve_dtype("auto", torch.device("cuda")) == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    assert resolve_dtype("auto", torch.device("cuda")) == ("bf16" if torch.cuda.is_bf16_supported()
+                                                           else "fp32")
 
 
 def test_fused_auto_is_cuda_only_true_needs_a_fused_kernel():
@@ -36,7 +37,8 @@ def test_fused_auto_is_cuda_only_true_needs_a_fused_kernel():
     assert use_fused(torch.optim.AdamW, "auto", CPU) is False
     assert use_fused(torch.optim.AdamW, "auto", torch.device("cuda")) is True
     assert use_fused(NoFused, "auto", torch.device("cuda")) is False
-    assert use_fused(torch.optim.AdamW, True, CPU) is True and use_fused(torch.optim.AdamW, False, CPU) is False
+    assert (use_fused(torch.optim.AdamW, True, CPU) is True
+            and use_fused(torch.optim.AdamW, False, CPU) is False)
     with pytest.raises(ConfigError, match="takes no `fused`"):
         use_fused(NoFused, True, CPU)
     with pytest.raises(ConfigError, match="optim.fused must be auto, true or false"):
@@ -44,9 +46,9 @@ def test_fused_auto_is_cuda_only_true_needs_a_fused_kernel():
 
 
 def test_fused_adamw_on_cpu_makes_the_default_update_up_to_rounding():
-    """Five AdamW steps (weight decay on the matrix, none on the vector; gradients from 1 down to 1e-6) from the
-    same parameters: the fused CPU kernel and the default foreach implementation end within 4 float32 ulps of
-    each other (measured: 1 ulp), while the parameters moved by ~1e-2."""
+    """Five AdamW steps (weight decay on the matrix, none on the vector; gradients from 1 down to 1e-6) from
+    the same parameters: the fused CPU kernel and the default foreach implementation end within 4 float32 ulps
+    of each other (measured: 1 ulp), while the parameters moved by ~1e-2."""
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(300, 50, generator=g), torch.randn(50, generator=g)]
     grads = [[torch.randn(300, 50, generator=g) * s, torch.randn(50, generator=g) * s]
@@ -77,7 +79,8 @@ def test_the_classes_the_config_names_build(target):
 
 
 def test_an_optimizer_without_betas_and_eps_is_a_config_error_not_a_type_error():
-    with pytest.raises(ConfigError, match=r"^optim._target_=torch.optim.SGD does not take betas, eps: ") as caught:
+    with pytest.raises(ConfigError,
+                       match=r"^optim._target_=torch.optim.SGD does not take betas, eps: ") as caught:
         build_optimizer(nn.Linear(4, 3), OptimConfig(target="torch.optim.SGD"))
     assert "torch.optim.AdamW" in str(caught.value) and "\n" not in str(caught.value)
 

@@ -1,8 +1,8 @@
-"""Nothing of an earlier run is lost (trainer.run.run_dir): a fresh run, or a resume of another run's checkpoint, in a
-used run dir is refused (or, with train.overwrite=true, moves the old run aside whole), a resume from an older step sets
-the newer branch aside so that train.resume=true never picks it again, and a checkpoint without conventions.json
-still has its tokenizer checked against the data's. Real runs of `python -m trainer.train` on the tiny model
-(trainer/run/run_dir.py)."""
+"""Nothing of an earlier run is lost (trainer.run.run_dir): a fresh run, or a resume of another run's
+checkpoint, in a used run dir is refused (or, with train.overwrite=true, moves the old run aside whole), a
+resume from an older step sets the newer branch aside so that train.resume=true never picks it again, and a
+checkpoint without conventions.json still has its tokenizer checked against the data's. Real runs of
+`python -m trainer.train` on the tiny model (trainer/run/run_dir.py)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def copy_of(run_dir: Path, dest: Path) -> Path:
 
 
 RECORD = (".hydra", "train.log", ".lock")
-"""What a run writes into its run dir beside its RUN_FILES once the dir is its own: Hydra's record, the job log and
-the lock (trainer/train.py, trainer/run/run_dir.py). A refused run writes none of them."""
+"""What a run writes into its run dir beside its RUN_FILES once the dir is its own: Hydra's record, the job
+log and the lock (trainer/train.py, trainer/run/run_dir.py). A refused run writes none of them."""
 
 
 def snapshot(directory: Path, record: bool = True) -> dict[str, bytes]:
@@ -78,10 +78,11 @@ def snapshot(directory: Path, record: bool = True) -> dict[str, bytes]:
             if p.is_file() and (record or p.relative_to(directory).parts[0] not in RECORD)}
 
 
-def train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def train(run_dir: Path, data: Path, *overrides: str,
+          launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """`python -m trainer.train` that may fail (tests.helpers.run_train insists on success)."""
-    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}", f"hydra.run.dir={run_dir}",
-                                                  *SMALL, *overrides]
+    cmd = (launcher or [sys.executable, "-m"]) + ["trainer.train", f"data.path={data}",
+                                                  f"hydra.run.dir={run_dir}", *SMALL, *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -91,12 +92,13 @@ def train(run_dir: Path, data: Path, *overrides: str, launcher: list[str] | None
 
 
 def test_a_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data, tmp_path):
-    """Nothing at all: not the earlier run's files, nor Hydra's record of it (.hydra/ with its overrides, which
-    this run's differ from), nor its job log or lock."""
+    """Nothing at all: not the earlier run's files, nor Hydra's record of it (.hydra/ with its overrides,
+    which this run's differ from), nor its job log or lock."""
     run_dir = copy_of(earlier, tmp_path / "run")
     before = snapshot(run_dir)
     assert {".hydra/overrides.yaml", "train.log", ".lock"} <= set(before)
-    proc = train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.eval_every=0", "seed=3")
+    proc = train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.eval_every=0",
+                 "seed=3")
     assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} already holds a run", "metrics.jsonl",
                           "train.resume=true", "hydra.run.dir", "train.overwrite=true")
     assert snapshot(run_dir) == before  # metrics lines, config.json, summary.json, all four checkpoints
@@ -104,8 +106,8 @@ def test_a_fresh_run_in_a_used_run_dir_is_refused_and_changes_nothing(earlier, d
 
 @pytest.mark.slow
 def test_under_torchrun_both_ranks_refuse_a_used_run_dir_without_waiting(earlier, demo_data, tmp_path):
-    """Rank 0 decides and tells rank 1: both exit, no rank is left in a collective; the line is printed once (rank
-    0: a refusal every rank makes alike, trainer.errors.run_command's same_on_every_rank)."""
+    """Rank 0 decides and tells rank 1: both exit, no rank is left in a collective; the line is printed once
+    (rank 0: a refusal every rank makes alike, trainer.errors.run_command's same_on_every_rank)."""
     run_dir = copy_of(earlier, tmp_path / "run")
     before = snapshot(run_dir)
     t0 = time.perf_counter()
@@ -121,7 +123,8 @@ def test_overwrite_moves_the_earlier_run_aside_whole(earlier, demo_data, tmp_pat
     before = snapshot(run_dir)
     proc = run_train(run_dir, demo_data, "train.max_steps=2", "train.checkpoint_every=2", "train.keep_last=4",
                      "train.eval_every=0", "train.overwrite=true")
-    # The new run alone in the run dir: its own lines, config and checkpoint (not pruned for the old steps 6, 8).
+    # The new run alone in the run dir: its own lines, config and checkpoint (not pruned for the old steps 6,
+    # 8).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002"]
     assert [m["step"] for m in metrics(run_dir)] == [1, 2]
     assert json.loads((run_dir / "config.json").read_text())["train"]["overwrite"] is True
@@ -135,12 +138,13 @@ def test_overwrite_moves_the_earlier_run_aside_whole(earlier, demo_data, tmp_pat
 
 
 def test_a_run_dir_held_by_a_live_run_refuses_another_and_a_dead_runs_lock_is_taken_over(demo_data, tmp_path):
-    """Two trainers started into one run dir: the second (fresh, resumed or overwriting) is refused with one line
-    naming the holder's pid and host, and changes nothing of the live run's record; once the holder is killed
-    (kill -9: the kernel drops its lock), a resume takes the run dir over and continues it."""
+    """Two trainers started into one run dir: the second (fresh, resumed or overwriting) is refused with one
+    line naming the holder's pid and host, and changes nothing of the live run's record; once the holder is
+    killed (kill -9: the kernel drops its lock), a resume takes the run dir over and continues it."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}", *SMALL,
-           "train.max_steps=100000", "train.checkpoint_every=1", "train.keep_last=1", "train.eval_every=0"]
+    cmd = [sys.executable, "-m", "trainer.train", f"data.path={demo_data}", f"hydra.run.dir={run_dir}",
+           *SMALL, "train.max_steps=100000", "train.checkpoint_every=1", "train.keep_last=1",
+           "train.eval_every=0"]
     first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
     try:
@@ -148,12 +152,14 @@ def test_a_run_dir_held_by_a_live_run_refuses_another_and_a_dead_runs_lock_is_ta
         while store.latest_checkpoint(run_dir) is None:
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        record = {name: (run_dir / name).read_bytes() for name in (".hydra/overrides.yaml", ".hydra/config.yaml",
-                                                                   "config.json", ".lock")}
+        record = {name: (run_dir / name).read_bytes()
+                  for name in (".hydra/overrides.yaml", ".hydra/config.yaml", "config.json", ".lock")}
         assert record[".lock"].decode().startswith(f"pid {first.pid} on {socket.gethostname()}")
         refused = [subprocess.Popen([sys.executable, "-m", "trainer.train", f"data.path={demo_data}",
-                                     f"hydra.run.dir={run_dir}", *SMALL, "train.max_steps=2", "seed=5", *extra],
-                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     f"hydra.run.dir={run_dir}", *SMALL, "train.max_steps=2", "seed=5",
+                                     *extra],
+                                    cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
                    for extra in ((), ("train.resume=true",), ("train.overwrite=true",))]  # side by side
         for proc in refused:
             _, stderr = proc.communicate(timeout=300)
@@ -183,20 +189,23 @@ def test_a_run_dir_that_cannot_be_locked_is_one_error_line(demo_data, tmp_path):
 
 @pytest.mark.parametrize("target", ["dataset", "checkpoint"])
 def test_a_prepared_dataset_or_a_checkpoint_is_not_a_run_dir(earlier, demo_data, tmp_path, target):
-    """hydra.run.dir naming a prepared dataset (or a checkpoint) is refused before anything is written there."""
-    run_dir = copy_of(demo_data if target == "dataset" else store.checkpoint_dir(earlier, 8), tmp_path / target)
+    """hydra.run.dir naming a prepared dataset (or a checkpoint) is refused before anything is written
+    there."""
+    run_dir = copy_of(demo_data if target == "dataset" else store.checkpoint_dir(earlier, 8),
+                      tmp_path / target)
     before = snapshot(run_dir)
     proc = train(run_dir, demo_data, "train.max_steps=1", "train.eval_every=0")
     what = "prepared dataset" if target == "dataset" else "checkpoint"
-    assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} is a {what}", "choose another hydra.run.dir")
+    assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} is a {what}",
+                          "choose another hydra.run.dir")
     assert snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize("case", ["shard_dir", "inside_dataset", "inside_init_checkpoint"])
 def test_a_directory_the_run_reads_is_not_its_run_dir(earlier, demo_data, tmp_path, case):
-    """hydra.run.dir naming the directory of the run's own shards (data.urls), or a directory inside the dataset
-    (data.path) or the checkpoint it starts from (train.init_from): refused before anything is written there,
-    naming the setting."""
+    """hydra.run.dir naming the directory of the run's own shards (data.urls), or a directory inside the
+    dataset (data.path) or the checkpoint it starts from (train.init_from): refused before anything is written
+    there, naming the setting."""
     data = shutil.copytree(demo_data, tmp_path / "data")
     if case == "shard_dir":
         shards = tmp_path / "shards"
@@ -221,12 +230,13 @@ def test_a_resume_with_another_global_batch_says_so(earlier, demo_data, tmp_path
     run_dir = copy_of(earlier, tmp_path / "run")
     proc = run_train(run_dir, demo_data, "train.max_steps=9", "train.eval_every=0", "train.resume=true",
                      "train.tokens_per_step=2048")
-    assert "resume: train.tokens_per_step 1024 -> 2048: the global batch of every step after 8 differs" in proc.stdout
+    assert ("resume: train.tokens_per_step 1024 -> 2048: the global batch of every step after 8 differs"
+            in proc.stdout)
 
 
 def test_a_run_dir_holding_only_hydras_files_or_set_aside_runs_is_fresh(earlier_run):
-    """What Hydra writes into every new run dir (a timestamped one, a sweep's job dir) before the job starts, and
-    what an earlier overwrite set aside, are not a run: `earlier`'s fresh run started there, untouched."""
+    """What Hydra writes into every new run dir (a timestamped one, a sweep's job dir) before the job starts,
+    and what an earlier overwrite set aside, are not a run: `earlier`'s fresh run started there, untouched."""
     run_dir, stdout = earlier_run
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     assert "overwrite:" not in stdout and [m["step"] for m in metrics(run_dir)] == list(range(1, 9))
@@ -248,8 +258,10 @@ def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, 
     own = os.path.relpath(store.checkpoint_dir(tmp_path / "link", 4), ROOT)
     proc = run_train(run_dir, demo_data, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_last=4",
                      "train.eval_every=0", f"train.resume={own}")
-    # The run dir: the new branch from step 4 on (what train.resume=true picks next), old steps 1..4 untouched.
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    # The run dir: the new branch from step 4 on (what train.resume=true picks next), old steps 1..4
+    # untouched.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_000002", "step_000004", "step_000006"]
     assert store.latest_checkpoint(run_dir) == store.checkpoint_dir(run_dir, 6)
     after = snapshot(run_dir)
     for name, data in before.items():
@@ -266,7 +278,8 @@ def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, 
         for name, data in before.items():
             if name.startswith(f"checkpoints/{store.step_name(step)}/"):
                 assert abandoned[name] == data, name
-    assert abandoned["summary.json"] == before["summary.json"] and abandoned["config.json"] == before["config.json"]
+    assert (abandoned["summary.json"] == before["summary.json"]
+            and abandoned["config.json"] == before["config.json"])
     assert (aside / "metrics.jsonl").read_text().splitlines(keepends=True) == old_lines[4:]
     assert json.loads((run_dir / "summary.json").read_text())["final_step"] == 6
 
@@ -276,7 +289,8 @@ def test_resuming_an_older_step_sets_the_newer_branch_aside(earlier, demo_data, 
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_another_runs_checkpoint_into_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data, tmp_path):
+def test_another_runs_checkpoint_into_a_used_run_dir_is_refused_and_changes_nothing(earlier, demo_data,
+                                                                                    tmp_path):
     """Resumed into a run dir that holds a run, a checkpoint from outside its checkpoints/ would mix two runs
     there: refused with the choices, also when its path starts with the run dir's (`run/../other/...`)."""
     run_dir = copy_of(earlier, tmp_path / "run")
@@ -285,7 +299,8 @@ def test_another_runs_checkpoint_into_a_used_run_dir_is_refused_and_changes_noth
     proc = train(run_dir, demo_data, "train.max_steps=6", "train.eval_every=0",
                  f"train.resume={run_dir}/../other/checkpoints/{theirs.name}")
     assert_one_error_line(proc.returncode, proc.stderr, f"{run_dir} already holds a run", "metrics.jsonl",
-                          f"{theirs.resolve()} is another run's checkpoint", "hydra.run.dir", "train.overwrite=true")
+                          f"{theirs.resolve()} is another run's checkpoint", "hydra.run.dir",
+                          "train.overwrite=true")
     assert snapshot(run_dir) == before and snapshot(other) == snapshot(earlier)
 
 
@@ -297,7 +312,8 @@ def test_overwrite_moves_the_earlier_run_aside_for_another_runs_checkpoint(earli
                      "train.eval_every=0", "train.overwrite=true", f"train.resume={theirs}")
     # The earlier run whole under replaced-<time>/; the resumed one alone in the run dir, from step 4 on.
     [aside] = sorted(set(run_dir.glob("replaced-*")) - {run_dir / SEEDED})
-    assert f"moved into {aside} (nothing deleted)" in proc.stdout and f"resumed from {theirs} at step 4" in proc.stdout
+    assert (f"moved into {aside} (nothing deleted)" in proc.stdout
+            and f"resumed from {theirs} at step 4" in proc.stdout)
     assert snapshot(aside) == {k: v for k, v in before.items() if not k.startswith((f"{SEEDED}/", *RECORD))}
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000006"]
     assert [m["step"] for m in metrics(run_dir)] == [5, 6] and not list(run_dir.glob("abandoned-*"))
@@ -330,12 +346,14 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
     ours = hashlib.sha256((ckpt / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
     theirs = json.loads((other_tokenizer / "manifest.json").read_text())["tokenizer"]["sha256"]
     assert ours != theirs and checkpoint_tokenizer_hash(ckpt) == ours
-    assert ours == json.loads((demo_data / "manifest.json").read_text())["tokenizer"]["sha256"]  # its own data fits
+    # its own data fits
+    assert ours == json.loads((demo_data / "manifest.json").read_text())["tokenizer"]["sha256"]
     before = snapshot(ckpt)
     # in-process (the command's one line: tests/checkpoint/test_init_from.py)
     with pytest.raises(ConfigError) as refused:
         make_trainer(other_tokenizer, tmp_path / "run", "train.max_steps=9", f"train.resume={ckpt}")
-    assert "train.resume:" in str(refused.value) and ours in str(refused.value) and theirs in str(refused.value)
+    assert ("train.resume:" in str(refused.value) and ours in str(refused.value)
+            and theirs in str(refused.value))
     assert snapshot(ckpt) == before and not (tmp_path / "run").exists()
     # Neither the tokenizer nor conventions.json: nothing to check the data against, so refused too.
     shutil.rmtree(ckpt / "tokenizer")
@@ -349,15 +367,17 @@ def test_resume_checks_the_tokenizer_of_a_checkpoint_without_conventions(earlier
 
 
 def test_a_directory_of_the_users_own_files_is_refused_unless_overwrite_allows_it(tmp_path):
-    """hydra.run.dir naming a directory that holds files no run wrote (here: notes and a source tree) is refused
-    before a byte is written; train.overwrite=true lets the run write beside them, and they stay as they were.
-    What packtrain itself leaves in a run dir (Hydra's record, the job log, a set-aside run) is not the user's."""
+    """hydra.run.dir naming a directory that holds files no run wrote (here: notes and a source tree) is
+    refused before a byte is written; train.overwrite=true lets the run write beside them, and they stay as
+    they were. What packtrain itself leaves in a run dir (Hydra's record, the job log, a set-aside run) is not
+    the user's."""
     mine = tmp_path / "mine"
     (mine / "src").mkdir(parents=True)
     (mine / "notes.txt").write_text("my notes")
     (mine / "src" / "a.py").write_text("x = 1")
     before = snapshot(mine)
-    with pytest.raises(ConfigError, match=r"hydra.run.dir .*/mine holds files that no run wrote \(notes.txt, src/\): "
+    with pytest.raises(ConfigError, match=r"hydra.run.dir .*/mine holds files that no run wrote "
+                                          r"\(notes.txt, src/\): "
                                           r".*or write into it anyway with train.overwrite=true"):
         claim_run_dir(mine, False, False, CPU)
     assert snapshot(mine) == before  # not even the lock file

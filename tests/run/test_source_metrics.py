@@ -2,9 +2,9 @@
 layout, on one rank and two, in the eval, and in the two marginal tables of one source x length-bucket table.
 
 The reference runs every document alone through a copy of the model and takes its token losses from
-F.cross_entropy written here, then sums them by the document's source and length bucket. The trainer's step (and
-its eval) must report the same losses per group, per source and per bucket, and the same tokens and documents per
-source, whatever the layout, while documents are isolated.
+F.cross_entropy written here, then sums them by the document's source and length bucket. The trainer's step
+(and its eval) must report the same losses per group, per source and per bucket, and the same tokens and
+documents per source, whatever the layout, while documents are isolated.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def engine_for(info: DistInfo, isolate: bool = True):
 
 
 def reference(docs: list[Document]) -> dict:
-    """Plain PyTorch: each document alone, its summed cross-entropy and its targets added to its (source, bucket)
-    cell; the by-source and by-length tables are the cells' row and column sums; tokens and documents by source."""
+    """Plain PyTorch: each document alone, its summed cross-entropy and its targets added to its (source,
+    bucket) cell; the by-source and by-length tables are the cells' row and column sums; tokens and documents
+    by source."""
     model = model_for()
     names = length_bucket_names(EDGES)
     sums, targets = np.zeros((2, len(names))), np.zeros((2, len(names)), dtype=int)
@@ -89,7 +90,8 @@ def reference(docs: list[Document]) -> dict:
         for doc in docs:
             ids = torch.as_tensor(doc.tokens, dtype=torch.long)[None]
             bucket = sum(len(doc) > e for e in EDGES)
-            sums[doc.source, bucket] += F.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="sum").item()
+            sums[doc.source, bucket] += F.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:],
+                                                        reduction="sum").item()
             targets[doc.source, bucket] += len(doc) - 1
     assert (targets > 0).all()  # every source x bucket cell holds documents
     return {
@@ -186,8 +188,8 @@ def test_eval_per_source_equals_each_document_alone(docs, expected, layout):
 
 
 def test_no_mixture_no_source_keys_and_the_same_length_tables(docs):
-    """Without data.sources (every document source 0) only the length tables: those of the mixture's step, whose
-    by-length marginal sums over sources."""
+    """Without data.sources (every document source 0) only the length tables: those of the mixture's step,
+    whose by-length marginal sums over sources."""
     single = [Document(d.key, d.tokens) for d in docs]
     groups = LossGroups(EDGES)
     stats = train_step(engine_for(CPU), layout_batches(single, "packed"), CPU, PAD, groups=groups)
@@ -199,7 +201,8 @@ def test_no_mixture_no_source_keys_and_the_same_length_tables(docs):
     assert got["targets_by_length"] == mixture["targets_by_length"]
     for name, loss in mixture["token_loss_by_length"].items():
         assert got["token_loss_by_length"][name] == pytest.approx(loss, abs=1e-6)
-    evaluation = Evaluator(single, CPU, SEQ_LEN, "packed", 2 * SEQ_LEN, PAD, groups=groups).run(engine_for(CPU))
+    evaluation = Evaluator(single, CPU, SEQ_LEN, "packed", 2 * SEQ_LEN, PAD,
+                           groups=groups).run(engine_for(CPU))
     assert not [k for k in evaluation.metrics() if "source" in k]
     assert LossGroups().size == 0  # no mixture, no buckets: no groups, the plain loss path
 
@@ -223,9 +226,11 @@ def mixture_config(*sources: dict, **extra) -> DataConfig:
 def test_eval_docs_of_a_mixture_are_tagged_and_capped_per_source(demo_data):
     ids = special_ids(load_tokenizer(demo_data / "tokenizer"))
     alone = load_eval_docs(demo_data, demo_data / "tokenizer", ids.eos, SEQ_LEN, max_docs=5)
-    cfg = mixture_config({"name": "a", "path": str(demo_data)}, {"name": "b", "path": str(demo_data), "weight": 2})
+    cfg = mixture_config({"name": "a", "path": str(demo_data)},
+                         {"name": "b", "path": str(demo_data), "weight": 2})
     docs = load_eval_docs(cfg, demo_data / "tokenizer", ids.eos, SEQ_LEN, max_docs=5)
-    assert [(d.key, d.source) for d in docs] == [(f"a/{d.key}", 0) for d in alone] + [(f"b/{d.key}", 1) for d in alone]
+    assert [(d.key, d.source) for d in docs] == ([(f"a/{d.key}", 0) for d in alone]
+                                                 + [(f"b/{d.key}", 1) for d in alone])
 
 
 def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, tmp_path, caplog):
@@ -243,7 +248,8 @@ def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "data.sources a: no held-out shards" in warnings[0]
     none = mixture_config({"name": "a", "urls": str(bare / shard.name)}, tokenizer=str(tok))
-    with pytest.raises(ShardSourceError, match=r"no held-out shards for the eval in any of data.sources \(a\)"):
+    with pytest.raises(ShardSourceError,
+                       match=r"no held-out shards for the eval in any of data.sources \(a\)"):
         load_eval_docs(none, tok, ids.eos, SEQ_LEN, max_docs=3)
 
 
@@ -253,8 +259,9 @@ def test_a_source_without_held_out_shards_is_left_out_with_a_warning(demo_data, 
 
 
 def chunk_tokens(data: Path, seq_len: int) -> dict[str, int]:
-    """{chunk key: tokens} of `data`'s train split, made without the trainer's reader: each `<key>.txt` of each
-    shard encoded by the `tokenizers` library, + 1 for the EOS, cut into chunks of seq_len named `key#k` beyond it."""
+    """{chunk key: tokens} of `data`'s train split, made without the trainer's reader: each `<key>.txt` of
+    each shard encoded by the `tokenizers` library, + 1 for the EOS, cut into chunks of seq_len named `key#k`
+    beyond it."""
     tokenizer = Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json"))
     out = {}
     for shard in sorted(data.glob("train-*.tar")):
@@ -263,7 +270,8 @@ def chunk_tokens(data: Path, seq_len: int) -> dict[str, int]:
                 text = tar.extractfile(member).read().decode("utf-8")
                 n = len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
                 key = member.name.rsplit("/", 1)[-1].split(".", 1)[0]
-                pieces = [n] if n <= seq_len else [min(seq_len, n - k * seq_len) for k in range(-(-n // seq_len))]
+                pieces = [n] if n <= seq_len else [min(seq_len, n - k * seq_len)
+                                                   for k in range(-(-n // seq_len))]
                 out.update({key: n} if n <= seq_len else {f"{key}#{k}": p for k, p in enumerate(pieces)})
     return out
 
@@ -274,8 +282,9 @@ def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
                f"{{name:long,path:'{long}',weight:0.3}}]")
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="trainer.run.evals"):
-        trainer = make_trainer(short, run_dir, "data.path=null", sources, "train.max_steps=3", "train.eval_every=3",
-                               "train.eval_docs=20", "logging.record_doc_keys=true", "logging.length_buckets=[16,64]")
+        trainer = make_trainer(short, run_dir, "data.path=null", sources, "train.max_steps=3",
+                               "train.eval_every=3", "train.eval_docs=20", "logging.record_doc_keys=true",
+                               "logging.length_buckets=[16,64]")
     summary = trainer.fit()
     assert any("data.sources long: no held-out shards" in r.getMessage() for r in caplog.records)
     lengths = {**chunk_tokens(short, 128), **chunk_tokens(long, 128)}  # SMALL: train.seq_len=128
@@ -309,7 +318,8 @@ def test_a_mixture_run_logs_its_sources_every_step_and_eval(tmp_path, caplog):
 
 def test_the_whole_run_token_share_survives_a_resume(tmp_path):
     short, long = mixture_corpora(tmp_path)
-    common = ["data.path=null", sources_override(("short", short, 0.7), ("long", long, 0.3)), "train.max_steps=4"]
+    common = ["data.path=null", sources_override(("short", short, 0.7), ("long", long, 0.3)),
+              "train.max_steps=4"]
     whole = make_trainer(short, tmp_path / "whole", *common).fit()
     make_trainer(short, tmp_path / "cut", *common, "train.max_steps=2", "train.checkpoint_every=2").fit()
     resumed = make_trainer(short, tmp_path / "cut", *common, "train.resume=true").fit()

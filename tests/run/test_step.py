@@ -31,18 +31,18 @@ from trainer.run.step import ComputeClock, train_step
 def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout: str, mb_tokens: int,
           normalization: str = "global_tokens", balance: bool = False, engine: str = "ddp",
           straggle: float = 0.0) -> dict:
-    """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents (packed into rows,
-    then, with `balance`, the step's rows dealt over the ranks by modeled work: trainer.run.inputs.RowDealer).
-    `straggle`: rank 1's first block sleeps that long in every forward (a slow rank); each step's ComputeClock
-    reading is returned under "clock"."""
+    """Run one optimizer step per logical batch; `shares[step][rank]` are this rank's documents (packed into
+    rows, then, with `balance`, the step's rows dealt over the ranks by modeled work:
+    trainer.run.inputs.RowDealer). `straggle`: rank 1's first block sleeps that long in every forward (a slow
+    rank); each step's ComputeClock reading is returned under "clock"."""
     torch.manual_seed(0)
     info = (init_distributed(DistributedConfig(device="cpu")) if world_size > 1
             else DistInfo(0, 1, 0, torch.device("cpu")))
     model = build_model(MODEL, AttentionConfig(backend="sdpa_docs"))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu", engine=engine), grad_clip=0.0,
-                         dtype="fp32")
+    engine = parallelize(model, opt, sched, info, DistributedConfig(device="cpu", engine=engine),
+                         grad_clip=0.0, dtype="fp32")
     cfg = PackingConfig(layout=layout)
     first = {}  # the first step's gradients (whole), as the optimizer is about to apply them
 
@@ -66,7 +66,8 @@ def train(rank: int, world_size: int, shares: list[list[list[Document]]], layout
         clocked.append(clock.read())
         losses.append(stats.loss)
         counts.append(stats.valid_tokens)
-    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}  # FSDP2
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # FSDP2
+             for k, v in model.state_dict().items()}
     return {"params": {k: v.detach().clone() for k, v in whole.items()}, "losses": losses,
             "valid": counts, "dealt": dealt, "clock": clocked, "first": first}
 
@@ -91,14 +92,15 @@ SCENARIOS = {  # name: (fractions of each step's documents for rank 0 and rank 1
 
 def train_scenarios(rank: int, world_size: int, steps) -> dict:
     """All two-rank scenarios in one spawn of the process group (spawning costs seconds per rank)."""
-    out = {name: train(rank, world_size, split(steps, fr), layout, mb, normalization=name if name in NORMALIZATIONS
-                       else "global_tokens", straggle=0.2 if name == "uneven_packed" else 0.0)
+    out = {name: train(rank, world_size, split(steps, fr), layout, mb,
+                       normalization=name if name in NORMALIZATIONS else "global_tokens",
+                       straggle=0.2 if name == "uneven_packed" else 0.0)
            for name, (fr, layout, mb) in SCENARIOS.items()}
     out["balanced"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True)
     out["balanced_unpacked"] = train(rank, world_size, split(steps, [0.25, 0.75]), "unpacked", 3 * SEQ_LEN,
                                      balance=True)
-    out["balanced_fsdp2"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN, balance=True,
-                                  engine="fsdp2")
+    out["balanced_fsdp2"] = train(rank, world_size, split(steps, [0.25, 0.75]), "packed", 2 * SEQ_LEN,
+                                  balance=True, engine="fsdp2")
     return out
 
 
@@ -119,9 +121,9 @@ def test_two_uneven_ranks_equal_one_rank(steps, one_rank, two_ranks):
 
 
 def test_the_clock_measures_a_slow_rank_and_the_faster_ones_wait(two_ranks):
-    """ComputeClock (dp_compute_imbalance, dp_wait_s; issue 55): rank 1 of "uneven_packed" sleeps 0.2 s in its first
-    block's forward, every step. Its measured compute holds the sleep; rank 0 waits for it at the gradient
-    all-reduce, after its own backward, for most of that time; rank 1 itself barely waits."""
+    """ComputeClock (dp_compute_imbalance, dp_wait_s; issue 55): rank 1 of "uneven_packed" sleeps 0.2 s in its
+    first block's forward, every step. Its measured compute holds the sleep; rank 0 waits for it at the
+    gradient all-reduce, after its own backward, for most of that time; rank 1 itself barely waits."""
     fast, slow = (r["uneven_packed"]["clock"] for r in two_ranks)
     for (fast_compute, fast_wait), (slow_compute, slow_wait) in zip(fast, slow, strict=True):
         assert slow_compute >= 0.2
@@ -161,11 +163,11 @@ def test_document_mean_over_two_uneven_ranks_equals_one_rank(steps, two_ranks):
 
 
 def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(steps, one_rank, two_ranks):
-    """data.balance=rows (issue 55): the rows the two uneven ranks drew are re-dealt by modeled work (here sum s^2:
-    rows moved, the drawn imbalance shrunk), under DDP and FSDP2, and unpacked (the same packer rows dealt, then
-    each document laid out as its own row); the losses, valid targets and final weights are the one-rank run's,
-    and step 0's loss and every gradient are each document alone in plain PyTorch, summed, over the step's targets
-    (1e-6; the gradients to 1e-6 of each tensor's largest entry)."""
+    """data.balance=rows (issue 55): the rows the two uneven ranks drew are re-dealt by modeled work (here sum
+    s^2: rows moved, the drawn imbalance shrunk), under DDP and FSDP2, and unpacked (the same packer rows
+    dealt, then each document laid out as its own row); the losses, valid targets and final weights are the
+    one-rank run's, and step 0's loss and every gradient are each document alone in plain PyTorch, summed,
+    over the step's targets (1e-6; the gradients to 1e-6 of each tensor's largest entry)."""
     from tests.helpers import plain_document_loss
 
     ranks = [r["balanced"] for r in two_ranks]
@@ -177,7 +179,8 @@ def test_rows_dealt_by_work_train_the_same_step_as_one_rank_and_plain_pytorch(st
         keys = ranks[0]["dealt"][s][0] + ranks[1]["dealt"][s][0]
         assert sorted(keys) == sorted(d.key for d in step_docs)
     drawn = [split(steps, [0.25, 0.75])[s][1] for s in range(len(steps))]
-    assert any(set(ranks[1]["dealt"][s][0]) != {d.key for d in drawn[s]} for s in range(len(steps)))  # rows moved
+    # rows moved
+    assert any(set(ranks[1]["dealt"][s][0]) != {d.key for d in drawn[s]} for s in range(len(steps)))
     torch.manual_seed(0)
     params = dict(build_model(MODEL, AttentionConfig(backend="sdpa_docs")).named_parameters())
     targets = sum(len(d) - 1 for d in steps[0])

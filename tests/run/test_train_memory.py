@@ -1,8 +1,8 @@
 """loss.chunk_tokens and train.activation_checkpointing through `python -m trainer.train`: the same run.
 
 Each option is checked against the plain path tensor by tensor in tests/model/; here they reach the model
-through Hydra, the config and the Trainer (trainer.run.loop), and the first steps of training and the held-out loss must
-be those of a plain run with the same seed.
+through Hydra, the config and the Trainer (trainer.run.loop), and the first steps of training and the held-out
+loss must be those of a plain run with the same seed.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ LOSS_TOL = 1e-5
 GRAD_NORM_RTOL = 1e-5  # measured: <= 1.0e-7
 
 
-@pytest.mark.parametrize("normalization, checkpointing", [("global_tokens", "full"), ("document_mean", "selective")])
-def test_chunked_loss_and_checkpointing_train_like_the_plain_path(demo_data, tmp_path, normalization, checkpointing):
+@pytest.mark.parametrize("normalization, checkpointing",
+                         [("global_tokens", "full"), ("document_mean", "selective")])
+def test_chunked_loss_and_checkpointing_train_like_the_plain_path(demo_data, tmp_path, normalization,
+                                                                  checkpointing):
     common = ("train.max_steps=3", "train.checkpoint_every=0", f"loss.normalization={normalization}")
     run_train(tmp_path / "plain", demo_data, *common)
     run_train(tmp_path / "lean", demo_data, *common, "loss.chunk_tokens=100",

@@ -55,7 +55,8 @@ def reference(model: GPT, cand: Candidate) -> tuple[float, bool]:
     start = len(cand.query) - 1  # the position predicting the choice's first token
     targets = ids[0, start + 1:]
     picked = logprobs[start:-1].gather(1, targets[:, None]).squeeze(1)
-    return float(picked.double().sum()), bool((logprobs[start:-1].argmax(-1) == targets).all())  # summed as scored
+    # summed as scored
+    return float(picked.double().sum()), bool((logprobs[start:-1].argmax(-1) == targets).all())
 
 
 @pytest.mark.parametrize("backend", ["sdpa_docs", "dense"])  # flex: its CPU forward takes ~3 s
@@ -63,7 +64,8 @@ def test_packed_and_unpacked_equal_each_sequence_scored_alone(backend):
     model = tiny_model(backend)
     cands = random_candidates(40)
     ref = [reference(model, c) for c in cands]
-    packed = score(model, cands, "packed", PAD, batch_tokens=2 * SEQ_LEN)  # 2 rows a forward: many micro-batches
+    # 2 rows a forward: many micro-batches
+    packed = score(model, cands, "packed", PAD, batch_tokens=2 * SEQ_LEN)
     unpacked = score(model, cands, "unpacked", PAD, batch_tokens=2 * SEQ_LEN)
     want = np.array([r[0] for r in ref])
     assert np.abs(np.array(packed.loglikelihoods) - want).max() <= TOL
@@ -95,7 +97,8 @@ def _score_on_rank(rank: int, world_size: int) -> dict[str, list[float]]:
 
 
 def test_two_ranks_split_the_items_and_gather_the_same_scores():
-    """Packed and tree: each rank scores its share (trees whole), the all-reduce gives both ranks every score."""
+    """Packed and tree: each rank scores its share (trees whole), the all-reduce gives both ranks every
+    score."""
     results = run_distributed(_score_on_rank, world_size=2)
     assert results[0] == results[1]
     alone = score(tiny_model(), random_candidates(9), "packed", PAD, SEQ_LEN).loglikelihoods
@@ -113,31 +116,34 @@ TREE_TOL = 4e-6
 
 def items(n: int, seed: int = 0, query: tuple[int, int] = (1, 13), choices: int = 4,
           shared_prefix: int = 0) -> list[Candidate]:
-    """`n` items of `choices` candidates sharing one query (query lengths in [query), choices of 1..6 tokens after
-    `shared_prefix` tokens that every choice of the item starts with)."""
+    """`n` items of `choices` candidates sharing one query (query lengths in [query), choices of 1..6 tokens
+    after `shared_prefix` tokens that every choice of the item starts with)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         q = tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=rng.integers(*query)))
         prefix = tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=shared_prefix))
-        out += [Candidate(q, prefix + tuple(int(t) for t in rng.integers(2, MODEL.vocab_size, size=rng.integers(1, 7))))
+        out += [Candidate(q, prefix + tuple(int(t) for t in rng.integers(2, MODEL.vocab_size,
+                                                                         size=rng.integers(1, 7))))
                 for _ in range(choices)]
     return out
 
 
 TREE_CASES = {
     "short items": items(12),
-    "long contexts": items(6, seed=1, query=(18, 25)),  # query + 4 choices > SEQ_LEN: an item over several trees
+    # query + 4 choices > SEQ_LEN: an item over several trees
+    "long contexts": items(6, seed=1, query=(18, 25)),
     "shared prefixes": items(8, seed=2, shared_prefix=3),
-    "unordered": [c for pair in zip(items(4, seed=3), items(4, seed=4), strict=True) for c in pair],  # interleaved
+    # interleaved
+    "unordered": [c for pair in zip(items(4, seed=3), items(4, seed=4), strict=True) for c in pair],
 }
 
 
 @pytest.mark.parametrize("backend", ["sdpa_docs", "dense"])
 @pytest.mark.parametrize("case", list(TREE_CASES))
 def test_the_tree_layout_equals_packed_and_each_choice_alone(backend, case):
-    """Per-choice log-likelihoods and greedy matches of the tree layout: the packed layout's and each (query + choice)
-    alone in plain PyTorch, to 4e-6; several trees a row, several rows a forward."""
+    """Per-choice log-likelihoods and greedy matches of the tree layout: the packed layout's and each (query +
+    choice) alone in plain PyTorch, to 4e-6; several trees a row, several rows a forward."""
     model = tiny_model(backend)
     cands = TREE_CASES[case]
     tree = score(model, cands, "tree", PAD, batch_tokens=2 * SEQ_LEN)
@@ -153,8 +159,8 @@ def test_the_tree_layout_on_a_llama_model_with_rope_and_grouped_heads():
     from dataclasses import replace
 
     torch.manual_seed(0)
-    llama = replace(MODEL, pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False, n_kv_head=1,
-                    tie_embeddings=False)
+    llama = replace(MODEL, pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=48, bias=False,
+                    n_kv_head=1, tie_embeddings=False)
     model = GPT(llama, AttentionConfig(backend="sdpa_docs")).eval()
     cands = TREE_CASES["shared prefixes"]
     ref = [reference(model, c) for c in cands]
@@ -183,9 +189,9 @@ def test_the_trees_share_each_query_once_and_split_only_what_does_not_fit():
 
 
 def test_changing_one_choice_moves_no_sibling_and_the_probe_sees_a_leak(monkeypatch):
-    """The leakage probe: one choice's tokens changed, its siblings' log-likelihoods do not move (its own does).
-    With the branch condition dropped from the mask (every branch sees the branches before it), they do: the test
-    can tell."""
+    """The leakage probe: one choice's tokens changed, its siblings' log-likelihoods do not move (its own
+    does). With the branch condition dropped from the mask (every branch sees the branches before it), they
+    do: the test can tell."""
     model = tiny_model("dense")
     cands = items(4, seed=6)
     changed = list(cands)
@@ -277,17 +283,19 @@ def test_standard_error_is_the_sample_standard_error_of_the_mean():
 
 def test_an_item_longer_than_the_context_is_named():
     task = Task("long", MULTIPLE_CHOICE, (Item("a" * 30, ("bcd",), 0, line=3),), source="long.jsonl")
-    with pytest.raises(TaskFileError, match=r"long.jsonl:3: query \+ choice is 33 tokens, more than the model's "
-                                            r"context \(32\)"):
+    with pytest.raises(TaskFileError, match=r"long.jsonl:3: query \+ choice is 33 tokens, more than the "
+                                            r"model's context \(32\)"):
         task_sequences(task, encode, SEQ_LEN)
 
 
 def test_a_query_starts_as_the_tokenizers_training_documents_do(tmp_path):
-    """Llama-3-like framing: BOS before the query (transformers' own encoding of it), nothing else; never scored."""
+    """Llama-3-like framing: BOS before the query (transformers' own encoding of it), nothing else; never
+    scored."""
     require_module("transformers", "pip install -e '.[dev]'")
     from transformers import AutoTokenizer
 
-    tok_dir = hf_tokenizer_dir(tmp_path, LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0], post_processor=f"{LLAMA3[0]} $A")
+    tok_dir = hf_tokenizer_dir(tmp_path, LLAMA3, eos=LLAMA3[1], bos=LLAMA3[0],
+                               post_processor=f"{LLAMA3[0]} $A")
     tok, hf = FramedTokenizer.load(tok_dir), AutoTokenizer.from_pretrained(tok_dir)
     task = Task("t", MULTIPLE_CHOICE, (Item("the cat", (" sat", " mat"), 0),))
     (a, b) = task_sequences(task, tok.encode, SEQ_LEN, tok.ids.head)

@@ -1,4 +1,5 @@
-"""trainer.tasks.tasks (task files, bad rows named by file and line) and trainer.tasks.builtins (held-out tasks)."""
+"""trainer.tasks.tasks (task files, bad rows named by file and line) and trainer.tasks.builtins (held-out
+tasks)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ LM = {"context": "The capital of France is", "continuation": " Paris"}
 
 
 def write(path, *lines) -> str:
-    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else json.dumps(line).encode() for line in lines))
+    path.write_bytes(b"\n".join(line if isinstance(line, bytes) else json.dumps(line).encode()
+                                for line in lines))
     return str(path)
 
 
@@ -51,7 +53,8 @@ BAD_ROWS = {
                        "query holds a lone surrogate ('\\ud800' at character 1)"),
     "duplicate key": (b'{"query": "q", "choices": ["a", "b"], "gold": 0, "gold": 1}',
                       "key 'gold' appears twice in one object"),
-    "both forms": ({**MC, **LM}, "holds keys of both forms (['query', 'choices', 'gold', 'context', 'continuation'])"),
+    "both forms": ({**MC, **LM},
+                   "holds keys of both forms (['query', 'choices', 'gold', 'context', 'continuation'])"),
     "gold's twin": ({**MC, "choices": [" 4", " 4"]}, "choice 1 is the gold choice 0's text again (' 4')"),
 }
 
@@ -78,8 +81,10 @@ def test_a_missing_or_empty_file_is_named(tmp_path):
 # Built-in tasks
 # ---------------------------------------------------------------------------------------------------
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
-TEXTS = [f"def f{i}(x):\n    return " + " ".join(WORDS[(5 * i + 3 * k) % len(WORDS)] for k in range(8 + i % 7))
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+         "sigma").split()
+TEXTS = [f"def f{i}(x):\n    return " + " ".join(WORDS[(5 * i + 3 * k) % len(WORDS)]
+                                                 for k in range(8 + i % 7))
          for i in range(12)]
 
 

@@ -38,8 +38,9 @@ from trainer.model.families import FAMILIES, Piece, family_of
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
-"""Hugging Face's name (transformers' SAFE_WEIGHTS_NAME) in a model directory: the same string as the checkpoint
-store's WEIGHTS_FILE, but transformers' decision, not packtrain's (a checkpoint's names are the store's)."""
+"""Hugging Face's name (transformers' SAFE_WEIGHTS_NAME) in a model directory: the same string as the
+checkpoint store's WEIGHTS_FILE, but transformers' decision, not packtrain's (a checkpoint's names are the
+store's)."""
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded model's map of tensor name -> shard file (transformers' SAFE_WEIGHTS_INDEX_NAME)."""
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -50,7 +51,8 @@ IGNORED_KEYS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 class ExportError(UserError):
-    """A model that cannot be written as, or a directory that does not hold, a supported Hugging Face model."""
+    """A model that cannot be written as, or a directory that does not hold, a supported Hugging Face
+    model."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,8 +61,8 @@ class ExportError(UserError):
 
 
 def family(cfg: GPTConfig) -> str:
-    """The model_type of the transformers class that computes `cfg`'s model (`model.family`, else the first family
-    that computes it); an ExportError if none does."""
+    """The model_type of the transformers class that computes `cfg`'s model (`model.family`, else the first
+    family that computes it); an ExportError if none does."""
     try:
         return family_of(cfg).model_type
     except ValueError as e:
@@ -89,18 +91,21 @@ def hf_config(cfg: GPTConfig, ids: SpecialIds, dtype: torch.dtype = torch.float3
 
 
 def generation_config(ids: SpecialIds) -> dict:
-    """generation_config.json: a reply ends at the EOS (documents) or <|im_end|> (chat turns), where there is one."""
-    eos = [ids.eos] + ([ids.im_end] if getattr(ids, "im_end", None) is not None and ids.im_end != ids.eos else [])
+    """generation_config.json: a reply ends at the EOS (documents) or <|im_end|> (chat turns), where there is
+    one."""
+    eos = [ids.eos] + ([ids.im_end] if getattr(ids, "im_end", None) is not None and ids.im_end != ids.eos
+                       else [])
     bos = ids.bos if getattr(ids, "bos", None) is not None else ids.eos
     return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": ids.pad}
 
 
 def config_from_hf(config: dict, where: str | Path) -> GPTConfig:
-    """packtrain's GPTConfig of a transformers config.json (its family's `config_from_hf`); one line naming `where`
-    and what is not supported otherwise.
+    """packtrain's GPTConfig of a transformers config.json (its family's `config_from_hf`); one line naming
+    `where` and what is not supported otherwise.
 
-    Example: a SmolLM2-135M config -> GPTConfig(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
-    norm='rmsnorm', mlp='swiglu', pos_emb='rope', rope_theta=100000.0, tie_embeddings=True, family='llama', ...).
+    Example: a SmolLM2-135M config -> GPTConfig(n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+    mlp_hidden=1536, norm='rmsnorm', mlp='swiglu', pos_emb='rope', rope_theta=100000.0, tie_embeddings=True,
+    family='llama', ...).
     """
     kind = config.get("model_type")
     if kind not in CLASSES:
@@ -123,8 +128,8 @@ def config_from_hf(config: dict, where: str | Path) -> GPTConfig:
 
 
 def pieces(cfg: GPTConfig) -> list[Piece]:
-    """Every Hugging Face tensor of `cfg`'s class and where it lives in packtrain's model (its family's map); the
-    tied head absent."""
+    """Every Hugging Face tensor of `cfg`'s class and where it lives in packtrain's model (its family's map);
+    the tied head absent."""
     return FAMILIES[family(cfg)].pieces(cfg)
 
 
@@ -135,13 +140,15 @@ def _view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def hf_state_dict(model: GPT, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's weights under its class's names, each its own contiguous tensor (in `dtype` if given); the tied
-    head left out (written once, as transformers writes it). GPT-2 biases the model lacks are zeros."""
+    """The model's weights under its class's names, each its own contiguous tensor (in `dtype` if given); the
+    tied head left out (written once, as transformers writes it). GPT-2 biases the model lacks are zeros."""
     return to_hf(model.state_dict(), model.cfg, dtype)
 
 
-def to_hf(state: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """packtrain-named tensors (weights, or gradients) of a `cfg` model -> its class's names; see `hf_state_dict`."""
+def to_hf(state: dict[str, torch.Tensor], cfg: GPTConfig,
+          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """packtrain-named tensors (weights, or gradients) of a `cfg` model -> its class's names; see
+    `hf_state_dict`."""
     out = {}
     for piece in pieces(cfg):
         if piece.name in state:
@@ -159,8 +166,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: GPTConfig, dtype: torch.dtype | N
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    """Whether `path` holds a Hugging Face model: config.json and model.safetensors or a sharded index of them (or
-    only pickles, which `read_config` then refuses by name)."""
+    """Whether `path` holds a Hugging Face model: config.json and model.safetensors or a sharded index of them
+    (or only pickles, which `read_config` then refuses by name)."""
     path = Path(path)
     return (path / CONFIG_FILE).is_file() and any(
         (path / name).is_file() for name in (WEIGHTS_FILE, INDEX_FILE, *PICKLE_FILES))
@@ -199,8 +206,9 @@ def header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of `path`: model.safetensors, or every shard its index names (each a file directly in
-    `path`: an index naming one elsewhere is refused). Pickled weights are refused: loading them could run code."""
+    """The safetensors files of `path`: model.safetensors, or every shard its index names (each a file
+    directly in `path`: an index naming one elsewhere is refused). Pickled weights are refused: loading them
+    could run code."""
     path = Path(path)
     if (path / WEIGHTS_FILE).is_file():
         return [path / WEIGHTS_FILE]
@@ -208,8 +216,9 @@ def weight_files(path: str | Path) -> list[Path]:
     if not index.is_file():
         pickled = [n for n in PICKLE_FILES if (path / n).is_file()]
         if pickled:
-            raise ExportError(f"{path} holds {pickled[0]} (a pickle: loading it could run code) and no {WEIGHTS_FILE}: "
-                              "convert it first (transformers: model.save_pretrained(dir, safe_serialization=True))")
+            raise ExportError(f"{path} holds {pickled[0]} (a pickle: loading it could run code) and no "
+                              f"{WEIGHTS_FILE}: convert it first (transformers: "
+                              "model.save_pretrained(dir, safe_serialization=True))")
         raise ExportError(f"{path} is not a Hugging Face model directory: no {WEIGHTS_FILE} or {INDEX_FILE}")
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -239,8 +248,8 @@ def _tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_hf_into(model: GPT, path: str | Path) -> None:
-    """Copy the weights of Hugging Face directory `path` into `model` (built for its config), tensor by tensor;
-    an error naming the file and keys that are missing, unexpected or of another shape."""
+    """Copy the weights of Hugging Face directory `path` into `model` (built for its config), tensor by
+    tensor; an error naming the file and keys that are missing, unexpected or of another shape."""
     plan = {p.hf: p for p in pieces(model.cfg)}
     state = model.state_dict()
     tied = set(model.tied_keys)
@@ -250,23 +259,26 @@ def load_hf_into(model: GPT, path: str | Path) -> None:
             continue  # old buffers; a tied head some exports also write (it is the embedding)
         piece = plan.get(key)
         if piece is None:
-            raise ExportError(f"{file}: unexpected tensor {key!r} for {CLASSES[family(model.cfg)]} with this config "
-                              f"({Path(path) / CONFIG_FILE})")
+            raise ExportError(f"{file}: unexpected tensor {key!r} for {CLASSES[family(model.cfg)]} with this "
+                              f"config ({Path(path) / CONFIG_FILE})")
         target = _view(state[piece.name], piece)
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ExportError(f"{file}: {key} has shape {tuple(tensor.shape)}, the config says {tuple(target.shape)}")
+            raise ExportError(f"{file}: {key} has shape {tuple(tensor.shape)}, "
+                              f"the config says {tuple(target.shape)}")
         if (bad := first_nonfinite(tensor, key)) is not None:
             raise ExportError(f"{file}: tensor {key} holds {bad[1]} values: the weights are damaged; refused")
         target.copy_(tensor)
         seen.add(key)
     missing = [k for k in plan if k not in seen]
     if missing:
-        raise ExportError(f"{path}: the weights lack {len(missing)} tensor(s) of its config, e.g. {missing[:3]}")
+        raise ExportError(f"{path}: the weights lack {len(missing)} tensor(s) of its config, "
+                          f"e.g. {missing[:3]}")
 
 
-def load_hf(path: str | Path, device: str | torch.device = "cpu", attention: AttentionConfig | None = None) -> GPT:
-    """A Hugging Face model directory (GPT-2, Llama, Qwen2; or what `trainer.export` writes) as packtrain's GPT,
-    in eval mode."""
+def load_hf(path: str | Path, device: str | torch.device = "cpu",
+            attention: AttentionConfig | None = None) -> GPT:
+    """A Hugging Face model directory (GPT-2, Llama, Qwen2; or what `trainer.export` writes) as packtrain's
+    GPT, in eval mode."""
     model = GPT(read_config(path), attention or AttentionConfig(backend="sdpa_docs"))
     load_hf_into(model, path)
     return model.to(device).eval()

@@ -9,9 +9,11 @@ Checksums: at save, the sha256 of every file of the checkpoint is recorded in it
 (`digests`; the store names and writes the manifest); at load, the files are hashed again and compared before
 anything is read (`damaged`). sha256 runs at ~1.4 GB/s on one core here; the ranks share the files to hash.
 
-    names = files_of(ckpt, exclude={"checksums.json"})  # ['dcp/.metadata', 'dcp/__0_0.distcp', 'meta.json', ...]
+    names = files_of(ckpt, exclude={"checksums.json"})  # ['dcp/.metadata', 'dcp/__0_0.distcp',
+                                                          'meta.json', ...]
     recorded = digests(ckpt, names)                      # {'meta.json': '9f2c...', ...}
-    damaged(ckpt, recorded, "its checksums.json")        # None, or "ckpt/dcp/__0_0.distcp: checksum mismatch: ..."
+    damaged(ckpt, recorded, "its checksums.json")        # None, or "ckpt/dcp/__0_0.distcp: checksum
+                                                           mismatch: ..."
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ DAMAGED = "the checkpoint is damaged; resume from an earlier one"
 
 
 class OutsideCheckpointError(UserError, ValueError):
-    """A checkpoint that names a file outside its own directory (forged, or damaged): refused before any read."""
+    """A checkpoint that names a file outside its own directory (forged, or damaged):
+    refused before any read."""
 
 
 class DamagedCheckpointError(UserError, ValueError):
@@ -39,8 +42,8 @@ class DamagedCheckpointError(UserError, ValueError):
 
 
 def inside(root: Path, name: str, what: str) -> Path:
-    """`root / name`, refused (OutsideCheckpointError) unless it lies inside `root`: `name` must be relative, hold
-    no `..`, and no symlink on the way may lead out. `what` says who names it, for the message.
+    """`root / name`, refused (OutsideCheckpointError) unless it lies inside `root`: `name` must be relative,
+    hold no `..`, and no symlink on the way may lead out. `what` says who names it, for the message.
 
     Example: inside(ckpt, "../../etc/passwd", "its checksums.json names") -> "ckpt: its checksums.json names
     '../../etc/passwd' leaves the checkpoint ('..'); ..."."""
@@ -52,8 +55,8 @@ def inside(root: Path, name: str, what: str) -> Path:
         why = f"a symlink to {path.resolve()}"
     if why is not None:
         raise OutsideCheckpointError(f"{root}: {what} {name!r} leaves the checkpoint ({why}); a "
-                                     "checkpoint reads only files inside its own directory: refused (it was forged "
-                                     "or damaged); resume from another checkpoint")
+                                     "checkpoint reads only files inside its own directory: refused (it was "
+                                     "forged or damaged); resume from another checkpoint")
     return path
 
 
@@ -97,8 +100,9 @@ def digests(root: Path, names: list[str]) -> dict[str, str]:
 
 
 def damaged(root: Path, recorded: dict[str, str], what: str) -> str | None:
-    """The first of `recorded`'s files ({name: sha256}, named by `what`) that is missing, unreadable or not what
-    was recorded, as its one-line message; None if all are intact. A name leading outside `root` raises."""
+    """The first of `recorded`'s files ({name: sha256}, named by `what`) that is missing, unreadable or not
+    what was recorded, as its one-line message; None if all are intact. A name leading outside `root`
+    raises."""
     for name, expected in sorted(recorded.items()):
         check_interrupt()  # a preemption signal stops the hashing between files (ReadInterrupted)
         path = inside(Path(root), name, f"{what} names")

@@ -62,8 +62,9 @@ def save_state(state: Any, path: str | Path) -> None:
 
 
 def load_state(path: str | Path, map_location: Any = None, mmap: bool = False) -> Any:
-    """`torch.load(weights_only=True)`, then `decode`. Refuses (UnsafeCheckpointError) what it cannot load safely.
-    mmap: the tensors mapped from the file, read only where they are used (a rank keeping a slice of each)."""
+    """`torch.load(weights_only=True)`, then `decode`. Refuses (UnsafeCheckpointError) what it cannot load
+    safely. mmap: the tensors mapped from the file, read only where they are used (a rank keeping a slice of
+    each)."""
     try:
         return decode(torch.load(path, map_location=map_location, weights_only=True, mmap=mmap))
     except FileNotFoundError:
@@ -72,5 +73,5 @@ def load_state(path: str | Path, map_location: Any = None, mmap: bool = False) -
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsafeCheckpointError(
             f"{path}: refused to load: it needs more than plain data and tensors to unpickle ({first}); "
-            "packtrain never loads checkpoints with weights_only=False. Use a checkpoint written by packtrain "
-            "(or load it yourself if you trust where it came from)") from e
+            "packtrain never loads checkpoints with weights_only=False. Use a checkpoint written by "
+            "packtrain (or load it yourself if you trust where it came from)") from e

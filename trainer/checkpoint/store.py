@@ -3,41 +3,43 @@
 Layout of `<run dir>/checkpoints/step_000050/` (the name of each entry is the constant beside it; nothing else
 in packtrain spells these names):
 
-    meta.json           META_FILE         step, token counters, the writer's world size and parallel sizes, engine,
-                                          the resolved run config (read back typed: `Record`)
+    meta.json           META_FILE         step, token counters, the writer's world size and parallel sizes,
+                                          engine, the resolved run config (read back typed: `Record`)
     conventions.json    CONVENTIONS_FILE  how inputs and objective were built (decided in trainer.run)
     tokenizer/          TOKENIZER_DIR     the tokenizer files the weights were trained with
-    model.safetensors   WEIGHTS_FILE      the whole model's weights, TIED_KEY left out: in every DDP and DeepSpeed
-                                          checkpoint; under FSDP2 and tensor parallelism (where writing it gathers
-                                          the model) in the run's last one, or in each with train.save_weights=every
-                                          (a checkpoint without it: the weights are read from dcp/ or engine.pt)
+    model.safetensors   WEIGHTS_FILE      the whole model's weights, TIED_KEY left out: in every DDP and
+                                          DeepSpeed checkpoint; under FSDP2 and tensor parallelism (where
+                                          writing it gathers the model) in the run's last one, or in each with
+                                          train.save_weights=every (a checkpoint without it: the weights are
+                                          read from dcp/ or engine.pt)
     rank_00000.pt ...   rank_file(rank)   each rank's data-stream state and RNG states
     engine.pt           ENGINE_FILE       a replicated engine's (DDP's) model, optimizer and LR schedule
-    deepspeed/          DEEPSPEED_DIR     or, for DeepSpeed, its own checkpoint: one ZeRO shard per rank, which
-                                          DeepSpeed writes itself into the directory named here (it also copies its
-                                          recovery scripts, zero_to_fp32.py, beside it)
-    dcp/                DCP_DIR           or, for FSDP2, torch.distributed.checkpoint's files: each rank's shards
-                                          (__0_0.distcp, ...) and the .metadata, written by every rank in parallel
+    deepspeed/          DEEPSPEED_DIR     or, for DeepSpeed, its own checkpoint: one ZeRO shard per rank,
+                                          which DeepSpeed writes itself into the directory named here (it also
+                                          copies its recovery scripts, zero_to_fp32.py, beside it)
+    dcp/                DCP_DIR           or, for FSDP2, torch.distributed.checkpoint's files: each rank's
+                                          shards (__0_0.distcp, ...) and the .metadata, written by every rank
+                                          in parallel
     checksums.json      CHECKSUMS_FILE    the sha256 of every other file above, written last (integrity)
 
 Every .pt is plain data and tensors, read with weights_only=True (trainer.checkpoint.safe_io); DeepSpeed's own
-files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them; DCP's are read by the FSDP2
-engine's own reader, which unpickles nothing but plain data, tensors and DCP's metadata types.
+files are checked that way (`check_deepspeed_files`) before DeepSpeed unpickles them; DCP's are read by the
+FSDP2 engine's own reader, which unpickles nothing but plain data, tensors and DCP's metadata types.
 
 Nothing is read before the checkpoint is checked (`verify_checkpoint`, trainer.checkpoint.integrity): no entry
 leads outside its directory (a symlink out, or a name in CHECKSUMS_FILE with `..`; DCP's own names are checked
 by its reader), and every file has the sha256 recorded at save. A checkpoint written before CHECKSUMS_FILE
 existed loads unverified.
 
-On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP reshards
-as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/` (RESHARDED_PREFIX)
-beside the checkpoint, which is never changed, and that copy is removed once every rank has loaded it. Each rank then
-reads every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from all of them
-(trainer.checkpoint.streams, trainer.data.reshape).
+On another number of ranks: the model, optimizer and LR schedule load on any number (`load_engine`). DCP
+reshards as it loads; DeepSpeed's shards are first converted, by rank 0, into `.tmp-resharded-step_000050/`
+(RESHARDED_PREFIX) beside the checkpoint, which is never changed, and that copy is removed once every rank has
+loaded it. Each rank then reads every old rank's RANK_FILE (`load_checkpoint`): its data stream is dealt from
+all of them (trainer.checkpoint.streams, trainer.data.reshape).
 
-Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store writes
-`engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine writes (its
-shards, `engine.save_shards`) into the one directory the store hands it.
+Who writes what: the engines return state and never touch a file (trainer.distributed.engine): the store
+writes `engine.state_dict()` and `engine.full_weights()` for a replicated engine, and only a sharded engine
+writes (its shards, `engine.save_shards`) into the one directory the store hands it.
 
 A save is atomic: every rank writes into `.tmp-step_000050/` (TMP_PREFIX), which rank 0 renames to
 `step_000050/` once all parts are there; a directory that still has the prefix is never loaded.
@@ -79,10 +81,12 @@ STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 """A complete checkpoint's directory: `step_000050` (the step, at least six digits)."""
 TMP_PREFIX = ".tmp-"
 """A checkpoint being written: `.tmp-step_000050/`, renamed to `step_000050/` once every rank has written its
-part. A kill at any moment leaves either the complete renamed directory or a `.tmp-` one, which is never loaded."""
+part. A kill at any moment leaves either the complete renamed directory or a `.tmp-` one, which is never
+loaded."""
 RESHARDED_PREFIX = f"{TMP_PREFIX}resharded-"
 """A sharded engine's state converted for another number of ranks: `.tmp-resharded-step_000050/`, beside the
-checkpoint it was converted from, and removed after the load (or, left by a kill, by the next save's prune)."""
+checkpoint it was converted from, and removed after the load (or, left by a kill, by the next save's
+prune)."""
 
 META_FILE = "meta.json"
 CONVENTIONS_FILE = "conventions.json"
@@ -95,8 +99,8 @@ SHARD_DIRS = {"deepspeed": DEEPSPEED_DIR, "dcp": DCP_DIR}
 """A sharded engine's directory, by its `shard_format`."""
 CHECKSUMS_FILE = "checksums.json"
 CHECKSUMS_KEY = "checksums"
-"""META_FILE's record that CHECKSUMS_FILE was written (its algorithm): a checkpoint that says so and lacks the file
-is damaged, not old (deleting the manifest must not turn verification off)."""
+"""META_FILE's record that CHECKSUMS_FILE was written (its algorithm): a checkpoint that says so and lacks the
+file is damaged, not old (deleting the manifest must not turn verification off)."""
 RANK_FILE = "rank_{rank:05d}.pt"
 RANK_GLOB = "rank_*.pt"
 
@@ -107,20 +111,23 @@ safetensors refuses two names for one storage, and never expected by the readers
 
 
 def head_is_tied(meta: dict) -> bool:
-    """Whether the run config in `meta` ties the head to the embedding (model.tie_embeddings, true when absent)."""
+    """Whether the run config in `meta` ties the head to the embedding (model.tie_embeddings, true when
+    absent)."""
     return ((meta.get("config") or {}).get("model") or {}).get("tie_embeddings", True) is not False
 
 PARALLEL_KEY = "parallel"
-"""META_FILE's record of the writer's parallel sizes: {"context": C, "tensor": T} (its world size is "world_size")."""
+"""META_FILE's record of the writer's parallel sizes: {"context": C, "tensor": T} (its world size is
+"world_size")."""
 TASKS_KEY = "eval_tasks"
 """META_FILE's {task name: sha256 of its items} of train.eval_tasks (trainer.run.evals.TaskScorer.digests)."""
 
 
 @dataclass(frozen=True)
 class Record:
-    """A checkpoint's META_FILE, typed: the step it ends, what the run counted, its config, the engine that wrote
-    it and the writer's parallel sizes, world_size = data x context x tensor (`streams`: the ranks that hold each
-    data stream's state). A checkpoint older than PARALLEL_KEY has its sizes read from its config."""
+    """A checkpoint's META_FILE, typed: the step it ends, what the run counted, its config, the engine that
+    wrote it and the writer's parallel sizes, world_size = data x context x tensor (`streams`: the ranks that
+    hold each data stream's state). A checkpoint older than PARALLEL_KEY has its sizes read from its
+    config."""
 
     step: int
     world_size: int
@@ -139,12 +146,13 @@ class Record:
                                            "tensor": written.get("tensor_parallel")}
         tasks = meta.get(TASKS_KEY)
         return cls(step=meta["step"], world_size=meta["world_size"], context=int(sizes.get("context") or 1),
-                   tensor=int(sizes.get("tensor") or 1), counters=dict(meta.get("counters") or {}), config=config,
-                   engine=meta.get("engine"), tasks=tasks if isinstance(tasks, dict) else None)
+                   tensor=int(sizes.get("tensor") or 1), counters=dict(meta.get("counters") or {}),
+                   config=config, engine=meta.get("engine"), tasks=tasks if isinstance(tasks, dict) else None)
 
     @property
     def streams(self) -> list[int]:
-        """The written rank holding each data stream, in data-rank order (trainer.distributed.dims.stream_ranks)."""
+        """The written rank holding each data stream, in data-rank order
+        (trainer.distributed.dims.stream_ranks)."""
         return stream_ranks(self.world_size, self.context, self.tensor)
 
     def section(self, name: str) -> dict:
@@ -235,8 +243,8 @@ def save_checkpoint(
     keep_last: int,
     weights: bool = True,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory. weights: also write WEIGHTS_FILE
-    (gathered by engine.full_weights, a collective: every rank passes the same value)."""
+    """Collective: every rank calls it. Returns the final checkpoint directory. weights: also write
+    WEIGHTS_FILE (gathered by engine.full_weights, a collective: every rank passes the same value)."""
     root = checkpoint_root(run_dir)
     final = root / step_name(step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
@@ -245,10 +253,10 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     # A write that fails (a full disk, a quota, permissions) is caught on its rank and agreed on by all ranks
-    # (dist_max) before anyone moves on: the partial directory is removed, the previous checkpoint is intact, and
-    # every rank raises the same one-line error instead of a traceback from deep inside torch.save. A sharded
-    # engine's save_shards raises its write failure only after its own collectives (DeepSpeedEngine.save_shards
-    # says which writes that covers), so no rank is left waiting inside it.
+    # (dist_max) before anyone moves on: the partial directory is removed, the previous checkpoint is intact,
+    # and every rank raises the same one-line error instead of a traceback from deep inside torch.save. A
+    # sharded engine's save_shards raises its write failure only after its own collectives
+    # (DeepSpeedEngine.save_shards says which writes that covers), so no rank is left waiting inside it.
     failure: BaseException | None = None
     try:
         save_state({"rng": rng_state(), **rank_state}, tmp / rank_file(info.rank))
@@ -256,7 +264,8 @@ def save_checkpoint(
         failure = e
     if engine.shard_format is not None:
         try:
-            engine.save_shards(tmp / SHARD_DIRS[engine.shard_format])  # collective: every rank writes its shard
+            # collective: every rank writes its shard
+            engine.save_shards(tmp / SHARD_DIRS[engine.shard_format])
         except (OSError, RuntimeError) as e:
             failure = failure or e
     else:
@@ -266,12 +275,14 @@ def save_checkpoint(
                 save_state(state, tmp / ENGINE_FILE)  # replicated: rank 0's copy is everyone's
             except (OSError, RuntimeError) as e:
                 failure = e
-    whole = engine.full_weights() if weights else {}  # collective (ZeRO-3 gathers the partitions); {} off rank 0
+    # collective (ZeRO-3 gathers the partitions); {} off rank 0
+    whole = engine.full_weights() if weights else {}
     if info.is_main and failure is None:
         try:
             if weights:
                 tied = head_is_tied(meta)
-                save_file({k: v for k, v in whole.items() if not (tied and k == TIED_KEY)}, tmp / WEIGHTS_FILE)
+                save_file({k: v for k, v in whole.items() if not (tied and k == TIED_KEY)},
+                          tmp / WEIGHTS_FILE)
             (tmp / META_FILE).write_text(json.dumps({
                 **meta, "step": step, "world_size": info.world_size, CHECKSUMS_KEY: integrity.HASH,
                 PARALLEL_KEY: {"context": info.context_size, "tensor": info.tensor_size}}, indent=2))
@@ -279,8 +290,8 @@ def save_checkpoint(
             shutil.copytree(tokenizer_dir, tmp / TOKENIZER_DIR)
         except (OSError, RuntimeError) as e:
             failure = e
-    # Also the barrier before the rename. "No space" is agreed too: it is seen before rank 0 frees the disk, so
-    # every rank's line names the full disk, the ranks whose own writes went through as well.
+    # Also the barrier before the rename. "No space" is agreed too: it is seen before rank 0 frees the disk,
+    # so every rank's line names the full disk, the ranks whose own writes went through as well.
     status = _WRITTEN if failure is None else _NO_SPACE if _no_space(failure, root) else _FAILED
     agreed = dist_max(float(status), info.device)
     if agreed > 0:
@@ -317,12 +328,13 @@ def _record_checksums(directory: Path, info: DistInfo) -> None:
             record_checksums(directory, recorded)
         except OSError as e:
             failure = e
-    if dist_max(float(failure is not None), info.device) > 0:  # a full disk at the last file: every rank stops
+    # a full disk at the last file: every rank stops
+    if dist_max(float(failure is not None), info.device) > 0:
         if info.is_main:
             shutil.rmtree(directory, ignore_errors=True)
         raise CheckpointError(f"cannot write {directory / CHECKSUMS_FILE}"
-                              f"{f': {failure.strerror or failure}' if failure else ' (on rank 0)'}; the partial "
-                              "directory was removed")
+                              f"{f': {failure.strerror or failure}' if failure else ' (on rank 0)'}; "
+                              "the partial directory was removed")
 
 
 def record_checksums(directory: str | Path, recorded: dict[str, str] | None = None) -> None:
@@ -361,13 +373,14 @@ def _save_error(failure: BaseException | None, root: Path, step: int, no_space: 
     last = f"step {done[-1][0]}" if done else "none"
     where = f"the checkpoint of step {step} ({root})"
     if no_space:
-        return CheckpointError(f"no space left on {_mount_point(root)} while writing {where}; the partial directory "
-                               f"was removed; the last complete checkpoint is {last}")
+        return CheckpointError(f"no space left on {_mount_point(root)} while writing {where}; the partial "
+                               f"directory was removed; the last complete checkpoint is {last}")
     if isinstance(failure, OSError):
-        return CheckpointError(f"cannot write {where}: {failure.strerror or failure}; the last complete checkpoint "
-                               f"is {last}")
+        return CheckpointError(f"cannot write {where}: {failure.strerror or failure}; the last complete "
+                               f"checkpoint is {last}")
     if failure is None:  # another rank failed
-        return CheckpointError(f"another rank could not write {where}; the last complete checkpoint is {last}")
+        return CheckpointError(f"another rank could not write {where}; the last complete checkpoint is "
+                               f"{last}")
     return failure
 
 
@@ -403,9 +416,9 @@ def _prune(root: Path, keep_last: int) -> None:
 def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
     """Collective: refuse checkpoint `path` if an entry leads outside it (OutsideCheckpointError), or its
     CHECKSUMS_FILE does not list exactly its files, or a file is not what was recorded at save
-    (DamagedCheckpointError, one line naming the file, alike on every rank); the ranks share the hashing. False for a
-    checkpoint written before checksums existed (no CHECKSUMS_FILE, and its META_FILE does not say one was written):
-    nothing to compare, loaded unverified; True once every file is verified.
+    (DamagedCheckpointError, one line naming the file, alike on every rank); the ranks share the hashing.
+    False for a checkpoint written before checksums existed (no CHECKSUMS_FILE, and its META_FILE does not say
+    one was written): nothing to compare, loaded unverified; True once every file is verified.
 
     Example: 64 bytes overwritten in dcp/__0_0.distcp -> "<ckpt>/dcp/__0_0.distcp: checksum mismatch: the
     checkpoint is damaged; resume from an earlier one".
@@ -429,9 +442,9 @@ def verify_checkpoint(path: str | Path, info: DistInfo) -> bool:
 
 def on_every_rank(read):
     """Collective: `read()` on this rank, its refusal agreed over the ranks. If it raised a UserError (or was
-    stopped by a preemption signal: ReadInterrupted) on any rank, every rank raises the first such error (its type
-    and message, lowest rank first), so that no rank goes on alone into a collective that the refusing one never
-    reaches (gloo's "Connection closed by peer" traceback). Returns what `read` returned."""
+    stopped by a preemption signal: ReadInterrupted) on any rank, every rank raises the first such error (its
+    type and message, lowest rank first), so that no rank goes on alone into a collective that the refusing
+    one never reaches (gloo's "Connection closed by peer" traceback). Returns what `read` returned."""
     failure, result = None, None
     try:
         result = read()
@@ -445,9 +458,10 @@ def on_every_rank(read):
 
 
 def verify_file(path: str | Path, name: str) -> Path:
-    """`path / name`, one file of checkpoint `path`, checked as `verify_checkpoint` checks them all (inside the
-    checkpoint; listed with the sha256 recorded, and the list covering the checkpoint, unless it was written before
-    checksums): for the readers of one file (the weights readers, trainer.checkpoint.weights). Not collective."""
+    """`path / name`, one file of checkpoint `path`, checked as `verify_checkpoint` checks them all (inside
+    the checkpoint; listed with the sha256 recorded, and the list covering the checkpoint, unless it was
+    written before checksums): for the readers of one file (the weights readers, trainer.checkpoint.weights).
+    Not collective."""
     path = Path(path)
     file = integrity.inside(path, name, "its entry")
     recorded = _recorded_checksums(path)
@@ -458,12 +472,13 @@ def verify_file(path: str | Path, name: str) -> Path:
 
 
 def _recorded_checksums(path: Path) -> dict[str, str] | None:
-    """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE, which must list every file of the checkpoint and
-    nothing else (a name missing from disk is left to `integrity.damaged`, which says "is missing"); None for a
-    checkpoint written before checksums. A missing, malformed, empty or incomplete list: DamagedCheckpointError.
+    """{name: sha256} from checkpoint `path`'s CHECKSUMS_FILE, which must list every file of the checkpoint
+    and nothing else (a name missing from disk is left to `integrity.damaged`, which says "is missing"); None
+    for a checkpoint written before checksums. A missing, malformed, empty or incomplete list:
+    DamagedCheckpointError.
 
-    Example: {"files": {}} beside engine.pt -> "<ckpt>/checksums.json lists no files: ..."; an entry removed ->
-    "<ckpt>/engine.pt is not listed in its checksums.json (every file of a checkpoint is): ..."."""
+    Example: {"files": {}} beside engine.pt -> "<ckpt>/checksums.json lists no files: ..."; an entry removed
+    -> "<ckpt>/engine.pt is not listed in its checksums.json (every file of a checkpoint is): ..."."""
     file = path / CHECKSUMS_FILE
     if not file.exists():
         if _meta_records_checksums(path):
@@ -485,8 +500,8 @@ def _recorded_checksums(path: Path) -> dict[str, str] | None:
         integrity.inside(path, name, f"its {CHECKSUMS_FILE} names")
     unlisted = [n for n in integrity.files_of(path, exclude={CHECKSUMS_FILE}) if n not in files]
     if unlisted:
-        raise DamagedCheckpointError(f"{path / unlisted[0]} is not listed in its {CHECKSUMS_FILE} (every file of a "
-                                     f"checkpoint is){_more(unlisted)}: {integrity.DAMAGED}")
+        raise DamagedCheckpointError(f"{path / unlisted[0]} is not listed in its {CHECKSUMS_FILE} (every "
+                                     f"file of a checkpoint is){_more(unlisted)}: {integrity.DAMAGED}")
     return files
 
 
@@ -504,10 +519,11 @@ def _meta_records_checksums(path: Path) -> bool:
 
 
 def read_meta(path: str | Path) -> dict:
-    """The META_FILE of checkpoint `path`: a JSON object with an integer step and world_size, or a CheckpointError.
+    """The META_FILE of checkpoint `path`: a JSON object with an integer step and world_size, or a
+    CheckpointError.
 
-    Example: a meta.json cut short by a full disk -> "ckpt/meta.json is not valid JSON (...): the checkpoint is
-    damaged; resume from an earlier one".
+    Example: a meta.json cut short by a full disk -> "ckpt/meta.json is not valid JSON (...): the checkpoint
+    is damaged; resume from an earlier one".
     """
     meta_file = Path(path) / META_FILE
     if not meta_file.is_file():
@@ -516,21 +532,22 @@ def read_meta(path: str | Path) -> dict:
     try:
         meta = json.loads(meta_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_file} is not valid JSON ({e}): the checkpoint is damaged; resume from an "
-                              "earlier one") from e
+        raise CheckpointError(f"{meta_file} is not valid JSON ({e}): the checkpoint is damaged; resume from "
+                              "an earlier one") from e
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "world_size")):
-        raise CheckpointError(f"{meta_file} is not a packtrain checkpoint's meta (a JSON object with an integer "
-                              "step and world_size): the checkpoint is damaged; resume from an earlier one")
+        raise CheckpointError(f"{meta_file} is not a packtrain checkpoint's meta (a JSON object with an "
+                              "integer step and world_size): the checkpoint is damaged; resume from an "
+                              "earlier one")
     return meta
 
 
 def load_checkpoint(path: str | Path, info: DistInfo, engine: Engine,
                     verified: bool = False) -> tuple[dict, dict[int, dict]]:
-    """Collective: check the checkpoint (`verify_checkpoint`, unless already `verified`), restore the engine and
-    this rank's RNG; returns (meta, rank states): {rank: its RANK_FILE's state, with
-    'data' etc.}, this rank's alone when the checkpoint was written by this many ranks, else every written rank's
-    (a data stream resumed on another shape is dealt from all of them, trainer.data.reshape). The RNG states
-    are this rank's, or on another number of ranks old rank `rank % W`'s."""
+    """Collective: check the checkpoint (`verify_checkpoint`, unless already `verified`), restore the engine
+    and this rank's RNG; returns (meta, rank states): {rank: its RANK_FILE's state, with
+    'data' etc.}, this rank's alone when the checkpoint was written by this many ranks, else every written
+    rank's (a data stream resumed on another shape is dealt from all of them, trainer.data.reshape). The RNG
+    states are this rank's, or on another number of ranks old rank `rank % W`'s."""
     path = Path(path)
     if not verified:
         verify_checkpoint(path, info)
@@ -561,30 +578,32 @@ def load_rank_states(path: str | Path, ranks) -> dict[int, dict]:
 
 
 def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | None = None) -> None:
-    """Collective: the model, optimizer and LR schedule of checkpoint `path` into `engine`, on any number of ranks.
+    """Collective: the model, optimizer and LR schedule of checkpoint `path` into `engine`, on any number of
+    ranks.
 
     A replicated engine reads ENGINE_FILE whatever the world size (no part of it depends on the ranks: DDP's
     gradient averaging factor is the running world size, not saved). A sharded engine reads its shards as
-    written on the same number of ranks, or on any number if it reshards as it loads (FSDP2's DCP); else, written
-    on another number, rank 0 converts them first (`_load_resharded`, DeepSpeed).
+    written on the same number of ranks, or on any number if it reshards as it loads (FSDP2's DCP); else,
+    written on another number, rank 0 converts them first (`_load_resharded`, DeepSpeed).
     `meta`: the checkpoint's META_FILE, if already read.
     """
     path = Path(path)
     meta = read_meta(path) if meta is None else meta
     if meta.get("engine", engine.name) != engine.name:
-        raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses {engine.name!r}; "
-                              "resume with the same distributed= config")
+        raise CheckpointError(f"{path} was written by engine {meta['engine']!r} and this run uses "
+                              f"{engine.name!r}; resume with the same distributed= config")
     if engine.shard_format is None:
-        # Where the whole model exists on no rank (tensor parallelism: each keeps a slice of every whole tensor), the
-        # file is mapped on the CPU, so a rank reads only its slices' pages (shared with the other ranks), and
-        # copies only them to its device.
+        # Where the whole model exists on no rank (tensor parallelism: each keeps a slice of every whole
+        # tensor), the file is mapped on the CPU, so a rank reads only its slices' pages (shared with the
+        # other ranks), and copies only them to its device.
         split = engine.gathers_weights
         engine.load_state_dict(load_state(path / ENGINE_FILE, map_location="cpu" if split else info.device,
                                           mmap=split))
     elif not engine.converts_from(meta["world_size"]):
         shards = path / SHARD_DIRS[engine.shard_format]
         if not shards.is_dir():
-            raise CheckpointError(f"{shards} is missing: the checkpoint is damaged; resume from an earlier one")
+            raise CheckpointError(f"{shards} is missing: the checkpoint is damaged; resume from an "
+                                  "earlier one")
         if engine.shard_format == "deepspeed":
             check_deepspeed_files(shards)  # DeepSpeed itself unpickles with weights_only=False
         engine.load_shards(shards)  # collective
@@ -594,28 +613,30 @@ def load_engine(path: str | Path, info: DistInfo, engine: Engine, meta: dict | N
 
 
 class NonFiniteCheckpointError(CheckpointError):
-    """A checkpoint whose weights or optimizer state hold NaN or infinity (damaged before its checksums were taken)."""
+    """A checkpoint whose weights or optimizer state hold NaN or infinity (damaged before its checksums were
+    taken)."""
 
 
 def check_finite(path: Path, engine: Engine) -> None:
-    """Collective: refuse checkpoint `path`, just loaded into `engine`, if any rank's weights or optimizer state
-    hold a NaN or an infinity, in one line on every rank naming the file and the tensor (before: NaN in an
-    `exp_avg` resumed, trained every weight to NaN a step later, and was saved again with valid checksums)."""
+    """Collective: refuse checkpoint `path`, just loaded into `engine`, if any rank's weights or optimizer
+    state hold a NaN or an infinity, in one line on every rank naming the file and the tensor (before: NaN in
+    an `exp_avg` resumed, trained every weight to NaN a step later, and was saved again with valid
+    checksums)."""
     source = path / (ENGINE_FILE if engine.shard_format is None else SHARD_DIRS[engine.shard_format])
 
     def check() -> None:
         bad = tensors.first_nonfinite(engine.local_state())
         if bad is not None:
-            raise NonFiniteCheckpointError(f"{source}: {bad[0]} holds {bad[1]} values: the checkpoint is damaged; "
-                                           "resume from an earlier one")
+            raise NonFiniteCheckpointError(f"{source}: {bad[0]} holds {bad[1]} values: the checkpoint is "
+                                           "damaged; resume from an earlier one")
 
     on_every_rank(check)
 
 
 def _load_resharded(path: Path, info: DistInfo, engine: Engine) -> None:
-    """Collective: rank 0 converts the shards of `path` into RESHARDED_PREFIX + its name beside it (its inputs and
-    outputs checked with weights_only=True, as DeepSpeed unpickles both without), every rank loads the copy,
-    rank 0 removes it. A conversion that fails is agreed on, so that no rank waits for rank 0."""
+    """Collective: rank 0 converts the shards of `path` into RESHARDED_PREFIX + its name beside it (its inputs
+    and outputs checked with weights_only=True, as DeepSpeed unpickles both without), every rank loads the
+    copy, rank 0 removes it. A conversion that fails is agreed on, so that no rank waits for rank 0."""
     shards = path / DEEPSPEED_DIR
     scratch = path.with_name(f"{RESHARDED_PREFIX}{path.name}")
     failure: BaseException | None = None
@@ -647,7 +668,8 @@ DEEPSPEED_SAFE_GLOBALS = (
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-"""The only non-plain types in DeepSpeed's ZeRO-1/2/3 checkpoints (found by loading them with weights_only=True)."""
+"""The only non-plain types in DeepSpeed's ZeRO-1/2/3 checkpoints (found by loading them with
+weights_only=True)."""
 
 
 def check_deepspeed_files(directory: Path) -> None:

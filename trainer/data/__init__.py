@@ -19,13 +19,16 @@ The training stream:
     stream, loader    the rank x worker split of the shards, tokenization, DataLoader workers (workers.py)
     tars              a tar shard's samples in one pass over its bytes (webdataset's layout, bounded headers)
     packing           the online packer (and offline BFD), long-document policies
-    pipeline          `RowSource`, the interface every row source implements; documents -> rows -> micro-batches
-                      for each layout (`RowStream`), the prefetch thread
+    pipeline          `RowSource`, the interface every row source implements; documents -> rows ->
+                      micro-batches for each layout (`RowStream`), the prefetch thread
     mixture           data.sources: rows drawn from several row streams by weight, per-source passes
-    deal              data.balance=rows: a step's rows dealt over the data ranks by modeled work (equal compute)
-    epochs            every rule of when an epoch ends, for readers, loaders, mixtures and the ranks (lockstep)
+    deal              data.balance=rows: a step's rows dealt over the data ranks by modeled work (equal
+                      compute)
+    epochs            every rule of when an epoch ends, for readers, loaders, mixtures and the ranks
+                      (lockstep)
     state             the stream's state as typed, versioned objects, and their checkpoint form
-    reshape           a stream state written on W x K readers, dealt to W' x K' at a resume (a mixture's by source)
+    reshape           a stream state written on W x K readers, dealt to W' x K' at a resume (a mixture's by
+                      source)
     batch             `Document`, `Batch`: ids, positions, labels (-100 at boundaries), cu_seqlens
     config            the `data` and `packing` config sections
 

@@ -45,14 +45,15 @@ class Document:
     """
 
     key: str
-    """Stable identifier: the WebDataset `__key__` (with `#k` appended for the k-th chunk of a split document)."""
+    """Stable identifier: the WebDataset `__key__` (with `#k` appended for the k-th chunk of a split
+    document)."""
     tokens: np.ndarray
     """(n,) int64 token ids."""
     loss_mask: np.ndarray | None = None
     """(n,) bool, True = this token is a target; None = every token is."""
     source: int = 0
-    """Index of the source it came from in data.sources (in the order listed; trainer.data.config.DataConfig.mixture);
-    0 without a mixture."""
+    """Index of the source it came from in data.sources (in the order listed;
+    trainer.data.config.DataConfig.mixture); 0 without a mixture."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,25 +71,29 @@ class Document:
 
 
 class RowShare(Protocol):
-    """Which positions of a micro-batch's rows this rank computes, and how attention joins them to the others'."""
+    """Which positions of a micro-batch's rows this rank computes, and how attention joins them to the
+    others'."""
 
     def cut(self, inputs: dict) -> dict:
         """The model's forward kwargs of the whole rows (trainer.model.model_inputs) -> this rank's."""
         ...
 
     def received_rows(self) -> int:
-        """Positions whose keys and values this rank receives from the others, per layer (the cp_kv_bytes metric)."""
+        """Positions whose keys and values this rank receives from the others, per layer (the cp_kv_bytes
+        metric)."""
         ...
 
 
 @dataclass
 class Batch:
-    """One micro-batch in any layout. Tensors are (B, L); `cu_seqlens` covers the B * L flattened positions."""
+    """One micro-batch in any layout. Tensors are (B, L); `cu_seqlens` covers the B * L flattened
+    positions."""
 
     input_ids: torch.Tensor
     """(B, L) int64 token ids; padding holds the pad id."""
     labels: torch.Tensor
-    """(B, L) int64, unshifted: a copy of input_ids with -100 at segment starts, padding and loss-masked tokens."""
+    """(B, L) int64, unshifted: a copy of input_ids with -100 at segment starts, padding and loss-masked
+    tokens."""
     position_ids: torch.Tensor
     """(B, L) int64, reset to 0 at each segment (or 0..L-1 per row with continuous positions)."""
     cu_seqlens: torch.Tensor
@@ -112,19 +117,20 @@ class Batch:
     """(B, L) float weight of each target, aligned with `labels` (set by the step for the loss normalizations
     that weigh targets, trainer.run.step.loss_weights); None: every target weighs 1."""
     loss_groups: torch.Tensor | None = None
-    """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for the
-    per-group token losses: `LossGroups.ids`); None: no per-group sums."""
+    """(B, L) int64 group of each target, aligned with `labels`, -1 for none (set by the step and the eval for
+    the per-group token losses: `LossGroups.ids`); None: no per-group sums."""
     num_loss_groups: int = 0
     branches: torch.Tensor | None = None
     """Tree layout only (collate_trees): (B, L) int64, 0 on a tree's trunk (and outside trees), i on its i-th
     branch: a position attends within its document to the trunk and to its own branch."""
     predictors: torch.Tensor | None = None
-    """Tree layout only: (B, L) int64, the row position whose logits predict this token, -1 where it is no target
-    (a branch's first token is predicted from the trunk's last position, as every other branch's is)."""
+    """Tree layout only: (B, L) int64, the row position whose logits predict this token, -1 where it is no
+    target (a branch's first token is predicted from the trunk's last position, as every other branch's
+    is)."""
     plan: RowShare | None = None
     """This rank's share of the rows' positions, planned on the host when the micro-batch is laid out (context
-    parallelism: trainer.distributed.context.RowPlan); trainer.model.model_inputs cuts the forward kwargs by it.
-    None: the rows are this rank's whole."""
+    parallelism: trainer.distributed.context.RowPlan); trainer.model.model_inputs cuts the forward kwargs by
+    it. None: the rows are this rank's whole."""
 
     @property
     def num_allocated(self) -> int:
@@ -138,9 +144,9 @@ class Batch:
     def to_device(self, device: torch.device | str) -> Batch:
         """This batch on `device`, without making the host wait: the one way a batch reaches the device (the
         training step, the eval, and the loss weights with them). Bound for CUDA, tensors not yet pinned are
-        pinned first: a non-blocking copy from ordinary (pageable) memory is synchronous, so the host would wait
-        for the kernels already queued; from pinned memory it is queued behind them and the host runs on. On the
-        CPU nothing is copied. `cu_seqlens` stays int32, counts stay Python ints."""
+        pinned first: a non-blocking copy from ordinary (pageable) memory is synchronous, so the host would
+        wait for the kernels already queued; from pinned memory it is queued behind them and the host runs on.
+        On the CPU nothing is copied. `cu_seqlens` stays int32, counts stay Python ints."""
         device = torch.device(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -175,8 +181,8 @@ def length_bucket_names(edges: Sequence[int]) -> list[str]:
 class LossGroups:
     """The groups whose token losses a run sums, a metric: a target's group is its segment's source x length
     bucket x the bucket of its position in the segment, id = (source * num_buckets + bucket) * num_positions +
-    position bucket. Without a mixture, length buckets and position buckets there are none (0 groups: no per-group
-    sums at all).
+    position bucket. Without a mixture, length buckets and position buckets there are none (0 groups: no
+    per-group sums at all).
 
     Example: sources ("code", "prose"), edges (64,) -> 4 groups: 0 code <=64, 1 code >64, 2 prose <=64,
     3 prose >64. Sources () and edges (64,) -> 2 groups, one per bucket (every document is source 0). Edges ()
@@ -211,10 +217,10 @@ class LossGroups:
         return self.num_sources * self.num_buckets * self.num_positions
 
     def ids(self, batch: Batch) -> torch.Tensor:
-        """(B, L) int64: the group of each position: its segment's (its document, or a chunk of a split one, as
-        trained: the unit attention isolates) source and length bucket k = the first edge >= the segment's length
-        (len(edges) above them all), and the bucket of its index in the segment the same way; -1 on padding
-        segments (they hold no target).
+        """(B, L) int64: the group of each position: its segment's (its document, or a chunk of a split one,
+        as trained: the unit attention isolates) source and length bucket k = the first edge >= the segment's
+        length (len(edges) above them all), and the bucket of its index in the segment the same way; -1 on
+        padding segments (they hold no target).
 
         Example: one row [a0 a1 a2 | b0 b1 | pad], sources of a, b = 1, 0, edges (2,), 2 sources ->
         [[3 3 3 0 0 -1]] (a: source 1, bucket >2; b: source 0, bucket <=2). With positions (1,) as well: 8
@@ -222,7 +228,8 @@ class LossGroups:
         """
         seg_lens_S = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long().cpu()
         source_S = _segment_sources(batch, self.num_sources)
-        bucket_S = torch.bucketize(seg_lens_S, torch.tensor(self.edges, dtype=torch.long))  # first edge >= length
+        # first edge >= length
+        bucket_S = torch.bucketize(seg_lens_S, torch.tensor(self.edges, dtype=torch.long))
         group_S = torch.where(source_S >= 0, source_S * self.num_buckets + bucket_S, -1)
         group_N = torch.repeat_interleave(group_S, seg_lens_S)
         if self.positions:
@@ -394,8 +401,8 @@ def check_token_ids(batch: Batch, vocab_size: int) -> None:
     fix = f", or raise model.vocab_size to at least {worst + 1}" if worst >= vocab_size else ""
     raise TokenIdError(
         f"token id {worst} is outside the model's vocabulary (vocab_size {vocab_size}) in {named} "
-        f"({len(positions)} position(s) of this micro-batch): the data was tokenized with another tokenizer than the "
-        f"one the model was built for; train on data prepared with the model's tokenizer "
+        f"({len(positions)} position(s) of this micro-batch): the data was tokenized with another tokenizer "
+        f"than the one the model was built for; train on data prepared with the model's tokenizer "
         f"(python -m trainer.prepare --tokenizer DIR){fix}"
     )
 
@@ -424,10 +431,10 @@ def _segment_keys(batch: Batch) -> list[str | None] | None:
 
 @dataclass(frozen=True)
 class Tree:
-    """One item laid out as a tree document (the `tree` scoring layout): its context once, the trunk, then each
-    continuation, a branch, attending to the trunk and to itself only, its positions continuing from the trunk's
-    end. Scoring only: a branch's first token is predicted from the trunk's last position, so the shift is not
-    t - 1 there (Batch.predictors says where each target is predicted from).
+    """One item laid out as a tree document (the `tree` scoring layout): its context once, the trunk, then
+    each continuation, a branch, attending to the trunk and to itself only, its positions continuing from the
+    trunk's end. Scoring only: a branch's first token is predicted from the trunk's last position, so the
+    shift is not t - 1 there (Batch.predictors says where each target is predicted from).
 
     Example, trunk [q0 q1 q2], branches [c0 c1] and [d0], at the start of a row:
         input_ids    = [q0 q1 q2 c0 c1 d0]
@@ -453,13 +460,14 @@ class Tree:
 
 
 def collate_trees(rows: Sequence[Sequence[Tree]], row_len: int, pad_id: int) -> Batch:
-    """Lay out `rows` of trees (each row's trees left to right, a padding segment at its tail) as a tree batch:
-    each tree one segment of cu_seqlens, with its positions, branch ids, targets (every branch token) and the
-    position predicting each (`Tree` shows one); the attention mask follows from cu_seqlens and `branches`
-    (trainer.model.attention.TreeSegments)."""
+    """Lay out `rows` of trees (each row's trees left to right, a padding segment at its tail) as a tree
+    batch: each tree one segment of cu_seqlens, with its positions, branch ids, targets (every branch token)
+    and the position predicting each (`Tree` shows one); the attention mask follows from cu_seqlens and
+    `branches` (trainer.model.attention.TreeSegments)."""
     batch = collate_rows([[tree.document() for tree in row] for row in rows], row_len, pad_id, "packed")
     n = len(rows) * row_len
-    positions, branches = batch.position_ids.reshape(-1).numpy().copy(), np.zeros(n, dtype=np.int64)  # padding's kept
+    # padding's kept
+    positions, branches = batch.position_ids.reshape(-1).numpy().copy(), np.zeros(n, dtype=np.int64)
     predictors, labels = np.full(n, -1, dtype=np.int64), np.full(n, IGNORE_INDEX, dtype=np.int64)
     for r, row in enumerate(rows):
         start = 0  # in the row
@@ -478,5 +486,6 @@ def collate_trees(rows: Sequence[Sequence[Tree]], row_len: int, pad_id: int) -> 
     shape = batch.input_ids.shape
     targets = int((labels != IGNORE_INDEX).sum())
     return replace(batch, layout="tree", position_ids=torch.from_numpy(positions).view(shape),
-                   labels=torch.from_numpy(labels).view(shape), branches=torch.from_numpy(branches).view(shape),
+                   labels=torch.from_numpy(labels).view(shape),
+                   branches=torch.from_numpy(branches).view(shape),
                    predictors=torch.from_numpy(predictors).view(shape), num_valid_targets=targets)

@@ -1,4 +1,5 @@
-"""Chat data: conversations read and checked, rendered by the tokenizer's template, and assistant-only targets.
+"""Chat data: conversations read and checked, rendered by the tokenizer's template, and assistant-only
+targets.
 
 A conversation is a JSON object {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}.
 It is rendered by the chat template in the tokenizer's tokenizer_config.json, with jinja2 set up as
@@ -14,7 +15,7 @@ decides. Role headers, system and user turns, the "\\n" after each <|im_end|> an
 
 Content may not hold a special token's string ("<|im_end|>", ...): it would be encoded as that special token
 and forge a turn boundary. Such a record is bad input, like a missing field or an unknown role.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class GenerationBlock(jinja2.ext.Extension):
 
     def __init__(self, environment: jinja2.Environment) -> None:
         super().__init__(environment)
-        self.recording: ContextVar[tuple[list[str], list[Span]] | None] = ContextVar("generation", default=None)
+        self.recording: ContextVar[tuple[list[str], list[Span]] | None] = ContextVar("generation",
+                                                                                     default=None)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
@@ -93,12 +95,12 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
-# A chat template comes with a tokenizer, from elsewhere: jinja's sandbox keeps it from reaching Python, but not from
-# looping or allocating without end (nested `range(100000)` loops grew `generate --chat` to 23.5 GB; `'a' * 10**9`
-# asked for a GB at once). One rendering is bounded in output, loop steps and time:
+# A chat template comes with a tokenizer, from elsewhere: jinja's sandbox keeps it from reaching Python, but
+# not from looping or allocating without end (nested `range(100000)` loops grew `generate --chat` to 23.5 GB;
+# `'a' * 10**9` asked for a GB at once). One rendering is bounded in output, loop steps and time:
 RENDER_MAX_CHARS = 1 << 20
-"""Output characters one rendering may write, at least; 4x the messages' characters if that is more (a template
-adds a header per turn, not megabytes)."""
+"""Output characters one rendering may write, at least; 4x the messages' characters if that is more (a
+template adds a header per turn, not megabytes)."""
 RENDER_MAX_STEPS = 1_000_000
 """Loop steps over `range(...)` and over the messages, summed over every loop of one rendering."""
 RENDER_MAX_SECONDS = 5.0
@@ -106,8 +108,8 @@ RENDER_MAX_SECONDS = 5.0
 
 
 class TemplateLimitError(jinja2.exceptions.TemplateRuntimeError):
-    """A rendering went past RENDER_MAX_CHARS, RENDER_MAX_STEPS or RENDER_MAX_SECONDS: the template's fault, not the
-    conversation's."""
+    """A rendering went past RENDER_MAX_CHARS, RENDER_MAX_STEPS or RENDER_MAX_SECONDS: the template's fault,
+    not the conversation's."""
 
 
 class _Budget:
@@ -120,19 +122,20 @@ class _Budget:
     def step(self, n: int = 1) -> None:
         self.steps -= n
         if self.steps < 0:
-            raise TemplateLimitError(f"the chat template ran more than {RENDER_MAX_STEPS:,} loop steps in one "
-                                     "rendering (trainer.data.chat.RENDER_MAX_STEPS)")
+            raise TemplateLimitError(f"the chat template ran more than {RENDER_MAX_STEPS:,} loop steps in "
+                                     "one rendering (trainer.data.chat.RENDER_MAX_STEPS)")
         self.check_time()
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
-            raise TemplateLimitError(f"the chat template ran longer than {RENDER_MAX_SECONDS:g} s in one rendering "
-                                     "(trainer.data.chat.RENDER_MAX_SECONDS)")
+            raise TemplateLimitError(f"the chat template ran longer than {RENDER_MAX_SECONDS:g} s in one "
+                                     "rendering (trainer.data.chat.RENDER_MAX_SECONDS)")
 
     def size(self, n: int, what: str) -> None:
         if n > self.max_chars:
-            raise TemplateLimitError(f"the chat template {what} {n:,} characters, more than the {self.max_chars:,} "
-                                     "one rendering may write (trainer.data.chat.RENDER_MAX_CHARS)")
+            raise TemplateLimitError(f"the chat template {what} {n:,} characters, more than the "
+                                     f"{self.max_chars:,} one rendering may write "
+                                     "(trainer.data.chat.RENDER_MAX_CHARS)")
 
 
 _budget: ContextVar[_Budget | None] = ContextVar("render_budget", default=None)
@@ -190,8 +193,8 @@ def _limit() -> int:
 
 def _check_width(width, what: str) -> None:
     if isinstance(width, int) and width > (limit := _limit()):
-        raise TemplateLimitError(f"the chat template {what} with a width of {width:,}, past the {limit:,} characters "
-                                 "one rendering may write")
+        raise TemplateLimitError(f"the chat template {what} with a width of {width:,}, past the {limit:,} "
+                                 "characters one rendering may write")
 
 
 def _check_format(spec, what: str) -> None:
@@ -202,13 +205,14 @@ def _check_format(spec, what: str) -> None:
 
 def _check_size(n: int, what: str) -> None:
     if n > (limit := _limit()):
-        raise TemplateLimitError(f"the chat template {what} {n:,} characters or items, past the {limit:,} one "
-                                 "rendering may write")
+        raise TemplateLimitError(f"the chat template {what} {n:,} characters or items, past the {limit:,} "
+                                 "one rendering may write")
 
 
 class _BoundedCodeGenerator(CodeGenerator):
     """jinja's code generator, but `a ~ b` (a Concat) joins through the environment's `bounded_join`, which
-    measures the parts before it builds the string: repeated `{% set s = s ~ s %}` doubles a string per line."""
+    measures the parts before it builds the string: repeated `{% set s = s ~ s %}` doubles a string per
+    line."""
 
     def visit_Concat(self, node: nodes.Concat, frame) -> None:
         self.write("environment.bounded_join((")
@@ -219,10 +223,10 @@ class _BoundedCodeGenerator(CodeGenerator):
 
 
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox with everything that builds a large value from a small template checked before it allocates,
-    against the rendering's bound (RENDER_MAX_CHARS): `*` (a string or list repeated), `+` and `~` (joined), `**`
-    (a power's digits), `%` and str.format / the format filter (a width), str.ljust, rjust, center, zfill,
-    expandtabs (a width) and replace (the result's length at most)."""
+    """The sandbox with everything that builds a large value from a small template checked before it
+    allocates, against the rendering's bound (RENDER_MAX_CHARS): `*` (a string or list repeated), `+` and `~`
+    (joined), `**` (a power's digits), `%` and str.format / the format filter (a width), str.ljust, rjust,
+    center, zfill, expandtabs (a width) and replace (the result's length at most)."""
 
     intercepted_binops = frozenset({"*", "**", "%", "+"})
     code_generator_class = _BoundedCodeGenerator
@@ -238,8 +242,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and (
                     right > 256 or abs(left).bit_length() * right > 4096):
-                raise TemplateLimitError(f"the chat template raises a number of {abs(left).bit_length()} bits to the "
-                                         f"power {right}: a number of more than 4096 bits is not a template's business")
+                raise TemplateLimitError(f"the chat template raises a number of {abs(left).bit_length()} "
+                                         f"bits to the power {right}: a number of more than 4096 bits is not "
+                                         "a template's business")
         elif operator == "%":
             _check_format(left, "formats")
         return super().call_binop(context, operator, left, right)
@@ -255,8 +260,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value):
         """str.format / format_map as the sandbox wraps them, the format's widths checked first."""
-        if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in ("format",
-                                                                                                    "format_map"):
+        if (isinstance(getattr(value, "__self__", None), str)
+                and getattr(value, "__name__", "") in ("format", "format_map")):
             what = f"calls str.{value.__name__}"
             _check_format(value.__self__, what)
             wrapped = super().wrap_str_format(value)
@@ -264,7 +269,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 return wrapped
 
             def nested_widths_checked(*args, **kwargs):  # "{0:{1}}": a width given as an argument
-                for arg in [*args, *kwargs.values(), *(a for m in args if isinstance(m, dict) for a in m.values())]:
+                for arg in [*args, *kwargs.values(),
+                            *(a for m in args if isinstance(m, dict) for a in m.values())]:
                     _check_width(arg, what)
                 return wrapped(*args, **kwargs)
 
@@ -295,9 +301,10 @@ def _bounded_format(value, *args, **kwargs):
 
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
-    """A chat template compiled as transformers compiles it (templates are untrusted code: sandboxed), and bounded
-    (RENDER_MAX_CHARS, RENDER_MAX_STEPS, RENDER_MAX_SECONDS)."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    """A chat template compiled as transformers compiles it (templates are untrusted code: sandboxed), and
+    bounded (RENDER_MAX_CHARS, RENDER_MAX_STEPS, RENDER_MAX_SECONDS)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[GenerationBlock, jinja2.ext.loopcontrols])
     env.globals["range"] = _CountedRange
     for name in ("center", "indent"):
         env.filters[name] = _bounded_width(env.filters[name])
@@ -310,7 +317,8 @@ def compile_template(template: str) -> jinja2.Template:
         raise PrepareError(f"the tokenizer's chat template does not compile: {e}") from e
 
 
-def render(messages: list[dict], template: str, add_generation_prompt: bool = False) -> tuple[str, list[Span]]:
+def render(messages: list[dict], template: str,
+           add_generation_prompt: bool = False) -> tuple[str, list[Span]]:
     """(text, spans of the `{% generation %}` blocks) of `messages` rendered by `template`.
 
     Example, CHAT_TEMPLATE and [user "Hi", assistant "Hello"]:
@@ -333,10 +341,12 @@ def render(messages: list[dict], template: str, add_generation_prompt: bool = Fa
                 budget.size(budget.chars, "wrote")
                 budget.check_time()
     except RecursionError:
-        raise TemplateLimitError("the chat template recursed deeper than Python's recursion limit (a macro that "
-                                 "calls itself without end)") from None
-    except (ArithmeticError, TypeError, ValueError, LookupError, MemoryError) as e:  # the template's own code failed
-        raise jinja2.exceptions.TemplateRuntimeError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        raise TemplateLimitError("the chat template recursed deeper than Python's recursion limit (a macro "
+                                 "that calls itself without end)") from None
+    # the template's own code failed
+    except (ArithmeticError, TypeError, ValueError, LookupError, MemoryError) as e:
+        raise jinja2.exceptions.TemplateRuntimeError(f"the chat template failed: {type(e).__name__}: "
+                                                     f"{e}") from e
     finally:
         _budget.reset(token)
     return "".join(blocks), spans
@@ -349,20 +359,22 @@ def chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
 
 
 def render_conversation(messages: list[dict], template: str) -> str:
-    """The document text of a checked conversation: `template`'s rendering, which must be ChatML and, where the
-    template marks `{% generation %}` blocks, must mark exactly the assistant spans the stream will find."""
+    """The document text of a checked conversation: `template`'s rendering, which must be ChatML and, where
+    the template marks `{% generation %}` blocks, must mark exactly the assistant spans the stream will
+    find."""
     text, generation = render(messages, template)
     expected = chatml(messages)
     if text != expected:
         at = len(os.path.commonprefix([text, expected]))
         raise PrepareError(
             f"the tokenizer's chat template does not render ChatML: at character {at} it gives "
-            f"{text[at : at + 40]!r}, ChatML has {expected[at : at + 40]!r}; data.loss_on=assistant reads ChatML turns "
-            "(use a tokenizer prepared by this project, or set its tokenizer_config.json chat_template to ChatML)"
+            f"{text[at : at + 40]!r}, ChatML has {expected[at : at + 40]!r}; data.loss_on=assistant reads "
+            "ChatML turns (use a tokenizer prepared by this project, or set its tokenizer_config.json "
+            "chat_template to ChatML)"
         )
     if generation and generation != assistant_spans(text):
-        raise PrepareError(f"the tokenizer's chat template marks {generation} with {{% generation %}}, but the "
-                           f"assistant turns (content and <|im_end|>) are {assistant_spans(text)}")
+        raise PrepareError(f"the tokenizer's chat template marks {generation} with {{% generation %}}, but "
+                           f"the assistant turns (content and <|im_end|>) are {assistant_spans(text)}")
     return text
 
 
@@ -377,7 +389,8 @@ def chat_template(tokenizer_dir: str | Path) -> str:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise PrepareError(f"{config}: cannot read the chat template ({e})") from e
     if not isinstance(template, str):
-        raise PrepareError(f"{config}: chat_template is {type(template).__name__}, expected one template string")
+        raise PrepareError(f"{config}: chat_template is {type(template).__name__}, expected one template "
+                           "string")
     return template
 
 
@@ -411,9 +424,12 @@ def assistant_token_mask(text: str, offsets: list[Span] | np.ndarray) -> np.ndar
 
     `offsets` are the tokenizer's character offsets of each token (tokenizers' `Encoding.offsets`). Example,
     the text of `assistant_spans` tokenized byte by byte (no merges), span (52, 67):
-        tokens  <|im_start|> u s e r \\n H i <|im_end|> \\n <|im_start|> a s s i s t a n t \\n H e l l o <|im_end|> \\n
-        mask         0       0 0 0 0  0 0 0     0      0       0      0 0 0 0 0 0 0 0 0  0 1 1 1 1 1     1      0
-    A token that straddles a span's edge (a merged "\\n\\n" of the header's and the content's newline) is a target.
+        tokens  <|im_start|> u s e r \\n H i <|im_end|> \\n
+                <|im_start|> a s s i s t a n t \\n H e l l o <|im_end|> \\n
+        mask         0       0 0 0 0  0 0 0     0      0
+                   0      0 0 0 0 0 0 0 0 0  0 1 1 1 1 1     1      0
+    A token that straddles a span's edge (a merged "\\n\\n" of the header's and the content's newline) is a
+    target.
     """
     offsets_N2 = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     mask_N = np.zeros(len(offsets_N2), dtype=bool)
@@ -429,15 +445,15 @@ def assistant_token_mask(text: str, offsets: list[Span] | np.ndarray) -> np.ndar
 
 
 def mask_ranges(mask_N: np.ndarray) -> np.ndarray:
-    """(k, 2) uint32 little-endian: the [start, end) index ranges of a bool mask's runs of True (what prepare stores
-    as a chat document's `assistant` field). Example: [0, 1, 1, 0, 1] -> [[1, 3], [4, 5]]."""
+    """(k, 2) uint32 little-endian: the [start, end) index ranges of a bool mask's runs of True (what prepare
+    stores as a chat document's `assistant` field). Example: [0, 1, 1, 0, 1] -> [[1, 3], [4, 5]]."""
     edges = np.flatnonzero(np.diff(np.concatenate(([0], mask_N.astype(np.int8), [0]))))
     return edges.astype("<u4").reshape(-1, 2)
 
 
 def ranges_mask(ranges: bytes, n: int) -> np.ndarray:
-    """(n,) bool from stored [start, end) ranges (`mask_ranges`' bytes; valid by `ranges_problem`): the inverse.
-    Example: [[1, 3]], 4 -> [0, 1, 1, 0]."""
+    """(n,) bool from stored [start, end) ranges (`mask_ranges`' bytes; valid by `ranges_problem`): the
+    inverse. Example: [[1, 3]], 4 -> [0, 1, 1, 0]."""
     pairs = np.frombuffer(ranges, dtype="<u4").astype(np.int64)
     mask_N = np.zeros(n + 1, dtype=np.int32)
     np.add.at(mask_N, pairs[0::2], 1)

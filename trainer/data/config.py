@@ -17,7 +17,8 @@ LAYOUTS = ("packed", "unpacked", "bucketed")
 LONG_DOC_POLICIES = ("split", "truncate", "drop")
 
 ON_ERROR = ("raise", "skip")
-"""What a bad sample or an unreadable shard does: raise (an error naming shard and key) or skip (warn, count)."""
+"""What a bad sample or an unreadable shard does: raise (an error naming shard and key) or skip (warn,
+count)."""
 BALANCE = ("none", "rows")
 """data.balance: each rank its own rows, or the step's rows dealt by modeled work (trainer.data.deal)."""
 
@@ -31,7 +32,8 @@ SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """A source name: it becomes part of metric keys and file names (token_loss_by_source.<name>)."""
 
 TRAIN_SPLIT, VAL_SPLIT = "train", "val"
-"""The manifest's splits (trainer.prepare writes both): training reads data.split (default train), the eval val."""
+"""The manifest's splits (trainer.prepare writes both): training reads data.split (default train), the eval
+val."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class DataConfig:
     optional: its manifest's per-shard document counts are then checked and its tokenizer is the default."""
     urls: str | list[str] | None = None
     """Training shards as WebDataset writes them, instead of the manifest's list: brace patterns
-    (`/d/train-{000000..000013}.tar`), globs, local paths, http(s):// URLs, `pipe:` commands; a string or a list."""
+    (`/d/train-{000000..000013}.tar`), globs, local paths, http(s):// URLs, `pipe:` commands; a string or a
+    list."""
     val_urls: str | list[str] | None = None
     """Held-out shards (same syntax) for the eval; default: the val split of the manifest, if there is one."""
     tokenizer: str | None = None
@@ -69,14 +72,17 @@ class DataConfig:
     shuffle_buffer: int = 1000
     """Documents in each reader's shuffle buffer."""
     on_error: str = "raise"
-    """'raise' or 'skip' (warn and count) for bad samples and for shards still unreadable after the retries."""
+    """'raise' or 'skip' (warn and count) for bad samples and for shards still unreadable after the
+    retries."""
     retries: int = 2
     """Re-reads of a shard after a transient failure (connection refused or reset, a transfer cut short, HTTP
-    408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the samples
-    it already gave. Local files and HTTP 4xx are not retried. The only retries: curl runs without its own."""
+    408/429/5xx, a failed pipe: command), 1 s, 2 s, 4 s ... apart; each restarts the shard and skips the
+    samples it already gave. Local files and HTTP 4xx are not retried. The only retries: curl runs without its
+    own."""
     read_timeout_s: float = 60.0
-    """Seconds a shard's command (curl for http(s), a pipe: command) may send no byte before the read counts as a
-    transient failure (retried as above; then `error: URL: ... no data for N s`, or skipped under on_error=skip)."""
+    """Seconds a shard's command (curl for http(s), a pipe: command) may send no byte before the read counts
+    as a transient failure (retried as above; then `error: URL: ... no data for N s`, or skipped under
+    on_error=skip)."""
 
     max_doc_mb: float = 8.0
     """One document's largest text in MB: a larger sample is an error naming it (or under data.on_error=skip a
@@ -89,25 +95,28 @@ class DataConfig:
     template's role headers are inputs only)."""
     prefetch: bool = True
     """A background thread draws the next step's rows while the current step computes (trainer.data.pipeline.
-    RowPrefetcher): the same rows, order and checkpoints as without it; False draws them at the start of each step."""
+    RowPrefetcher): the same rows, order and checkpoints as without it; False draws them at the start of each
+    step."""
     sources: list[dict] | None = None
     """A mixture instead of one source: [{name, path or urls, val_urls (optional), weight}, ...]. Each step's
-    document tokens come from the sources in the proportions of their weights, within a row (trainer.data.mixture:
-    each source packed alone, its rows mixed), in every layout. data.path / data.urls / data.val_urls must then be null;
-    data.tokenizer, data.split and the reading settings apply to every source."""
+    document tokens come from the sources in the proportions of their weights, within a row
+    (trainer.data.mixture: each source packed alone, its rows mixed), in every layout. data.path / data.urls /
+    data.val_urls must then be null; data.tokenizer, data.split and the reading settings apply to every
+    source."""
     mix_exhausted: str = "stop"
-    """A mixture's epoch, when one source has no documents left: 'stop' ends the epoch there (the weights hold to
-    its end; what the other sources had left of their pass is not trained in it), 'restart' reads that source again
-    (a new pass) and ends the epoch when every source has been read through once. Each epoch every source starts
-    a new pass."""
+    """A mixture's epoch, when one source has no documents left: 'stop' ends the epoch there (the weights hold
+    to its end; what the other sources had left of their pass is not trained in it), 'restart' reads that
+    source again (a new pass) and ends the epoch when every source has been read through once. Each epoch
+    every source starts a new pass."""
     balance: str = "none"
-    """How a step's rows are dealt over the data ranks: 'none' (each rank computes the rows it drew) or 'rows' (the
-    rows the data ranks drew for a step are re-dealt by modeled work, so every rank computes about the same:
-    trainer.data.deal; the same documents per step, the same loss)."""
+    """How a step's rows are dealt over the data ranks: 'none' (each rank computes the rows it drew) or 'rows'
+    (the rows the data ranks drew for a step are re-dealt by modeled work, so every rank computes about the
+    same: trainer.data.deal; the same documents per step, the same loss)."""
     epoch_lockstep: bool = True
     """Every reader (rank x DataLoader worker) finishes epoch e before any starts epoch e + 1: a rank whose
     readers are done packs what it holds and waits (contributing fewer rows) until every rank is done, so each
-    document is trained on exactly once per epoch. False: each reader runs its own epochs (they drift apart)."""
+    document is trained on exactly once per epoch. False: each reader runs its own epochs (they drift
+    apart)."""
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE:
@@ -144,16 +153,16 @@ class DataConfig:
     def mixture(self) -> list[SourceConfig]:
         """The sources of data.sources, checked; [] without a mixture.
 
-        Example: [{name: code, path: data/code, weight: 0.7}, {name: prose, path: data/prose, weight: 0.3}]
-        -> [SourceConfig("code", "data/code", weight=0.7), SourceConfig("prose", "data/prose", weight=0.3)]."""
+        Example: [{name: code, path: data/code, weight: 0.7}, {name: prose, path: data/prose, weight: 0.3}] ->
+        [SourceConfig("code", "data/code", weight=0.7), SourceConfig("prose", "data/prose", weight=0.3)]."""
         if self.sources is None:
             return []
         if not isinstance(self.sources, list) or not self.sources:
             raise ValueError(f"data.sources must be a non-empty list of {{name, path or urls, weight}}, "
                              f"got {self.sources!r}")
         if self.path is not None or self.urls is not None or self.val_urls is not None:
-            raise ValueError("data.sources replaces data.path, data.urls and data.val_urls: give each source its own "
-                             "path or urls (and val_urls), and set those three to null")
+            raise ValueError("data.sources replaces data.path, data.urls and data.val_urls: give each source "
+                             "its own path or urls (and val_urls), and set those three to null")
         out: list[SourceConfig] = []
         for i, entry in enumerate(self.sources):
             where = f"data.sources[{i}]"
@@ -164,7 +173,8 @@ class DataConfig:
                 raise ValueError(f"{where}: unknown key(s) {unknown}; expected some of {list(SOURCE_KEYS)}")
             name = entry.get("name")
             if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
-                raise ValueError(f"{where}.name must be a name of letters, digits, '_', '.' or '-', got {name!r}")
+                raise ValueError(f"{where}.name must be a name of letters, digits, '_', '.' or '-', got "
+                                 f"{name!r}")
             if name in {s.name for s in out}:
                 raise ValueError(f"{where}.name {name!r} names two sources")
             weight = entry.get("weight", 1.0)
@@ -172,23 +182,27 @@ class DataConfig:
                     math.isfinite(weight) and weight > 0):
                 raise ValueError(f"{where}.weight ({name}) must be a number > 0, got {weight!r}")
             if entry.get("path") is None and entry.get("urls") is None:
-                raise ValueError(f"{where} ({name}) needs path (a directory written by trainer.prepare) or urls")
-            if entry.get("path") is not None and (isinstance(entry["path"], (list, dict)) or entry["path"] == ""):
+                raise ValueError(f"{where} ({name}) needs path (a directory written by trainer.prepare) "
+                                 "or urls")
+            if entry.get("path") is not None and (isinstance(entry["path"], (list, dict))
+                                                  or entry["path"] == ""):
                 raise ValueError(f"{where}.path ({name}) must be a directory, got {entry['path']!r}")
             for key in ("urls", "val_urls"):
                 value = entry.get(key)
                 if not (value is None or (isinstance(value, str) and value) or (
                         isinstance(value, list) and value and all(isinstance(v, str) for v in value))):
-                    raise ValueError(f"{where}.{key} ({name}) must be a string or a non-empty list of strings, "
-                                     f"got {value!r}")
+                    raise ValueError(f"{where}.{key} ({name}) must be a string or a non-empty list of "
+                                     f"strings, got {value!r}")
             path = entry.get("path")
-            out.append(SourceConfig(name=name, path=None if path is None else str(path), urls=entry.get("urls"),
-                                    val_urls=entry.get("val_urls"), weight=float(weight)))
+            out.append(SourceConfig(name=name, path=None if path is None else str(path),
+                                    urls=entry.get("urls"), val_urls=entry.get("val_urls"),
+                                    weight=float(weight)))
         check_shares([s.name for s in out], [s.weight for s in out])
         return out
 
     def for_source(self, source: SourceConfig) -> DataConfig:
-        """This config with one source of the mixture as its only data (what trainer.data.sources resolves)."""
+        """This config with one source of the mixture as its only data (what trainer.data.sources
+        resolves)."""
         return replace(self, path=source.path, urls=source.urls, val_urls=source.val_urls, sources=None)
 
 
@@ -200,15 +214,17 @@ share that rounds to 0)."""
 def check_shares(names: list[str], weights: list[float]) -> None:
     """A ValueError unless the weights, normalized, give every source a share of at least MIN_SHARE.
 
-    Example: weights [1e300, 1e-300] -> "data.sources: the weights give b a share of 1e-600 of the tokens ..."."""
+    Example: weights [1e300, 1e-300]
+    -> "data.sources: the weights give b a share of 1e-600 of the tokens ..."."""
     total = sum(weights)
     if not math.isfinite(total):
-        raise ValueError(f"data.sources: the weights {weights} add up to {total}: give them on a smaller scale "
-                         "(only their ratios count)")
+        raise ValueError(f"data.sources: the weights {weights} add up to {total}: give them on a smaller "
+                         "scale (only their ratios count)")
     for name, weight in zip(names, weights, strict=True):
         if weight / total < MIN_SHARE:
-            raise ValueError(f"data.sources: the weights {weights} give {name} a share of {weight / total:.3g} of the "
-                             f"tokens, below {MIN_SHARE:g}: it would never be drawn; raise its weight or drop it")
+            raise ValueError(f"data.sources: the weights {weights} give {name} a share of "
+                             f"{weight / total:.3g} of the tokens, below {MIN_SHARE:g}: it would never be "
+                             "drawn; raise its weight or drop it")
 
 
 SINGLE_SOURCE = "data"
@@ -228,7 +244,8 @@ class PackingConfig:
     buffer_size: int = 1024
     """Documents the online packer holds to choose from; larger packs tighter and reorders more."""
     long_docs: str = "split"
-    """Documents longer than seq_len: 'split' into chunks of <= seq_len, 'truncate', or 'drop' (all counted)."""
+    """Documents longer than seq_len: 'split' into chunks of <= seq_len, 'truncate', or 'drop' (all
+    counted)."""
     reset_positions: bool = True
     """Position ids restart at 0 in every document (False: 0..L-1 per row, the continuous ablation)."""
     pad_to: str = "longest"

@@ -1,16 +1,17 @@
 """Equal work, not equal tokens: a step's rows dealt over the data ranks by what they cost to compute.
 
-Packed rows are ~100 % full, so every rank gets the same tokens each step, but not the same work: a row's attention
-costs sum(s^2) over its documents, so one 8k document costs far more than sixteen 512-token ones, and every rank
-waits for the slowest at the gradient reduction. `deal_rows` re-deals the rows the data ranks drew for one step so
-that their modeled work is as equal as whole rows allow. Only whole rows move, between ranks of one optimizer step:
-the step's documents, targets and global valid-token denominator stay the same, so the loss is unchanged.
+Packed rows are ~100 % full, so every rank gets the same tokens each step, but not the same work: a row's
+attention costs sum(s^2) over its documents, so one 8k document costs far more than sixteen 512-token ones,
+and every rank waits for the slowest at the gradient reduction. `deal_rows` re-deals the rows the data ranks
+drew for one step so that their modeled work is as equal as whole rows allow. Only whole rows move, between
+ranks of one optimizer step: the step's documents, targets and global valid-token denominator stay the same,
+so the loss is unchanged.
 
 The rule (longest processing time first, deterministic: every rank computes the same deal from the same rows):
-rows by cost, largest first (ties: the lower index in rank order), each to the rank with the least work so far among
-those with room (a rank keeps the number of rows it drew; ties: the lower rank). Within a rank its rows go heaviest
-first, so micro-batch slot j of every rank holds rows of comparable cost (FSDP2 and ZeRO run each micro-batch in
-lockstep).
+rows by cost, largest first (ties: the lower index in rank order), each to the rank with the least work so far
+among those with room (a rank keeps the number of rows it drew; ties: the lower rank). Within a rank its rows
+go heaviest first, so micro-batch slot j of every rank holds rows of comparable cost (FSDP2 and ZeRO run each
+micro-batch in lockstep).
 
     deal_rows([9, 1, 1, 1, 8, 2], counts=[3, 3])   # drawn: rank 0 rows 0-2 (work 11), rank 1 rows 3-5 (11)
         -> [[0, 1, 2], [4, 5, 3]]                    # dealt: 11 and 11 (equal already: the same split)
@@ -24,8 +25,8 @@ from collections.abc import Sequence
 
 
 def deal_rows(costs: Sequence[float], counts: Sequence[int]) -> list[list[int]]:
-    """For each rank, the indices (into `costs`, the step's rows in rank order) of the rows it computes, heaviest
-    first; rank r gets counts[r] rows (sum(counts) == len(costs))."""
+    """For each rank, the indices (into `costs`, the step's rows in rank order) of the rows it computes,
+    heaviest first; rank r gets counts[r] rows (sum(counts) == len(costs))."""
     if sum(counts) != len(costs):
         raise ValueError(f"{len(costs)} rows cannot fill ranks of {list(counts)} rows")
     work = [0.0] * len(counts)
@@ -38,9 +39,9 @@ def deal_rows(costs: Sequence[float], counts: Sequence[int]) -> list[list[int]]:
 
 
 def check_deal(dealt: Sequence[Sequence[int]], counts: Sequence[int]) -> None:
-    """Raise unless `dealt` gives every row of the step (0 .. sum(counts) - 1) to exactly one rank and rank r exactly
-    counts[r] rows: a row computed twice, or by no rank, would change the step's objective. Example: [[0, 0], [2]]
-    for counts [2, 1] -> "row 0 dealt 2 times, row 1 to no rank"."""
+    """Raise unless `dealt` gives every row of the step (0 .. sum(counts) - 1) to exactly one rank and rank r
+    exactly counts[r] rows: a row computed twice, or by no rank, would change the step's objective. Example:
+    [[0, 0], [2]] for counts [2, 1] -> "row 0 dealt 2 times, row 1 to no rank"."""
     seen = [0] * sum(counts)
     for rows in dealt:
         for i in rows:
@@ -72,6 +73,6 @@ def imbalance(work: Sequence[float]) -> float:
 
 
 def imbalance_of(costs: Sequence[float], dealt: Sequence[Sequence[int]]) -> float:
-    """`imbalance` of the ranks' work under `dealt`. Example: costs [9, 8, 1, 1], [[0, 3], [1, 2]] -> work [10, 9]
-    -> 10 / 9.5 - 1 = 0.0526."""
+    """`imbalance` of the ranks' work under `dealt`. Example: costs [9, 8, 1, 1], [[0, 3], [1, 2]] -> work
+    [10, 9] -> 10 / 9.5 - 1 = 0.0526."""
     return imbalance([sum(costs[i] for i in rows) for rows in dealt])

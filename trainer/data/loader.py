@@ -1,4 +1,5 @@
-"""`DocumentLoader`: a `DocumentStream` run in DataLoader workers, handed out one document at a time, resumable.
+"""`DocumentLoader`: a `DocumentStream` run in DataLoader workers,
+handed out one document at a time, resumable.
 
 Workers send chunks of documents, each tagged with its slot's state after it (trainer.data.reader.SlotState,
 with only the shuffle-buffer changes since the slot's previous chunk); the loader keeps each slot's latest
@@ -50,7 +51,8 @@ class DocumentLoader:
         """The epoch the current lockstep iteration covers. Kept, not derived from the slots: when every slot
         has delivered its last chunk but documents of it are still pending, the epoch has not ended yet."""
         self.restore_read: dict[int, tuple[int, int, float]] = {}
-        """Per slot, after a resume: samples and bytes read from shards to restore its position, and seconds."""
+        """Per slot, after a resume: samples and bytes read from shards to restore its position,
+        and seconds."""
         self._pending: list[Document] = []
         self._restoring = False
         self._started: Iterator | None = None
@@ -112,17 +114,20 @@ class DocumentLoader:
         return batches
 
     def _keep(self, slot: int, state: SlotState) -> None:
-        """Remember a slot's state from its chunk, applying the chunk's buffer changes to the slot's buffer."""
+        """Remember a slot's state from its chunk,
+        applying the chunk's buffer changes to the slot's buffer."""
         if state.position is not None and state.position.changes is not None:
             previous = self.slot_states.get(slot)
-            buffer = previous.position.buffer if previous is not None and previous.position is not None else []
+            buffer = (previous.position.buffer if previous is not None and previous.position is not None
+                      else [])
             state.position = state.position.with_changes_applied(buffer)
         self.slot_states[slot] = state
 
     def skip_rest_of_epoch(self) -> list[Document]:
         """Leave the current lockstep epoch unread (a mixture's epoch ended, trainer.data.mixture): the next
-        iteration starts the next epoch. Call it with no iteration running (close the iterator first). Returns the
-        documents of the current chunk that were not handed out (the rest of the epoch is not read at all)."""
+        iteration starts the next epoch. Call it with no iteration running (close the iterator first). Returns
+        the documents of the current chunk that were not handed out
+        (the rest of the epoch is not read at all)."""
         if self._started is not None:  # started (after a resume) but never iterated
             shutdown_workers(self._started)
             self._started = None
@@ -151,14 +156,17 @@ class DocumentLoader:
         return total
 
     def state(self) -> LoaderState:
-        """A snapshot (the slots' buffers change in place as chunks arrive; a checkpoint's form of them is kept)."""
-        return LoaderState(slot_states={slot: SlotState.from_dict(s.to_dict()) for slot, s in self.slot_states.items()},
+        """A snapshot (the slots' buffers change in place as chunks arrive;
+        a checkpoint's form of them is kept)."""
+        return LoaderState(slot_states={slot: SlotState.from_dict(s.to_dict())
+                                        for slot, s in self.slot_states.items()},
                            chunks_consumed=self.chunks_consumed,
                            epoch_chunks=self.epoch_chunks, lockstep_epoch=self.lockstep_epoch,
                            num_workers=self.num_workers, pending=[d.to_state() for d in self._pending])
 
     def load_state(self, state: LoaderState) -> None:
-        if state.num_workers != self.num_workers:  # the trainer deals such a state first (trainer.data.reshape)
+        # the trainer deals such a state first (trainer.data.reshape)
+        if state.num_workers != self.num_workers:
             raise ValueError(
                 f"stream state was saved with {state.num_workers} DataLoader workers; "
                 f"this run has {self.num_workers} (deal it with trainer.data.reshape.reshape_state)"
@@ -172,8 +180,8 @@ class DocumentLoader:
         self._restoring = True
         replaying = sorted(slot for slot, s in self.slot_states.items() if s.position is None and s.drawn)
         if replaying:
-            log.warning("the stream state was saved before reader positions were: slot(s) %s replay their epoch up to "
-                        "the samples drawn, reading every shard before that point", replaying)
+            log.warning("the stream state was saved before reader positions were: slot(s) %s replay their "
+                        "epoch up to the samples drawn, reading every shard before that point", replaying)
 
     def state_dict(self) -> dict:
         return self.state().to_dict()

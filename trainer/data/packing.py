@@ -45,8 +45,8 @@ class PackingStats:
     docs_split: int = 0
     chunks_from_splits: int = 0
     tokens_without_start: int = 0
-    """Tokens of the chunks after a split document's first: trained without their document's start in view (the
-    packing papers' concatenate-and-split cost)."""
+    """Tokens of the chunks after a split document's first: trained without their document's start in view
+    (the packing papers' concatenate-and-split cost)."""
     docs_truncated: int = 0
     tokens_truncated: int = 0
     docs_dropped: int = 0
@@ -131,20 +131,23 @@ class OnlinePacker:
     def push(self, doc: Document) -> list[list[Document]]:
         n = len(doc)
         if not 0 < n <= self.seq_len:
-            raise ValueError(f"document {doc.key!r} has {n} tokens; the packer takes 1..{self.seq_len} (split first)")
+            raise ValueError(f"document {doc.key!r} has {n} tokens; the packer takes 1..{self.seq_len} "
+                             "(split first)")
         self._add(doc, n)
         if len(self._lengths) > self.buffer_size:
             return [self._emit_row()]
         return []
 
     def flush(self) -> list[list[Document]]:
-        """Every buffered document, packed by offline best-fit-decreasing, rows ordered by their oldest document.
+        """Every buffered document, packed by offline best-fit-decreasing, rows ordered by their oldest
+        document.
 
         The buffer no longer refills at the end of the stream, so the oldest-first rule would pack its last
         rows from an ever smaller choice; BFD sees the whole remainder at once.
         """
         docs = self.buffered()
-        # Indices are arrival ranks: sorted, each row is in arrival order and the rows in order of their oldest.
+        # Indices are arrival ranks: sorted, each row is in arrival order and the rows in order of their
+        # oldest.
         bins = sorted(sorted(b) for b in best_fit_decreasing([len(d) for d in docs], self.seq_len))
         self.__init__(self.seq_len, self.buffer_size)
         return [[docs[i] for i in b] for b in bins]
@@ -230,7 +233,8 @@ class OnlinePacker:
             return None
         half = (space + 1) // 2
         has = np.frombuffer(self._has_length, dtype=np.bool_)
-        both = has[half:space] & has[space - half : 0 : -1]  # both[k]: b = half + k and c = space - b buffered
+        # both[k]: b = half + k and c = space - b buffered
+        both = has[half:space] & has[space - half : 0 : -1]
         k = int(both.argmax())  # the first True (or 0 if none)
         if both[k] and 2 * (half + k) == space and len(self._by_length[half + k]) < 2:
             both[k] = False  # b == c needs two documents of that length
@@ -252,7 +256,8 @@ class OnlinePacker:
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len:
-            raise ValueError(f"packer state is for seq_len={state['seq_len']}, this packer has {self.seq_len}")
+            raise ValueError(f"packer state is for seq_len={state['seq_len']}, this packer has "
+                             f"{self.seq_len}")
         self.__init__(self.seq_len, self.buffer_size)
         for saved in state["docs"]:
             doc = Document.from_state(saved)

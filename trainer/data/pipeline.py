@@ -33,10 +33,11 @@ from trainer.data.state import PackerState, RowStreamState, StreamState
 
 class RowSource(Protocol):
     """What the trainer draws its steps' rows from: one source (`RowStream`) or a data mixture
-    (trainer.data.mixture.Mixture); `RowPrefetcher` draws from either in the background, behind the same interface.
-    Epochs (data.epoch_lockstep): `exhausted` when this rank's rows of the epoch are all handed out; `next_epoch`
-    once every rank is (trainer.data.epochs.Lockstep decides). State: typed (trainer.data.state), as plain dicts
-    for checkpoints, and dealt from every old rank's on another shape (`reshaped_state`, trainer.data.reshape)."""
+    (trainer.data.mixture.Mixture); `RowPrefetcher` draws from either in the background, behind the same
+    interface. Epochs (data.epoch_lockstep): `exhausted` when this rank's rows of the epoch are all handed
+    out; `next_epoch` once every rank is (trainer.data.epochs.Lockstep decides). State: typed
+    (trainer.data.state), as plain dicts for checkpoints, and dealt from every old rank's on another shape
+    (`reshaped_state`, trainer.data.reshape)."""
 
     def take(self, num_rows: int) -> list[list[Document]]:
         """The next `num_rows` rows (fewer only at the end of a lockstep epoch or of a finite stream)."""
@@ -119,15 +120,17 @@ class RowStream:
         return self._stats
 
     def unread(self, rows: list[list[Document]]) -> None:
-        """Put rows handed out by the last `take` back in front: the next `take` (and a checkpoint's state) has
-        them again, as if they had never been taken (a step abandoned before it ran, trainer.run.inputs)."""
+        """Put rows handed out by the last `take` back in front: the next `take` (and a checkpoint's state)
+        has them again, as if they had never been taken (a step abandoned before it ran,
+        trainer.run.inputs)."""
         self._ready.extendleft(reversed(rows))
 
     @property
     def exhausted(self) -> bool:
-        """The documents ended and every row of them was handed out. Not before: the flush at a lockstep epoch's
-        end can leave more rows than a take asks for, and a rank holding such rows has not finished the epoch
-        (were it counted as done, the other ranks would start the next epoch while it still trains this one)."""
+        """The documents ended and every row of them was handed out. Not before: the flush at a lockstep
+        epoch's end can leave more rows than a take asks for, and a rank holding such rows has not finished
+        the epoch (were it counted as done, the other ranks would start the next epoch while it still trains
+        this one)."""
         return self._ended and not self._ready
 
     def next_epoch(self) -> None:
@@ -136,9 +139,10 @@ class RowStream:
         self._ended = False
 
     def abandon_epoch(self) -> int:
-        """Leave the rest of the current (lockstep) epoch untrained: its rows not handed out, the packer's pieces and
-        the documents not yet read (a data mixture's epoch ended, trainer.data.mixture). The next `take` starts the
-        next epoch. Returns the documents dropped (rows' and packer's, and the reader's current chunk's)."""
+        """Leave the rest of the current (lockstep) epoch untrained: its rows not handed out, the packer's
+        pieces and the documents not yet read (a data mixture's epoch ended, trainer.data.mixture). The next
+        `take` starts the next epoch. Returns the documents dropped (rows' and packer's, and the reader's
+        current chunk's)."""
         self.close()
         dropped = sum(map(len, self._ready)) + len(self.packer)
         self._ready.clear()
@@ -203,23 +207,25 @@ PREFETCH_THREAD = "row-prefetch"
 class RowPrefetcher:
     """A `RowStream` whose next `take` is drawn in a background thread while the current step computes.
 
-    The trainer calls `prefetch(n, prepare)` once it holds a step's rows; the thread draws the rows of the next
-    `take(n)` and lays them out (`prepare`, e.g. into checked micro-batches), and `take(n)` returns them:
+    The trainer calls `prefetch(n, prepare)` once it holds a step's rows; the thread draws the rows of the
+    next `take(n)` and lays them out (`prepare`, e.g. into checked micro-batches), and `take(n)` returns them:
 
-        rows = stream.take(n)                  # step 1: drawn now (the first draw starts the DataLoader workers)
-        stream.prefetch(n, lay_out)            # step 2's rows are drawn and laid out in the background...
-        train_step(...)                        # ...while step 1 computes
-        rows = stream.take(n)                  # step 2: already there (waits only if drawing is the slower)
-        batches = stream.prepared(rows)        # lay_out(rows), made in the background
+        rows = stream.take(n)            # step 1: drawn now (the first draw starts the DataLoader workers)
+        stream.prefetch(n, lay_out)      # step 2's rows are drawn and laid out in the background...
+        train_step(...)                  # ...while step 1 computes
+        rows = stream.take(n)            # step 2: already there (waits only if drawing is the slower)
+        batches = stream.prepared(rows)  # lay_out(rows), made in the background
 
     Same rows, same order, same states as the plain stream: only one thread uses the stream at a time (while a
     draw is pending every other method waits for it first), and the thread makes exactly the `take(n)` the
-    trainer would make next. An error of the draw or of `prepare` is raised by the `take` that wanted the rows.
+    trainer would make next. An error of the draw or of `prepare` is raised by the `take` that wanted the
+    rows.
 
     Checkpoints: rows drawn ahead have not been trained on, so `state_dict()` is the stream's state *before*
-    them, a snapshot the thread takes just before it draws; a run resumed from it draws them again. `exhausted`
-    is likewise the state before a pending draw, and no draw starts on an exhausted stream: whether the next
-    take follows `next_epoch()` is decided by all ranks (data.epoch_lockstep, trainer.run.loop).
+    them, a snapshot the thread takes just before it draws; a run resumed from it draws them again.
+    `exhausted` is likewise the state before a pending draw, and no draw starts on an exhausted stream:
+    whether the next take follows `next_epoch()` is decided by all ranks (data.epoch_lockstep,
+    trainer.run.loop).
 
     One thread, kept until `close()`, which the trainer calls on every exit path: it waits for a pending draw,
     closes the stream (and its DataLoader workers), then ends the thread. The thread lives that long because
@@ -237,8 +243,8 @@ class RowPrefetcher:
         """(rows handed out by the last take, what prepare made of them)."""
 
     def prefetch(self, num_rows: int, prepare: Callable[[list[list[Document]]], Any] | None = None) -> None:
-        """Start drawing the rows of the next `take(num_rows)` and `prepare`-ing them (nothing if a draw is pending
-        or the stream is exhausted)."""
+        """Start drawing the rows of the next `take(num_rows)` and `prepare`-ing them (nothing if a draw is
+        pending or the stream is exhausted)."""
         if self._pending is not None or self.rows.exhausted:
             return
         if self._executor is None:
@@ -252,7 +258,8 @@ class RowPrefetcher:
         return rows, prepare(rows) if prepare is not None else None
 
     def take(self, num_rows: int) -> list[list[Document]]:
-        """The next `num_rows` rows: the pending draw's (its error, if it failed, is raised here), else drawn now."""
+        """The next `num_rows` rows: the pending draw's (its error, if it failed, is raised here), else drawn
+        now."""
         self._prepared = None
         if self._pending is None:
             return self.rows.take(num_rows)
@@ -262,13 +269,15 @@ class RowPrefetcher:
         try:
             rows, prepared = future.result()
         finally:
-            if future.done():  # not when the wait itself was interrupted: close() must still wait for the draw
+            # not when the wait itself was interrupted: close() must still wait for the draw
+            if future.done():
                 self._pending = None
         self._prepared = (rows, prepared)
         return rows
 
     def prepared(self, rows: list[list[Document]]) -> Any | None:
-        """What `prepare` made of `rows` in the background, if the last take handed them out from a draw; else None."""
+        """What `prepare` made of `rows` in the background, if the last take handed them out from a draw; else
+        None."""
         if self._prepared is None or self._prepared[0] is not rows:
             return None
         return self._prepared[1]
@@ -332,8 +341,8 @@ class RowPrefetcher:
         return self.rows.resume_read()
 
     def close(self) -> None:
-        """Wait for a pending draw (its rows and any error of it are dropped), close the stream, end the thread.
-        `stats` then count the rows handed out, as without prefetching."""
+        """Wait for a pending draw (its rows and any error of it are dropped), close the stream, end the
+        thread. `stats` then count the rows handed out, as without prefetching."""
         self._prepared = None
         try:
             if self._pending is not None:
@@ -342,7 +351,8 @@ class RowPrefetcher:
                 if self._before is not None:  # the packing counts of rows handed out, not of the dropped draw
                     self.rows.stats.load_state_dict(self._before.stats)
         finally:
-            busy = self._pending is not None  # the wait was interrupted (a second Ctrl-C): the draw still runs
+            # the wait was interrupted (a second Ctrl-C): the draw still runs
+            busy = self._pending is not None
             try:
                 if not busy:
                     self.rows.close()
@@ -380,7 +390,8 @@ def micro_batches(
         docs = sorted(docs, key=len, reverse=True)  # stable: equal lengths keep stream order
     fixed = seq_len if (cfg.layout == "unpacked" and cfg.pad_to == "seq_len") else None
     return [
-        collate_rows([[d] for d in group], fixed or max(map(len, group)), pad_id, cfg.layout, cfg.reset_positions)
+        collate_rows([[d] for d in group], fixed or max(map(len, group)), pad_id, cfg.layout,
+                     cfg.reset_positions)
         for group in _group_by_budget(docs, micro_batch_tokens, fixed)
     ]
 

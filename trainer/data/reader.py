@@ -20,8 +20,8 @@ slot's previous chunk, and `DocumentLoader` keeps a copy of every slot's buffer 
 consumed. A checkpoint written before positions were saved (only `drawn`) still resumes: that slot
 replays its epoch up to `drawn` samples, reading every shard before its position.
 
-Resumed on another shape (trainer.data.reshape), a slot's shards of the rest of the epoch are dealt rather than
-split: `SlotState.shards`, where a shard an old reader had read in part starts past its samples taken
+Resumed on another shape (trainer.data.reshape), a slot's shards of the rest of the epoch are dealt rather
+than split: `SlotState.shards`, where a shard an old reader had read in part starts past its samples taken
 (`SlotState.starts`), and the buffer may hold references into any of those shards."""
 
 from __future__ import annotations
@@ -66,23 +66,25 @@ Stored = tuple[bytes, int, bytes | None, str]
 checkpoint's buffered items resume whatever the next run reads. See trainer.data.shards."""
 
 Refused = str
-"""A sample refused as it was read, "<skip reason>: <what is wrong>", e.g. "too_large: is 30,000 bytes of text" or
-"bad_ids: its ids are not ...": the stream reports it when it is drawn, as it reports a bad text then (plain data: it
-may sit in a checkpoint's buffer)."""
+"""A sample refused as it was read, "<skip reason>: <what is wrong>", e.g. "too_large: is 30,000 bytes of
+text" or "bad_ids: its ids are not ...": the stream reports it when it is drawn, as it reports a bad text then
+(plain data: it may sit in a checkpoint's buffer)."""
 
 Item = tuple[int, int, str, bytes | Stored | Refused | list[str] | None]
-"""A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the shard,
-key, data). data: the `txt` bytes; its `Stored` ids when the stream reads stored ids and the sample has them; a
-`Refused` sample; the field names of a sample without `txt`; None marks a shard that could not be read (member -1).
-Example: (3, 17, "doc03_017", b"some text")."""
+"""A sample as a slot's reader holds it: (shard index in the slot's list of the epoch, member index in the
+shard, key, data). data: the `txt` bytes; its `Stored` ids when the stream reads stored ids and the sample has
+them; a `Refused` sample; the field names of a sample without `txt`; None marks a shard that could not be read
+(member -1). Example: (3, 17, "doc03_017", b"some text")."""
 
 
 @dataclass
 class ReadPosition:
-    """Where a slot's reader stands inside an epoch: enough to continue without reading the shards before it."""
+    """Where a slot's reader stands inside an epoch: enough to continue without reading the shards before
+    it."""
 
     shard_index: int = 0
-    """Index of the shard being read in the slot's shard list of this epoch (the list's length once all are read)."""
+    """Index of the shard being read in the slot's shard list of this epoch (the list's length once all are
+    read)."""
     taken: int = 0
     """Samples taken from that shard so far: a resume reads past them without decoding them."""
     last_key: str = ""
@@ -97,7 +99,8 @@ class ReadPosition:
     """(buffer size, {position: item}) changed since the slot's previous chunk (`ShuffleBuffer.changes`)."""
 
     def with_changes_applied(self, buffer: list[Item]) -> ReadPosition:
-        """This position with `buffer` (the slot's buffer at its previous chunk, updated in place) as its buffer.
+        """This position with `buffer` (the slot's buffer at its previous chunk, updated in place) as its
+        buffer.
 
         Example: buffer [a, b, c], changes (2, {1: d}) -> [a, d].
         """
@@ -114,14 +117,16 @@ class ReadPosition:
         past them anyway. The others keep their text bytes (torch.save pickles bytes as latin-1 text: ASCII at
         its size, other bytes at twice theirs)."""
         current = self.shard_index
-        buffer = [(item[0], item[1], "", None) if item[0] == current and item[1] >= 0 else item for item in self.buffer]
+        buffer = [(item[0], item[1], "", None) if item[0] == current and item[1] >= 0 else item
+                  for item in self.buffer]
         return {"shard_index": current, "taken": self.taken, "last_key": self.last_key, "rng": self.rng[1],
                 "draining": self.draining, "buffer": buffer}
 
     @classmethod
     def from_dict(cls, d: dict) -> ReadPosition:
         return cls(shard_index=d["shard_index"], taken=d["taken"], last_key=d["last_key"],
-                   rng=(3, tuple(d["rng"]), None), draining=d["draining"], buffer=[tuple(item) for item in d["buffer"]])
+                   rng=(3, tuple(d["rng"]), None), draining=d["draining"],
+                   buffer=[tuple(item) for item in d["buffer"]])
 
 
 @dataclass
@@ -138,10 +143,11 @@ class SlotState:
     docs: int = 0
     """Documents emitted since the start of training."""
     position: ReadPosition | None = None
-    """Where the reader stands in the epoch. None at the epoch's start, and in checkpoints written before it was
-    saved: then `drawn` says where, and the epoch is replayed up to it."""
+    """Where the reader stands in the epoch. None at the epoch's start, and in checkpoints written before it
+    was saved: then `drawn` says where, and the epoch is replayed up to it."""
     restore_read: tuple[int, int, float] | None = None
-    """Only in a resumed slot's first message: samples and bytes it read to restore its position, and seconds."""
+    """Only in a resumed slot's first message: samples and bytes it read to restore its position, and
+    seconds."""
     split: str = "by_tokens"
     """How this epoch's shards were split over the slots (trainer.data.stream.DocumentStream.epoch_shards):
     "by_tokens", or "every_nth" in a state from a checkpoint written before the split was balanced by tokens,
@@ -156,8 +162,8 @@ class SlotState:
     (samples taken from it, the last one's key). The reader continues each of them there."""
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("position",
-                                                                                                 "restore_read")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("position", "restore_read")}
         d["skipped"] = dict(self.skipped)
         d["starts"] = dict(self.starts)
         d["position"] = None if self.position is None else self.position.to_dict()
@@ -167,7 +173,8 @@ class SlotState:
     def from_dict(cls, d: dict) -> SlotState:
         position = d.get("position")
         starts = {int(i): (int(taken), str(key)) for i, (taken, key) in d.get("starts", {}).items()}
-        return cls(**{**d, "skipped": dict(d["skipped"]), "split": d.get("split", "every_nth"), "starts": starts,
+        return cls(**{**d, "skipped": dict(d["skipped"]), "split": d.get("split", "every_nth"),
+                      "starts": starts,
                       "position": None if position is None else ReadPosition.from_dict(position)})
 
 
@@ -201,8 +208,8 @@ class ShardCursor:
     121..200.
     """
 
-    def __init__(self, stream: ReadPolicy, shards: list[str], state: SlotState, index: int = 0, taken: int = 0,
-                 last_key: str = "") -> None:
+    def __init__(self, stream: ReadPolicy, shards: list[str], state: SlotState, index: int = 0,
+                 taken: int = 0, last_key: str = "") -> None:
         self.stream = stream
         self.shards = shards
         self.state = state
@@ -246,8 +253,9 @@ class ShardCursor:
             return self.index, self.taken - 1, self.last_key, _data(sample, self.stream.stored_ids)
 
     def seek(self, wanted: set[int]) -> dict[int, Item]:
-        """Open the current shard past the samples taken from it before; return those of them listed in `wanted`
-        (member indices), read on the way. A shard that cannot be read is counted and left, as in `pull`."""
+        """Open the current shard past the samples taken from it before; return those of them listed in
+        `wanted` (member indices), read on the way. A shard that cannot be read is counted and left, as in
+        `pull`."""
         self._wanted = dict.fromkeys(wanted)
         while self.taken and self._samples is None and self._failed is None:
             try:
@@ -270,15 +278,15 @@ class ShardCursor:
             for i in range(self.taken):
                 sample = next(samples, None)
                 if sample is None:
-                    raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it before: "
-                                         "the shard changed", transient=False)
+                    raise ShardReadError(f"it now ends after {i} samples; {self.taken} were read from it "
+                                         "before: the shard changed", transient=False)
                 if self._tokens is not None:
                     self._count(sample)
                 if i in self._wanted:
                     found[i] = (self.index, i, sample["__key__"], _data(sample, self.stream.stored_ids))
             if self.taken and sample["__key__"] != self.last_key:
-                raise ShardReadError(f"sample {self.taken} is now {sample['__key__']!r}, it was {self.last_key!r}: "
-                                     "the shard changed", transient=False)
+                raise ShardReadError(f"sample {self.taken} is now {sample['__key__']!r}, it was "
+                                     f"{self.last_key!r}: the shard changed", transient=False)
         except BaseException:
             samples.close()
             raise
@@ -286,13 +294,15 @@ class ShardCursor:
         return samples
 
     def _retry_or_fail(self, exn: ShardReadError) -> None:
-        """After a failed read: wait and let the next pull reopen the shard, or count it as unreadable and move on."""
+        """After a failed read: wait and let the next pull reopen the shard, or count it as unreadable and
+        move on."""
         self._close()
         url = self.shards[self.index]
         where = f"after sample {self.last_key!r}" if self.last_key else "before its first sample"
         if not exn.transient or self._attempt == self.stream.retries:
             tries = f"; {self._attempt + 1} attempts" if self._attempt else ""
-            self.stream._bad(self.state, "unreadable_shard", f"{url}: cannot read shard ({where}{tries}): {exn}")
+            self.stream._bad(self.state, "unreadable_shard",
+                             f"{url}: cannot read shard ({where}{tries}): {exn}")
             self._failed = (self.index, -1, self.last_key, None)
             self._next_shard()
             return
@@ -304,8 +314,8 @@ class ShardCursor:
         sleep_unless_interrupted(delay)  # a preemption signal ends the wait (ReadInterrupted)
 
     def _count(self, sample: dict) -> None:
-        """Add a sample's stored ids to the shard's tokens (+ its framing: EOS, and BOS if any, as the manifest
-        counts); a sample without them (read from its text) leaves the shard's tokens unknown."""
+        """Add a sample's stored ids to the shard's tokens (+ its framing: EOS, and BOS if any, as the
+        manifest counts); a sample without them (read from its text) leaves the shard's tokens unknown."""
         ids = sample.get(IDS_FIELD)
         if not isinstance(ids, bytes):
             self._tokens = None
@@ -313,8 +323,9 @@ class ShardCursor:
         self._tokens += (len(ids) - self._check_bytes) // self._itemsize + self.stream.framing
 
     def _check_shard(self) -> None:
-        """A shard read to its end must be the one the manifest lists: as many samples, as many bytes, and from stored
-        ids as many tokens (ids of another tokenizer or dtype, a shard of another dataset copied in)."""
+        """A shard read to its end must be the one the manifest lists: as many samples, as many bytes, and
+        from stored ids as many tokens (ids of another tokenizer or dtype, a shard of another dataset copied
+        in)."""
         url = self.shards[self.index]
         name = url_file_name(url)
         expected = self.stream.expected_docs.get(name)
@@ -322,9 +333,9 @@ class ShardCursor:
             self.stream._bad(
                 self.state,
                 "truncated_shard",
-                f"{url}: read {self.taken} samples but the manifest lists {expected}{_why_short(url)}; copy the shard "
-                "again or rebuild it with python -m trainer.prepare (one regular file <key>.<field> per field), "
-                "or set data.on_error=skip",
+                f"{url}: read {self.taken} samples but the manifest lists {expected}{_why_short(url)}; "
+                "copy the shard again or rebuild it with python -m trainer.prepare (one regular file "
+                "<key>.<field> per field), or set data.on_error=skip",
             )
             return
         found = None
@@ -332,17 +343,20 @@ class ShardCursor:
         if size is not None and self.read.bytes - self._opened_at != size:
             found = f"it is {self.read.bytes - self._opened_at:,} bytes, the manifest lists {size:,}"
         elif tokens is not None and self._tokens is not None and self._tokens != tokens:
-            found = (f"its stored ids are {self._tokens:,} tokens (EOS included), the manifest lists {tokens:,}: ids "
-                     f"of another tokenizer or dtype than the manifest's {self.stream.stored_ids.dtype}")
+            found = (f"its stored ids are {self._tokens:,} tokens (EOS included), the manifest lists "
+                     f"{tokens:,}: ids of another tokenizer or dtype than the manifest's "
+                     f"{self.stream.stored_ids.dtype}")
         if found is not None:
-            self.stream._bad(self.state, "shard_mismatch", f"{url}: not the shard the manifest lists: {found} (a "
-                             "shard of another dataset or tokenizer copied in, or damaged); copy the dataset's own "
-                             "shard again or prepare the dataset again, or set data.on_error=skip")
+            self.stream._bad(self.state, "shard_mismatch", f"{url}: not the shard the manifest lists: "
+                             f"{found} (a shard of another dataset or tokenizer copied in, or damaged); copy "
+                             "the dataset's own shard again or prepare the dataset again, or set "
+                             "data.on_error=skip")
 
     def _next_shard(self) -> None:
         self._close()
         self.index, self._attempt = self.index + 1, 0
-        self.taken, self.last_key = self.state.starts.get(self.index, (0, ""))  # read in part on another shape
+        # read in part on another shape
+        self.taken, self.last_key = self.state.starts.get(self.index, (0, ""))
 
     def _close(self) -> None:
         if self._samples is not None:
@@ -357,11 +371,13 @@ class ShuffleBuffer:
     """Buffered shuffle of one epoch's samples: fill to `size`; then each new item takes the place of a random
     one, which is drawn; once every shard is read, shuffle what is left and drain it.
 
-    Example, size 2, items a b c d: [a], [a b]; c replaces b (b drawn) -> [a c]; d replaces a (a drawn) -> [d c];
-    end of the shards: shuffled to [c d], c drawn, then d. `changes` lists what changed since its last call.
+    Example, size 2, items a b c d: [a], [a b]; c replaces b (b drawn) -> [a c]; d replaces a (a drawn) ->
+    [d c]; end of the shards: shuffled to [c d], c drawn, then d. `changes` lists what changed since its last
+    call.
     """
 
-    def __init__(self, size: int, rng: random.Random, items: list[Item] | None = None, draining: bool = False) -> None:
+    def __init__(self, size: int, rng: random.Random, items: list[Item] | None = None,
+                 draining: bool = False) -> None:
         self.size = size
         self.rng = rng
         self.items: list[Item] = items if items is not None else []
@@ -390,8 +406,8 @@ class ShuffleBuffer:
         return self.items.pop() if self.items else None
 
     def changes(self) -> tuple[int, dict[int, Item]]:
-        """(size, {position: item}) of the positions changed since the last call. Example: size 3, [a b c], then c
-        replaced by d and b by e -> (3, {1: e, 2: d}); after two pops while draining -> (1, {})."""
+        """(size, {position: item}) of the positions changed since the last call. Example: size 3, [a b c],
+        then c replaced by d and b by e -> (3, {1: e, 2: d}); after two pops while draining -> (1, {})."""
         size = len(self.items)
         changed = {i: self.items[i] for i in sorted(self._changed) if i < size}
         self._changed = set()
@@ -401,9 +417,10 @@ class ShuffleBuffer:
 class SlotReader:
     """One slot's samples in one epoch: its shards in order (`ShardCursor`) through the `ShuffleBuffer`.
 
-    Built at a `ReadPosition`, it opens the shard being read, reads past the samples taken from it (refilling the
-    buffer's references to them) and continues with the sample an uninterrupted reader would draw next. Built
-    without one, at `state.drawn` > 0 (a checkpoint from before positions were saved), it replays the epoch.
+    Built at a `ReadPosition`, it opens the shard being read, reads past the samples taken from it (refilling
+    the buffer's references to them) and continues with the sample an uninterrupted reader would draw next.
+    Built without one, at `state.drawn` > 0 (a checkpoint from before positions were saved), it replays the
+    epoch.
     """
 
     def __init__(self, stream: ReadPolicy, shards: list[str], seed: int, state: SlotState,
@@ -420,10 +437,12 @@ class SlotReader:
                 self._replay(stream, state.drawn)
         else:
             rng.setstate(position.rng)
-            self.cursor = ShardCursor(stream, shards, state, position.shard_index, position.taken, position.last_key)
+            self.cursor = ShardCursor(stream, shards, state, position.shard_index, position.taken,
+                                      position.last_key)
             self.buffer = ShuffleBuffer(stream.shuffle_buffer, rng, list(position.buffer), position.draining)
             self._refill(position.shard_index)
-        read = self.cursor.read.samples + self._read_ahead.samples, self.cursor.read.bytes + self._read_ahead.bytes
+        read = (self.cursor.read.samples + self._read_ahead.samples,
+                self.cursor.read.bytes + self._read_ahead.bytes)
         self.restore_read = (*read, time.perf_counter() - t0)
         """(samples, bytes, seconds) it took to get to the position."""
 
@@ -431,10 +450,10 @@ class SlotReader:
         """Read the current shard up to the position, taking the buffered samples saved as references to it.
 
         After a resume on another shape (trainer.data.reshape) the buffer may also hold references to a later
-        shard of the slot's list that an old reader read in part (`SlotState.starts`): that shard's read part is
-        read now for them, and again when the reader gets to it. Example: shards [a, b], b started at 40
-        samples, buffer [ref(a, 3), ref(b, 17)] -> a read to its position (sample 3 taken on the way), b's first
-        40 samples read for sample 17."""
+        shard of the slot's list that an old reader read in part (`SlotState.starts`): that shard's read part
+        is read now for them, and again when the reader gets to it. Example: shards [a, b], b started at 40
+        samples, buffer [ref(a, 3), ref(b, 17)] -> a read to its position (sample 3 taken on the way), b's
+        first 40 samples read for sample 17."""
         items = self.buffer.items
         refs: dict[int, dict[int, int]] = {}  # shard index -> {member: position in the buffer}
         for i, item in enumerate(items):
@@ -444,7 +463,8 @@ class SlotReader:
             if index == shard_index:
                 found = self.cursor.seek(set(members))
             elif index in self._state.starts and index > shard_index:
-                cursor = ShardCursor(self._stream, self.shards, self._state, index, *self._state.starts[index])
+                cursor = ShardCursor(self._stream, self.shards, self._state, index,
+                                     *self._state.starts[index])
                 try:
                     found = cursor.seek(set(members))
                 finally:
@@ -453,8 +473,8 @@ class SlotReader:
                     self._read_ahead.bytes += cursor.read.bytes
             else:
                 raise DataStreamError(f"bad stream state: buffered references to shard {index} of "
-                                      f"{len(self.shards)}, which is neither the current one ({shard_index}) nor "
-                                      "one read in part before")
+                                      f"{len(self.shards)}, which is neither the current one ({shard_index}) "
+                                      "nor one read in part before")
             for member, i in members.items():
                 # Missing only if the shard could not be read again (counted as unreadable): drop the sample.
                 items[i] = found.get(member, (index, -1, "", None))
@@ -482,8 +502,9 @@ class SlotReader:
     def position(self) -> ReadPosition:
         """Where the reader stands now, with the buffer changes since the last call (not the buffer)."""
         c = self.cursor
-        return ReadPosition(shard_index=c.index, taken=c.taken, last_key=c.last_key, rng=self.buffer.rng.getstate(),
-                            draining=self.buffer.draining, changes=self.buffer.changes())
+        return ReadPosition(shard_index=c.index, taken=c.taken, last_key=c.last_key,
+                            rng=self.buffer.rng.getstate(), draining=self.buffer.draining,
+                            changes=self.buffer.changes())
 
     def close(self) -> None:
         self.cursor.close()
@@ -491,9 +512,10 @@ class SlotReader:
 
 
 def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | Refused | list[str]:
-    """An `Item`'s data: the sample's stored ids if `stored` says to read them and it has them (all of them: a sample
-    without is read from its text, as if none were stored), else its text bytes, or the names of its fields if it
-    has no text; `Refused` if a member it needs was over the bound (trainer.data.tars.TooLargeMember)."""
+    """An `Item`'s data: the sample's stored ids if `stored` says to read them and it has them (all of them: a
+    sample without is read from its text, as if none were stored), else its text bytes, or the names of its
+    fields if it has no text; `Refused` if a member it needs was over the bound
+    (trainer.data.tars.TooLargeMember)."""
     if TEXT_FIELD not in sample:
         return sorted(k for k in sample if not k.startswith("__"))
     text = sample[TEXT_FIELD]
@@ -505,15 +527,16 @@ def _data(sample: dict, stored: StoredIds | None) -> bytes | Stored | Refused | 
 
 
 def _stored(sample: dict, text: bytes, stored: StoredIds) -> bytes | Stored | Refused:
-    """A sample's stored ids, after the checks that need its text (the buffer keeps only the ids): a text the text
-    path refuses (empty, not UTF-8) is handed on as its text, to be refused alike (the same documents either way);
-    ids that are not those prepare wrote for this text (their check, `StoredIds.checked`) are refused (bad_ids).
-    Every document pays this: plain Python, no call it can do without."""
+    """A sample's stored ids, after the checks that need its text (the buffer keeps only the ids): a text the
+    text path refuses (empty, not UTF-8) is handed on as its text, to be refused alike (the same documents
+    either way); ids that are not those prepare wrote for this text (their check, `StoredIds.checked`) are
+    refused (bad_ids). Every document pays this: plain Python, no call it can do without."""
     member = sample[IDS_FIELD]
     ranges = sample[ASSISTANT_FIELD] if stored.assistant else None
     if type(member) is TooLargeMember or type(ranges) is TooLargeMember:
         return _too_large(member if type(member) is TooLargeMember else ranges)
-    if not (text and 33 <= text[0] <= 126 and text.isascii()):  # else ASCII beginning with a visible character
+    # else ASCII beginning with a visible character
+    if not (text and 33 <= text[0] <= 126 and text.isascii()):
         try:
             if not text.decode("utf-8").strip():
                 return text
@@ -524,14 +547,16 @@ def _stored(sample: dict, text: bytes, stored: StoredIds) -> bytes | Stored | Re
     ids = member[:-CHECK_BYTES]
     if len(member) < CHECK_BYTES or ids_check(ids, text) != int.from_bytes(member[-CHECK_BYTES:], "little"):
         wide = wide_ids(member, stored.dtype) or wide_ids(ids, stored.dtype)
-        why = (f"they read as <u4 values, every second {stored.dtype} value 0 (written as uint32; the manifest says "
-               f"{stored.dtype})" if wide else "the ids of another sample or text, or damaged bytes")
+        why = (f"they read as <u4 values, every second {stored.dtype} value 0 (written as uint32; the "
+               f"manifest says {stored.dtype})" if wide
+               else "the ids of another sample or text, or damaged bytes")
         return f"bad_ids: its ids are not those prepare stored for its text (their check differs: {why})"
     return ids, len(text), ranges, stored.dtype
 
 
 def _too_large(member: TooLargeMember) -> Refused:
-    """A sample with a member over the bound, which was not read. Example: "too_large: is 30,000 bytes of text"."""
+    """A sample with a member over the bound, which was not read.
+    Example: "too_large: is 30,000 bytes of text"."""
     if member.field == TEXT_FIELD:
         return f"too_large: is {member.size:,} bytes of text"
     return f"too_large: has a {member.field!r} member of {member.size:,} bytes (not read)"

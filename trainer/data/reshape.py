@@ -5,10 +5,13 @@ trainer.data.pipeline). On another, every new rank reads the states of all old r
 what was left of the interrupted epoch, dealt the same way on every rank (nothing is exchanged):
 
     left of the epoch                                    dealt
-    shards no old reader opened                          balanced by tokens over the new ranks, then their workers
-    a shard an old reader read in part                   to one new reader, which continues after the samples taken
+    shards no old reader opened                          balanced by tokens over the new ranks, then their
+                                                         workers
+    a shard an old reader read in part                   to one new reader, which continues after the samples
+                                                         taken
     shuffle-buffer samples (read, not yet drawn)         over the new readers' buffers (samples still held as
-                                                         references into a shard read in part go with that shard)
+                                                         references into a shard read in part go with that
+                                                         shard)
     documents tokenized, not yet packed (pending)        over the new ranks, ahead of what their readers read
     the packers' buffered pieces                         over the new ranks' packers
     rows packed, not yet trained on                      over the new ranks, whole
@@ -83,8 +86,8 @@ class _Left:
 def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: int, lockstep: bool,
                   written_lockstep: bool = True) -> RowStreamState:
     """This rank's data stream state (a RowStream's) on the shape of `stream` (its rank and world size) x
-    `num_workers`, made from `states`: every old rank's RowStream state (typed, or as a checkpoint holds it), in
-    rank order. Deterministic: every new rank deals the same from the same states and seed.
+    `num_workers`, made from `states`: every old rank's RowStream state (typed, or as a checkpoint holds it),
+    in rank order. Deterministic: every new rank deals the same from the same states and seed.
 
     `stream`: the trainer.data.stream.DocumentStream of this run (its shards, their tokens, the seed).
     `lockstep`: data.epoch_lockstep, of this run and of the checkpoint's."""
@@ -92,37 +95,42 @@ def reshape_state(states: Sequence[dict | RowStreamState], stream, num_workers: 
     states = [s if isinstance(s, RowStreamState) else RowStreamState.from_dict(s) for s in states]
     current = {state.epoch for state in states}
     if len(current) != 1:
-        raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): not a lockstep run")
+        raise ReshapeError(f"the checkpoint's ranks are in different epochs ({sorted(current)}): "
+                           "not a lockstep run")
     epoch = current.pop()
     return rows_state(states, stream, num_workers, [epoch] * len(states), epoch)
 
 
 def require_lockstep(lockstep: bool, written_lockstep: bool = True) -> None:
-    """A ReshapeError unless both this run (`lockstep`) and the checkpoint's (`written_lockstep`) kept their epochs
-    in lockstep (data.epoch_lockstep): only then is every old reader in the interrupted epoch or done with it."""
+    """A ReshapeError unless both this run (`lockstep`) and the checkpoint's (`written_lockstep`) kept their
+    epochs in lockstep (data.epoch_lockstep): only then is every old reader in the interrupted epoch or done
+    with it."""
     if not written_lockstep:
         raise ReshapeError(
-            "the checkpoint was written with data.epoch_lockstep=false (its readers drift into different epochs): "
-            "its data stream resumes only on the number of ranks and DataLoader workers it was written on")
+            "the checkpoint was written with data.epoch_lockstep=false (its readers drift into different "
+            "epochs): its data stream resumes only on the number of ranks and DataLoader workers it was "
+            "written on")
     if not lockstep:
         raise ReshapeError(
             "a data stream resumes on another number of ranks or DataLoader workers only with "
-            "data.epoch_lockstep=true (the default; without it the readers are in different epochs): resume on "
-            "the shape the checkpoint was written on")
+            "data.epoch_lockstep=true (the default; without it the readers are in different epochs): "
+            "resume on the shape the checkpoint was written on")
 
 
 def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, rank_epochs: Sequence[int | None],
                epoch: int) -> RowStreamState:
-    """`reshape_state` given each old rank's interrupted epoch: rank_epochs[r] is the epoch whose rest old rank r leaves
-    (its readers in it, or done with it), or None where r is done with what there is to deal (a mixture's rank that
-    waits, or whose source was read through: only its totals are kept). `epoch`: the new readers' epoch (the
-    interrupted one; where no old rank leaves anything, the epoch the new readers start from scratch)."""
+    """`reshape_state` given each old rank's interrupted epoch: rank_epochs[r] is the epoch whose rest old
+    rank r leaves (its readers in it, or done with it), or None where r is done with what there is to deal (a
+    mixture's rank that waits, or whose source was read through: only its totals are kept). `epoch`: the new
+    readers' epoch (the interrupted one; where no old rank leaves anything, the epoch the new readers start
+    from scratch)."""
     world, workers = stream.world_size, max(1, num_workers)  # no workers: the rank reads as one slot
     if len(stream.shards) < world * workers:  # the next epoch's split would fail, maybe hours from now
         stream.epoch_shards(0, 0, world * workers)  # raises the error a fresh start gives
     left = _gather(states, stream, rank_epochs, epoch)
     tokenized = _tokenized_ranks(left, world)
-    if all(e is None for e in rank_epochs):  # nothing of the epoch to deal: each new reader starts it from scratch
+    # nothing of the epoch to deal: each new reader starts it from scratch
+    if all(e is None for e in rank_epochs):
         slots = [SlotState(epoch=epoch, skipped=skipped, docs=docs) for skipped, docs in
                  _kept_counters(left, world * workers)]
     else:
@@ -137,8 +145,8 @@ def rows_state(states: Sequence[RowStreamState], stream, num_workers: int, rank_
     def mine_of(items: list, ranks: list[int]) -> list:
         return [item for item, r in zip(items, ranks, strict=True) if r == stream.rank]
 
-    docs = LoaderState(slot_states={s: slots[s] for s in mine}, lockstep_epoch=left.epoch, num_workers=num_workers,
-                       pending=mine_of(left.pending, rank_of["pending"]))
+    docs = LoaderState(slot_states={s: slots[s] for s in mine}, lockstep_epoch=left.epoch,
+                       num_workers=num_workers, pending=mine_of(left.pending, rank_of["pending"]))
     packer = PackerState(**left.packer, docs=mine_of(left.pieces, rank_of["pieces"]))
     # every new rank reads its part of the epoch, possibly nothing, then waits as usual: not ended
     return RowStreamState(docs=docs, packer=packer, ready=mine_of(left.rows, rank_of["rows"]), stats=stats)
@@ -155,11 +163,13 @@ def _gather(states: Sequence[RowStreamState], stream, rank_epochs: Sequence[int 
     if len(old_workers) != 1:
         raise ReshapeError(f"the checkpoint's ranks had different data.num_workers ({sorted(old_workers)})")
     old_workers = max(1, old_workers.pop())
-    left = _Left(epoch=epoch, packer={"seq_len": states[0].packer.seq_len, "buffer_size": states[0].packer.buffer_size})
+    left = _Left(epoch=epoch, packer={"seq_len": states[0].packer.seq_len,
+                                      "buffer_size": states[0].packer.buffer_size})
     index = {url: i for i, url in enumerate(stream.shards)}
     splits: dict[tuple[str, int], list[list[int]]] = {}
     for rank, (state, loader, rank_epoch) in enumerate(zip(states, loaders, rank_epochs, strict=True)):
-        check_interrupt()  # a preemption signal ends the deal here (ReadInterrupted), as it ends a step's reads
+        # a preemption signal ends the deal here (ReadInterrupted), as it ends a step's reads
+        check_interrupt()
         left.stats.append(state.stats)
         for slot in range(rank * old_workers, (rank + 1) * old_workers):
             slot_state = loader.slot_states.get(slot) or SlotState(epoch=rank_epoch or 0)
@@ -168,8 +178,8 @@ def _gather(states: Sequence[RowStreamState], stream, rank_epochs: Sequence[int 
             if done:
                 continue  # done with the epoch
             if done is None:
-                raise ReshapeError(f"reader {slot} of the checkpoint is in epoch {slot_state.epoch}, its rank in "
-                                   f"{rank_epoch}: not a lockstep run")
+                raise ReshapeError(f"reader {slot} of the checkpoint is in epoch {slot_state.epoch}, "
+                                   f"its rank in {rank_epoch}: not a lockstep run")
             if slot_state.split == RESHAPED:
                 shards = [_shard_index(index, url) for url in slot_state.shards]
             else:
@@ -186,8 +196,8 @@ def _gather(states: Sequence[RowStreamState], stream, rank_epochs: Sequence[int 
 
 
 def _kept_counters(left: _Left, num_slots: int) -> list[tuple[dict, int]]:
-    """Per new slot: the old slots' counters it keeps (samples skipped by reason, documents), old slot s's going to
-    new slot s mod S'."""
+    """Per new slot: the old slots' counters it keeps (samples skipped by reason, documents), old slot s's
+    going to new slot s mod S'."""
     out: list[tuple[dict, int]] = [({}, 0) for _ in range(num_slots)]
     for old_slot, (old_skipped, old_docs) in enumerate(left.counters):
         skipped, docs = out[old_slot % num_slots]
@@ -198,14 +208,16 @@ def _kept_counters(left: _Left, num_slots: int) -> list[tuple[dict, int]]:
 
 
 def _gather_slot(left: _Left, slot: int, state: SlotState, shards: list[int], urls: list[str]) -> None:
-    """An old reader's shards left in the epoch (the current one from its position) and its buffered samples."""
+    """An old reader's shards left in the epoch (the current one from its position) and its buffered
+    samples."""
     position = state.position
     if position is None and state.drawn:
-        raise ReshapeError("the checkpoint was written before reader positions were saved: resume it on the shape "
-                           "it was written on")
+        raise ReshapeError("the checkpoint was written before reader positions were saved: resume it on the "
+                           "shape it was written on")
     current, taken, last_key, buffer = 0, *state.starts.get(0, (0, "")), []
     if position is not None:
-        current, taken, last_key, buffer = position.shard_index, position.taken, position.last_key, position.buffer
+        current, taken, last_key, buffer = (position.shard_index, position.taken, position.last_key,
+                                            position.buffer)
     parts = {}
     for j in range(current, len(shards)):
         start = (taken, last_key) if j == current else state.starts.get(j, (0, ""))
@@ -219,14 +231,14 @@ def _gather_slot(left: _Left, slot: int, state: SlotState, shards: list[int], ur
         elif shard in parts:
             parts[shard].refs.append(member)
         else:
-            raise ReshapeError(f"reader {slot} of the checkpoint buffers a reference into shard {shard} of its list, "
-                               f"which it is not reading: the checkpoint is damaged")
+            raise ReshapeError(f"reader {slot} of the checkpoint buffers a reference into shard {shard} "
+                               "of its list, which it is not reading: the checkpoint is damaged")
 
 
 def _shard_index(index: dict[str, int], url: str) -> int:
     if url not in index:
-        raise ReshapeError(f"the checkpoint's reader was reading {url}, which is not among this run's shards: "
-                           "resume with the data it was written with")
+        raise ReshapeError(f"the checkpoint's reader was reading {url}, which is not among this run's "
+                           "shards: resume with the data it was written with")
     return index[url]
 
 
@@ -234,8 +246,9 @@ def _shard_index(index: dict[str, int], url: str) -> int:
 
 
 def _deal(left: _Left, stream, world: int, workers: int, tokenized: list[tuple[int, int]]) -> list[SlotState]:
-    """Every new slot's state: its shards (parts), its buffered samples, a fresh shuffle RNG, the old counters.
-    `tokenized`: (tokens, new rank) of each tokenized leftover (`_tokenized_ranks`), which weigh on their ranks."""
+    """Every new slot's state: its shards (parts), its buffered samples, a fresh shuffle RNG, the old
+    counters. `tokenized`: (tokens, new rank) of each tokenized leftover (`_tokenized_ranks`), which weigh on
+    their ranks."""
     num_slots = world * workers
     known = stream.tokens_known
     mean_doc = sum(stream.shard_tokens) / max(1, sum(stream.expected_docs.values())) if known else 0.0
@@ -258,20 +271,24 @@ def _deal(left: _Left, stream, world: int, workers: int, tokenized: list[tuple[i
     slot_parts: list[list[int]] = [[] for _ in range(num_slots)]
     for rank in range(world):
         ks = [k for k in by_size if rank_of[k] == rank]
-        for k, worker in zip(ks, lpt(ks, weight, slot_load[rank * workers:(rank + 1) * workers]), strict=True):
+        for k, worker in zip(ks, lpt(ks, weight, slot_load[rank * workers:(rank + 1) * workers]),
+                             strict=True):
             slot_parts[rank * workers + worker].append(k)
     states = []
     for s in range(num_slots):
         check_interrupt()
-        # Partly read shards first (their samples are already in the buffer), then the rest in the seeded order.
+        # Partly read shards first (their samples are already in the buffer), then the rest in the seeded
+        # order.
         ks = sorted(slot_parts[s], key=lambda k: (parts[k].taken == 0, k))
-        states.append(_slot_state(left, stream, s, [parts[k] for k in ks], samples[s], num_slots, world, workers))
+        states.append(_slot_state(left, stream, s, [parts[k] for k in ks], samples[s], num_slots, world,
+                                  workers))
     return states
 
 
 def _slot_state(left: _Left, stream, slot: int, parts: list[_Part], samples: list, num_slots: int, world: int,
                 workers: int) -> SlotState:
-    """A new reader's state: shard list = the shards its buffered samples came from (already read) + its parts."""
+    """A new reader's state: shard list = the shards its buffered samples came from (already read) + its
+    parts."""
     origins = {url: i for i, url in enumerate(dict.fromkeys(url for url, *_ in samples))}
     first = len(origins)
     shards = list(origins) + [stream.shards[p.shard] for p in parts]
@@ -280,17 +297,19 @@ def _slot_state(left: _Left, stream, slot: int, parts: list[_Part], samples: lis
     buffer += [(first + k, member, "", None) for k, p in enumerate(parts) for member in p.refs]
     seed = int(np.random.SeedSequence([stream.seed, left.epoch, slot, world, workers]).generate_state(1)[0])
     taken, last_key = starts.get(first, (0, ""))
-    position = {"shard_index": first, "taken": taken, "last_key": last_key, "rng": random.Random(seed).getstate()[1],
-                "draining": False, "buffer": buffer}
+    position = {"shard_index": first, "taken": taken, "last_key": last_key,
+                "rng": random.Random(seed).getstate()[1], "draining": False, "buffer": buffer}
     skipped, docs = _kept_counters(left, num_slots)[slot]  # totals kept
-    return SlotState.from_dict({"epoch": left.epoch, "drawn": 0, "shard": "", "skipped": skipped, "docs": docs,
-                                "position": position, "split": RESHAPED, "shards": shards, "starts": starts})
+    return SlotState.from_dict({"epoch": left.epoch, "drawn": 0, "shard": "", "skipped": skipped,
+                                "docs": docs, "position": position, "split": RESHAPED, "shards": shards,
+                                "starts": starts})
 
 
 def _weight(part: _Part, stream) -> float:
     """Tokens left in a part: all of a whole shard's; a shard read in part, its share of samples not yet taken
     or still buffered as references (by the manifest's count; half when unknown). Without token counts: 1 per
-    shard. Example: 100 samples, 30,000 tokens, 72 taken of which 8 still buffered -> 30000 * 36/100 = 10,800."""
+    shard. Example: 100 samples, 30,000 tokens, 72 taken of which 8 still buffered ->
+    30000 * 36/100 = 10,800."""
     size = stream.shard_tokens[part.shard] if stream.tokens_known else 1
     if not part.taken:
         return float(size)
@@ -304,8 +323,8 @@ def _tokenized_ranks(left: _Left, world: int) -> list[tuple[int, int]]:
     pieces in their old order."""
     load = [(0, r) for r in range(world)]
     out = []
-    for items, size in ((left.rows, lambda row: sum(len(d[1]) for d in row)), (left.pieces, lambda d: len(d[1])),
-                        (left.pending, lambda d: len(d[1]))):
+    for items, size in ((left.rows, lambda row: sum(len(d[1]) for d in row)),
+                        (left.pieces, lambda d: len(d[1])), (left.pending, lambda d: len(d[1]))):
         for item in items:
             tokens, rank = heapq.heappop(load)
             out.append((size(item), rank))
@@ -314,9 +333,10 @@ def _tokenized_ranks(left: _Left, world: int) -> list[tuple[int, int]]:
 
 
 def _deal_tokenized(left: _Left, ranks: list[int]) -> dict[str, list[int]]:
-    """`ranks` (`_tokenized_ranks`, in its order) split into those of the ready rows, packer pieces and pending
-    documents."""
+    """`ranks` (`_tokenized_ranks`, in its order) split into those of the ready rows, packer pieces and
+    pending documents."""
     n_rows, n_pieces = len(left.rows), len(left.pieces)
-    return {"rows": ranks[:n_rows], "pieces": ranks[n_rows:n_rows + n_pieces], "pending": ranks[n_rows + n_pieces:]}
+    return {"rows": ranks[:n_rows], "pieces": ranks[n_rows:n_rows + n_pieces],
+            "pending": ranks[n_rows + n_pieces:]}
 
 

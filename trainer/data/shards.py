@@ -7,16 +7,16 @@ Layout of a prepared directory:
     <out>/train-000000.tar ...   one sample per document
     <out>/val-000000.tar ...
 
-Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text, which webdataset reads back as
-{"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the manifest's
-tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the manifest's "ids"
-entry says which, and the tokenizer's sha256 they were encoded with; under the entry's "check": "crc32" the member ends
-with 4 more bytes, a little-endian crc32 of the text's length and ends and of the ids, which ties the ids to their text:
-`ids_check`), and for chat data `<key>.assistant`, the
-assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads the
-ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with (`StoredIds`). Keys
-hold no dot (webdataset cuts the member name into key and field at the first dot) and are unique across the
-dataset.
+Sample schema: each document is a `<key>.txt` tar member holding its UTF-8 text, which webdataset reads back
+as {"__key__": key, "txt": bytes, ...}; by default followed by `<key>.ids`, the text's token ids as the
+manifest's tokenizer encodes it (no EOS; little-endian uint16, or uint32 for a vocabulary over 65,536: the
+manifest's "ids" entry says which, and the tokenizer's sha256 they were encoded with; under the entry's
+"check": "crc32" the member ends with 4 more bytes, a little-endian crc32 of the text's length and ends and of
+the ids, which ties the ids to their text: `ids_check`), and for chat data `<key>.assistant`, the
+assistant turns' tokens as [start, end) ranges of token indices (little-endian uint32 pairs). The stream reads
+the ids instead of tokenizing the text when the run's tokenizer is the one they were encoded with
+(`StoredIds`). Keys hold no dot (webdataset cuts the member name into key and field at the first dot) and are
+unique across the dataset.
 
 Every file is written atomically (temp file in the same directory, then `os.replace`), so a reader
 never sees half a shard; `trainer.prepare` stages a new dataset beside the old one and swaps it in at the end,
@@ -57,12 +57,14 @@ SCHEMA = {
     TEXT_FIELD: "bytes: the document text, UTF-8, without EOS (the stream appends one EOS per document)",
 }
 IDS_SCHEMA = {
-    IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'; with its "
-               "check 'crc32', then 4 bytes: trainer.data.shards.ids_check, the little-endian crc32 of the text's "
-               "length (8 bytes, little-endian), its first and last 64 bytes, then the ids' bytes",
+    IDS_FIELD: "bytes: the text's token ids (no EOS), little-endian, of the dtype and tokenizer in 'ids'; "
+               "with its check 'crc32', then 4 bytes: trainer.data.shards.ids_check, the little-endian "
+               "crc32 of the text's length (8 bytes, little-endian), its first and last 64 bytes, then "
+               "the ids' bytes",
 }
 ASSISTANT_SCHEMA = {
-    ASSISTANT_FIELD: "bytes: the assistant turns' tokens, [start, end) token index ranges, little-endian uint32 pairs",
+    ASSISTANT_FIELD: "bytes: the assistant turns' tokens, [start, end) token index ranges, "
+                     "little-endian uint32 pairs",
 }
 
 
@@ -75,26 +77,30 @@ IDS_CHECK = "crc32"
 """The manifest's "ids" "check": each ids member ends with a crc32 of its text and ids (`ids_member`)."""
 CHECK_BYTES = 4
 TEXT_ENDS = 64
-"""Bytes of each end of the text the check covers, with the text's length: a text of any size costs the same."""
+"""Bytes of each end of the text the check covers, with the text's length:
+a text of any size costs the same."""
 
 
 def ids_check(ids: bytes, text: bytes) -> int:
-    """The crc32 that ties `ids` to `text`: of the text's length (8 bytes, little-endian), its first and last TEXT_ENDS
-    bytes, then the ids. Another sample's ids fail it unless that sample's text has the same length and ends; a
-    changed id fails it. Cheap: ~1 KB hashed for a document of a few hundred tokens, whatever its text's size."""
+    """The crc32 that ties `ids` to `text`: of the text's length (8 bytes, little-endian), its first and last
+    TEXT_ENDS bytes, then the ids. Another sample's ids fail it unless that sample's text has the same length
+    and ends; a changed id fails it. Cheap: ~1 KB hashed for a document of a few hundred tokens, whatever its
+    text's size."""
     ends = len(text).to_bytes(8, "little") + text[:TEXT_ENDS] + text[-TEXT_ENDS:]
     return zlib.crc32(ids, zlib.crc32(ends))
 
 
 def ids_member(ids: bytes, text: bytes) -> bytes:
-    """The `ids` member prepare writes: the ids' bytes, then their `ids_check` with `text` (4 bytes, little-endian).
-    Example: ids_member(b"\x01\x00", b"a") -> b"\x01\x00" + ids_check(b"\x01\x00", b"a").to_bytes(4, "little")."""
+    """The `ids` member prepare writes: the ids' bytes, then their `ids_check` with `text` (4 bytes,
+    little-endian). Example:
+    ids_member(b"\x01\x00", b"a") -> b"\x01\x00" + ids_check(b"\x01\x00", b"a").to_bytes(4, "little")."""
     return ids + ids_check(ids, text).to_bytes(CHECK_BYTES, "little")
 
 
 def wide_ids(ids: bytes, dtype: str) -> bool:
-    """Whether <u2 ids look like <u4 ones read as <u2: at least two values, every second one 0 (the high halves of
-    ids under 65,536). Examples: [7, 0, 9, 0] -> True; [7, 0, 9, 4] -> False. O(1) unless the last value is 0."""
+    """Whether <u2 ids look like <u4 ones read as <u2: at least two values, every second one 0 (the high
+    halves of ids under 65,536). Examples: [7, 0, 9, 0] -> True; [7, 0, 9, 4] -> False. O(1) unless the last
+    value is 0."""
     if len(ids) < 8 or ids[-1] or ids[-2] or dtype != "<u2" or len(ids) % 4:
         return False
     return not np.frombuffer(ids, dtype="<u2")[1::2].any()
@@ -102,27 +108,32 @@ def wide_ids(ids: bytes, dtype: str) -> bool:
 
 @dataclass(frozen=True)
 class StoredIds:
-    """Token ids a prepared dataset stores beside its text (the manifest's "ids" entry), as a stream reads them."""
+    """Token ids a prepared dataset stores beside its text (the manifest's "ids" entry),
+    as a stream reads them."""
 
     dtype: str
     """numpy dtype of the ids member: "<u2" or "<u4"."""
     assistant: bool = False
-    """Read the assistant ranges too (data.loss_on=assistant): a sample without them is tokenized from its text."""
+    """Read the assistant ranges too (data.loss_on=assistant):
+    a sample without them is tokenized from its text."""
     checked: bool = False
-    """Each ids member ends with its crc32 (`ids_member`): verified against the sample's text as it is read. False for
-    shards prepared before the check was written: their ids are read whole."""
+    """Each ids member ends with its crc32 (`ids_member`): verified against the sample's text as it is read.
+    False for shards prepared before the check was written: their ids are read whole."""
     vocab_size: int | None = None
-    """The tokenizer's vocabulary (the manifest's): a stored id at or over it is a damaged sample (bad_ids)."""
+    """The tokenizer's vocabulary (the manifest's):
+    a stored id at or over it is a damaged sample (bad_ids)."""
 
 
 def stored_ids(manifest: dict, tokenizer_hash: str, assistant: bool) -> StoredIds | None:
-    """How a run whose tokenizer has `tokenizer_hash` reads the shards of `manifest`: their stored ids when they were
-    encoded by that tokenizer (and, if `assistant`, with the assistant ranges stored too); None: tokenize the text
-    (no ids stored, another tokenizer, e.g. one extended by tokenizer.add_tokens)."""
+    """How a run whose tokenizer has `tokenizer_hash` reads the shards of `manifest`: their stored ids when
+    they were encoded by that tokenizer (and, if `assistant`, with the assistant ranges stored too); None:
+    tokenize the text (no ids stored, another tokenizer, e.g. one extended by tokenizer.add_tokens)."""
     ids = manifest.get("ids")
-    if not isinstance(ids, dict) or ids.get("tokenizer_sha256") != tokenizer_hash or ids.get("field") != IDS_FIELD:
+    if (not isinstance(ids, dict) or ids.get("tokenizer_sha256") != tokenizer_hash
+            or ids.get("field") != IDS_FIELD):
         return None
-    if ids.get("dtype") not in ("<u2", "<u4") or (assistant and ids.get("assistant_field") != ASSISTANT_FIELD):
+    if (ids.get("dtype") not in ("<u2", "<u4")
+            or (assistant and ids.get("assistant_field") != ASSISTANT_FIELD)):
         return None
     vocab = manifest.get("tokenizer", {}).get("vocab_size")
     return StoredIds(dtype=ids["dtype"], assistant=assistant, checked=ids.get("check") == IDS_CHECK,
@@ -156,7 +167,8 @@ class _OpenShard:
         self.file: BinaryIO = os.fdopen(fd, "wb")
         # The members webdataset's TarWriter(encoder=False, mtime=0) writes, byte for byte (tested), with the
         # standard library alone: importing webdataset imports torch, which prepare's worker processes do not
-        # need. PAX: keys may be longer than USTAR's 100 characters; mtime 0: the same documents give the same bytes.
+        # need. PAX: keys may be longer than USTAR's 100 characters;
+        # mtime 0: the same documents give the same bytes.
         self.tar = tarfile.open(fileobj=self.file, mode="w|", format=tarfile.PAX_FORMAT)
         self.docs = 0
         self.text_bytes = 0
@@ -164,7 +176,8 @@ class _OpenShard:
     def write(self, key: str, data: bytes, fields: dict[str, bytes]) -> None:
         for field_name, value in ((TEXT_FIELD, data), *fields.items()):
             info = tarfile.TarInfo(f"{key}.{field_name}")
-            info.size, info.mtime, info.mode, info.uname, info.gname = len(value), 0, 0o444, "bigdata", "bigdata"
+            info.size, info.mtime, info.mode, info.uname, info.gname = (
+                len(value), 0, 0o444, "bigdata", "bigdata")
             self.tar.addfile(info, io.BytesIO(value))
         self.docs += 1
         self.text_bytes += len(data)
@@ -188,14 +201,14 @@ class ShardWriter:
     """Shards written one document at a time: `<out_dir>/<prefix>-000000.tar`, `-000001.tar`, ...
 
     A shard closes after `docs_per_shard` documents, or before the text that would take it past
-    `max_shard_bytes` of text (a single larger document still gets a shard of its own; other fields do not count,
-    so a dataset with stored ids has the same shards as without). `tokens` given to `add` are summed per shard.
-    Use as a context manager: an error mid-shard leaves no temp file behind.
+    `max_shard_bytes` of text (a single larger document still gets a shard of its own; other fields do not
+    count, so a dataset with stored ids has the same shards as without). `tokens` given to `add` are summed
+    per shard. Use as a context manager: an error mid-shard leaves no temp file behind.
     Example: 5 documents, docs_per_shard=2 -> shards of 2, 2 and 1 documents; none -> no shards.
     """
 
-    def __init__(self, out_dir: str | Path, prefix: str, docs_per_shard: int, max_shard_bytes: int | None = None,
-                 name: Callable[[str, int], str] | None = None) -> None:
+    def __init__(self, out_dir: str | Path, prefix: str, docs_per_shard: int,
+                 max_shard_bytes: int | None = None, name: Callable[[str, int], str] | None = None) -> None:
         if docs_per_shard < 1:
             raise PrepareError(f"docs per shard must be >= 1, got {docs_per_shard}")
         self.out_dir = Path(out_dir)
@@ -209,8 +222,10 @@ class ShardWriter:
         self._keys: set[str] = set()  # of the open shard: keys are unique by construction, this catches a bug
 
     def add(self, key: str, data: bytes, tokens: int = 0, fields: dict[str, bytes] | None = None) -> None:
-        """Append a document: its text `data` (`<key>.txt`), then `fields` as `<key>.<field>` members in order."""
-        if self._open is not None and _is_full(self._open, len(data), self.docs_per_shard, self.max_shard_bytes):
+        """Append a document: its text `data` (`<key>.txt`),
+        then `fields` as `<key>.<field>` members in order."""
+        if self._open is not None and _is_full(self._open, len(data), self.docs_per_shard,
+                                               self.max_shard_bytes):
             self._commit()
         _check_key(key, self._keys)
         if self._open is None:
@@ -343,7 +358,8 @@ _MEMBER_KINDS = {tarfile.DIRTYPE: "a directory", tarfile.SYMTYPE: "a symlink", t
 
 def non_sample_members(shard: str | Path, limit: int = 3) -> list[str]:
     """Members of a local shard that webdataset skips without a word: non-regular files, names without an
-    extension. Example: ["'b.txt' (a symlink)", "'notes' (no extension)"]. [] for remote or unreadable shards."""
+    extension. Example: ["'b.txt' (a symlink)", "'notes' (no extension)"]. [] for remote or unreadable
+    shards."""
     found: list[str] = []
     if not Path(shard).is_file():
         return found

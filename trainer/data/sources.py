@@ -8,20 +8,21 @@ SHARDS is a string or a list of strings, each expanded by webdataset's own `expa
 lists, braces expand, `$WDS_*` variables substitute), then local globs by `glob`:
     /data/c4/train-{000000..000127}.tar                 local paths (checked at startup)
     /data/c4/train-*.tar                                a local glob (sorted)
-    https://host/c4/train-{000000..000127}.tar          http(s), sftp:, ftps:, scp: curl (without its own retries)
+    https://host/c4/train-{000000..000127}.tar          http(s), sftp:, ftps:, scp: curl (without its own
+                                                        retries)
     gs://bucket/c4/train-{000000..000127}.tar           `gsutil cat URL`
     ais://bucket/c4/train-{000000..000127}.tar          `ais get URL -`
-    hf://datasets/org/c4/train-{000000..000127}.tar     curl on the Hub's resolve URL (also hf://ORG/NAME/..., models,
-                                                        hf://spaces/..., and @REVISION after the name)
+    hf://datasets/org/c4/train-{000000..000127}.tar     curl on the Hub's resolve URL (also hf://ORG/NAME/...,
+                                                        models, hf://spaces/..., and @REVISION after the name)
     htgs://bucket/c4/train-000000.tar                   curl on gs://bucket/... (as webdataset has it)
     pipe:aws s3 cp s3://bucket/train-{000000..000127}.tar -     any command writing the tar to stdout
 
 `read_shard` opens a shard (`open_shard`: a file, or the command that webdataset's `gopen` would run for the
 scheme, but each command in a process group of its own that dies with the trainer) and cuts it into samples as
-webdataset's tar iterators do (trainer.data.tars: the same samples in one pass, ~10x faster); a failure comes out as a
-`ShardReadError` that says whether reading again may help (`transient`), a command that sends nothing for
-data.read_timeout_s seconds included. The stream (trainer.data.stream, through trainer.data.reader) owns the retries:
-data.retries, 1 s, 2 s, 4 s ... apart, is the only retry policy.
+webdataset's tar iterators do (trainer.data.tars: the same samples in one pass, ~10x faster); a failure comes
+out as a `ShardReadError` that says whether reading again may help (`transient`), a command that sends nothing
+for data.read_timeout_s seconds included. The stream (trainer.data.stream, through trainer.data.reader) owns
+the retries: data.retries, 1 s, 2 s, 4 s ... apart, is the only retry policy.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s)://, gs://, ais:// or hf:// URLs, or "
-             "pipe: commands (e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
+URLS_HELP = ("brace ranges like train-{000000..000013}.tar, a glob, http(s)://, gs://, ais:// or hf:// URLs, "
+             "or pipe: commands (e.g. 'pipe:aws s3 cp s3://bucket/train-000000.tar -')")
 
 
 class ShardSourceError(UserError, ValueError):
@@ -96,12 +97,14 @@ def resolve_source(data: DataConfig) -> ShardSource:
     """Expand and check `data.path` / `data.urls` / `data.val_urls` / `data.tokenizer`.
 
     Example: urls='/d/train-{000000..000001}.tar', path=None, and /d holds manifest.json -> train_urls
-    ['/d/train-000000.tar', '/d/train-000001.tar'], val_urls from the manifest's val split, tokenizer /d/tokenizer.
+    ['/d/train-000000.tar', '/d/train-000001.tar'], val_urls from the manifest's val split, tokenizer
+    /d/tokenizer.
     """
     if data.urls is None and not data.path:
         raise ShardSourceError("no shards: set data.path=DIR (a directory written by trainer.prepare) or "
                                f"data.urls=SHARDS ({URLS_HELP})")
-    train = expand_shards(data.urls, "data.urls") if data.urls is not None else shard_paths(data.path, data.split)
+    train = (expand_shards(data.urls, "data.urls") if data.urls is not None
+             else shard_paths(data.path, data.split))
     manifest_dir = Path(data.path) if data.path else _manifest_beside(train)
     manifest = load_manifest(manifest_dir) if manifest_dir is not None else None
     if data.val_urls is not None:
@@ -110,7 +113,8 @@ def resolve_source(data: DataConfig) -> ShardSource:
         val = shard_paths(manifest_dir, VAL_SPLIT)
     else:
         val = []
-    counts = {s["name"]: s["docs"] for split in (manifest or {}).get("splits", {}).values() for s in split["shards"]}
+    counts = {s["name"]: s["docs"] for split in (manifest or {}).get("splits", {}).values()
+              for s in split["shards"]}
     if counts and data.urls is not None and not any(url_file_name(u) in counts for u in train):
         log.warning("none of the data.urls shard names is listed in %s: document counts are not checked",
                     manifest_dir / MANIFEST_FILE)
@@ -133,7 +137,8 @@ def expand_shards(spec: str | list[str], key: str) -> list[str]:
     """
     specs = [spec] if isinstance(spec, str) else list(spec)
     if not specs or not all(isinstance(s, str) and s.strip() for s in specs):
-        raise ShardSourceError(f"{key}={spec!r}: expected a non-empty string or list of strings ({URLS_HELP})")
+        raise ShardSourceError(f"{key}={spec!r}: expected a non-empty string or list of strings "
+                               f"({URLS_HELP})")
     urls: list[str] = []
     for pattern in specs:
         expanded = wds.shardlists.expand_urls(pattern)
@@ -163,14 +168,15 @@ def _missing_message(key: str, pattern: str, expanded: list[str], missing: list[
     if len(missing) == len(expanded):
         return (f"{key}={pattern!r} matches no shard: none of its {len(expanded)} paths exists (first: "
                 f"{missing[0]}); check the directory and the brace range")
-    return (f"{key}={pattern!r}: {len(missing)} of its {len(expanded)} shards do not exist (first: {missing[0]}); "
-            "check the brace range, the list or the directory")
+    return (f"{key}={pattern!r}: {len(missing)} of its {len(expanded)} shards do not exist (first: "
+            f"{missing[0]}); check the brace range, the list or the directory")
 
 
 def _check_shards_of(manifest: dict, manifest_dir: Path, urls: list[str]) -> None:
-    """A ShardSourceError if a local data.urls shard is not the manifest's shard of its name: it lies elsewhere and
-    its size differs from the one the manifest lists (data.path and data.urls name two datasets; each of its shards
-    would otherwise be read through and then reported as truncated). Remote shards are checked as they are read."""
+    """A ShardSourceError if a local data.urls shard is not the manifest's shard of its name: it lies
+    elsewhere and its size differs from the one the manifest lists (data.path and data.urls name two datasets;
+    each of its shards would otherwise be read through and then reported as truncated). Remote shards are
+    checked as they are read."""
     sizes = {s["name"]: s.get("bytes") for split in manifest["splits"].values() for s in split["shards"]}
     home = os.path.realpath(manifest_dir)
     for url in urls:
@@ -184,9 +190,9 @@ def _check_shards_of(manifest: dict, manifest_dir: Path, urls: list[str]) -> Non
             continue  # named when it is read
         if size != sizes[name]:
             raise ShardSourceError(
-                f"{url} is not the shard {name} of {manifest_dir / MANIFEST_FILE} ({size:,} bytes; the manifest lists "
-                f"{sizes[name]:,}): data.path and data.urls name different datasets; give data.path of the dataset "
-                "these shards belong to, or leave data.path out")
+                f"{url} is not the shard {name} of {manifest_dir / MANIFEST_FILE} ({size:,} bytes; "
+                f"the manifest lists {sizes[name]:,}): data.path and data.urls name different datasets; give "
+                "data.path of the dataset these shards belong to, or leave data.path out")
 
 
 def _local_path(url: str) -> str | None:
@@ -212,12 +218,12 @@ def _tokenizer_dir(tokenizer: str | None, manifest_dir: Path | None, manifest: d
     elif manifest is not None:
         path = manifest_dir / manifest["tokenizer"]["path"]
     else:
-        raise ShardSourceError("data.urls without a prepared directory needs a tokenizer: set data.tokenizer=DIR "
-                               "(holding tokenizer.json, e.g. the tokenizer/ that trainer.prepare wrote) or "
-                               "data.path=<prepared dir>")
+        raise ShardSourceError("data.urls without a prepared directory needs a tokenizer: set "
+                               "data.tokenizer=DIR (holding tokenizer.json, e.g. the tokenizer/ that "
+                               "trainer.prepare wrote) or data.path=<prepared dir>")
     if not (path / "tokenizer.json").is_file():
-        raise ShardSourceError(f"{path}: no tokenizer.json there (data.tokenizer must be a tokenizer directory "
-                               f"as trainer.prepare writes it)")
+        raise ShardSourceError(f"{path}: no tokenizer.json there (data.tokenizer must be a tokenizer "
+                               "directory as trainer.prepare writes it)")
     return path
 
 
@@ -267,7 +273,8 @@ CURL_EXITS = {
 }
 CLOSE_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 60.0
-"""Default of data.read_timeout_s: a shard command that sends no byte for this long has failed (transiently)."""
+"""Default of data.read_timeout_s: a shard command that sends no byte for this long has failed
+(transiently)."""
 
 
 @dataclass
@@ -280,9 +287,9 @@ class ReadCounter:
 
 
 class _CountedStream:
-    """A shard's byte stream that adds what is read from it to a ReadCounter, and gives way to a preemption signal:
-    each read first checks for one (trainer.data.workers.check_interrupt), so a local file, which never blocks, is
-    left within one read too (a CommandStream also checks while it waits)."""
+    """A shard's byte stream that adds what is read from it to a ReadCounter, and gives way to a preemption
+    signal: each read first checks for one (trainer.data.workers.check_interrupt), so a local file, which
+    never blocks, is left within one read too (a CommandStream also checks while it waits)."""
 
     def __init__(self, stream, counter: ReadCounter) -> None:
         self.stream = stream
@@ -302,7 +309,8 @@ class _CountedStream:
         return data
 
     def fileno(self) -> int:
-        """The file's descriptor (a local file: the tar reader checks each member's size against the file's)."""
+        """The file's descriptor (a local file: the tar reader checks each member's size against the
+        file's)."""
         return self.stream.fileno()
 
     def tell(self) -> int:
@@ -312,15 +320,15 @@ class _CountedStream:
 def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = READ_TIMEOUT_S,
                max_member_bytes: int | None = None) -> Iterator[dict]:
     """The samples of one shard ({"__key__": ..., "txt": bytes, ...}) in file order, cut as webdataset's tar
-    iterators cut them (trainer.data.tars, in one pass). `max_member_bytes`: a member larger is not read; its field
-    holds a trainer.data.tars.TooLargeMember instead of bytes (`tar_samples`).
+    iterators cut them (trainer.data.tars, in one pass). `max_member_bytes`: a member larger is not read; its
+    field holds a trainer.data.tars.TooLargeMember instead of bytes (`tar_samples`).
 
-    `open_shard` opens the URL (a local file, else its scheme's command: curl, gsutil, ais, a shell for pipe:). At
-    the end the stream is read to EOF and the command's exit status checked, so a failed transfer is never
-    mistaken for a short shard. A command that sends nothing for `timeout_s` seconds is a transient failure ("no
-    data for N s"). Raises ShardReadError, or ReadInterrupted after a preemption signal (trainer.data.workers).
-    `counter`, if given, counts the samples and bytes read. However the read ends, no process of the shard's
-    command is left.
+    `open_shard` opens the URL (a local file, else its scheme's command: curl, gsutil, ais, a shell for
+    pipe:). At the end the stream is read to EOF and the command's exit status checked, so a failed transfer
+    is never mistaken for a short shard. A command that sends nothing for `timeout_s` seconds is a transient
+    failure ("no data for N s"). Raises ShardReadError, or ReadInterrupted after a preemption signal
+    (trainer.data.workers). `counter`, if given, counts the samples and bytes read. However the read ends, no
+    process of the shard's command is left.
     """
     try:
         stream = open_shard(url, timeout_s)  # a scheme nobody reads, a program not installed: ShardReadError
@@ -340,7 +348,8 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     except Exception as exn:  # tarfile, webdataset, the stream (no data in time, a signal)
         error = exn
     finally:
-        status = _close(stream, abandoned=not finished and error is None)  # abandoned: the reader stopped early
+        # abandoned: the reader stopped early
+        status = _close(stream, abandoned=not finished and error is None)
     failure = getattr(stream, "failure", None)
     if failure is not None:  # a preemption signal, or no data in time: the command was killed
         raise failure from None
@@ -349,7 +358,8 @@ def read_shard(url: str, counter: ReadCounter | None = None, timeout_s: float = 
     if status is None or status in STOPPED_BY_READER:
         if error is None:
             return
-        # The bytes arrived as they are (a local file, or a command that did not fail): reading again won't help.
+        # The bytes arrived as they are (a local file, or a command that did not fail): reading again won't
+        # help.
         raise ShardReadError(_describe(error), transient=False) from error
     raise _command_failure(stream.command, status) from error
 
@@ -360,10 +370,10 @@ SCHEMES_HELP = ("local paths, file:, http(s): (and sftp:, ftps:, scp:), gs: (gsu
 CURL = ("curl", "--fail", "--silent", "--location")
 """curl as shards are fetched: without its own retries (`--retry`), data.retries is the only retry policy."""
 COMMAND_WRAPPER = 'trap "kill -KILL 0" TERM HUP; "$@" & wait $!'
-"""The shell that runs a shard's command ("$@": gsutil, ais, or `/bin/sh -c` for pipe:) in the command's own process
-group. The kernel sends it SIGTERM when the trainer (or the DataLoader worker) that started it dies
-(PR_SET_PDEATHSIG); it then kills the whole group, the command's children included. `wait $!` is its exit status:
-the command's (128 + N if a signal N ended it)."""
+"""The shell that runs a shard's command ("$@": gsutil, ais, or `/bin/sh -c` for pipe:) in the command's own
+process group. The kernel sends it SIGTERM when the trainer (or the DataLoader worker) that started it dies
+(PR_SET_PDEATHSIG); it then kills the whole group, the command's children included. `wait $!` is its exit
+status: the command's (128 + N if a signal N ended it)."""
 
 
 @dataclass(frozen=True)
@@ -373,22 +383,25 @@ class ShardCommand:
     command: tuple[str, ...]
     """The program and its arguments, e.g. ('gsutil', 'cat', 'gs://b/train-000000.tar')."""
     wrapped: bool
-    """Run under COMMAND_WRAPPER (it may start children); else directly (curl: one process, killed with SIGKILL if
-    the trainer dies)."""
+    """Run under COMMAND_WRAPPER (it may start children); else directly (curl: one process, killed with
+    SIGKILL if the trainer dies)."""
     curl_url: str | None = None
-    """The URL curl fetches, if it is curl: its exit statuses are curl's, and an HTTP error is asked its status."""
+    """The URL curl fetches, if it is curl: its exit statuses are curl's, and an HTTP error is asked its
+    status."""
     headers: tuple[tuple[str, str], ...] = ()
     """Request headers for curl, handed to it on its stdin (`--config -`), so that no token shows in `ps`."""
 
     @property
     def args(self) -> list[str]:
-        return ["/bin/sh", "-c", COMMAND_WRAPPER, "packtrain-shard", *self.command] if self.wrapped else [*self.command]
+        return (["/bin/sh", "-c", COMMAND_WRAPPER, "packtrain-shard", *self.command] if self.wrapped
+                else [*self.command])
 
 
 def open_shard(url: str, timeout_s: float = READ_TIMEOUT_S):
-    """A readable binary stream of the shard: a file for a local path (webdataset's `gopen`), else a `CommandStream`
-    over the command `shard_command` names for it (each in a process group of its own, dying with the trainer,
-    with the read timeout). Raises ShardReadError for a scheme nobody reads or a program that is not installed.
+    """A readable binary stream of the shard: a file for a local path (webdataset's `gopen`), else a
+    `CommandStream` over the command `shard_command` names for it (each in a process group of its own, dying
+    with the trainer, with the read timeout). Raises ShardReadError for a scheme nobody reads or a program
+    that is not installed.
     """
     if _local_path(url) is not None:
         return gopen(url)
@@ -401,11 +414,13 @@ def open_shard(url: str, timeout_s: float = READ_TIMEOUT_S):
 
 
 def shard_command(url: str) -> ShardCommand:
-    """The command webdataset's `gopen` runs for the URL's scheme, under the trainer's rules: curl with `CURL`,
-    gs: `gsutil cat URL`, ais: `ais get URL -`, htgs: curl on the gs:// URL, hf: curl on the Hub's resolve URL
-    (`hf_resolve_url`; with the token, `hf_token`, if there is one), pipe: the command under `/bin/sh -c`.
+    """The command webdataset's `gopen` runs for the URL's scheme, under the trainer's rules: curl with
+    `CURL`, gs: `gsutil cat URL`, ais: `ais get URL -`, htgs: curl on the gs:// URL, hf: curl on the Hub's
+    resolve URL (`hf_resolve_url`; with the token, `hf_token`, if there is one), pipe: the command under
+    `/bin/sh -c`.
 
-    Example: 'gs://b/train-000000.tar' -> ShardCommand(('gsutil', 'cat', 'gs://b/train-000000.tar'), wrapped=True).
+    Example: 'gs://b/train-000000.tar' ->
+    ShardCommand(('gsutil', 'cat', 'gs://b/train-000000.tar'), wrapped=True).
     """
     scheme = urlparse(url).scheme
     if url.startswith("pipe:"):
@@ -426,19 +441,23 @@ def shard_command(url: str) -> ShardCommand:
 
 
 HF_ENDPOINT = "https://huggingface.co"
-"""The Hub's address when the HF_ENDPOINT environment variable does not name another (as huggingface_hub has it)."""
+"""The Hub's address when the HF_ENDPOINT environment variable does not name another (as huggingface_hub has
+it)."""
 HF_REPO_PREFIXES = {"datasets": "datasets/", "spaces": "spaces/", "models": ""}
-HF_FILE = re.compile(r"(?P<repo>[^/@]+/[^/@]+)(?:@(?P<revision>refs/(?:convert/[\w.-]+|pr/\d+)|[^/]+))?/(?P<path>.+)")
-"""ORG/NAME[@REVISION]/PATH, the part of an hf:// URL after its repository type (huggingface_hub's grammar)."""
+HF_FILE = re.compile(r"(?P<repo>[^/@]+/[^/@]+)(?:@(?P<revision>refs/(?:convert/[\w.-]+|pr/\d+)|[^/]+))?"
+                     r"/(?P<path>.+)")
+"""ORG/NAME[@REVISION]/PATH, the part of an hf:// URL after its repository type (huggingface_hub's
+grammar)."""
 
 
 def hf_resolve_url(url: str) -> str:
-    """The https URL of an hf:// file at the Hub's resolve endpoint, as huggingface_hub's `hf_hub_url` builds it,
-    without a network call: hf://[datasets/|spaces/|models/]ORG/NAME[@REVISION]/PATH, REVISION main by default,
-    the Hub at HF_ENDPOINT.
+    """The https URL of an hf:// file at the Hub's resolve endpoint, as huggingface_hub's `hf_hub_url` builds
+    it, without a network call: hf://[datasets/|spaces/|models/]ORG/NAME[@REVISION]/PATH, REVISION main by
+    default, the Hub at HF_ENDPOINT.
 
     Examples: 'hf://datasets/org/c4@v1/en/train-000000.tar' -> 'https://huggingface.co/datasets/org/c4/resolve/v1/
-    en/train-000000.tar'; 'hf://org/model/x.tar' (a model) -> 'https://huggingface.co/org/model/resolve/main/x.tar'.
+    en/train-000000.tar'; 'hf://org/model/x.tar' (a model) ->
+    'https://huggingface.co/org/model/resolve/main/x.tar'.
     """
     body = url.split("://", 1)[1]
     kind, _, rest = body.partition("/")
@@ -454,7 +473,8 @@ def hf_resolve_url(url: str) -> str:
 
 
 def hf_token() -> str | None:
-    """The Hugging Face token: HF_TOKEN, else huggingface_hub's `get_token()` (a login's) when it is installed."""
+    """The Hugging Face token: HF_TOKEN, else huggingface_hub's `get_token()` (a login's) when it is
+    installed."""
     token = os.environ.get("HF_TOKEN", "").strip()
     if token:
         return token
@@ -473,16 +493,17 @@ class CommandStream:
     COMMAND_WRAPPER), read with a deadline.
 
     The command runs in a process group (and session) of its own, started from a thread that lives as long as
-    this process (`_spawn`), with a parent-death signal: it never outlives the process that reads it, even after
-    a kill -9. `close` kills the whole group: at once when the read stopped early, else once the command exited
-    (its children with it). A read that gets no byte for `timeout_s` seconds, or a preemption signal
+    this process (`_spawn`), with a parent-death signal: it never outlives the process that reads it, even
+    after a kill -9. `close` kills the whole group: at once when the read stopped early, else once the command
+    exited (its children with it). A read that gets no byte for `timeout_s` seconds, or a preemption signal
     (trainer.data.workers.interrupt_reads), ends the read: `failure` says which.
     """
 
     def __init__(self, command: ShardCommand, timeout_s: float) -> None:
         self.command = command
         self.timeout_s = timeout_s
-        config = "".join(f'header = "{_curl_quoted(f"{name}: {value}")}"\n' for name, value in command.headers)
+        config = "".join(f'header = "{_curl_quoted(f"{name}: {value}")}"\n'
+                         for name, value in command.headers)
         self.proc = _spawn(command.args, signal.SIGTERM if command.wrapped else signal.SIGKILL,
                            config.encode() if config else None)
         self.fd = self.proc.stdout.fileno()
@@ -506,8 +527,8 @@ class CommandStream:
         return data
 
     def read1(self, size: int = -1) -> bytes:
-        """Up to `size` bytes of what has arrived, waiting only when nothing has (b"" at EOF): a reader parsing as
-        the bytes come gets every whole sample before a stall, not only once its chunk is full."""
+        """Up to `size` bytes of what has arrived, waiting only when nothing has (b"" at EOF): a reader
+        parsing as the bytes come gets every whole sample before a stall, not only once its chunk is full."""
         if not self._buffer and not self._eof:
             self._fill(1 << 16)
         size = len(self._buffer) if size is None or size < 0 else size
@@ -542,7 +563,8 @@ class CommandStream:
         with contextlib.suppress(OSError):
             proc.stdout.close()
         exited = not kill and self.failure is None and _exited_within(proc.pid, self.timeout_s)
-        # The leader is not reaped yet (a zombie at most), so its pid, the group's id, cannot have been reused.
+        # The leader is not reaped yet (a zombie at most), so its pid, the group's id, cannot have been
+        # reused.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the command's children too (a backgrounded one, a pipeline)
         kill_marked(getattr(proc, "packtrain_mark", None))  # and any that left the group (setsid)
@@ -577,7 +599,8 @@ def _interrupted() -> bool:
 
 
 def _close(stream, abandoned: bool) -> int | None:
-    """Close a shard's stream; for a command, return its exit status (None: a file, or a command we killed)."""
+    """Close a shard's stream; for a command, return its exit status (None: a file, or a command we
+    killed)."""
     if isinstance(stream, CommandStream):
         return stream.close(kill=abandoned)
     stream.close()
@@ -591,10 +614,10 @@ def _curl_quoted(text: str) -> str:
 
 # -- starting shard commands --------------------------------------------------------------------------
 #
-# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process. Shard commands are read
-# from the main thread, the row-prefetch thread or a DataLoader worker; so that none is killed because the thread
-# that happened to open its shard ended, every command is forked by one daemon thread per process, which lives
-# until the process ends.
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process. Shard commands are
+# read from the main thread, the row-prefetch thread or a DataLoader worker; so that none is killed because
+# the thread that happened to open its shard ended, every command is forked by one daemon thread per process,
+# which lives until the process ends.
 
 _spawners: dict[int, tuple[threading.Thread, queue.SimpleQueue]] = {}
 _spawners_lock = threading.Lock()
@@ -617,7 +640,8 @@ def _spawn(args: list[str], parent_death_signal: int, stdin: bytes | None = None
     with _spawners_lock:
         if pid not in _spawners:  # the first command of this process (a fork child starts its own thread)
             requests: queue.SimpleQueue = queue.SimpleQueue()
-            thread = threading.Thread(target=_spawner, args=(requests,), name="shard-command-spawner", daemon=True)
+            thread = threading.Thread(target=_spawner, args=(requests,), name="shard-command-spawner",
+                                      daemon=True)
             thread.start()
             _spawners[pid] = (thread, requests)
         _, requests = _spawners[pid]
@@ -631,14 +655,14 @@ def _spawn(args: list[str], parent_death_signal: int, stdin: bytes | None = None
 
 
 MARK_VAR = "PACKTRAIN_SHARD_COMMAND"
-"""Set in each shard command's environment to a token of its own, which its descendants inherit: a process that
-left the command's group (`setsid`, a daemon) is still found, and killed, when the shard is closed."""
+"""Set in each shard command's environment to a token of its own, which its descendants inherit: a process
+that left the command's group (`setsid`, a daemon) is still found, and killed, when the shard is closed."""
 _marks = itertools.count()
 
 
 def kill_marked(mark: str | None) -> int:
-    """SIGKILL every process of this user whose environment holds MARK_VAR=`mark`; how many there were. One pass
-    over /proc (~1 ms per hundred processes), once per shard command."""
+    """SIGKILL every process of this user whose environment holds MARK_VAR=`mark`; how many there were. One
+    pass over /proc (~1 ms per hundred processes), once per shard command."""
     if not mark or not os.path.isdir("/proc"):
         return 0
     needle, killed = f"\0{MARK_VAR}={mark}\0".encode(), 0
@@ -692,7 +716,8 @@ def _in_child(parent_pid: int, parent_death_signal: int) -> None:
 def _command_failure(command: ShardCommand, status: int) -> ShardReadError:
     """Name what failed; a client error (HTTP 4xx but 408/425/429) is not transient, anything else is."""
     if command.curl_url is None:
-        return ShardReadError(f"the command exited with status {status} (its stderr is above)", transient=True)
+        return ShardReadError(f"the command exited with status {status} (its stderr is above)",
+                              transient=True)
     if status == 22 and urlparse(command.curl_url).scheme in ("http", "https"):
         # curl -f says "HTTP error" without the status: ask once, with a 1-byte ranged GET
         code = _http_status(command.curl_url, dict(command.headers))
@@ -726,7 +751,8 @@ def _describe(exn: BaseException | None) -> str:
     """A one-line message without the stream objects webdataset appends to exception args."""
     if exn is None:
         return "unknown error"
-    if isinstance(exn, OSError) and exn.strerror:  # "FileNotFoundError: No such file or directory: '/d/x.tar'"
+    # "FileNotFoundError: No such file or directory: '/d/x.tar'"
+    if isinstance(exn, OSError) and exn.strerror:
         return f"{type(exn).__name__}: {exn.strerror}" + (f": {exn.filename!r}" if exn.filename else "")
     first = str(exn.args[0]).split(" @ <")[0] if exn.args else ""
     return f"{type(exn).__name__}: {first}" if first else type(exn).__name__

@@ -1,10 +1,10 @@
 """The data stream's state as typed objects: what a checkpoint's `rank_NNNNN.pt` holds under "data".
 
-Each object owns its conversion to the plain dicts a checkpoint stores (`to_dict`: lists, ints, strings and numpy
-arrays only, which `torch.load(weights_only=True)` reads back without running code) and from them (`from_dict`,
-which also reads the dicts of older checkpoints). The parts, from the inside out:
+Each object owns its conversion to the plain dicts a checkpoint stores (`to_dict`: lists, ints, strings and
+numpy arrays only, which `torch.load(weights_only=True)` reads back without running code) and from them
+(`from_dict`, which also reads the dicts of older checkpoints). The parts, from the inside out:
 
-    SlotState        one (rank, worker) reader: epoch, position in its shards, counters   (trainer.data.reader)
+    SlotState        one (rank, worker) reader: epoch, position in its shards, counters  (trainer.data.reader)
     LoaderState      one source's readers on this rank, and the documents of a chunk not handed out yet
     PackerState      the online packer's buffered documents
     RowStreamState   one source: its LoaderState, PackerState, rows packed but not taken, packing counts
@@ -35,7 +35,8 @@ DocState = tuple
 
 
 class StreamStateError(UserError, ValueError):
-    """A data stream state that does not fit this run's stream (a mixture's for one source, or the reverse)."""
+    """A data stream state that does not fit this run's stream (a mixture's for one source, or the
+    reverse)."""
 
 
 @dataclass
@@ -54,7 +55,8 @@ class LoaderState:
     def to_dict(self) -> dict:
         return {"slot_states": {slot: s.to_dict() for slot, s in self.slot_states.items()},
                 "chunks_consumed": self.chunks_consumed, "epoch_chunks": self.epoch_chunks,
-                "lockstep_epoch": self.lockstep_epoch, "num_workers": self.num_workers, "pending": list(self.pending)}
+                "lockstep_epoch": self.lockstep_epoch, "num_workers": self.num_workers,
+                "pending": list(self.pending)}
 
     @classmethod
     def from_dict(cls, d: dict) -> LoaderState:
@@ -92,8 +94,8 @@ class RowStreamState:
     stats: dict[str, int] = field(default_factory=dict)
     """Packing counts (trainer.data.packing.PackingStats)."""
     ended: bool = False
-    """The documents of the (lockstep) epoch ended and the packer was flushed; rows of it may still be `ready`.
-    Stored as "exhausted", the name checkpoints have always given it."""
+    """The documents of the (lockstep) epoch ended and the packer was flushed; rows of it may still be
+    `ready`. Stored as "exhausted", the name checkpoints have always given it."""
 
     @property
     def epoch(self) -> int:
@@ -114,8 +116,9 @@ class RowStreamState:
     @classmethod
     def from_dict(cls, d: dict) -> RowStreamState:
         if is_mixture(d):
-            raise StreamStateError(f"the checkpoint's data stream mixes the sources {d['docs']['mixture']['names']}; "
-                                   "this run reads one source: resume with the checkpoint's data config (data.sources)")
+            raise StreamStateError("the checkpoint's data stream mixes the sources "
+                                   f"{d['docs']['mixture']['names']}; this run reads one source: "
+                                   "resume with the checkpoint's data config (data.sources)")
         return cls(docs=None if d["docs"] is None else LoaderState.from_dict(d["docs"]),
                    packer=PackerState.from_dict(d["packer"]), ready=[list(row) for row in d["ready"]],
                    stats=dict(d["stats"]), ended=bool(d.get("exhausted", False)))
@@ -147,14 +150,15 @@ class MixerState:
         mixture = {"names": list(self.names), "weights": list(self.weights), "epoch": self.epoch,
                    "mixed": list(self.mixed), **{key: list(getattr(self, key)) for key in MIXER_COUNTERS},
                    "dealt": list(self.dealt)}
-        return {"mixture": mixture, "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
+        return {"mixture": mixture,
+                "num_workers": self.num_workers,  # what the trainer compares with data.num_workers
                 "lockstep_epoch": self.epoch}
 
     @classmethod
     def from_dict(cls, d: dict) -> MixerState:
         m = d["mixture"]
-        return cls(names=list(m["names"]), weights=list(m["weights"]), epoch=m["epoch"], mixed=list(m["mixed"]),
-                   **{key: list(m[key]) for key in MIXER_COUNTERS},
+        return cls(names=list(m["names"]), weights=list(m["weights"]), epoch=m["epoch"],
+                   mixed=list(m["mixed"]), **{key: list(m[key]) for key in MIXER_COUNTERS},
                    dealt=list(m.get("dealt", [False] * len(m["names"]))), num_workers=d["num_workers"])
 
 
@@ -179,13 +183,15 @@ class MixtureState:
     def to_dict(self) -> dict:
         return {"version": STATE_VERSION, "docs": self.mixer.to_dict(),
                 "sources": [source.to_dict() for source in self.sources],
-                "ready": [list(row) for row in self.ready], "stats": dict(self.stats), "exhausted": self.ended}
+                "ready": [list(row) for row in self.ready], "stats": dict(self.stats),
+                "exhausted": self.ended}
 
     @classmethod
     def from_dict(cls, d: dict) -> MixtureState:
         return cls(mixer=MixerState.from_dict(d["docs"]),
                    sources=[RowStreamState.from_dict(s) for s in d["sources"]],
-                   ready=[list(row) for row in d["ready"]], stats=dict(d["stats"]), ended=bool(d["exhausted"]))
+                   ready=[list(row) for row in d["ready"]], stats=dict(d["stats"]),
+                   ended=bool(d["exhausted"]))
 
 
 StreamState = RowStreamState | MixtureState
@@ -197,7 +203,8 @@ def is_mixture(d: dict) -> bool:
 
 
 def stream_state(d: dict | StreamState) -> StreamState:
-    """The typed state of a checkpoint's data state dict, of one source or of a mixture (typed states pass)."""
+    """The typed state of a checkpoint's data state dict, of one source or of a mixture (typed states
+    pass)."""
     if isinstance(d, RowStreamState | MixtureState):
         return d
     return MixtureState.from_dict(d) if is_mixture(d) else RowStreamState.from_dict(d)

@@ -1,41 +1,44 @@
 """A tar shard's samples in one pass over its bytes: what webdataset's tar iterators give, without their cost.
 
 webdataset cuts a shard into samples with the standard library's `tarfile` (`tar_file_expander`, then
-`group_by_keys`): ~60 µs of Python per member, more than reading stored token ids takes (issue 35). `tar_samples`
-reads the stream in 64 KB chunks and walks the 512-byte headers itself: the same samples, in the same order, with
-the same rules, at a few µs per member:
+`group_by_keys`): ~60 µs of Python per member, more than reading stored token ids takes (issue 35).
+`tar_samples` reads the stream in 64 KB chunks and walks the 512-byte headers itself: the same samples, in the
+same order, with the same rules, at a few µs per member:
 
-    members     regular files (types "0", "\\0", "7"); other members (directories, links, devices) are skipped, as
-                webdataset skips them; names from the ustar prefix, GNU long names ("L") and POSIX pax headers
-                ("x", and "g" for the member after it, as `tarfile` applies them), decoded as `tarfile` does
-                (UTF-8, surrogateescape)
+    members     regular files (types "0", "\\0", "7"); other members (directories, links, devices) are
+                skipped, as webdataset skips them; names from the ustar prefix, GNU long names ("L") and POSIX
+                pax headers ("x", and "g" for the member after it, as `tarfile` applies them), decoded as
+                `tarfile` does (UTF-8, surrogateescape)
     skipped     names like "__meta__" (webdataset's meta files), names without a "." in their last part
     samples     consecutive members with the same key (the name up to the first "." of its last part) make one
-                sample {"__key__": key, "__url__": url, field: bytes, ...}; fields are lowercased; a field twice in
-                one sample is an error, as in webdataset
+                sample {"__key__": key, "__url__": url, field: bytes, ...}; fields are lowercased; a field
+                twice in one sample is an error, as in webdataset
     headers     read as `tarfile` reads them: the checksum (unsigned, or signed as old tars), and the numeric
-                fields (mode, uid, gid, size, mtime, device numbers) octal text or GNU base-256, else a bad header
-    sizes       a size (ustar octal, GNU base-256 or pax "size") that is negative, or that runs past the end of a
-                file whose length is known (a local file), is an error naming the member, before any of its data is
-                read: the read position only ever moves forward. A member's data is gathered in reads of at most
-                MAX_READ bytes, never one allocation of the size its header claims; a pax header or GNU long name
-                over META_MAX is an error
-    the bound   `max_member_bytes`: a regular member larger is not read (its data is skipped in small reads); its
-                field holds a `TooLargeMember` (not raised) that names it, so that a reader can refuse or count that
-                one sample and go on with the shard
-    the end     a zero block, or the end of the stream at a member boundary (a shard cut there is caught by the
-                manifest's count); a stream that ends inside a member, or after a pax header or long name before
-                its member, or a file shorter than one header, is an error ("unexpected end of data", ...)
+                fields (mode, uid, gid, size, mtime, device numbers) octal text or GNU base-256, else a bad
+                header
+    sizes       a size (ustar octal, GNU base-256 or pax "size") that is negative, or that runs past the end
+                of a file whose length is known (a local file), is an error naming the member, before any of
+                its data is read: the read position only ever moves forward. A member's data is gathered in
+                reads of at most MAX_READ bytes, never one allocation of the size its header claims; a pax
+                header or GNU long name over META_MAX is an error
+    the bound   `max_member_bytes`: a regular member larger is not read (its data is skipped in small reads);
+                its field holds a `TooLargeMember` (not raised) that names it, so that a reader can refuse or
+                count that one sample and go on with the shard
+    the end     a zero block, or the end of the stream at a member boundary (a shard cut there is caught by
+                the manifest's count); a stream that ends inside a member, or after a pax header or long name
+                before its member, or a file shorter than one header, is an error
+                ("unexpected end of data", ...)
 
-Stricter than `tarfile` on purpose (tests/data/test_tars_fuzz.py compares the two on generated tars): a negative
-size, a sparse member, a damaged header after the first (tarfile takes it for the end of the archive) and a pax
-record that does not parse (tarfile 3.11 drops it) are errors.
+Stricter than `tarfile` on purpose (tests/data/test_tars_fuzz.py compares the two on generated tars): a
+negative size, a sparse member, a damaged header after the first (tarfile takes it for the end of the archive)
+and a pax record that does not parse (tarfile 3.11 drops it) are errors.
 
-Anything else is a `TarFormatError` naming the member (or where). A compressed shard (gzip, bzip2, xz, zstd magic)
-is read as webdataset's iterators read it, by `tarfile` in stream mode (it decompresses): the same samples and the
-bound, but tarfile's own checks and errors.
+Anything else is a `TarFormatError` naming the member (or where). A compressed shard (gzip, bzip2, xz, zstd
+magic) is read as webdataset's iterators read it, by `tarfile` in stream mode (it decompresses): the same
+samples and the bound, but tarfile's own checks and errors.
 
-Example: members a.txt, a.ids, b.txt -> {"__key__": "a", "txt": ..., "ids": ...}, {"__key__": "b", "txt": ...}.
+Example: members a.txt, a.ids, b.txt -> {"__key__": "a", "txt": ..., "ids": ...},
+{"__key__": "b", "txt": ...}.
 """
 
 from __future__ import annotations
@@ -49,26 +52,29 @@ from collections.abc import Iterator
 BLOCK = 512
 CHUNK = 1 << 16
 MAX_READ = 1 << 24
-"""The largest single read: a header's claimed size is never allocated at once (issue 46: a 7e9-byte claim in a 2 KB
-file was a MemoryError)."""
+"""The largest single read: a header's claimed size is never allocated at once (issue 46: a 7e9-byte claim in
+a 2 KB file was a MemoryError)."""
 META_MAX = 1 << 20
 """The largest pax header or GNU long name accepted: real ones hold a few records (tarfile has no bound)."""
 META_KINDS = frozenset({b"x", b"g", b"X", b"L", b"K"})
 """Members whose data is about the next member (pax headers, GNU long names)."""
 REGULAR = frozenset({b"0", b"\0", b"7"})
 """tarfile's REGULAR_TYPES but its sparse type, which `tar_samples` refuses."""
-SUPPORTED = frozenset({b"0", b"\0", b"7", b"1", b"2", b"3", b"4", b"5", b"6", b"L", b"K", b"S", b"x", b"g", b"X"})
-"""Types whose data tarfile knows the layout of; the data of the others is skipped by their size, as tarfile does."""
+SUPPORTED = frozenset({b"0", b"\0", b"7", b"1", b"2", b"3", b"4", b"5", b"6", b"L", b"K", b"S", b"x", b"g",
+                       b"X"})
+"""Types whose data tarfile knows the layout of; the data of the others is skipped by their size, as tarfile
+does."""
 GNU_TYPES = frozenset({b"L", b"K", b"S"})
 COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
 """Magic numbers of gzip, bzip2, xz and zstd."""
 META = re.compile(r"__[^/]*__($|/)")
 NUMBER_FIELDS = ((100, 108, "mode"), (108, 116, "uid"), (116, 124, "gid"), (136, 148, "mtime"),
                  (329, 337, "devmajor"), (337, 345, "devminor"))
-"""The numeric header fields that tarfile reads (and refuses a header over) besides the size and the checksum."""
+"""The numeric header fields that tarfile reads (and refuses a header over) besides the size and the
+checksum."""
 PLAIN_NUMBERS = re.compile(rb"(?:[0-7]{7}\0){3}(?s:.{12})[0-7]{11}\0(?s:.{181})(?:[0-7]{7}\0|\0{8}){2}")
-"""Header bytes 100-345 with mode, uid, gid, mtime and the device numbers as tar writers write them: a fast path
-past NUMBER_FIELDS."""
+"""Header bytes 100-345 with mode, uid, gid, mtime and the device numbers as tar writers write them: a fast
+path past NUMBER_FIELDS."""
 KEY_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """webdataset's `base_plus_ext`: key = the name up to the first "." of its last part, field = the rest."""
 
@@ -80,19 +86,20 @@ class TarFormatError(Exception):
 class TooLargeMember(TarFormatError):
     """A regular member over `max_member_bytes`, refused from its header: its data was skipped, never held.
 
-    `tar_samples` puts it in the sample as that field's value instead of the bytes (it does not raise it), so that
-    the reader decides: raise it (or its own error from its facts), or count the sample as too large and go on.
+    `tar_samples` puts it in the sample as that field's value instead of the bytes (it does not raise it), so
+    that the reader decides: raise it (or its own error from its facts), or count the sample as too large and
+    go on.
     """
 
     def __init__(self, url: str, name: str, key: str, field: str, size: int, limit: int) -> None:
-        super().__init__(f"member {name!r} is {size:,} bytes, over the bound of {limit:,} bytes (refused from its "
-                         "header, not read)")
+        super().__init__(f"member {name!r} is {size:,} bytes, over the bound of {limit:,} bytes "
+                         "(refused from its header, not read)")
         self.url, self.name, self.key, self.field, self.size, self.limit = url, name, key, field, size, limit
 
 
 class _Chunks:
-    """A byte stream read in reads of up to CHUNK bytes (or what has arrived: `read1`), handed out in exact sizes,
-    only ever forward."""
+    """A byte stream read in reads of up to CHUNK bytes (or what has arrived: `read1`), handed out in exact
+    sizes, only ever forward."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
@@ -122,8 +129,8 @@ class _Chunks:
         return out
 
     def skip(self, n: int) -> int:
-        """Pass the next `n` bytes without keeping them (reads of at most CHUNK); how many there were (fewer only at
-        the end of the stream)."""
+        """Pass the next `n` bytes without keeping them (reads of at most CHUNK); how many there were (fewer
+        only at the end of the stream)."""
         if self.pos + n <= len(self.buf):  # the usual case: a member's padding, already read
             self.pos += n
             return n
@@ -146,20 +153,22 @@ class _Chunks:
 
 
 def _bytes_left(stream) -> int | None:
-    """The bytes from `stream`'s position to its end if it is a regular file; None for a pipe, a socket, memory."""
+    """The bytes from `stream`'s position to its end if it is a regular file; None for a pipe, a socket,
+    memory."""
     try:
         info = os.fstat(stream.fileno())
         return info.st_size - stream.tell() if stat.S_ISREG(info.st_mode) else None
-    except (AttributeError, OSError, ValueError):  # no fileno (BytesIO: io.UnsupportedOperation), a closed file
+    # no fileno (BytesIO: io.UnsupportedOperation), a closed file
+    except (AttributeError, OSError, ValueError):
         return None
 
 
 def tar_samples(stream, url: str, max_member_bytes: int | None = None) -> Iterator[dict]:
     """The samples of the tar on `stream` (a binary stream with `read`), in order; see the module docstring.
 
-    `max_member_bytes`: a regular member larger than this is skipped unread, and its field holds a `TooLargeMember`
-    instead of bytes. Example: bound 100, members a.txt (10 bytes), a.ids (400 bytes) -> {"__key__": "a",
-    "txt": b"...", "ids": TooLargeMember(size=400)}.
+    `max_member_bytes`: a regular member larger than this is skipped unread, and its field holds a
+    `TooLargeMember` instead of bytes. Example: bound 100, members a.txt (10 bytes), a.ids (400 bytes) ->
+    {"__key__": "a", "txt": b"...", "ids": TooLargeMember(size=400)}.
     """
     chunks = _Chunks(stream)
     first = chunks.take(BLOCK)
@@ -181,14 +190,16 @@ def tar_samples(stream, url: str, max_member_bytes: int | None = None) -> Iterat
             sample = {"__key__": key, "__url__": url}
         if field in sample:
             raise TarFormatError(f"{name}: duplicate file name in tar file {field} {sample.keys()}")
-        sample[field] = data if data is not None else TooLargeMember(url, name, key, field, size, max_member_bytes)
+        sample[field] = (data if data is not None
+                         else TooLargeMember(url, name, key, field, size, max_member_bytes))
     if sample is not None:
         yield sample
 
 
-def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> Iterator[tuple[str, int, bytes | None]]:
-    """(name, size, data) of each regular member, starting at `header` (the first block); data None for a member
-    over `max_member_bytes` (skipped unread)."""
+def _members(chunks: _Chunks, header: bytes,
+             max_member_bytes: int | None) -> Iterator[tuple[str, int, bytes | None]]:
+    """(name, size, data) of each regular member, starting at `header` (the first block); data None for a
+    member over `max_member_bytes` (skipped unread)."""
     global_pax: dict[str, str] = {}
     pending: dict[str, str] | None = None  # pax records for the next member
     long_name: str | None = None
@@ -200,8 +211,8 @@ def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> It
         name, size, kind = _parse(header, index)
         if kind in META_KINDS:  # about the next member
             if size > META_MAX:
-                raise TarFormatError(f"{name}: a {kind.decode()!r} header of {size:,} bytes, over the {META_MAX:,} "
-                                     "any real one needs: a damaged or crafted shard")
+                raise TarFormatError(f"{name}: a {kind.decode()!r} header of {size:,} bytes, over the "
+                                     f"{META_MAX:,} any real one needs: a damaged or crafted shard")
             data = _data(chunks, size, name)
             _skip_padding(chunks, size, name)
             if kind == b"g":
@@ -241,24 +252,25 @@ def _members(chunks: _Chunks, header: bytes, max_member_bytes: int | None) -> It
 
 
 def _check_end(header: bytes, index: int, dangling: bool) -> None:
-    """At a short or zero block where member `index` would start: the tar's end (a zero block, or the end of the
-    stream at a member boundary: a short shard is the manifest count's to catch), else a TarFormatError."""
+    """At a short or zero block where member `index` would start: the tar's end (a zero block, or the end of
+    the stream at a member boundary: a short shard is the manifest count's to catch), else a
+    TarFormatError."""
     if index == 0 and len(header) < BLOCK:
-        raise TarFormatError(f"the file is {len(header)} bytes, not even one tar header: not a tar" if header else
-                             "empty file: not a tar")
+        raise TarFormatError(f"the file is {len(header)} bytes, not even one tar header: not a tar" if header
+                             else "empty file: not a tar")
     if header.strip(b"\0"):
         raise TarFormatError(f"unexpected end of data in the header of member {index + 1}")
     if dangling:  # tarfile: "end of file header"
-        raise TarFormatError(f"the tar ends after the pax header or long name of member {index + 1}, before the "
-                             "member: a truncated shard")
+        raise TarFormatError(f"the tar ends after the pax header or long name of member {index + 1}, "
+                             "before the member: a truncated shard")
 
 
 def _check_size(chunks: _Chunks, size: int, name: str) -> None:
     """A TarFormatError if the member's `size` bytes of data run past the end of a file of known length."""
     left = chunks.past_end(size)
     if left is not None:
-        raise TarFormatError(f"{name}: its header says {size:,} bytes but the file has {max(left, 0):,} left: a "
-                             "truncated or damaged shard")
+        raise TarFormatError(f"{name}: its header says {size:,} bytes but the file has "
+                             f"{max(left, 0):,} left: a truncated or damaged shard")
 
 
 def _data(chunks: _Chunks, size: int, name: str) -> bytes:
@@ -268,9 +280,11 @@ def _data(chunks: _Chunks, size: int, name: str) -> bytes:
     try:
         data = chunks.take(size)
     except MemoryError:
-        raise TarFormatError(f"{name}: its {size:,} bytes do not fit in memory (bound the member size)") from None
+        raise TarFormatError(f"{name}: its {size:,} bytes do not fit in memory "
+                             "(bound the member size)") from None
     if len(data) < size:
-        raise TarFormatError(f"{name}: unexpected end of data ({len(data)} of its {size} bytes): a truncated shard")
+        raise TarFormatError(f"{name}: unexpected end of data ({len(data)} of its {size} bytes): "
+                             "a truncated shard")
     return data
 
 
@@ -279,7 +293,8 @@ def _skip_data(chunks: _Chunks, size: int, name: str) -> None:
     _check_size(chunks, size, name)
     skipped = chunks.skip(size)
     if skipped < size:
-        raise TarFormatError(f"{name}: unexpected end of data ({skipped} of its {size} bytes): a truncated shard")
+        raise TarFormatError(f"{name}: unexpected end of data ({skipped} of its {size} bytes): "
+                             "a truncated shard")
 
 
 def _skip_padding(chunks: _Chunks, size: int, name: str) -> None:
@@ -290,8 +305,8 @@ def _skip_padding(chunks: _Chunks, size: int, name: str) -> None:
 
 
 def _cut_padding(name: str, size: int) -> TarFormatError:
-    return TarFormatError(f"{name}: unexpected end of data after its {size} bytes (the padding to 512 is cut short): "
-                          "a truncated shard")
+    return TarFormatError(f"{name}: unexpected end of data after its {size} bytes "
+                          "(the padding to 512 is cut short): a truncated shard")
 
 
 def _parse(header: bytes, index: int) -> tuple[str, int, bytes]:
@@ -346,11 +361,14 @@ def _nti(field: bytes, index: int, what: str) -> int:
         n = int.from_bytes(field[1:], "big")
         return n - (256 ** (len(field) - 1)) if field[0] == 0xFF else n
     end = field.find(b"\0")
-    try:  # str's strip, as tarfile's (it also strips \x1c-\x1f); a byte over 127 is a bad field (UnicodeDecodeError)
+    # str's strip, as tarfile's (it also strips \x1c-\x1f); a byte over 127 is a bad field
+    # (UnicodeDecodeError)
+    try:
         return int((field if end == -1 else field[:end]).decode("ascii").strip() or "0", 8)
     except ValueError:
         where = "the first member" if index == 0 else f"member {index + 1}"
-        raise TarFormatError(f"bad {what} field {field!r} at {where}: not a tar, or a damaged shard") from None
+        raise TarFormatError(f"bad {what} field {field!r} at {where}: "
+                             "not a tar, or a damaged shard") from None
 
 
 def _pax_records(data: bytes, name: str) -> dict[str, str]:
@@ -389,9 +407,9 @@ class _Replayed:
 
 
 def _compressed_members(stream, max_member_bytes: int | None) -> Iterator[tuple[str, int, bytes | None]]:
-    """(name, size, data) of each regular member of a compressed tar, as webdataset's `tar_file_expander` reads them
-    (`tarfile` in stream mode decompresses it); data None for a member over `max_member_bytes`: tarfile passes over
-    its data in small reads when it moves to the next member."""
+    """(name, size, data) of each regular member of a compressed tar, as webdataset's `tar_file_expander`
+    reads them (`tarfile` in stream mode decompresses it); data None for a member over `max_member_bytes`:
+    tarfile passes over its data in small reads when it moves to the next member."""
     with tarfile.open(fileobj=stream, mode="r|*") as tar:
         for info in tar:
             tar.members = []  # tarfile keeps every member's TarInfo otherwise (as webdataset: memory)

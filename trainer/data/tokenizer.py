@@ -42,7 +42,8 @@ SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE = "tokenizer_config.json", "special_tokens_map.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE)
-"""A tokenizer directory as `save_tokenizer` writes it (the Hugging Face layout), beside shards and weights."""
+"""A tokenizer directory as `save_tokenizer` writes it (the Hugging Face layout), beside shards and
+weights."""
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte plus the special tokens
 
 # ChatML: each message is "<|im_start|>{role}\n{content}<|im_end|>\n"; a generation prompt opens the
@@ -127,8 +128,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=sys.stderr.isatty(),
     )
-    # An iterator is consumed as it comes (prepare streams its sample): the trainer keeps word counts, not texts.
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if isinstance(texts, Sequence) else None)
+    # An iterator is consumed as it comes (prepare streams its sample): the trainer keeps word counts, not
+    # texts.
+    tok.train_from_iterator(texts, trainer=trainer,
+                            length=len(texts) if isinstance(texts, Sequence) else None)
     return tok
 
 
@@ -180,8 +183,9 @@ def write_hf_configs(out_dir: str | Path, model_max_length: int = 8192) -> None:
 
 
 def upgrade_chat_template(out_dir: str | Path) -> None:
-    """Give a tokenizer_config.json that still holds UNMARKED_CHAT_TEMPLATE the current CHAT_TEMPLATE (the same
-    text, assistant turns marked); leave any other config as it is. tokenizer.json, and so its hash, is untouched."""
+    """Give a tokenizer_config.json that still holds UNMARKED_CHAT_TEMPLATE the current CHAT_TEMPLATE (the
+    same text, assistant turns marked); leave any other config as it is. tokenizer.json, and so its hash, is
+    untouched."""
     file = Path(out_dir) / TOKENIZER_CONFIG_FILE
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
@@ -201,7 +205,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load tokenizer.json from a directory (or the file itself), with an error naming what is missing."""
     file = tokenizer_file(path)
     if not file.is_file():
-        raise PrepareError(f"no tokenizer at {path}: expected a directory holding {TOKENIZER_FILE}, or the file")
+        raise PrepareError(f"no tokenizer at {path}: expected a directory holding {TOKENIZER_FILE}, or the "
+                           "file")
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust side raises a bare Exception for any parse error
@@ -298,8 +303,8 @@ def _packtrain_ids(tok: Tokenizer, file: Path | None) -> SpecialIds:
         raise PrepareError(
             f"{prefix}tokenizer lacks the special tokens {missing}; without a {TOKENIZER_CONFIG_FILE} beside "
             f"it this project needs all of {list(SPECIAL_TOKENS)}: use a tokenizer trained by `python -m "
-            f"trainer.prepare` (it adds them), or a Hugging Face model directory (its {TOKENIZER_CONFIG_FILE} "
-            "names eos_token)"
+            "trainer.prepare` (it adds them), or a Hugging Face model directory (its "
+            f"{TOKENIZER_CONFIG_FILE} names eos_token)"
         )
     return SpecialIds(**ids)
 
@@ -331,7 +336,8 @@ def _framing(tok: Tokenizer, file: Path | None, config_file: Path | None, config
              add_bos_token: bool | None, eos: int) -> tuple[int | None, bool]:
     """(bos, add_bos) from the post-processor (what `tok.encode` adds to a text) and the config. A
     post-processor may add one token at the start, the BOS (Llama-3's TemplateProcessing); anything else is
-    refused, as is a config that disagrees with it. packtrain encodes without special tokens and adds the BOS."""
+    refused, as is a config that disagrees with it. packtrain encodes without special tokens and adds the
+    BOS."""
     where = f"{file}: " if file is not None else ""
     bare = tok.encode(FRAMING_SAMPLE, add_special_tokens=False).ids
     full = tok.encode(FRAMING_SAMPLE).ids
@@ -340,17 +346,18 @@ def _framing(tok: Tokenizer, file: Path | None, config_file: Path | None, config
         if len(full) != len(bare) + 1 or full[1:] != bare:
             shown = [tok.id_to_token(i) for i in full]
             raise PrepareError(f"{where}its post-processor adds special tokens other than a BOS at the start "
-                               f"({FRAMING_SAMPLE!r} -> {shown}); packtrain frames documents as [BOS] text [EOS] "
-                               'itself: remove the post-processor ("post_processor": null) or make it add only '
-                               "the BOS")
+                               f"({FRAMING_SAMPLE!r} -> {shown}); packtrain frames documents as [BOS] text "
+                               '[EOS] itself: remove the post-processor ("post_processor": null) or make it '
+                               "add only the BOS")
         pp_bos = full[0]
         if config_bos is not None and config_bos != pp_bos:
             raise PrepareError(f"{config_file}: bos_token is {tok.id_to_token(config_bos)!r}, but the "
-                               f"post-processor of {TOKENIZER_FILE} starts each text with {tok.id_to_token(pp_bos)!r}")
+                               f"post-processor of {TOKENIZER_FILE} starts each text with "
+                               f"{tok.id_to_token(pp_bos)!r}")
         if add_bos_token is False:
             raise PrepareError(f"{config_file}: add_bos_token is false, but the post-processor of "
-                               f"{TOKENIZER_FILE} adds {tok.id_to_token(pp_bos)!r} at the start of each text: make "
-                               "them agree")
+                               f"{TOKENIZER_FILE} adds {tok.id_to_token(pp_bos)!r} at the start of each "
+                               "text: make them agree")
         return pp_bos, True
     if add_bos_token and config_bos is None:
         raise PrepareError(f"{config_file}: add_bos_token is true but no bos_token is set")
@@ -380,8 +387,8 @@ def count_tokens(tok: Tokenizer, texts: Sequence[str], batch_size: int = 512, de
 def encode_documents(tok: Tokenizer, texts: Sequence[str], offsets: bool = False, batch_size: int = 512,
                      desc: str | None = None) -> list[Encoding]:
     """The documents' encodings without special tokens, as the stream tokenizes them (it frames them). Without
-    `offsets` by `encode_batch_fast` (the same ids, no character offsets, ~1.5x faster; tokenizers < 0.20 lacks
-    it). `desc`: a progress bar's label (None: none)."""
+    `offsets` by `encode_batch_fast` (the same ids, no character offsets, ~1.5x faster; tokenizers < 0.20
+    lacks it). `desc`: a progress bar's label (None: none)."""
     encode = tok.encode_batch if offsets else getattr(tok, "encode_batch_fast", tok.encode_batch)
     out: list[Encoding] = []
     with tqdm(total=len(texts), desc=desc, unit="doc", disable=None if desc else True) as bar:

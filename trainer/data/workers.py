@@ -23,7 +23,8 @@ import weakref
 from trainer.errors import PREEMPTION_SIGNALS, set_parent_death_signal
 
 IGNORED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT)
-"""What a DataLoader worker ignores: the trainer alone decides how a run ends (trainer.errors.PREEMPTION_SIGNALS)."""
+"""What a DataLoader worker ignores: the trainer alone decides how a run ends
+(trainer.errors.PREEMPTION_SIGNALS)."""
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -75,9 +76,9 @@ def _shutdown_all() -> None:
 #
 # A reader blocked on a stalled source (a pipe: command or a server that sends nothing) would keep the trainer
 # from reaching the end of its step, where it checks for a preemption signal. So the signal handler also sets
-# one shared byte, and every wait of a shard read (trainer.data.sources) and of a retry's backoff looks at it a
-# few times a second: it then raises ReadInterrupted, in the trainer and in its DataLoader workers alike (forked
-# children share the page), and the trainer checkpoints the last finished step (trainer.run.loop).
+# one shared byte, and every wait of a shard read (trainer.data.sources) and of a retry's backoff looks at it
+# a few times a second: it then raises ReadInterrupted, in the trainer and in its DataLoader workers alike
+# (forked children share the page), and the trainer checkpoints the last finished step (trainer.run.loop).
 
 _interrupt = mmap.mmap(-1, 1)  # MAP_SHARED | MAP_ANONYMOUS: a fork child sees the parent's writes
 INTERRUPT_CHECK_S = 0.2
@@ -85,7 +86,8 @@ INTERRUPT_CHECK_S = 0.2
 
 
 class ReadInterrupted(Exception):
-    """A preemption signal stopped a shard read: not the shard's fault (never retried, never counted as a skip).
+    """A preemption signal stopped a shard read: not the shard's fault (never retried, never counted as a
+    skip).
 
     One message argument: torch re-raises a DataLoader worker's error as its type, called with one message."""
 

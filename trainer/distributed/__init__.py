@@ -6,15 +6,17 @@
     dims       `ParallelDims`: the world as data x context x tensor ranks, its DeviceMesh and named groups
                (data, loss, fsdp, context, tensor), always built; whoever asks "which data rank am I" asks it
     engine     the `Engine` protocol the step, eval and checkpoint store talk to, and `parallelize`, the one
-               function that wraps a model (tensor parallel first, then activation checkpointing, then compile, then
-               DDP, FSDP2 or DeepSpeed)
-    tensor     tensor parallelism with sequence parallelism, applying the model's `tensor_plan`: column/row-parallel
-               layers, the vocabulary split and padded, the loss on vocabulary shards; and the layout adapter every
-               engine calls without asking which it is (`Unsplit`, `TensorParallel`: whole tensors for checkpoints
-               and optimizer state, gradient clipping, whether weights must be gathered)
+               function that wraps a model (tensor parallel first, then activation checkpointing, then
+               compile, then DDP, FSDP2 or DeepSpeed)
+    tensor     tensor parallelism with sequence parallelism, applying the model's `tensor_plan`:
+               column/row-parallel layers, the vocabulary split and padded, the loss on vocabulary shards; and
+               the layout adapter every engine calls without asking which it is (`Unsplit`, `TensorParallel`:
+               whole tensors for checkpoints and optimizer state, gradient clipping, whether weights must be
+               gathered)
     ddp        `DDPEngine` (torch DistributedDataParallel)
     fsdp       `FSDP2Engine` (torch fully_shard over the run's mesh; DCP checkpoints, confined reads)
-    context    context parallelism: a packed row split over a group's ranks, documents exact (allgather, ulysses)
+    context    context parallelism: a packed row split over a group's ranks, documents exact (allgather,
+               ulysses)
     deepspeed  `DeepSpeedEngine` (ZeRO 1/2/3), imported only when configured
     config     the `distributed` config section
 

@@ -1,6 +1,6 @@
 """Tensor collectives along a dimension, the one place their backend differences are handled: context
-parallelism (trainer/distributed/context.py) and tensor parallelism (trainer/distributed/tensor.py) build their
-differentiable gathers and reduce-scatters on these."""
+parallelism (trainer/distributed/context.py) and tensor parallelism (trainer/distributed/tensor.py) build
+their differentiable gathers and reduce-scatters on these."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None)
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The sum of `x` over `group`, this rank's 1/N of it along `dim`: NCCL's reduce-scatter where the backend has
-    one, else an all-reduce and a slice (gloo has no reduce-scatter). torch 2.13 renamed the tensor collectives
-    (*_single); older versions (pyproject accepts them) have the old names."""
+    """The sum of `x` over `group`, this rank's 1/N of it along `dim`: NCCL's reduce-scatter where the backend
+    has one, else an all-reduce and a slice (gloo has no reduce-scatter). torch 2.13 renamed the tensor
+    collectives (*_single); older versions (pyproject accepts them) have the old names."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) == "nccl":
         x = x.movedim(dim, 0).contiguous()

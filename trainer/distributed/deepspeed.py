@@ -15,23 +15,24 @@ must run the same number of micro-batches: `micro_steps` makes the step pad the 
 with empty micro-batches (no targets, so no gradient). For example, 3 micro-batches on rank 0 and 1 on
 rank 1: rank 1 runs its batch and two empty ones, and the third micro-batch is the boundary on both.
 
-Checkpoints: ZeRO's state is sharded, so DeepSpeed writes and reads its own files (`save_shards`, `load_shards`),
-in the one directory the checkpoint store names and after the store has checked them (trainer.checkpoint.store
-describes the files); the whole weights are gathered and returned (`full_weights`) for the store to write.
-A write of DeepSpeed's that fails (a full disk) is raised only once DeepSpeed's save has ended, so that no rank
-is left waiting in its collectives (`save_shards`).
+Checkpoints: ZeRO's state is sharded, so DeepSpeed writes and reads its own files (`save_shards`,
+`load_shards`), in the one directory the checkpoint store names and after the store has checked them
+(trainer.checkpoint.store describes the files); the whole weights are gathered and returned (`full_weights`)
+for the store to write. A write of DeepSpeed's that fails (a full disk) is raised only once DeepSpeed's save
+has ended, so that no rank is left waiting in its collectives (`save_shards`).
 
-On another number of ranks. ZeRO partitions the optimizer state (and, at stage 3, the weights) by data-parallel
-rank, and DeepSpeed refuses to load shards written by another number. They go through DeepSpeed's universal
-checkpoint instead: `convert_shards` runs deepspeed/checkpoint/ds_to_universal.py (in this process, no worker
-processes) into a copy that holds each parameter whole (fp32 weights, exp_avg, exp_avg_sq, step), and
-`load_shards(..., converted=True)` reads it with DeepSpeed's `checkpoint.load_universal`, which each rank
-partitions for the running world size. Chosen over a conversion of our own because it is DeepSpeed's supported
-path for all three stages and reads its shard format itself; it works on CPU/gloo with DeepSpeed 0.19.8.
-It needs no setting at initialize: DeepSpeed consults load_universal only while loading, so `load_shards` sets
-it for that call alone, and a resume on the same number of ranks loads the shards exactly as before. Both the
-converter and DeepSpeed's loader unpickle with weights_only=False: the store checks the shards before the
-conversion and the copy before the load (trainer.checkpoint.store), and decides where the copy goes.
+On another number of ranks. ZeRO partitions the optimizer state (and, at stage 3, the weights) by
+data-parallel rank, and DeepSpeed refuses to load shards written by another number. They go through
+DeepSpeed's universal checkpoint instead: `convert_shards` runs deepspeed/checkpoint/ds_to_universal.py (in
+this process, no worker processes) into a copy that holds each parameter whole (fp32 weights, exp_avg,
+exp_avg_sq, step), and `load_shards(..., converted=True)` reads it with DeepSpeed's
+`checkpoint.load_universal`, which each rank partitions for the running world size. Chosen over a conversion
+of our own because it is DeepSpeed's supported path for all three stages and reads its shard format itself; it
+works on CPU/gloo with DeepSpeed 0.19.8. It needs no setting at initialize: DeepSpeed consults load_universal
+only while loading, so `load_shards` sets it for that call alone, and a resume on the same number of ranks
+loads the shards exactly as before. Both the converter and DeepSpeed's loader unpickle with
+weights_only=False: the store checks the shards before the conversion and the copy before the load
+(trainer.checkpoint.store), and decides where the copy goes.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed(info.device)
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeed needs a process group, even for one process: call "
-                               "trainer.distributed.groups.init_distributed(cfg) with distributed.engine=deepspeed "
-                               "first")
+                               "trainer.distributed.groups.init_distributed(cfg) with "
+                               "distributed.engine=deepspeed first")
         self.name = f"deepspeed_zero{cfg.zero_stage}"
         self.zero_stage = cfg.zero_stage
         self.module = model
@@ -108,25 +109,27 @@ class DeepSpeedEngine:
                    sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward + backward of one micro-batch; `sync` marks the step's last one (the ZeRO boundary)."""
         self.ds.set_gradient_accumulation_boundary(sync)
-        return forward_backward(self.ds, inputs, loss_scale, lambda loss: self.ds.backward(loss, scale_wrt_gas=False))
+        return forward_backward(self.ds, inputs, loss_scale,
+                                lambda loss: self.ds.backward(loss, scale_wrt_gas=False))
 
     @torch.no_grad()
     def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Summed token loss, target count and per-group sums; collective under ZeRO-3 (weights are gathered per
-        forward)."""
+        """Summed token loss, target count and per-group sums; collective under ZeRO-3 (weights are gathered
+        per forward)."""
         out = self.ds(**inputs, return_logits=False)
         return out.loss_sum, out.num_targets, out.group_loss_sums
 
     def optimizer_step(self) -> float:
-        """Clip, step, advance the schedule, zero the gradients (all inside DeepSpeed); the global grad norm."""
+        """Clip, step, advance the schedule, zero the gradients (all inside DeepSpeed); the global grad
+        norm."""
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     def step_if_finite(self, loss: float) -> tuple[float, bool]:
-        """DeepSpeed clips and applies the update in one call, so a step cannot be dropped once its gradients are
-        looked at: a non-finite `loss` stops the run before the step (NonFiniteError); a non-finite gradient norm
-        is reported (False) after it."""
+        """DeepSpeed clips and applies the update in one call, so a step cannot be dropped once its gradients
+        are looked at: a non-finite `loss` stops the run before the step (NonFiniteError); a non-finite
+        gradient norm is reported (False) after it."""
         if not math.isfinite(loss):
             raise NonFiniteError(f"non-finite loss {loss} (stopped before DeepSpeed's step; "
                                  "train.on_nonfinite=skip needs distributed.engine=ddp or fsdp2)")
@@ -141,9 +144,10 @@ class DeepSpeedEngine:
         return self.ds.get_lr()[0]
 
     def local_state(self) -> dict:
-        """The module's parameters (empty placeholders under ZeRO-3) and this rank's partition of the optimizer:
-        its fp32 master weights and their state (flat partitions, named by position)."""
-        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # ZeRO's wrapper holds torch's optimizer
+        """The module's parameters (empty placeholders under ZeRO-3) and this rank's partition of the
+        optimizer: its fp32 master weights and their state (flat partitions, named by position)."""
+        # ZeRO's wrapper holds torch's optimizer
+        base = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)
         return {"model": dict(self.module.named_parameters()),
                 "master": [p for group in base.param_groups for p in group["params"]],
                 "optimizer": optimizer_state_by_name(base, self.module)}
@@ -160,10 +164,10 @@ class DeepSpeedEngine:
         DeepSpeed writes a checkpoint into `save_dir/tag/`: here `directory.parent/directory.name` (it also
         copies its recovery scripts, zero_to_fp32.py and zero_to_torch.py, into `directory.parent`).
 
-        A write that fails (a full disk, a quota) is raised only after DeepSpeed's save has ended on this rank,
-        that is after every collective of it: DeepSpeed's save writes its files between a barrier before and
-        collectives after (ZeRO-3's gather of its persistent parameters, a closing barrier), so a rank that
-        raised from a write would leave the others waiting there. While it saves, its file writes
+        A write that fails (a full disk, a quota) is raised only after DeepSpeed's save has ended on this
+        rank, that is after every collective of it: DeepSpeed's save writes its files between a barrier before
+        and collectives after (ZeRO-3's gather of its persistent parameters, a closing barrier), so a rank
+        that raised from a write would leave the others waiting there. While it saves, its file writes
         (`checkpoint_engine.save`: the module file, each rank's optimizer partition) and rank 0's copy of the
         recovery scripts record their OSError or RuntimeError (torch.save's "unexpected pos" on a full disk)
         instead of raising it; DeepSpeed goes on through the rest of its save, and the first failure is raised
@@ -171,7 +175,8 @@ class DeepSpeedEngine:
         Not covered: an error DeepSpeed raises outside those writes (in 0.19.8, the creation of directories it
         already catches itself, and NVMe offload's copy, which packtrain's offload=cpu does not use)."""
         failures: list[BaseException] = []
-        with _failures_recorded(failures, (self.ds.checkpoint_engine, "save"), (self.ds, "_copy_recovery_script")):
+        with _failures_recorded(failures, (self.ds.checkpoint_engine, "save"),
+                                (self.ds, "_copy_recovery_script")):
             self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
         if failures:
             raise failures[0]
@@ -180,25 +185,28 @@ class DeepSpeedEngine:
         """Collective. DeepSpeed unpickles with weights_only=False: the caller checks the files first.
 
         `converted`: `directory` is what convert_shards wrote (DeepSpeed's universal checkpoint), read with
-        DeepSpeed's load_universal on for this call only; else the shards save_shards wrote on this many ranks."""
+        DeepSpeed's load_universal on for this call only; else the shards save_shards wrote on this many
+        ranks."""
         config = self.ds._config  # load_universal is read from here, and only by load_checkpoint
         base = self.ds.optimizer.optimizer
         own = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
         config.load_universal_checkpoint = converted
         try:
-            path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+            path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
         finally:
             config.load_universal_checkpoint = False
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
         if converted and self.zero_stage == 3:
-            # DeepSpeed 0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3) gives
-            # every parameter group the first group's settings, so the norms and biases would decay like the weight
-            # matrices: each group gets its own back, as this run built it, with its LR from the schedule. It also
-            # hands every group one and the same step tensor, which AdamW increments in place once per group (the
-            # second group's bias correction would be a step ahead): each gets its own copy.
-            for group, settings, lr in zip(base.param_groups, own, self.ds.lr_scheduler.get_last_lr(), strict=True):
+            # DeepSpeed 0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+            # gives every parameter group the first group's settings, so the norms and biases would decay like
+            # the weight matrices: each group gets its own back, as this run built it, with its LR from the
+            # schedule. It also hands every group one and the same step tensor, which AdamW increments in
+            # place once per group (the second group's bias correction would be a step ahead): each gets its
+            # own copy.
+            for group, settings, lr in zip(base.param_groups, own, self.ds.lr_scheduler.get_last_lr(),
+                                           strict=True):
                 group.update(settings, lr=lr)
             for state in base.state.values():
                 if torch.is_tensor(state.get("step")):
@@ -210,18 +218,19 @@ class DeepSpeedEngine:
         return world_size != dist.get_world_size()
 
     def convert_shards(self, directory: Path, out: Path) -> None:
-        """Not collective (one rank runs it): the shards that save_shards wrote into `directory`, on any number of
-        ranks, as DeepSpeed's universal checkpoint in `out` (a new directory; DeepSpeed also writes a
-        `latest_universal` file beside it), for load_shards(out, converted=True) on this run's ranks.
+        """Not collective (one rank runs it): the shards that save_shards wrote into `directory`, on any
+        number of ranks, as DeepSpeed's universal checkpoint in `out` (a new directory; DeepSpeed also writes
+        a `latest_universal` file beside it), for load_shards(out, converted=True) on this run's ranks.
 
         ds_to_universal's options as its command line would set them, but: one process for the extraction and
-        the merge (no worker processes forked from a rank that holds a process group), and the universal-checkpoint
-        info that packtrain's models do not declare (no tensor or pipeline parallelism) filled in. Its progress
-        output is kept off the run's console."""
+        the merge (no worker processes forked from a rank that holds a process group), and the
+        universal-checkpoint info that packtrain's models do not declare (no tensor or pipeline parallelism)
+        filled in. Its progress output is kept off the run's console."""
         from deepspeed.checkpoint import ds_to_universal
 
         args = argparse.Namespace(input_folder=str(directory), output_folder=str(out), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)
         chatter = io.StringIO()
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
             ds_to_universal.main(args)
@@ -237,7 +246,8 @@ class DeepSpeedEngine:
         with gather:
             if self.ds.global_rank != 0:
                 return {}
-            return {k: v.detach().float().cpu().clone().contiguous() for k, v in self.module.state_dict().items()}
+            return {k: v.detach().float().cpu().clone().contiguous()
+                    for k, v in self.module.state_dict().items()}
 
 
 @contextlib.contextmanager
@@ -288,8 +298,8 @@ def _import_deepspeed(device: torch.device):
                           "(see the Makefile for the CPU flags)") from e
     accelerator = get_accelerator().device_name()
     if accelerator != device.type:
-        raise RuntimeError(f"DeepSpeed's accelerator is {accelerator!r} but distributed.device is {device.type!r}; "
-                           f"set DS_ACCELERATOR={device.type}")
+        raise RuntimeError(f"DeepSpeed's accelerator is {accelerator!r} but distributed.device is "
+                           f"{device.type!r}; set DS_ACCELERATOR={device.type}")
     if device.type == "cpu" and not installed_ops.get("deepspeed_shm_comm", False):
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed

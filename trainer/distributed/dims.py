@@ -1,7 +1,9 @@
-"""The parallel dimensions of a run: data x context x tensor ranks, and the named groups every collective uses.
+"""The parallel dimensions of a run: data x context x tensor ranks, and the named groups every collective
+uses.
 
 Always built, plain DDP included (its 1 x 1 case). The world is laid out tensor-innermost (torchtitan's order:
-the ranks of a tensor-parallel group are neighbours, on one node, where their per-layer collectives are cheapest):
+the ranks of a tensor-parallel group are neighbours, on one node, where their per-layer collectives are
+cheapest):
 
     rank = (data_rank * context + context_rank) * tensor + tensor_rank
 
@@ -35,9 +37,9 @@ GROUPS = ("data", "loss", "fsdp", "context", "tensor")
 
 
 def stream_ranks(world_size: int, context: int = 1, tensor: int = 1) -> list[int]:
-    """The first rank of each data rank of a world_size = data x context x tensor world, in data-rank order: the
-    ranks whose checkpointed state holds each data stream (the context and tensor ranks of a data rank read the
-    same rows). Example: 8 ranks as context 2 x tensor 2 -> [0, 4]."""
+    """The first rank of each data rank of a world_size = data x context x tensor world, in data-rank order:
+    the ranks whose checkpointed state holds each data stream (the context and tensor ranks of a data rank
+    read the same rows). Example: 8 ranks as context 2 x tensor 2 -> [0, 4]."""
     inner = context * tensor
     return [data_rank * inner for data_rank in range(world_size // inner)]
 
@@ -47,10 +49,11 @@ def dims_problem(world_size: int, context: int = 1, tensor: int = 1) -> str | No
     inner = context * tensor
     if world_size % inner == 0:
         return None
-    named = [f"distributed.{k}={v}" for k, v in (("context_parallel", context), ("tensor_parallel", tensor)) if v > 1]
+    named = [f"distributed.{k}={v}" for k, v in (("context_parallel", context), ("tensor_parallel", tensor))
+             if v > 1]
     what = named[0] if len(named) == 1 else f"{' x '.join(named)} = {inner} ranks per data rank"
-    return (f"{what} must divide the number of ranks ({world_size}): launch a multiple of {inner} processes, or "
-            f"choose a divisor of {world_size}")
+    return (f"{what} must divide the number of ranks ({world_size}): launch a multiple of {inner} "
+            f"processes, or choose a divisor of {world_size}")
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,8 @@ class ParallelDims:
     context: int = 1
     tensor: int = 1
     mesh: DeviceMesh | None = None
-    """The world as a ("data", "context", "tensor") DeviceMesh, with "loss" (data x context) flattened on it; None
-    without a process group."""
+    """The world as a ("data", "context", "tensor") DeviceMesh, with "loss" (data x context) flattened on it;
+    None without a process group."""
     groups: dict = field(default_factory=dict)
     """Group name -> torch ProcessGroup (every name of GROUPS when a mesh exists, else empty)."""
     loss_mesh: DeviceMesh | None = None
@@ -109,7 +112,8 @@ class ParallelDims:
         return self.groups.get(name)
 
     @classmethod
-    def build(cls, world_size: int, rank: int, device_type: str, context: int = 1, tensor: int = 1) -> ParallelDims:
+    def build(cls, world_size: int, rank: int, device_type: str, context: int = 1,
+              tensor: int = 1) -> ParallelDims:
         """The dims of an initialized world (its DeviceMesh and groups), or of one process without a group."""
         if (problem := dims_problem(world_size, context, tensor)) is not None:
             raise ValueError(problem)
@@ -117,7 +121,8 @@ class ParallelDims:
             return cls(world_size, rank, context, tensor)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (world_size // (context * tensor), context, tensor), mesh_dim_names=DIMS)
+        mesh = init_device_mesh(device_type, (world_size // (context * tensor), context, tensor),
+                                mesh_dim_names=DIMS)
         loss = mesh["data", "context"]._flatten("loss")  # torchtitan flattens its dp_shard_cp the same way
         world = mesh["data", "context", "tensor"]._flatten("world")
         groups = {name: mesh.get_group(name) for name in DIMS}

@@ -1,10 +1,11 @@
 """The engine: what the training step, the eval and the checkpoint code see of a wrapped model.
 
-`parallelize` is the one place a built model (single-device code) is split and wrapped for several ranks (tensor
-parallelism first, then activation checkpointing, then compile, then the data-parallel engine); it returns an
-`Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine` (trainer/distributed/deepspeed.py,
-imported only when configured, so plain runs never import deepspeed) and `FSDP2Engine` (trainer/distributed/fsdp.py).
-Process groups are set up before, by `trainer.distributed.groups.init_distributed`; the engines only use them.
+`parallelize` is the one place a built model (single-device code) is split and wrapped for several ranks
+(tensor parallelism first, then activation checkpointing, then compile, then the data-parallel engine); it
+returns an `Engine`, implemented by `DDPEngine` (trainer/distributed/ddp.py), `DeepSpeedEngine`
+(trainer/distributed/deepspeed.py, imported only when configured, so plain runs never import deepspeed) and
+`FSDP2Engine` (trainer/distributed/fsdp.py). Process groups are set up before, by
+`trainer.distributed.groups.init_distributed`; the engines only use them.
 
 An engine returns its state; it never chooses a file name. The checkpoint store (trainer.checkpoint.store, the
 one description of the layout) writes a replicated engine's `state_dict()` and everyone's `full_weights()`
@@ -46,39 +47,41 @@ class Engine(Protocol):
     shard_format: str | None
     """None: every rank holds the same state, which `state_dict` returns whole (the store saves rank 0's), and
     which loads on any number of ranks. Else each rank holds a part, which only the engine can write and read
-    (`save_shards` / `load_shards`), into the directory the checkpoint store names by it: 'deepspeed' (DeepSpeed's
-    own files) or 'dcp' (torch.distributed.checkpoint)."""
+    (`save_shards` / `load_shards`), into the directory the checkpoint store names by it: 'deepspeed'
+    (DeepSpeed's own files) or 'dcp' (torch.distributed.checkpoint)."""
     gathers_weights: bool
     """Whether the whole model exists on no rank (FSDP2's shards, tensor parallelism's), so that writing its
     weights (`full_weights`, model.safetensors) gathers every tensor: the loop then writes them less often."""
 
     def micro_step(self, inputs: dict, loss_scale: float,
                    sync: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are reduced
-        over ranks only when `sync`. Returns (objective_sum, plain summed token loss, summed token loss per loss
-        group or None: the inputs carry no loss_groups), detached."""
+        """Forward + backward of one micro-batch (backward of objective_sum * loss_scale); gradients are
+        reduced over ranks only when `sync`. Returns (objective_sum, plain summed token loss, summed token
+        loss per loss group or None: the inputs carry no loss_groups), detached."""
         ...
 
     def eval_forward(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(summed token loss, number of targets, per loss group summed token loss or None) of one micro-batch,
-        without gradients."""
+        """(summed token loss, number of targets, per loss group summed token loss or None) of one
+        micro-batch, without gradients."""
         ...
 
     def micro_steps(self, own: int, busiest: int) -> int:
-        """How many micro-steps this rank runs when it holds `own` micro-batches and the busiest rank `busiest`
-        (the step adds empty ones, without targets): its own under DDP, the busiest's where every forward is
-        collective (FSDP2, ZeRO); at least one (the gradient reduction is collective)."""
+        """How many micro-steps this rank runs when it holds `own` micro-batches and the busiest rank
+        `busiest` (the step adds empty ones, without targets): its own under DDP, the busiest's where every
+        forward is collective (FSDP2, ZeRO); at least one (the gradient reduction is collective)."""
         ...
 
     def step_if_finite(self, loss: float) -> tuple[float, bool]:
-        """After the step's last micro-batch: clip and apply the update (optimizer, schedule, gradients zeroed)
-        unless `loss` (the step's global loss) or the gradient norm is not finite, when this step's gradients are
-        dropped and nothing else changes. Returns (the global gradient norm, whether the update was applied).
-        An engine that clips and steps in one call (DeepSpeed) raises NonFiniteError on a non-finite loss."""
+        """After the step's last micro-batch: clip and apply the update (optimizer, schedule, gradients
+        zeroed) unless `loss` (the step's global loss) or the gradient norm is not finite, when this step's
+        gradients are dropped and nothing else changes. Returns (the global gradient norm, whether the update
+        was applied). An engine that clips and steps in one call (DeepSpeed) raises NonFiniteError on a
+        non-finite loss."""
         ...
 
     def optimizer_step(self) -> float:
-        """Clip, step, advance the schedule, zero the gradients, whatever the norm; the global gradient norm."""
+        """Clip, step, advance the schedule, zero the gradients, whatever the norm;
+        the global gradient norm."""
         ...
 
     def lr(self) -> float:
@@ -86,17 +89,19 @@ class Engine(Protocol):
         ...
 
     def local_state(self) -> dict:
-        """Not collective: this rank's live weights and optimizer state (its shards), {'model': ..., 'optimizer':
-        ...} keyed by name, not copied; what a checkpoint load checks for non-finite values."""
+        """Not collective: this rank's live weights and optimizer state (its shards), {'model': ...,
+        'optimizer': ...} keyed by name, not copied; what a checkpoint load checks for non-finite values."""
         ...
 
     def state_dict(self) -> dict:
-        """Model, optimizer and LR schedule as plain data and tensors, whole (shard_format None). Called on every
-        rank; collective under tensor parallelism (the whole tensors gathered onto rank 0, {} elsewhere)."""
+        """Model, optimizer and LR schedule as plain data and tensors, whole (shard_format None). Called on
+        every rank; collective under tensor parallelism (the whole tensors gathered onto rank 0, {}
+        elsewhere)."""
         ...
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned, its tensors already on this rank's device (shard_format None)."""
+        """Restore what `state_dict` returned, its tensors already on this rank's device
+        (shard_format None)."""
         ...
 
     def save_shards(self, directory: Path) -> None:
@@ -105,8 +110,8 @@ class Engine(Protocol):
         ...
 
     def load_shards(self, directory: Path, converted: bool = False) -> None:
-        """Collective: every rank restores its part from a `directory` that save_shards wrote on as many ranks, or
-        (`converted`) that convert_shards wrote from the parts of any number (a sharded engine)."""
+        """Collective: every rank restores its part from a `directory` that save_shards wrote on as many
+        ranks, or (`converted`) that convert_shards wrote from the parts of any number (a sharded engine)."""
         ...
 
     def converts_from(self, world_size: int) -> bool:
@@ -116,8 +121,9 @@ class Engine(Protocol):
         ...
 
     def convert_shards(self, directory: Path, out: Path) -> None:
-        """Not collective: the parts that save_shards wrote into `directory`, on any number of ranks, rewritten into
-        a new directory `out` that load_shards(out, converted=True) reads on this run's ranks (a sharded engine)."""
+        """Not collective: the parts that save_shards wrote into `directory`, on any number of ranks,
+        rewritten into a new directory `out` that load_shards(out, converted=True) reads on this run's ranks
+        (a sharded engine)."""
         ...
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -129,11 +135,11 @@ class Engine(Protocol):
 def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, info: DistInfo,
                 cfg: DistributedConfig, grad_clip: float, dtype: str, compile: bool = False,
                 activation_checkpointing: str = "none") -> Engine:
-    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine, in
-    one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), activation
-    checkpointing (train.activation_checkpointing: trainer.model.apply_activation_checkpointing), compile, then
-    the data-parallel engine (DDP over the loss group, FSDP2: `fsdp.apply_fsdp`, or DeepSpeed). Context parallelism
-    needs no wrapping: each micro-batch carries this rank's share of its positions (Batch.plan:
+    """Wrap a built model (already on its device), its optimizer and LR schedule into the configured engine,
+    in one order: tensor parallelism (distributed.tensor_parallel, trainer/distributed/tensor.py), activation
+    checkpointing (train.activation_checkpointing: trainer.model.apply_activation_checkpointing), compile,
+    then the data-parallel engine (DDP over the loss group, FSDP2: `fsdp.apply_fsdp`, or DeepSpeed). Context
+    parallelism needs no wrapping: each micro-batch carries this rank's share of its positions (Batch.plan:
     trainer.distributed.context.RowPlan).
 
     The DeepSpeed engine takes the same client optimizer and schedule, so DDP and ZeRO runs compare.
@@ -142,16 +148,18 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
     the config has already refused it under ZeRO-3 (trainer.config.cross_section_rules).
     """
     if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"parallelize takes a resolved dtype, 'fp32' or 'bf16' (trainer.config.resolve_dtype), "
-                         f"got {dtype!r}")
+        raise ValueError("parallelize takes a resolved dtype, 'fp32' or 'bf16' "
+                         f"(trainer.config.resolve_dtype), got {dtype!r}")
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and cfg.engine == "deepspeed":
         raise ValueError("DeepSpeed takes a materialized model: build it with build_model(..., meta=False)")
-    tensor = Unsplit()  # the model's tensor layout: every engine's state and gradient operations go through it
-    if info.tensor_size > 1:  # first: the layers split over the tensor group, the optimizer given the shards
+    # the model's tensor layout: every engine's state and gradient operations go through it
+    tensor = Unsplit()
+    # first: the layers split over the tensor group, the optimizer given the shards
+    if info.tensor_size > 1:
         names = {id(p): name for name, p in model.named_parameters()}
-        tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size, info.dims.tensor_rank,
-                                       info.dims.world_mesh)
+        tensor = apply_tensor_parallel(model, info.dims.group("tensor"), info.tensor_size,
+                                       info.dims.tensor_rank, info.dims.world_mesh)
         repoint_optimizer(optimizer, model, names)
     if activation_checkpointing != "none":  # "none": the blocks as built
         apply_activation_checkpointing(model, activation_checkpointing)
@@ -180,9 +188,9 @@ def parallelize(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, i
 def materialize(model: nn.Module, device: torch.device, tensor: Unsplit | None = None) -> None:
     """Give a model built on the meta device (build_model(meta=True)), already split (tensor parallelism) or
     sharded (FSDP2), its storage on `device` and this rank's part of the one-rank weights: trainer.model.gpt.
-    init_weights draws each whole tensor on the CPU, in the one-rank order, from the RNG state the build began in,
-    and keeps this rank's slice (the tensor-parallel Layout, then FSDP2's shard of it). The same seed gives the
-    same weights, bit for bit, on every layout; no rank ever holds more than one whole tensor.
+    init_weights draws each whole tensor on the CPU, in the one-rank order, from the RNG state the build began
+    in, and keeps this rank's slice (the tensor-parallel Layout, then FSDP2's shard of it). The same seed
+    gives the same weights, bit for bit, on every layout; no rank ever holds more than one whole tensor.
 
     The Parameters stay the same objects (swapped in place), so the optimizer built on the meta model and the
     tied head keep theirs.
@@ -190,8 +198,9 @@ def materialize(model: nn.Module, device: torch.device, tensor: Unsplit | None =
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not torch.equal(torch.get_rng_state(), model.init_rng):
-        raise RuntimeError("the CPU RNG drew between the meta build and materialize: the weights would not be the "
-                           "one-rank build's; draw nothing between build_model(meta=True) and parallelize")
+        raise RuntimeError("the CPU RNG drew between the meta build and materialize: the weights would not "
+                           "be the one-rank build's; draw nothing between build_model(meta=True) and "
+                           "parallelize")
     params = dict(model.named_parameters(remove_duplicate=False))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)

@@ -1,10 +1,10 @@
 """Process groups and named reductions: the only place a process group is set up.
 
-Wrapping a model for several ranks is `trainer.distributed.engine.parallelize` (the `Engine` interface, with DDP in
-trainer/distributed/ddp.py, DeepSpeed in trainer/distributed/deepspeed.py and FSDP2 in trainer/distributed/fsdp.py);
-they import this module, never the reverse. The world's layout (data x context x tensor, a DeviceMesh with named
-groups: trainer/distributed/dims.py) is built here too, for every run (`DistInfo.dims`).
-The model itself never imports torch.distributed.
+Wrapping a model for several ranks is `trainer.distributed.engine.parallelize` (the `Engine` interface, with
+DDP in trainer/distributed/ddp.py, DeepSpeed in trainer/distributed/deepspeed.py and FSDP2 in
+trainer/distributed/fsdp.py); they import this module, never the reverse. The world's layout (data x context x
+tensor, a DeviceMesh with named groups: trainer/distributed/dims.py) is built here too, for every run
+(`DistInfo.dims`). The model itself never imports torch.distributed.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ class DistInfo:
 
 
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
-    """Join the process group torchrun / the deepspeed launcher describe in the environment (if any), and lay the
-    world out as data x context x tensor (`ParallelDims`: a DeviceMesh with named groups, always built).
+    """Join the process group torchrun / the deepspeed launcher describe in the environment (if any), and lay
+    the world out as data x context x tensor (`ParallelDims`: a DeviceMesh with named groups, always built).
 
     A plain `python -m trainer.train` has no WORLD_SIZE and runs as rank 0 of 1 without a group, except
     under DeepSpeed and FSDP2, which want one even then: a group of one over an in-memory store.
@@ -95,7 +95,8 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         timeout = datetime.timedelta(minutes=10)
         if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # launched by torchrun
             store = _attempt_store(rank, world_size, timeout)
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
     elif cfg.engine in ("deepspeed", "fsdp2") and not dist.is_initialized():
@@ -107,7 +108,8 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     if cfg.context_parallel > 1:
         context = ContextGroup(dims.group("context"), cfg.context_parallel, dims.context_rank,
                                cfg.context_parallel_strategy, cfg.context_parallel_split)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, dims=dims, context=context)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, dims=dims,
+                    context=context)
 
 
 def shutdown_distributed() -> None:
@@ -153,8 +155,10 @@ def _pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def dist_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
-    """Sum a few numbers over all ranks (or `group`'s) in one all-reduce (float64, so token counts stay exact)."""
+def dist_sum(values: list[float], device: torch.device,
+             group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a few numbers over all ranks (or `group`'s) in one all-reduce (float64, so token counts stay
+    exact)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -175,7 +179,8 @@ def barrier() -> None:
 
 
 def gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's `obj` of `group` (the world: None), in the group's rank order; [obj] without a process group."""
+    """Every rank's `obj` of `group` (the world: None), in the group's rank order; [obj] without a process
+    group."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size(group)

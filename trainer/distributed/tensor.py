@@ -12,33 +12,33 @@ The N ranks of a tensor group (trainer/distributed/dims.py) share every layer's 
     the norms, wpe, the row-parallel biases: whole
 
 Sequence parallelism: outside the split layers the residual stream (B, L, C) is split by position, each rank
-holding L/N positions of every row (rows padded at their end to a multiple of N, `_pad`), so the norms, residual
-adds and dropouts run on 1/N of the positions. A column-parallel layer all-gathers its input (backward: the
-gradients reduce-scattered), a row-parallel one reduce-scatters its output (backward: all-gathered). Attention
-sees every position of its own heads: cu_seqlens, positions and documents are the rows' own, so packing needs no
-rule here.
+holding L/N positions of every row (rows padded at their end to a multiple of N, `_pad`), so the norms,
+residual adds and dropouts run on 1/N of the positions. A column-parallel layer all-gathers its input
+(backward: the gradients reduce-scattered), a row-parallel one reduce-scatters its output (backward:
+all-gathered). Attention sees every position of its own heads: cu_seqlens, positions and documents are the
+rows' own, so packing needs no rule here.
 
 The loss is computed on the vocabulary shards (`VocabShard.cross_entropy`, Megatron's vocab-parallel cross
 entropy): the max, the sum of exponentials and the target's logit are all-reduced over the group, the logits
-stay (B * L, Vp/N) on each rank, and the padded columns are -inf (never a target, nothing in the softmax). Every
-rank of the group gets the same token losses, so the step's sums over the loss group count each once. Under
-loss.chunk_tokens the chunked head (trainer.model.loss) makes each chunk's logit shards and joins them with
-`VocabShard.chunk_stats`, the same sums without autograd.
+stay (B * L, Vp/N) on each rank, and the padded columns are -inf (never a target, nothing in the softmax).
+Every rank of the group gets the same token losses, so the step's sums over the loss group count each once.
+Under loss.chunk_tokens the chunked head (trainer.model.loss) makes each chunk's logit shards and joins them
+with `VocabShard.chunk_stats`, the same sums without autograd.
 
 Gradients: a split weight's gradient is its own rows'. A whole weight used on this rank's positions only (the
-norms, the row-parallel biases) holds a partial gradient, summed over the group (`reduce_partial_grads`) before
-the norm; the norm sums the split weights' squares over the group and counts the whole ones once.
+norms, the row-parallel biases) holds a partial gradient, summed over the group (`reduce_partial_grads`)
+before the norm; the norm sums the split weights' squares over the group and counts the whole ones once.
 
-Which modules split how is the model's declaration (trainer.model.gpt `tensor_plan`: column, row and vocabulary
-modules, the head counts divided, where sequence parallelism starts and ends); this module applies it and names
-no module of the model.
+Which modules split how is the model's declaration (trainer.model.gpt `tensor_plan`: column, row and
+vocabulary modules, the head counts divided, where sequence parallelism starts and ends); this module applies
+it and names no module of the model.
 
-Checkpoints hold whole tensors (`full_state` gathers, `shard_state` slices, by each parameter's `Layout`): a run
-saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's. Every engine holds a
-layout adapter and calls it unconditionally: `Unsplit` (no tensor parallelism: every method the identity, clipping
-torch's own) or `TensorParallel`, so no engine, the store, the loss or the loop branches on tensor parallelism
-(tests/test_architecture.py counts). Under FSDP2 (applied after
-the split, trainer/distributed/fsdp.py) each gradient is a DTensor: the partial sums and the norm use its local rows.
+Checkpoints hold whole tensors (`full_state` gathers, `shard_state` slices, by each parameter's `Layout`): a
+run saved at N = 2 resumes at N = 1 or 4, and model.safetensors is the single-rank model's. Every engine holds
+a layout adapter and calls it unconditionally: `Unsplit` (no tensor parallelism: every method the identity,
+clipping torch's own) or `TensorParallel`, so no engine, the store, the loss or the loop branches on tensor
+parallelism (tests/test_architecture.py counts). Under FSDP2 (applied after the split,
+trainer/distributed/fsdp.py) each gradient is a DTensor: the partial sums and the norm use its local rows.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def tensor_parallel_problems(model_cfg, size: int) -> list[str]:
               (f"the MLP width (model.mlp_hidden: {hidden})", hidden)]
     for what, n in shapes[:1] + shapes[1 + (kv == model_cfg.n_head):]:
         if n % size:
-            problems.append(f"distributed.tensor_parallel={size} gives each rank whole heads and MLP columns: {what} "
-                            f"must be a multiple of {size}")
+            problems.append(f"distributed.tensor_parallel={size} gives each rank whole heads and MLP "
+                            f"columns: {what} must be a multiple of {size}")
     return problems
 
 
@@ -96,7 +96,8 @@ class _AllReduce(torch.autograd.Function):
 
 
 class _ToSequenceShard(torch.autograd.Function):
-    """(B, L, C) whole on every rank -> this rank's (B, Lp/N, C). Backward: the shards' gradients all-gathered."""
+    """(B, L, C) whole on every rank -> this rank's (B, Lp/N, C). Backward: the shards' gradients
+    all-gathered."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -110,8 +111,8 @@ class _ToSequenceShard(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """(B, Lp/N, C) shards -> (B, L, C) whole on every rank. Backward: the gradients summed over the group and cut
-    to this rank's positions (each rank's use of the whole input contributes)."""
+    """(B, Lp/N, C) shards -> (B, L, C) whole on every rank. Backward: the gradients summed over the group and
+    cut to this rank's positions (each rank's use of the whole input contributes)."""
 
     @staticmethod
     def forward(ctx, x, group, length: int):
@@ -137,8 +138,8 @@ class _ReduceToSequenceShard(torch.autograd.Function):
 
 
 class SequenceShards:
-    """The sequence-parallel state one forward shares between the model's split layers: the group, and the length
-    L of the rows being split (set where the residual stream is cut, read where it is joined)."""
+    """The sequence-parallel state one forward shares between the model's split layers: the group, and the
+    length L of the rows being split (set where the residual stream is cut, read where it is joined)."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -178,8 +179,8 @@ class ColumnParallelLinear(_SplitLinear):
 
 
 class RowParallelLinear(_SplitLinear):
-    """This rank's input columns of a Linear; the partial outputs summed and split by position, then the (whole)
-    bias added once."""
+    """This rank's input columns of a Linear; the partial outputs summed and split by position, then the
+    (whole) bias added once."""
 
     def forward(self, x_BLh: torch.Tensor) -> torch.Tensor:
         y = self.seq.reduce_split(F.linear(x_BLh, self.weight))
@@ -187,7 +188,8 @@ class RowParallelLinear(_SplitLinear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + n) of the padded vocabulary; ids outside them look up zeros, summed over the group."""
+    """Rows [start, start + n) of the padded vocabulary; ids outside them look up zeros, summed over the
+    group."""
 
     def __init__(self, weight: torch.Tensor, start: int, group) -> None:
         super().__init__()
@@ -203,12 +205,13 @@ class VocabParallelEmbedding(nn.Module):
 
 def softmax_stats(logits_Nv: torch.Tensor, targets_N: torch.Tensor, start: int, vocab_size: int,
                   group) -> tuple[torch.Tensor, ...]:
-    """Collective, no autograd: fp32 (N, Vp/N) logit shards of the columns from `start`, and (N,) global targets
-    (-100: ignored) -> (the shards with the padding columns (>= vocab_size) -inf; the logsumexp over the whole
-    vocabulary (N,); the target's logit (N,), 0 where ignored), the max, the sum of exponentials and the target's
-    logit all-reduced over the group. Every rank of the group gets the same two vectors."""
+    """Collective, no autograd: fp32 (N, Vp/N) logit shards of the columns from `start`, and (N,) global
+    targets (-100: ignored) -> (the shards with the padding columns (>= vocab_size) -inf; the logsumexp over
+    the whole vocabulary (N,); the target's logit (N,), 0 where ignored), the max, the sum of exponentials and
+    the target's logit all-reduced over the group. Every rank of the group gets the same two vectors."""
     cols = start + torch.arange(logits_Nv.shape[1], device=logits_Nv.device)
-    x = logits_Nv.masked_fill(cols >= vocab_size, float("-inf"))  # the padding: no probability, never a target
+    # the padding: no probability, never a target
+    x = logits_Nv.masked_fill(cols >= vocab_size, float("-inf"))
     m = x.max(dim=1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     local = targets_N - start
@@ -228,7 +231,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = targets_N != IGNORE_INDEX
         local = targets_N - start
         mine = valid & (local >= 0) & (local < x.shape[1])
-        ctx.save_for_backward(x.sub_(lse[:, None]).exp_(), mine, torch.where(mine, local, 0), valid)  # softmax
+        ctx.save_for_backward(x.sub_(lse[:, None]).exp_(),  # softmax
+                              mine, torch.where(mine, local, 0), valid)
         ctx.dtype = logits_Nv.dtype
         return torch.where(valid, lse - target, 0.0)
 
@@ -283,8 +287,8 @@ class _GatherVocab(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Layout:
-    """How a whole tensor is split: along `dim`, each of `parts` (consecutive sizes along it, summing to the whole,
-    after padding to `padded`) cut into N equal slices; rank t holds slice t of every part, in order.
+    """How a whole tensor is split: along `dim`, each of `parts` (consecutive sizes along it, summing to the
+    whole, after padding to `padded`) cut into N equal slices; rank t holds slice t of every part, in order.
     Example: c_attn of 4 heads, 2 kv heads, head_dim 8 at N = 2: dim 0, parts (32, 16, 16): rank 0 holds rows
     0-15 (q heads 0, 1), 32-39 (k head 0), 48-55 (v head 0)."""
 
@@ -301,8 +305,8 @@ class Layout:
         return torch.cat(pieces, dim=self.dim).contiguous()
 
     def join(self, shards: list[torch.Tensor], whole: int) -> torch.Tensor:
-        """The whole tensor (`whole` long along dim, the padding dropped) from every rank's shard, in rank order:
-        each rank's slice of each part copied once into place."""
+        """The whole tensor (`whole` long along dim, the padding dropped) from every rank's shard, in rank
+        order: each rank's slice of each part copied once into place."""
         size = len(shards)
         shape = list(shards[0].shape)
         shape[self.dim] = whole
@@ -325,9 +329,9 @@ def padded_vocab(vocab_size: int, size: int) -> int:
 
 
 def layouts(model_cfg, size: int) -> dict[str, Layout]:
-    """Parameter name -> its Layout, for every split parameter of a GPT of `model_cfg` (a GPTConfig) over `size`
-    tensor ranks, from the model's own plan (trainer.model.gpt.tensor_plan); the parameters not named are whole on
-    every rank."""
+    """Parameter name -> its Layout, for every split parameter of a GPT of `model_cfg` (a GPTConfig) over
+    `size` tensor ranks, from the model's own plan (trainer.model.gpt.tensor_plan); the parameters not named
+    are whole on every rank."""
     plan = tensor_plan(model_cfg)
     vp = padded_vocab(model_cfg.vocab_size, size)
     out = {f"{module}.weight": Layout(0, (vp,), vp) for module in plan.vocab}
@@ -344,13 +348,14 @@ def layouts(model_cfg, size: int) -> dict[str, Layout]:
 
 
 class Unsplit:
-    """The tensor layout of a model that is not split (distributed.tensor_parallel=1): what every engine asks of a
-    layout, each the identity or torch's own. Engines hold one layout (this, or `TensorParallel`) and call it
-    without asking which: no engine, checkpoint or loss code branches on tensor parallelism."""
+    """The tensor layout of a model that is not split (distributed.tensor_parallel=1): what every engine asks
+    of a layout, each the identity or torch's own. Engines hold one layout (this, or `TensorParallel`) and
+    call it without asking which: no engine, checkpoint or loss code branches on tensor parallelism."""
 
     size, rank = 1, 0
     gathers = False
-    """Whether the whole model exists on no rank, so that writing it (model.safetensors) gathers every tensor."""
+    """Whether the whole model exists on no rank, so that writing it (model.safetensors) gathers every
+    tensor."""
 
     def is_split(self, name: str) -> bool:
         return False
@@ -368,7 +373,8 @@ class Unsplit:
         return state
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
-        """optimizer.state_dict() as one rank's optimizer would hold it (`TensorParallel.full_optimizer_state`)."""
+        """optimizer.state_dict() as one rank's optimizer would hold it
+        (`TensorParallel.full_optimizer_state`)."""
         return optimizer.state_dict()
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
@@ -377,7 +383,8 @@ class Unsplit:
 
     def clip_gradients(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
         """The whole model's gradient norm before clipping; clips to `max_norm` in place (inf: never). FSDP2's
-        gradients are DTensors: their norm is reduced over their own mesh (`shards` is for `TensorParallel`)."""
+        gradients are DTensors: their norm is reduced over their own mesh (`shards` is for
+        `TensorParallel`)."""
         from torch.distributed.tensor import DTensor
 
         params = [p for _, p in named if p.grad is not None]
@@ -393,8 +400,8 @@ class Unsplit:
         return model, optimizer
 
     def dcp_load_targets(self, model: dict, optimizer: dict):
-        """What DCP reads a checkpoint into (laid out as `saved_dcp_state` writes it), and the collective function
-        that turns what was read back into the layout of `model` and `optimizer`."""
+        """What DCP reads a checkpoint into (laid out as `saved_dcp_state` writes it), and the collective
+        function that turns what was read back into the layout of `model` and `optimizer`."""
         return model, optimizer, lambda read_model, read_optimizer: (read_model, read_optimizer)
 
 
@@ -409,8 +416,8 @@ class TensorParallel(Unsplit):
         """Every rank, in order: under FSDP2 a checkpoint holds each whole tensor's rows split over it."""
         self.layouts = layouts(model.cfg, size)
         self.partial: list[str] = []
-        """The names of the whole parameters used on this rank's positions only: their gradients are summed over
-        the group. Names, not Parameters: FSDP2 replaces every Parameter after the split."""
+        """The names of the whole parameters used on this rank's positions only: their gradients are summed
+        over the group. Names, not Parameters: FSDP2 replaces every Parameter after the split."""
 
     def is_split(self, name: str) -> bool:
         return name in self.layouts
@@ -419,9 +426,10 @@ class TensorParallel(Unsplit):
         return self.layouts[name].shard(whole, self.size, self.rank) if name in self.layouts else whole
 
     def full_state(self, state: dict[str, torch.Tensor], everywhere: bool = True) -> dict[str, torch.Tensor]:
-        """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name, on every
-        rank of the group; `everywhere=False`: on its first rank alone (gathered there, one whole tensor at a
-        time), the others get {} (a checkpoint's writer is one rank: the others never hold the whole model)."""
+        """Collective over the group: this rank's tensors (a model state dict) -> the whole ones, by name, on
+        every rank of the group; `everywhere=False`: on its first rank alone (gathered there, one whole tensor
+        at a time), the others get {} (a checkpoint's writer is one rank: the others never hold the whole
+        model)."""
         out = {}
         first = dist.get_global_rank(self.group, 0)
         for k, v in state.items():
@@ -440,9 +448,9 @@ class TensorParallel(Unsplit):
         return out
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer, everywhere: bool = True) -> dict:
-        """Collective over the group: optimizer.state_dict() with every split parameter's state tensors (Adam's
-        moments, shaped like it) whole, as one rank's optimizer would hold them (`everywhere=False`: on the group's
-        first rank alone, {} on the others, as `full_state`)."""
+        """Collective over the group: optimizer.state_dict() with every split parameter's state tensors
+        (Adam's moments, shaped like it) whole, as one rank's optimizer would hold them (`everywhere=False`:
+        on the group's first rank alone, {} on the others, as `full_state`)."""
         state = optimizer.state_dict()
         names = _optimizer_names(optimizer, self.model)
         out = {}
@@ -453,7 +461,8 @@ class TensorParallel(Unsplit):
         return {**state, "state": out} if everywhere or self.rank == 0 else {}
 
     def shard_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-        """A whole optimizer state (as `full_optimizer_state` or one rank's optimizer wrote it) -> this rank's."""
+        """A whole optimizer state (as `full_optimizer_state` or one rank's optimizer wrote it) -> this
+        rank's."""
         names = _optimizer_names(optimizer, self.model)
         out = {}
         for index, entry in state["state"].items():
@@ -462,7 +471,8 @@ class TensorParallel(Unsplit):
         return {**state, "state": out}
 
     def _moment(self, value, name: str) -> bool:
-        """Whether an optimizer state entry is a per-element tensor of a split parameter (not a step count)."""
+        """Whether an optimizer state entry is a per-element tensor of a split parameter (not a step
+        count)."""
         return isinstance(value, torch.Tensor) and value.dim() > 0 and self.is_split(name)
 
     def reduce_partial_grads(self) -> None:
@@ -479,10 +489,10 @@ class TensorParallel(Unsplit):
                     g.copy_(part.view_as(g))
 
     def clip_gradients(self, named: list[tuple[str, nn.Parameter]], max_norm: float, shards=None) -> float:
-        """The partial gradients summed (`reduce_partial_grads`), then torch.nn.utils.clip_grad_norm_ of the whole
-        model's gradients: the split ones' squares summed over the group, the whole ones (already summed, the same
-        on every rank) counted once. `shards`: the group whose ranks hold different rows of every gradient
-        (FSDP2's), over which both sums are summed first."""
+        """The partial gradients summed (`reduce_partial_grads`), then torch.nn.utils.clip_grad_norm_ of the
+        whole model's gradients: the split ones' squares summed over the group, the whole ones (already
+        summed, the same on every rank) counted once. `shards`: the group whose ranks hold different rows of
+        every gradient (FSDP2's), over which both sums are summed first."""
         self.reduce_partial_grads()
         sq = torch.zeros(2, dtype=torch.float64)  # split, whole
         for name, p in named:
@@ -502,9 +512,9 @@ class TensorParallel(Unsplit):
                     p.grad.detach().mul_(coef)
         return total
 
-    # Under FSDP2 (trainer/distributed/fsdp.py) what the ranks of a tensor group hold under one name differs, and a
-    # checkpoint must load on any tensor size: DCP writes each whole tensor, its rows split over every rank of the
-    # world mesh, one whole tensor held at a time.
+    # Under FSDP2 (trainer/distributed/fsdp.py) what the ranks of a tensor group hold under one name differs,
+    # and a checkpoint must load on any tensor size: DCP writes each whole tensor, its rows split over every
+    # rank of the world mesh, one whole tensor held at a time.
 
     def saved_dcp_state(self, model: dict, optimizer: dict) -> tuple[dict, dict]:
         model, optimizer = _copied(model, optimizer)
@@ -527,8 +537,8 @@ class TensorParallel(Unsplit):
         return model, optimizer, back
 
     def _to_whole(self, name: str, shard):
-        """Collective: this rank's FSDP2 shard of its tensor-parallel shard -> the whole tensor's rows for this
-        rank of the world mesh."""
+        """Collective: this rank's FSDP2 shard of its tensor-parallel shard -> the whole tensor's rows for
+        this rank of the world mesh."""
         from torch.distributed.tensor import distribute_tensor
 
         whole = shard.full_tensor()  # the tensor-parallel shard, whole over the fsdp group
@@ -544,7 +554,8 @@ class TensorParallel(Unsplit):
         return _owned(distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None))
 
     def _empty_whole(self, name: str, shard):
-        """An empty DTensor laid out as `_to_whole` writes the tensor `shard` is a part of (DCP reads into it)."""
+        """An empty DTensor laid out as `_to_whole` writes the tensor `shard` is a part of (DCP reads into
+        it)."""
         import torch.distributed.tensor as dt
 
         shape = self.model.whole_shapes[name] if self.is_split(name) else shard.shape
@@ -558,9 +569,10 @@ def _rows() -> list:
 
 
 def _copied(model: dict, optimizer: dict) -> tuple[dict, dict]:
-    """Shallow copies of a model and an optimizer state dict (as get_state_dict gives them), to replace entries of
-    without touching the optimizer's own."""
-    return dict(model), {**optimizer, "state": {fqn: dict(entry) for fqn, entry in optimizer["state"].items()}}
+    """Shallow copies of a model and an optimizer state dict (as get_state_dict gives them), to replace
+    entries of without touching the optimizer's own."""
+    return dict(model), {**optimizer,
+                         "state": {fqn: dict(entry) for fqn, entry in optimizer["state"].items()}}
 
 
 def _dtensors(model: dict, optimizer: dict):
@@ -580,8 +592,8 @@ def _owned(t):
     """A DTensor whose local part owns its storage (not a view keeping a whole tensor alive)."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -592,9 +604,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_mesh=None) -> TensorParallel:
-    """Split a built GPT (trainer.model.gpt) over the tensor group in place, as its `tensor_plan` says: every rank
-    holds the same whole weights (the same seed, or the same checkpoint) and keeps its shards. Parameter names are
-    unchanged; the Parameters are new (an optimizer built before must take them: trainer.distributed.engine.
+    """Split a built GPT (trainer.model.gpt) over the tensor group in place, as its `tensor_plan` says: every
+    rank holds the same whole weights (the same seed, or the same checkpoint) and keeps its shards. Parameter
+    names are unchanged; the Parameters are new (an optimizer built before must take them:
+    trainer.distributed.engine.
     parallelize). `world_mesh`: every rank, for FSDP2's checkpoints of the split model."""
     cfg = model.cfg
     if problems := tensor_parallel_problems(cfg, size):
@@ -603,9 +616,11 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_m
     tp = TensorParallel(model, group, size, rank, world_mesh)
     local = tp.shard_state({k: v.detach() for k, v in model.state_dict().items()})
     seq = SequenceShards(group)
-    for name, style in [*((n, ColumnParallelLinear) for n in plan.column), *((n, RowParallelLinear) for n in plan.row)]:
+    for name, style in [*((n, ColumnParallelLinear) for n in plan.column),
+                        *((n, RowParallelLinear) for n in plan.row)]:
         parent, _, child = name.rpartition(".")
-        model.get_submodule(parent).set_submodule(child, style(local[f"{name}.weight"], local.get(f"{name}.bias"), seq))
+        model.get_submodule(parent).set_submodule(child, style(local[f"{name}.weight"],
+                                                               local.get(f"{name}.bias"), seq))
     for name, attributes in plan.counts.items():
         module = model.get_submodule(name)
         for attribute in attributes:
@@ -613,7 +628,8 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_m
     embedding, head = plan.vocab
     tied = model.get_submodule(head).weight is model.get_submodule(embedding).weight
     shard_rows = padded_vocab(cfg.vocab_size, size) // size
-    model.set_submodule(embedding, VocabParallelEmbedding(local[f"{embedding}.weight"], rank * shard_rows, group))
+    model.set_submodule(embedding,
+                        VocabParallelEmbedding(local[f"{embedding}.weight"], rank * shard_rows, group))
     new_embedding = model.get_submodule(embedding).weight
     model.get_submodule(head).weight = new_embedding if tied else nn.Parameter(local[f"{head}.weight"])
     model.vocab = VocabShard(group, rank * shard_rows, cfg.vocab_size)
@@ -627,8 +643,8 @@ def apply_tensor_parallel(model: nn.Module, group, size: int, rank: int, world_m
 
 
 def _between(model: nn.Module, name: str, split: str, whole: str) -> bool:
-    """Whether top-level module `name` runs after `split` and up to `whole`, in the model's order of children (the
-    modules that see 1/N of the positions)."""
+    """Whether top-level module `name` runs after `split` and up to `whole`, in the model's order of children
+    (the modules that see 1/N of the positions)."""
     order = [n for n, _ in model.named_children()]
     return name in order and order.index(split) < order.index(name) <= order.index(whole)
 

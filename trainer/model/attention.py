@@ -55,7 +55,8 @@ class AttentionConfig:
     """How packed rows attend. The model sees only this section of the config."""
 
     backend: str = "auto"
-    """Kernel for packed rows: auto | flash | torch_varlen | flex | sdpa_docs | dense (see module docstring)."""
+    """Kernel for packed rows: auto | flash | torch_varlen | flex | sdpa_docs | dense (see module
+    docstring)."""
     isolate_documents: bool = True
     """True: each document attends only to itself (block-diagonal causal). False: one causal mask per row,
     documents read earlier documents of the row (the "concatenate documents" pretraining choice)."""
@@ -165,7 +166,8 @@ def document_block_mask(doc_N: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE):
 
 
 def _dense_to_ordered(tiles_QK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tile matrix -> BlockMask's (count per q tile, kv tile indices with the used ones first), (1, 1, ...)."""
+    """Tile matrix -> BlockMask's (count per q tile, kv tile indices with the used ones first),
+    (1, 1, ...)."""
     tiles = tiles_QK.to(torch.int32)[None, None]
     num = tiles.sum(-1, dtype=torch.int32)
     idx = torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
@@ -173,7 +175,8 @@ def _dense_to_ordered(tiles_QK: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 class Segments:
-    """The boundaries of one forward pass, with each backend's view built on first use and shared by all layers.
+    """The boundaries of one forward pass, with each backend's view built on first use and shared by all
+    layers.
 
     `cu_seqlens` (int32, leading 0) and `max_seqlen` (host int) come from the Batch. The host list for the
     per-segment loop costs one device-to-host copy per forward pass, not one per layer.
@@ -181,7 +184,8 @@ class Segments:
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: int) -> None:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be (S + 1,) with a leading 0, got shape {tuple(cu_seqlens.shape)}")
+            raise ValueError("cu_seqlens must be (S + 1,) with a leading 0, "
+                             f"got shape {tuple(cu_seqlens.shape)}")
         self.cu_seqlens = cu_seqlens
         self.max_seqlen = int(max_seqlen)
         self._cache: dict = {}
@@ -242,7 +246,8 @@ def _flex_fn():
 def backend_unavailable_reason(
     backend: str, device: torch.device, dtype: torch.dtype, requires_grad: bool = True
 ) -> str | None:
-    """Why `backend` cannot run on (device, dtype) (with a backward pass if requires_grad), or None if it can."""
+    """Why `backend` cannot run on (device, dtype) (with a backward pass if requires_grad), or None if it
+    can."""
     if backend == "flash":
         return flash.flash_unavailable_reason(device, dtype)
     if backend == "torch_varlen":
@@ -258,7 +263,8 @@ def backend_unavailable_reason(
         if _flex_fn() is None:
             return f"this torch ({torch.__version__}) has no FlexAttention"
         if device.type == "cpu" and requires_grad:
-            return "FlexAttention has no backward on CPU in PyTorch (forward only, e.g. under torch.no_grad())"
+            return ("FlexAttention has no backward on CPU in PyTorch "
+                    "(forward only, e.g. under torch.no_grad())")
         return None
     if backend in ("sdpa_docs", "dense"):
         return None
@@ -276,7 +282,8 @@ def auto_choice(device: torch.device, dtype: torch.dtype, requires_grad: bool = 
     passed_over = []
     for candidate in AUTO_ORDER:
         if candidate == "flex" and device.type != "cuda":
-            passed_over.append("flex: not picked off CUDA (no backward on CPU; compiling takes tens of seconds)")
+            passed_over.append("flex: not picked off CUDA "
+                               "(no backward on CPU; compiling takes tens of seconds)")
             continue
         reason = backend_unavailable_reason(candidate, device, dtype, requires_grad)
         if reason is None:
@@ -300,9 +307,9 @@ def resolve_backend(
 ) -> str:
     """The concrete kernel for `backend` on (device, dtype); raises BackendUnavailable saying what is missing.
 
-    `auto` takes `auto_choice` and logs it with its reason, once per process for each device, dtype and kernel.
-    An explicit backend is honoured or refused, never swapped for another: every backend `auto` can pick
-    isolates documents, and the error names the one it would pick here.
+    `auto` takes `auto_choice` and logs it with its reason, once per process for each device, dtype and
+    kernel. An explicit backend is honoured or refused, never swapped for another: every backend `auto` can
+    pick isolates documents, and the error names the one it would pick here.
     """
     if backend == "auto":
         kernel, why = auto_choice(device, dtype, requires_grad)
@@ -312,8 +319,8 @@ def resolve_backend(
     if reason is not None:
         instead, _ = auto_choice(device, dtype, requires_grad)
         raise BackendUnavailable(
-            f"attention backend {backend!r} is unavailable: {reason}; use attention=auto, which picks the fastest "
-            f"backend that runs here and keeps documents isolated ({instead} on this machine)"
+            f"attention backend {backend!r} is unavailable: {reason}; use attention=auto, which picks the "
+            f"fastest backend that runs here and keeps documents isolated ({instead} on this machine)"
         )
     return backend
 
@@ -344,7 +351,8 @@ def torch_varlen_args(
     return args
 
 
-def _sdpa_docs(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+def _sdpa_docs(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
+               bounds: list[int]) -> torch.Tensor:
     """Causal SDPA once per segment [bounds[i], bounds[i + 1]): exact, no mask materialized.
 
     `split` (not slicing) cuts the segments, so backward concatenates the segment gradients once instead
@@ -352,14 +360,16 @@ def _sdpa_docs(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, bo
     """
     lengths = [end - start for start, end in itertools.pairwise(bounds)]
     outs = []
-    for q_THD, k_THD, v_THD in zip(q_NHD.split(lengths), k_NHD.split(lengths), v_NHD.split(lengths), strict=True):
+    for q_THD, k_THD, v_THD in zip(q_NHD.split(lengths), k_NHD.split(lengths), v_NHD.split(lengths),
+                                   strict=True):
         q_1HTD, k_1HTD, v_1HTD = (t.transpose(0, 1).unsqueeze(0) for t in (q_THD, k_THD, v_THD))
         out_1HTD = F.scaled_dot_product_attention(q_1HTD, k_1HTD, v_1HTD, is_causal=True)
         outs.append(out_1HTD.squeeze(0).transpose(0, 1))  # (T, H, D)
     return torch.cat(outs, dim=0)
 
 
-def _dense(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, mask_NN: torch.Tensor) -> torch.Tensor:
+def _dense(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor,
+           mask_NN: torch.Tensor) -> torch.Tensor:
     q_1HND, k_1HND, v_1HND = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD, k_NHD, v_NHD))
     out_1HND = F.scaled_dot_product_attention(q_1HND, k_1HND, v_1HND, attn_mask=mask_NN)
     return out_1HND.squeeze(0).transpose(0, 1)
@@ -368,7 +378,8 @@ def _dense(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, mask_N
 _COMPILED_FLEX = None
 
 
-def _flex(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, block_mask, compile: bool) -> torch.Tensor:
+def _flex(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, block_mask,
+          compile: bool) -> torch.Tensor:
     global _COMPILED_FLEX
     flex_attention = _flex_fn()
     if compile:
@@ -382,8 +393,8 @@ def _flex(q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, block_m
 
 class AttentionContext(Protocol):
     """What the attention layers of one forward pass attend within: `Segments` (the documents of this rank's
-    rows), or a share of rows split over ranks (trainer.distributed.context.ContextShard, which joins the other
-    ranks' keys). Built once per forward, shared by every layer."""
+    rows), or a share of rows split over ranks (trainer.distributed.context.ContextShard, which joins the
+    other ranks' keys). Built once per forward, shared by every layer."""
 
     def attend(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, backend: str = "auto",
                flex_compile: bool = True) -> torch.Tensor:
@@ -392,7 +403,8 @@ class AttentionContext(Protocol):
 
 
 TREE_KERNELS = ("sdpa_docs", "dense", "flex")
-"""The kernels that express a tree's mask (TreeSegments); the varlen kernels attend within whole segments only."""
+"""The kernels that express a tree's mask (TreeSegments); the varlen kernels attend within whole segments
+only."""
 
 
 def tree_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -402,16 +414,17 @@ def tree_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> str:
         return "flex" if backend_unavailable_reason("flex", device, dtype, requires_grad=False) is None \
             and device.type == "cuda" else "sdpa_docs"
     if backend not in TREE_KERNELS:
-        raise BackendUnavailable(f"attention backend {backend!r} cannot score the tree layout: it attends within "
-                                 f"whole segments, and a tree's branches must not see each other; use one of "
-                                 f"{', '.join(TREE_KERNELS)} (or auto), or score in the packed layout")
+        raise BackendUnavailable(f"attention backend {backend!r} cannot score the tree layout: it attends "
+                                 "within whole segments, and a tree's branches must not see each other; "
+                                 f"use one of {', '.join(TREE_KERNELS)} (or auto), "
+                                 "or score in the packed layout")
     return resolve_backend(backend, device, dtype, requires_grad=False)
 
 
 class TreeSegments:
     """The attention context of a tree batch (trainer.data.batch.collate_trees): within a segment (a tree) a
-    position attends causally to the trunk and to its own branch, never to a sibling branch; segments are isolated
-    as in `Segments`. Forward only (scoring).
+    position attends causally to the trunk and to its own branch, never to a sibling branch; segments are
+    isolated as in `Segments`. Forward only (scoring).
 
         mask[q, k] = same segment and k <= q and (branch[k] == 0 or branch[k] == branch[q])
     """
@@ -455,8 +468,8 @@ class TreeSegments:
         return self._per_tree(q_NHD, k_NHD, v_NHD)
 
     def _per_tree(self, q_NHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> torch.Tensor:
-        """sdpa_docs for trees: per segment, the trunk causal, then each branch's queries over the trunk's keys and
-        its own (causal within the branch), each an SDPA call; no (N, N) mask."""
+        """sdpa_docs for trees: per segment, the trunk causal, then each branch's queries over the trunk's
+        keys and its own (causal within the branch), each an SDPA call; no (N, N) mask."""
         if "host" not in self._cache:
             self._cache["host"] = self.branch_N.reshape(-1).tolist()
         branch = self._cache["host"]
@@ -476,7 +489,8 @@ class TreeSegments:
                 values = torch.cat([v_NHD[start:start + trunk], v_NHD[at:stop]])
                 mask = torch.ones(m, trunk + m, dtype=torch.bool, device=q_NHD.device)
                 mask[:, trunk:] = torch.ones(m, m, dtype=torch.bool, device=q_NHD.device).tril()
-                q_1HMD, k_1HKD, v_1HKD = (t.transpose(0, 1).unsqueeze(0) for t in (q_NHD[at:stop], keys, values))
+                q_1HMD, k_1HKD, v_1HKD = (t.transpose(0, 1).unsqueeze(0)
+                                          for t in (q_NHD[at:stop], keys, values))
                 out = F.scaled_dot_product_attention(q_1HMD, k_1HKD, v_1HKD, attn_mask=mask)
                 outs.append(out.squeeze(0).transpose(0, 1))
                 at = stop
@@ -501,14 +515,15 @@ def segment_attention(
     """Document-causal attention of flat (N, H, D) tokens; returns (N, H, D). The model calls this per layer.
 
     Runs outside torch.compile's graphs (train.compile: trainer/model/compile.py wraps each layer's call in
-    torch.compiler.disable): the boundaries change with every batch, and outside the graph they are never guarded
-    on, so no backend recompiles per batch. Not decorated here: torch.compiler.disable imports dynamo, ~1 s of
-    every process's start, also of the runs that never compile.
+    torch.compiler.disable): the boundaries change with every batch, and outside the graph they are never
+    guarded on, so no backend recompiles per batch. Not decorated here: torch.compiler.disable imports dynamo,
+    ~1 s of every process's start, also of the runs that never compile.
     """
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_NHD, k_NHD, v_NHD))
     kernel = resolve_backend(backend, q_NHD.device, q_NHD.dtype, requires_grad)
     if kernel == "flash":
-        return flash.flash_varlen_attention(q_NHD, k_NHD, v_NHD, segments.cu_on(q_NHD.device), segments.max_seqlen)
+        return flash.flash_varlen_attention(q_NHD, k_NHD, v_NHD, segments.cu_on(q_NHD.device),
+                                            segments.max_seqlen)
     if kernel == "torch_varlen":
         varlen_attn = _torch_varlen_fn()
         cu = segments.cu_on(q_NHD.device)

@@ -1,12 +1,14 @@
-"""torch.compile for training (train.compile=true): each transformer block compiled on its own, as torchtitan does.
+"""torch.compile for training (train.compile=true): each transformer block compiled on its own, as torchtitan
+does.
 
-`compile_blocks` runs once, from `trainer.distributed.engine.parallelize`, before any DDP / DeepSpeed wrapping. Every
-block has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards hold for each block).
+`compile_blocks` runs once, from `trainer.distributed.engine.parallelize`, before any DDP / DeepSpeed
+wrapping. Every block has the same code, so dynamo compiles it once and all blocks reuse the graphs (guards
+hold for each block).
 
 What is compiled: a block's body (`Block._forward`: layer norms, qkv projection, RoPE, output projection,
 residuals, MLP). What is not: the attention kernel call, `segment_attention`, which `compile_blocks` wraps in
-`torch.compiler.disable` for each block (`CausalSelfAttention.attend`; not at import, where it would load dynamo
-into every process). Its inputs change with every batch: cu_seqlens has one entry per document,
+`torch.compiler.disable` for each block (`CausalSelfAttention.attend`; not at import, where it would load
+dynamo into every process). Its inputs change with every batch: cu_seqlens has one entry per document,
 max_seqlen is a Python int, and sdpa_docs is a Python loop over the documents (one graph per document count).
 Outside the graph they cost nothing: no guard on them, so no recompilation per batch, whatever the backend:
 
@@ -35,29 +37,32 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile each block's body in place (parameter names, and so checkpoints, unchanged); returns the model.
 
     compile_kwargs go to torch.compile (tests pass backend="eager" to trace without inductor).
-    Example: compile_blocks(build_model(cfg, attention)); the first forward compiles (seconds), later ones reuse.
+    Example: compile_blocks(build_model(cfg, attention)); the first forward compiles (seconds), later ones
+    reuse.
     """
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        raise TypeError(f"train.compile compiles the transformer blocks of `model.blocks`; {type(model).__name__} "
-                        "has none")
+        raise TypeError("train.compile compiles the transformer blocks of `model.blocks`; "
+                        f"{type(model).__name__} has none")
     for block in blocks:
         body = getattr(block, "_forward", None)
         if body is None:
-            raise TypeError(f"{type(block).__name__} has no `_forward` (the block body that train.compile compiles)")
+            raise TypeError(f"{type(block).__name__} has no `_forward` "
+                            "(the block body that train.compile compiles)")
         attend = getattr(getattr(block, "attn", None), "attend", None)
         if attend is None:
-            raise TypeError(f"{type(block).__name__} has no `attn.attend` (the attention call train.compile keeps out "
-                            "of the graphs)")
-        block.attn.attend = torch.compiler.disable(attend, reason=_EAGER_ATTENTION)  # eager, between the graphs
+            raise TypeError(f"{type(block).__name__} has no `attn.attend` "
+                            "(the attention call train.compile keeps out of the graphs)")
+        # eager, between the graphs
+        block.attn.attend = torch.compiler.disable(attend, reason=_EAGER_ATTENTION)
         # an instance attribute: not a parameter, not in the state dict
         block._forward = torch.compile(body, **compile_kwargs)
     return model
 
 
 class CompileCounter:
-    """Counts dynamo's compilations while registered: `compiles` (every frame compiled, the first time and again)
-    and `recompiles` (a frame compiled again because its guards failed: a new shape, grad mode, ...).
+    """Counts dynamo's compilations while registered: `compiles` (every frame compiled, the first time and
+    again) and `recompiles` (a frame compiled again because its guards failed: a new shape, grad mode, ...).
 
     torch numbers each compilation "frame/count" (torch._guards.CompileId): count > 0 is a recompilation, the
     same test as TORCH_LOGS=recompiles. `reasons()` gives dynamo's own reasons for the latest ones.

@@ -36,7 +36,8 @@ def flash_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
         return f"flash-attn needs a CUDA device, got {device.type!r}"
     error = flash_attn_import_error()
     if error is not None:
-        return f"the flash-attn package does not import ({error}); install it with `pip install 'packtrain[flash]'`"
+        return (f"the flash-attn package does not import ({error}); "
+                "install it with `pip install 'packtrain[flash]'`")
     if dtype not in FLASH_DTYPES:
         return f"flash-attn runs in float16/bfloat16 only, got {dtype} (train under bf16 autocast)"
     return None
@@ -52,7 +53,8 @@ def flash_varlen_args(
     for the longest segment. Example: segments [3, 2] -> cu_seqlens_q = cu_seqlens_k = [0, 3, 5], max 3.
     """
     if not (q_NHD.dim() == 3 and q_NHD.shape == k_NHD.shape == v_NHD.shape):
-        raise ValueError(f"q, k, v must share one (N, H, D) shape, got {q_NHD.shape}, {k_NHD.shape}, {v_NHD.shape}")
+        raise ValueError(f"q, k, v must share one (N, H, D) shape, got {q_NHD.shape}, {k_NHD.shape}, "
+                         f"{v_NHD.shape}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be (S + 1,) with a leading 0, got shape {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(device=q_NHD.device, dtype=torch.int32)
@@ -73,15 +75,17 @@ def flash_varlen_qk_args(
     q_MHD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
 ) -> dict:
-    """`flash_attn_varlen_func` arguments with separate query and key segments (context parallelism's allgather
-    strategy: a piece of m queries of a document attends to its n >= m keys up to the last query). flash-attn >= 2.1
-    aligns the causal mask at the bottom right when m < n: query i sees keys 0 .. n - m + i. Example: one piece of
-    2 queries over 5 keys -> cu_seqlens_q [0, 2], cu_seqlens_k [0, 5], max 2 and 5."""
-    if not (q_MHD.dim() == k_NHD.dim() == 3 and k_NHD.shape == v_NHD.shape and q_MHD.shape[1:] == k_NHD.shape[1:]):
-        raise ValueError(f"q (M, H, D) and k, v (N, H, D) expected, got {q_MHD.shape}, {k_NHD.shape}, {v_NHD.shape}")
+    """`flash_attn_varlen_func` arguments with separate query and key segments (context parallelism's
+    allgather strategy: a piece of m queries of a document attends to its n >= m keys up to the last query).
+    flash-attn >= 2.1 aligns the causal mask at the bottom right when m < n: query i sees keys 0 .. n - m + i.
+    Example: one piece of 2 queries over 5 keys -> cu_seqlens_q [0, 2], cu_seqlens_k [0, 5], max 2 and 5."""
+    if not (q_MHD.dim() == k_NHD.dim() == 3 and k_NHD.shape == v_NHD.shape
+            and q_MHD.shape[1:] == k_NHD.shape[1:]):
+        raise ValueError(f"q (M, H, D) and k, v (N, H, D) expected, got {q_MHD.shape}, {k_NHD.shape}, "
+                         f"{v_NHD.shape}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (S + 1,), got {tuple(cu_seqlens_q.shape)} and "
-                         f"{tuple(cu_seqlens_k.shape)}")
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be (S + 1,), got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
     return dict(
         q=q_MHD, k=k_NHD, v=v_NHD,
         cu_seqlens_q=cu_seqlens_q.to(device=q_MHD.device, dtype=torch.int32),
@@ -108,7 +112,8 @@ def flash_varlen_attention(
     Raises RuntimeError naming what is missing if flash-attn does not import. Device and dtype are checked
     by the adapter's backend resolution (`trainer.model.attention.backend_unavailable_reason`).
     """
-    return _flash_attn().flash_attn_varlen_func(**flash_varlen_args(q_NHD, k_NHD, v_NHD, cu_seqlens, max_seqlen))
+    return _flash_attn().flash_attn_varlen_func(**flash_varlen_args(q_NHD, k_NHD, v_NHD, cu_seqlens,
+                                                                    max_seqlen))
 
 
 def flash_varlen_attention_qk(

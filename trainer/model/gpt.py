@@ -1,10 +1,12 @@
-"""A decoder-only transformer, GPT-2 or Llama family, that takes padded rows or packed rows with document boundaries.
+"""A decoder-only transformer, GPT-2 or Llama family, that takes padded rows or packed rows with document
+boundaries.
 
 One model class, two families chosen by GPTConfig's fields (presets in configs/model/):
     GPT-2   LayerNorm, GELU MLP, learned positions, biases, multi-head attention, head tied to the embedding
     Llama   RMSNorm, SwiGLU MLP, rotary positions (HF's rotate-half layout, the config's theta and scaling),
             grouped-query attention (n_kv_head < n_head), untied head; Qwen2 adds q/k/v biases (qkv_bias)
-The parameter names are the same in both (trainer.checkpoint.hf maps them to each family's Hugging Face names).
+The parameter names are the same in both (trainer.checkpoint.hf maps them to each family's Hugging Face
+names).
 
 Single-device code: no ranks, no process groups. Parallel wrapping happens after `build_model`.
 
@@ -18,10 +20,11 @@ the same sum over the same targets in both layouts; the caller divides by its ow
 Decoding (trainer.generate) passes a `KVCache` on the padded path: each forward appends its keys and values,
 and the next one attends to them instead of recomputing the prefix.
 
-Two memory options, neither of which changes the loss or the gradients: `loss_chunk_tokens` (loss.chunk_tokens)
-computes the head and the loss a chunk of positions at a time, never holding all (B * L, V) logits
-(trainer.model.loss.chunked_cross_entropy); `apply_activation_checkpointing` (train.activation_checkpointing) makes the
-blocks recompute their activations in backward instead of storing them.
+Two memory options, neither of which changes the loss or the gradients: `loss_chunk_tokens`
+(loss.chunk_tokens) computes the head and the loss a chunk of positions at a time, never holding all
+(B * L, V) logits (trainer.model.loss.chunked_cross_entropy); `apply_activation_checkpointing`
+(train.activation_checkpointing) makes the blocks recompute their activations in backward instead of storing
+them.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class GPTConfig:
     max_seq_len: int = 1024
     """Longest row length L the model accepts; sizes the learned position table."""
     dropout: float = 0.0
-    """Dropout on embeddings and residual branches (none inside attention: varlen kernels differ in support)."""
+    """Dropout on embeddings and residual branches (none inside attention: varlen kernels differ in
+    support)."""
     bias: bool = True
     """Biases in Linear and LayerNorm layers, as in GPT-2."""
     pos_emb: str = "learned"
@@ -76,8 +80,8 @@ class GPTConfig:
     init_std: float = 0.02
     """Std of the normal init; residual output projections get init_std / sqrt(2 * n_layer)."""
     norm: str = "layernorm"
-    """'layernorm' (GPT-2; its bias follows `bias`) or 'rmsnorm' (Llama; no bias), before each sub-block and the
-    head."""
+    """'layernorm' (GPT-2; its bias follows `bias`) or 'rmsnorm' (Llama; no bias), before each sub-block and
+    the head."""
     norm_eps: float = 1e-5
     """The norms' epsilon (GPT-2 1e-5; Llama-family configs say theirs: rms_norm_eps)."""
     mlp: str = "gelu"
@@ -86,7 +90,8 @@ class GPTConfig:
     mlp_hidden: int | None = None
     """The MLP's inner width (Llama's intermediate_size); None = 4 * n_embd."""
     n_kv_head: int | None = None
-    """Key/value heads (grouped-query attention: each serves n_head / n_kv_head query heads); None = n_head."""
+    """Key/value heads (grouped-query attention: each serves n_head / n_kv_head query heads);
+    None = n_head."""
     qkv_bias: bool | None = None
     """Biases on the q/k/v projection alone (Qwen2: true with bias false); None = `bias`."""
     tie_embeddings: bool = True
@@ -97,8 +102,8 @@ class GPTConfig:
     or "linear"); None = plain RoPE. Only with pos_emb=rope."""
     family: str | None = None
     """The Hugging Face family the model is exported as (trainer.model.families: 'gpt2', 'llama', 'qwen2',
-    'mistral'), set when it was imported from one; None = the first family that computes it. Names a class, not a
-    weight: the model it builds is the same."""
+    'mistral'), set when it was imported from one; None = the first family that computes it. Names a class,
+    not a weight: the model it builds is the same."""
 
     def __post_init__(self) -> None:
         for key, allowed in (("pos_emb", POS_EMBS), ("norm", NORMS), ("mlp", MLPS)):
@@ -114,8 +119,8 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"model.pos_emb=rope needs an even head dimension, got model.n_embd / model.n_head = "
-                             f"{self.n_embd // self.n_head}")
+            raise ValueError("model.pos_emb=rope needs an even head dimension, got "
+                             f"model.n_embd / model.n_head = {self.n_embd // self.n_head}")
         require_range("model.norm_eps", self.norm_eps, 0, low_open=True)
         if self.family is not None and not isinstance(self.family, str):
             raise ValueError(f"model.family must be a family's name or null, got {self.family!r}")
@@ -124,11 +129,12 @@ class GPTConfig:
         if self.n_kv_head is not None:
             require_range("model.n_kv_head", self.n_kv_head, 1)
             if self.n_head % self.n_kv_head:
-                raise ValueError(f"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}")
+                raise ValueError(f"model.n_head={self.n_head} is not divisible by "
+                                 f"model.n_kv_head={self.n_kv_head}")
         if self.rope_scaling is not None:
             if self.pos_emb != "rope":
-                raise ValueError(f"model.rope_scaling scales rotary positions: it needs model.pos_emb=rope, got "
-                                 f"{self.pos_emb!r}")
+                raise ValueError("model.rope_scaling scales rotary positions: it needs model.pos_emb=rope, "
+                                 f"got {self.pos_emb!r}")
             rope_inv_freq(self)  # the scaling's own checks, one line each
 
     @property
@@ -149,7 +155,8 @@ class GPTConfig:
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None
-    """(B, L, V) next-token logits, or None with return_logits=False (and by default when the loss is chunked)."""
+    """(B, L, V) next-token logits, or None with return_logits=False (and by default when the loss is
+    chunked)."""
     loss_sum: torch.Tensor | None
     """fp32 scalar: summed cross entropy over valid targets (labels given), else None."""
     num_targets: torch.Tensor | None
@@ -157,7 +164,8 @@ class ModelOutput:
     weighted_loss_sum: torch.Tensor | None = None
     """fp32 scalar: sum of loss_weights[t] * cross entropy of target t (loss_weights given), else None."""
     group_loss_sums: torch.Tensor | None = None
-    """(G,) fp32, detached: the summed cross entropy of each loss group's targets (loss_groups given), else None."""
+    """(G,) fp32, detached: the summed cross entropy of each loss group's targets (loss_groups given), else
+    None."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,30 +176,34 @@ class ModelOutput:
 def rope_inv_freq(cfg: GPTConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """The (head_dim / 2,) fp32 rotation frequencies theta^(-2i / head_dim), scaled as cfg.rope_scaling says.
 
-    'linear' divides every frequency by `factor`; 'llama3' (Llama-3.1/3.2) divides the low frequencies (wavelength
-    above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones (wavelength below
-    .../ high_freq_factor) and interpolates between: transformers' _compute_llama3_parameters, written again.
-    Computed where it is used (`device`), in each forward: D / 2 numbers, never a buffer that model.to(bf16) rounds.
+    'linear' divides every frequency by `factor`; 'llama3' (Llama-3.1/3.2) divides the low frequencies
+    (wavelength above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones
+    (wavelength below .../ high_freq_factor) and interpolates between: transformers'
+    _compute_llama3_parameters, written again. Computed where it is used (`device`), in each forward: D / 2
+    numbers, never a buffer that model.to(bf16) rounds.
     """
     D = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
     scaling = dict(cfg.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_SCALINGS:
-        raise ValueError(f"model.rope_scaling: rope_type {kind!r} is not supported; supported: {ROPE_SCALINGS}")
+        raise ValueError(f"model.rope_scaling: rope_type {kind!r} is not supported; "
+                         f"supported: {ROPE_SCALINGS}")
     if kind == "default":
         return inv_freq
 
     def number(key: str) -> float:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(f"model.rope_scaling: rope_type {kind!r} needs a positive number {key}, got {value!r}")
+            raise ValueError(f"model.rope_scaling: rope_type {kind!r} needs a positive number {key}, "
+                             f"got {value!r}")
         return float(value)
 
     factor = number("factor")
     if kind == "linear":
         return inv_freq / factor
-    low, high, old = number("low_freq_factor"), number("high_freq_factor"), number("original_max_position_embeddings")
+    low, high, old = (number("low_freq_factor"), number("high_freq_factor"),
+                      number("original_max_position_embeddings"))
     if high <= low:
         raise ValueError(f"model.rope_scaling: high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     wavelen = 2 * math.pi / inv_freq
@@ -292,26 +304,29 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, segments: AttentionContext | None,
-        cache: LayerCache | None = None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+        segments: AttentionContext | None, cache: LayerCache | None = None,
     ) -> torch.Tensor:
         H, KV, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.c_attn(x)
-        B, L = qkv.shape[:2]  # under sequence parallelism x holds 1/N of the positions, c_attn gathers them all
+        # under sequence parallelism x holds 1/N of the positions, c_attn gathers them all
+        B, L = qkv.shape[:2]
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k, v = q.view(B, L, H, D), k.view(B, L, KV, D), v.view(B, L, KV, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:  # decoding: attend to the cached positions too (padded path only)
             k, v = cache.append(k, v)  # the cache holds the KV heads, not their copies
-        # Grouped-query attention: query head h reads kv head h // (H / KV), as transformers' repeat_kv. The copies
-        # let every backend and context-parallel strategy run unchanged (ulysses then splits H heads, never KV).
+        # Grouped-query attention: query head h reads kv head h // (H / KV), as transformers' repeat_kv. The
+        # copies let every backend and context-parallel strategy run unchanged (ulysses then splits H heads,
+        # never KV).
         k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)
         if cache is not None:
             y = cached_attention(q, k, v)
         elif segments is None:
             # Padded rows, or packed rows under one causal mask (isolate_documents=False).
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
             y = y.transpose(1, 2)  # (B, H, L, D) -> (B, L, H, D)
         else:
             flat = (B * L, H, D)
@@ -323,7 +338,8 @@ class CausalSelfAttention(nn.Module):
 
 
 def repeat_kv(x_BLKD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, L, KV, D) -> (B, L, KV * n_rep, D), each kv head repeated n_rep times in place (head h <- h // n_rep)."""
+    """(B, L, KV, D) -> (B, L, KV * n_rep, D), each kv head repeated n_rep times in place
+    (head h <- h // n_rep)."""
     return x_BLKD if n_rep == 1 else x_BLKD.repeat_interleave(n_rep, dim=2)
 
 
@@ -376,8 +392,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.recompute = "none"
-        """What backward recomputes instead of storing: 'none', 'full' (the block) or 'selective' (ln_2 + MLP);
-        set by `apply_activation_checkpointing`."""
+        """What backward recomputes instead of storing: 'none', 'full' (the block) or 'selective' (ln_2 +
+        MLP); set by `apply_activation_checkpointing`."""
 
     def forward(
         self, x: torch.Tensor, rope, segments: AttentionContext | None, cache: LayerCache | None = None
@@ -386,7 +402,8 @@ class Block(nn.Module):
             return checkpoint(self._forward, x, rope, segments, use_reentrant=False)
         return self._forward(x, rope, segments, cache)
 
-    def _forward(self, x: torch.Tensor, rope, segments: AttentionContext | None, cache: LayerCache | None = None):
+    def _forward(self, x: torch.Tensor, rope, segments: AttentionContext | None,
+                 cache: LayerCache | None = None):
         x = x + self.attn(self.ln_1(x), rope, segments, cache)
         if self.recompute == "selective" and torch.is_grad_enabled():
             return x + checkpoint(self._mlp, x, use_reentrant=False)
@@ -402,17 +419,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None, loss_chunk_tokens: int = 0) -> None:
+    def __init__(self, cfg: GPTConfig, attention: AttentionConfig | None = None,
+                 loss_chunk_tokens: int = 0) -> None:
         super().__init__()
         if cfg.vocab_size is None:
-            raise ValueError("GPTConfig.vocab_size is None: build through build_model(..., vocab_size=tokenizer size)")
+            raise ValueError("GPTConfig.vocab_size is None: build through "
+                             "build_model(..., vocab_size=tokenizer size)")
         self.cfg = cfg
         self.init_rng = torch.get_rng_state()
-        """The CPU RNG's state when the build began: the init draws from it (`init_weights`), on any device."""
+        """The CPU RNG's state when the build began: the init draws from it (`init_weights`), on any
+        device."""
         self.attention = attention or AttentionConfig()
         self.loss_chunk_tokens = loss_chunk_tokens
-        """> 0: the loss is computed this many flat positions at a time, without logits (see chunked_cross_entropy).
-        A training setting, not part of the weights or the config saved with them."""
+        """> 0: the loss is computed this many flat positions at a time, without logits (see
+        chunked_cross_entropy). A training setting, not part of the weights or the config saved with them."""
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
@@ -423,14 +443,19 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight  # tied input and output embeddings
         self.vocab = WHOLE_VOCAB
         """Which columns of the vocabulary the head's logits are, the loss computed on them: all of them
-        (trainer.model.loss.WholeVocab), or under tensor parallelism this rank's (a trainer.distributed.tensor.
+        (trainer.model.loss.WholeVocab), or under tensor parallelism this rank's
+        (a trainer.distributed.tensor.
         VocabShard, set by apply_tensor_parallel)."""
         self.init_plan = init_plan(self)
-        """(parameter name, 'normal' | 'fill', std or value), in the order the init draws them (`init_weights`)."""
-        self.whole_shapes = {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)}
+        """(parameter name, 'normal' | 'fill', std or value), in the order the init draws them
+        (`init_weights`)."""
+        self.whole_shapes = {name: tuple(p.shape)
+                             for name, p in self.named_parameters(remove_duplicate=False)}
         """Each parameter's shape in this, the unsplit model (a split one holds a slice of it)."""
-        torch.set_rng_state(self.init_rng)  # what the modules' own constructors drew is dropped: the plan alone draws
-        init_weights(self)  # on the meta device this draws nothing: trainer.distributed.engine.materialize does
+        # what the modules' own constructors drew is dropped: the plan alone draws
+        torch.set_rng_state(self.init_rng)
+        # on the meta device this draws nothing: trainer.distributed.engine.materialize does
+        init_weights(self)
 
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
@@ -438,8 +463,8 @@ class GPT(nn.Module):
 
     @property
     def tied_keys(self) -> tuple[str, ...]:
-        """Parameter names that name another one's tensor (the tied head, under tie_embeddings), left out of saved
-        weights."""
+        """Parameter names that name another one's tensor (the tied head, under tie_embeddings), left out of
+        saved weights."""
         first = {name for name, _ in self.named_parameters()}
         return tuple(name for name, _ in self.named_parameters(remove_duplicate=False) if name not in first)
 
@@ -464,20 +489,21 @@ class GPT(nn.Module):
         segment (or within each row when AttentionConfig.isolate_documents is False); max_seqlen is then
         required, a host int from the Batch. position_ids=None means 0..L-1 in every row.
         loss_weights (B, L), aligned with labels: also return the weighted sum of the token losses.
-        loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of the
-        num_loss_groups groups (a metric: per source x document-length bucket, trainer.data.batch.LossGroups).
-        return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given) or
-        split over tensor ranks (`vocab`), where they never exist whole; True always returns them (the plain
-        loss path; gathered over the tensor group); False never does.
+        loss_groups (B, L) int64, aligned with labels (-1: none): also return the summed token loss of each of
+        the num_loss_groups groups (a metric: per source x document-length bucket,
+        trainer.data.batch.LossGroups).
+        return_logits: None returns them unless the loss is chunked (loss_chunk_tokens > 0 and labels given)
+        or split over tensor ranks (`vocab`), where they never exist whole; True always returns them (the
+        plain loss path; gathered over the tensor group); False never does.
         cache: decode on the padded path, appending to (and attending over) the cache; position_ids=None
         then means cache.length .. cache.length + L - 1 (see `KVCache`).
         attention_context: what each attention layer attends within when the boundaries are not the rows'
-        cu_seqlens (trainer.model.attention.AttentionContext: its `attend(q, k, v, backend, flex_compile)`), e.g.
-        this rank's share of whole rows under context parallelism, which a micro-batch's row plan puts into
-        these kwargs (`model_inputs`), with `targets` instead of labels.
+        cu_seqlens (trainer.model.attention.AttentionContext: its `attend(q, k, v, backend, flex_compile)`),
+        e.g. this rank's share of whole rows under context parallelism, which a micro-batch's row plan puts
+        into these kwargs (`model_inputs`), with `targets` instead of labels.
         targets (B, L): what each position predicts, already aligned with the positions (trainer.model.loss.
-        next_token_targets, made on whole rows before a shard cuts them), with loss_weights and loss_groups aligned
-        the same way; give labels or targets, not both. The model itself imports no torch.distributed.
+        next_token_targets, made on whole rows before a shard cuts them), with loss_weights and loss_groups
+        aligned the same way; give labels or targets, not both. The model itself imports no torch.distributed.
         """
         if labels is not None:  # the one shift: position t predicts labels[t + 1]
             if targets is not None:
@@ -494,7 +520,8 @@ class GPT(nn.Module):
             position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
         segments = attention_context
         if attention_context is not None and (cu_seqlens is not None or cache is not None):
-            raise ValueError("an attention_context carries its own boundaries: pass cu_seqlens=None, no cache")
+            raise ValueError("an attention_context carries its own boundaries: "
+                             "pass cu_seqlens=None, no cache")
         if attention_context is None and cu_seqlens is not None and self.attention.isolate_documents:
             if max_seqlen is None:
                 raise ValueError("packed rows need max_seqlen (a Python int computed with cu_seqlens)")
@@ -513,12 +540,13 @@ class GPT(nn.Module):
             cache.length += L
         h = self.ln_f(x)  # (B, L, C)
 
-        if self.loss_chunk_tokens and targets is not None and not return_logits:  # the logits never exist whole
+        # the logits never exist whole
+        if self.loss_chunk_tokens and targets is not None and not return_logits:
             loss_sum, num_targets, weighted, grouped = chunked_cross_entropy_sums(
-                h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups, num_loss_groups,
-                self.vocab)
-            return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets, weighted_loss_sum=weighted,
-                               group_loss_sums=grouped)
+                h, self.lm_head.weight, targets, loss_weights, self.loss_chunk_tokens, loss_groups,
+                num_loss_groups, self.vocab)
+            return ModelOutput(logits=None, loss_sum=loss_sum, num_targets=num_targets,
+                               weighted_loss_sum=weighted, group_loss_sums=grouped)
         logits = self.lm_head(h)  # (B, L, V), or (B, L, V / N) under tensor parallelism
         loss_sum = num_targets = weighted = grouped = None
         if targets is not None:  # one token-loss tensor; the weighted and per-group sums are reductions of it
@@ -534,31 +562,34 @@ class TensorPlan:
     trainer/distributed/tensor.py, which names no module itself. N is the tensor group's size.
 
     Example (2 layers, GPT-2 MLP, 4 heads of 16, 2 kv heads): column {"blocks.0.attn.c_attn": (64, 32, 32),
-    "blocks.0.mlp.c_fc": (256,), ...}, row {"blocks.0.attn.c_proj": (64,), "blocks.0.mlp.c_proj": (256,), ...}."""
+    "blocks.0.mlp.c_fc": (256,), ...}, row {"blocks.0.attn.c_proj": (64,), "blocks.0.mlp.c_proj": (256,),
+    ...}."""
 
     column: dict[str, tuple[int, ...]]
-    """Linear modules split by output rows; the parts of the rows (fused q | k | v: three), each cut N ways, so that
-    rank t holds slice t of every part (its heads' q, k and v), and its bias with them."""
+    """Linear modules split by output rows; the parts of the rows (fused q | k | v: three), each cut N ways,
+    so that rank t holds slice t of every part (its heads' q, k and v), and its bias with them."""
     row: dict[str, tuple[int, ...]]
-    """Linear modules split by input columns (the parts, as `column`'s); their partial outputs are summed, their bias
-    whole."""
+    """Linear modules split by input columns (the parts, as `column`'s); their partial outputs are summed,
+    their bias whole."""
     vocab: tuple[str, str]
-    """(the token embedding, the output head): their rows, the vocabulary padded to a multiple of N, cut N ways; a
-    head tied to the embedding stays tied."""
+    """(the token embedding, the output head): their rows, the vocabulary padded to a multiple of N, cut N
+    ways; a head tied to the embedding stays tied."""
     counts: dict[str, tuple[str, ...]]
-    """Module -> the attributes that count what a column split divides (attention's heads): each divided by N."""
+    """Module -> the attributes that count what a column split divides (attention's heads): each divided by
+    N."""
     positions: tuple[str, str]
-    """(the module after whose output the residual stream is split by position, the one after whose output it is
-    whole again): the modules between run on 1/N of the positions, their whole weights' gradients partial sums."""
+    """(the module after whose output the residual stream is split by position, the one after whose output it
+    is whole again): the modules between run on 1/N of the positions, their whole weights' gradients partial
+    sums."""
 
     def split_modules(self) -> dict[str, tuple[int, ...]]:
         return {**self.column, **self.row}
 
 
 def tensor_plan(cfg: GPTConfig) -> TensorPlan:
-    """The `TensorPlan` of a GPT of `cfg`: attention and MLP in Megatron-LM's layout (q|k|v and gate|up each split by
-    part, so a rank holds whole heads and whole MLP columns), the vocabulary split, the blocks and the final norm
-    sequence-parallel."""
+    """The `TensorPlan` of a GPT of `cfg`: attention and MLP in Megatron-LM's layout (q|k|v and gate|up each
+    split by part, so a rank holds whole heads and whole MLP columns), the vocabulary split, the blocks and
+    the final norm sequence-parallel."""
     H, KV, D, hidden = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.hidden
     fc = (hidden, hidden) if cfg.mlp == "swiglu" else (hidden,)  # gate | up
     column, row, counts = {}, {}, {}
@@ -567,14 +598,16 @@ def tensor_plan(cfg: GPTConfig) -> TensorPlan:
         column[block + "attn.c_attn"], row[block + "attn.c_proj"] = (H * D, KV * D, KV * D), (H * D,)
         column[block + "mlp.c_fc"], row[block + "mlp.c_proj"] = fc, (hidden,)
         counts[block + "attn"] = ("n_head", "n_kv_head")
-    return TensorPlan(column=column, row=row, vocab=("wte", "lm_head"), counts=counts, positions=("drop", "ln_f"))
+    return TensorPlan(column=column, row=row, vocab=("wte", "lm_head"), counts=counts,
+                      positions=("drop", "ln_f"))
 
 
 def init_plan(model: GPT) -> list[tuple[str, str, float]]:
     """The init of every parameter, in the order it draws from the RNG: each module after its children (as
-    nn.Module.apply visits them) -- Linear weights normal(0, init_std) and biases zero, embeddings normal, norms
-    one (and their biases zero) -- then every residual output projection (c_proj.weight) drawn again with
-    init_std / sqrt(2 n_layer) (GPT-2). A tied head is drawn again over the embedding, as GPT-2's init does."""
+    nn.Module.apply visits them) -- Linear weights normal(0, init_std) and biases zero, embeddings normal,
+    norms one (and their biases zero) -- then every residual output projection (c_proj.weight) drawn again
+    with init_std / sqrt(2 n_layer) (GPT-2). A tied head is drawn again over the embedding, as GPT-2's init
+    does."""
     std = model.cfg.init_std
     plan: list[tuple[str, str, float]] = []
 
@@ -599,11 +632,12 @@ def init_plan(model: GPT) -> list[tuple[str, str, float]]:
 
 
 def init_weights(model: GPT, shard=None) -> None:
-    """Draw every parameter as `model.init_plan` says, one whole tensor at a time on the CPU, from the global RNG.
+    """Draw every parameter as `model.init_plan` says, one whole tensor at a time on the CPU, from the global
+    RNG.
 
-    shard(name, whole) -> what this rank holds of it (a slice under tensor parallelism or FSDP2), copied into the
-    parameter; None: the whole. Any layout then holds exactly the one-rank model's weights (the same draws, the
-    same order), and no more than one whole tensor ever exists at once.
+    shard(name, whole) -> what this rank holds of it (a slice under tensor parallelism or FSDP2), copied into
+    the parameter; None: the whole. Any layout then holds exactly the one-rank model's weights (the same
+    draws, the same order), and no more than one whole tensor ever exists at once.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
@@ -627,15 +661,17 @@ def build_model(cfg: GPTConfig, attention: AttentionConfig, vocab_size: int | No
     """The model for `cfg`, with `cfg.vocab_size = None` filled from `vocab_size` (the tokenizer's).
 
     loss_chunk_tokens (loss.chunk_tokens; 0 or None = off): compute the loss without materializing the logits.
-    meta: build it on the meta device (shapes, no storage, no RNG drawn); trainer.distributed.engine.parallelize
-    materializes each rank's part after splitting it, with the weights a CPU build would have drawn.
+    meta: build it on the meta device (shapes, no storage, no RNG drawn);
+    trainer.distributed.engine.parallelize materializes each rank's part after splitting it, with the weights
+    a CPU build would have drawn.
 
     A set cfg.vocab_size wins (e.g. padded up to a multiple of 64 for faster matmuls) but must hold the
     tokenizer's ids.
     """
     if cfg.vocab_size is None:
         if vocab_size is None:
-            raise ValueError("vocab_size is null in the model config: pass the tokenizer's vocab_size to build_model")
+            raise ValueError("vocab_size is null in the model config: "
+                             "pass the tokenizer's vocab_size to build_model")
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     elif vocab_size is not None and cfg.vocab_size < vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} cannot hold the tokenizer's {vocab_size} ids: "
@@ -654,10 +690,11 @@ def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
     'selective'  each block's MLP sub-block (ln_2, c_fc, GELU, c_proj, dropout) is recomputed; attention's
                  activations are kept. The MLP holds most of a block's activations (its 4C-wide c_fc and GELU
                  outputs), and rerunning it is plain matmuls, never an attention kernel (the per-document loop
-                 of sdpa_docs, flash, varlen): about half the saving of 'full' for about half its extra compute.
-    torch.utils.checkpoint (use_reentrant=False) restores the RNG state for the recompute, so dropout masks and
-    gradients are the same as without. Applied in place, before any parallel wrapping; parameter names (and
-    so checkpoints) are unchanged. Returns the model.
+                 of sdpa_docs, flash, varlen): about half the saving of 'full' for about half its extra
+                 compute.
+    torch.utils.checkpoint (use_reentrant=False) restores the RNG state for the recompute, so dropout masks
+    and gradients are the same as without. Applied in place, before any parallel wrapping; parameter names
+    (and so checkpoints) are unchanged. Returns the model.
     """
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(f"activation checkpointing must be one of {ACTIVATION_CHECKPOINTING}, got {mode!r}")
@@ -671,11 +708,13 @@ def model_inputs(batch: Batch, packed: bool | None = None) -> dict:
 
     packed=None follows batch.layout ('packed' -> cu_seqlens/max_seqlen; 'unpacked'/'bucketed' -> None).
     Example: model(**model_inputs(batch)).loss_sum / batch.num_valid_targets
-    A batch with a row plan (Batch.plan: context parallelism) gives this rank's share of its positions instead.
+    A batch with a row plan (Batch.plan: context parallelism) gives this rank's share of its positions
+    instead.
     """
     if batch.layout == "tree":  # scoring: each tree's branches see its trunk and themselves (TreeSegments)
         return dict(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                    attention_context=TreeSegments(batch.cu_seqlens, batch.max_seqlen, batch.branches.reshape(-1)))
+                    attention_context=TreeSegments(batch.cu_seqlens, batch.max_seqlen,
+                                                   batch.branches.reshape(-1)))
     if packed is None:
         packed = batch.layout == "packed"
     inputs = dict(

@@ -1,4 +1,5 @@
-"""The report written: report.md, a self-contained report.html (plots inlined) and the PNGs (`make_report`)."""
+"""The report written: report.md, a self-contained report.html (plots inlined) and the PNGs
+(`make_report`)."""
 
 from __future__ import annotations
 
@@ -65,23 +66,24 @@ class Report:
         """(title, intro line, columns, rows) of each table after the verdicts that has rows."""
         tables = [
             ("Token loss by document length", "", LENGTH_COLUMNS, self.length_rows),
-            ("Token loss by position in the document", "Targets grouped by their index in their document (a chunk "
-             "of a split one from its own start): cross-document attention and continuous positions show at the "
-             "early positions.", POSITION_COLUMNS, self.position_rows),
-            ("Token loss by source", "Train token loss over all logged steps, each weighted by its targets; the "
-             "last eval's; both as Δ against the reference over the steps both logged; each source's share of "
-             "the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
+            ("Token loss by position in the document", "Targets grouped by their index in their document (a "
+             "chunk of a split one from its own start): cross-document attention and continuous positions "
+             "show at the early positions.", POSITION_COLUMNS, self.position_rows),
+            ("Token loss by source", "Train token loss over all logged steps, each weighted by its targets; "
+             "the last eval's; both as Δ against the reference over the steps both logged; each source's "
+             "share of the run's document tokens against its weight / sum of the weights.", SOURCE_COLUMNS,
              self.source_rows),
             ("Long documents", "What each run's layout did to documents longer than a row (summary.json's "
-             "packing_stats, rank 0's packer): the shares of documents split, truncated and dropped, of tokens cut "
-             "off, and of tokens trained without their document's start (the chunks after a split document's "
-             "first).", LONG_DOC_COLUMNS, self.long_doc_rows),
-            ("Downstream tasks", "Each run's last scores of train.eval_tasks (trainer.reporting.tasks): accuracy with "
-             "its 95 % Wilson interval, acc_norm, the gold answers' bits per byte, and the accuracy's difference "
-             "from the reference's.", TASK_COLUMNS, self.task_rows),
-            ("FLOPs both ways", "Mean over the non-warm-up steps. Model FLOPs: what the documents need, as if each "
-             "ran alone (MFU); hardware FLOPs: what the kernels computed, padding and masked attention included "
-             "(HFU). MFU and HFU only where the device's peak is known.", self.flops_columns, self.flops_rows),
+             "packing_stats, rank 0's packer): the shares of documents split, truncated and dropped, of "
+             "tokens cut off, and of tokens trained without their document's start (the chunks after a split "
+             "document's first).", LONG_DOC_COLUMNS, self.long_doc_rows),
+            ("Downstream tasks", "Each run's last scores of train.eval_tasks (trainer.reporting.tasks): "
+             "accuracy with its 95 % Wilson interval, acc_norm, the gold answers' bits per byte, and the "
+             "accuracy's difference from the reference's.", TASK_COLUMNS, self.task_rows),
+            ("FLOPs both ways", "Mean over the non-warm-up steps. Model FLOPs: what the documents need, as "
+             "if each ran alone (MFU); hardware FLOPs: what the kernels computed, padding and masked "
+             "attention included (HFU). MFU and HFU only where the device's peak is known.",
+             self.flops_columns, self.flops_rows),
         ]
         return [t for t in tables if t[3]]
 
@@ -94,8 +96,8 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
         reference=ref.name,
         tolerance=tolerance,
         rows=table_rows(runs, ref, tolerance),
-        verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref] + layout_verdicts(runs, ref,
-                                                                                                     tolerance)
+        verdicts=[(r.name, verdict(r, ref, tolerance)) for r in runs if r is not ref]
+        + layout_verdicts(runs, ref, tolerance)
         + group_verdicts(runs, ref, tolerance, BY_LENGTH) + group_verdicts(runs, ref, tolerance, BY_POSITION)
         + group_verdicts(runs, ref, tolerance, BY_SOURCE)
         + share_verdicts(runs) + task_verdicts(runs, ref),
@@ -112,8 +114,8 @@ def build_report(runs: Sequence[Run], ref: Run, tolerance: float, out: Path) -> 
 
 
 def _md(text: str) -> str:
-    """Text from the runs (names, config values, paths) as Markdown shows it: every `<` that could open an HTML tag,
-    comment or declaration escaped, since Markdown renderers pass raw HTML through (a run named
+    """Text from the runs (names, config values, paths) as Markdown shows it: every `<` that could open an
+    HTML tag, comment or declaration escaped, since Markdown renderers pass raw HTML through (a run named
     `<img src=x onerror=...>` stays text); `<=64` and `->` stay as they are.
 
     Example: "<img src=x>" -> "&lt;img src=x>"; "<=64" -> "<=64"."""
@@ -128,8 +130,8 @@ def render_markdown(report: Report) -> str:
     lines = [
         "# Training runs report",
         "",
-        f"Reference run: **{_md(report.reference)}**. Tolerance for equal losses: {fmt_num(report.tolerance)} "
-        "(absolute).",
+        f"Reference run: **{_md(report.reference)}**. Tolerance for equal losses: "
+        f"{fmt_num(report.tolerance)} (absolute).",
         "",
         "| " + " | ".join(_md_cell(c) for c in TABLE_COLUMNS) + " |",
         "|" + "---|" * len(TABLE_COLUMNS),

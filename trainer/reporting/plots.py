@@ -1,5 +1,5 @@
-"""The report's plots (matplotlib, Agg: PNGs only), and the corpora's document lengths read from their manifests
-(trainer.data.shards)."""
+"""The report's plots (matplotlib, Agg: PNGs only), and the corpora's document lengths read from their
+manifests (trainer.data.shards)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def _line_plot(runs: Sequence[Run], y: Callable[[Run], Series], x: Callable[[Run
         ys = y(run)
         xs = x(run) if x else {s: float(s) for s in ys}
         steps = [s for s in sorted(ys) if s in xs]
-        ax.plot([xs[s] for s in steps], [ys[s] for s in steps], label=plain(run.name), **_style(i, len(steps)))
+        ax.plot([xs[s] for s in steps], [ys[s] for s in steps], label=plain(run.name),
+                **_style(i, len(steps)))
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -73,7 +74,8 @@ def plot_loss_vs_time(runs: Sequence[Run]) -> plt.Figure:
 
 
 def plot_val_loss(runs: Sequence[Run]) -> plt.Figure:
-    return _line_plot(runs, lambda r: series(r, "val_loss"), None, "step", "val loss", "Validation loss vs step")
+    return _line_plot(runs, lambda r: series(r, "val_loss"), None, "step", "val loss",
+                      "Validation loss vs step")
 
 
 def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
@@ -84,16 +86,16 @@ def plot_utilization(runs: Sequence[Run]) -> plt.Figure:
 
 
 def plot_loss_by_length(runs: Sequence[Run], by: Breakdown = BY_LENGTH) -> plt.Figure:
-    """Grouped bars: per length (or position) bucket, each run's final val token loss (its train token loss without
-    eval)."""
+    """Grouped bars: per length (or position) bucket, each run's final val token loss (its train token loss
+    without eval)."""
     names = group_names(runs, by)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
         val, train = val_by_group(run, by), train_by_group(run, by)
         values = [val.get(n) if val else train.get(n, (None, 0))[0] for n in names]
-        ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values], width,
-               label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}",
+        ax.bar([k + i * width for k in range(len(names))], [v if v is not None else 0.0 for v in values],
+               width, label=plain(f"{run.name} ({'val' if val else 'train'})"), color=f"C{i % 10}",
                hatch=None if val else "//")
     ticks = [f"{n} tokens" if by is BY_LENGTH else f"position {n}" for n in names]
     ax.set_xticks([k + width * (len(runs) - 1) / 2 for k in range(len(names))], ticks)
@@ -112,7 +114,8 @@ a source (sometimes none), so its per-step loss swings by far more than the curv
 
 def trailing_loss(run: Run, by: Breakdown, name: str, window: int) -> Series:
     """Per logged step with targets of group `name`: its token loss over the last `window` such steps, each
-    weighted by its targets. Example, window 2: (2.0 on 10 targets), (3.0 on 30), (1.0 on 10) -> 2.0, 2.75, 2.5."""
+    weighted by its targets. Example, window 2: (2.0 on 10 targets), (3.0 on 30), (1.0 on 10) -> 2.0, 2.75,
+    2.5."""
     logged = [(m["step"], m[by.loss][name], (m.get(by.targets) or {}).get(name, 0)) for m in run.metrics
               if (m.get(by.loss) or {}).get(name) is not None]
     out = {}
@@ -190,7 +193,8 @@ def find_data_dir(data_path: str, run_dir: Path) -> Path | None:
 
 
 def data_paths(run: Run) -> list[str | None]:
-    """The prepared data dirs a run read: data.path, or the path of each source of data.sources (None: urls)."""
+    """The prepared data dirs a run read: data.path, or the path of each source of data.sources (None:
+    urls)."""
     sources = run.config.get("data.sources")
     if sources:
         return [s.get("path") if isinstance(s, dict) else None for s in sources]
@@ -231,7 +235,8 @@ def load_corpora(runs: Sequence[Run]) -> tuple[list[Corpus], list[str]]:
 def plot_doc_lengths(corpora: Sequence[Corpus]) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, corpus in enumerate(corpora):
-        ax.stairs(corpus.counts, corpus.edges, fill=True, alpha=0.35, color=f"C{i % 10}", label=plain(corpus.label))
+        ax.stairs(corpus.counts, corpus.edges, fill=True, alpha=0.35, color=f"C{i % 10}",
+                  label=plain(corpus.label))
         for j, seq_len in enumerate(corpus.seq_lens):
             ax.axvline(seq_len, color=f"C{i % 10}", linestyle=LINESTYLES[(j + 1) % len(LINESTYLES)],
                        linewidth=1.5, label=f"train.seq_len={seq_len}")
@@ -250,8 +255,10 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
     plots: list[tuple[str, str, Callable[[], plt.Figure]]] = [
         ("loss_vs_step.png", "Train loss vs step", lambda: plot_loss_vs_step(runs)),
         ("loss_vs_time.png", "Train loss vs training wall-clock time", lambda: plot_loss_vs_time(runs)),
-        *([("val_loss_vs_step.png", "Validation loss vs step", lambda: plot_val_loss(runs))] if has_val else []),
-        ("valid_tokens_per_s.png", "Valid tokens/s per run (non-warm-up mean)", lambda: plot_throughput(runs)),
+        *([("val_loss_vs_step.png", "Validation loss vs step", lambda: plot_val_loss(runs))]
+          if has_val else []),
+        ("valid_tokens_per_s.png", "Valid tokens/s per run (non-warm-up mean)",
+         lambda: plot_throughput(runs)),
         ("token_utilization.png", "Token utilization over steps", lambda: plot_utilization(runs)),
         *([("loss_by_length.png", "Token loss by document length", lambda: plot_loss_by_length(runs))]
           if group_names(runs, BY_LENGTH) else []),
@@ -271,7 +278,8 @@ def write_plots(runs: Sequence[Run], out: Path) -> tuple[list[tuple[str, str]], 
         plt.close(fig)
     notes = [] if has_val else ["Validation loss: no run logged val_loss (train.eval_every=0?)."]
     if not corpora:
-        notes.append("Document-length histogram not available: " + ("; ".join(corpus_notes) or "no data.path") + ".")
+        notes.append("Document-length histogram not available: " + ("; ".join(corpus_notes) or "no data.path")
+                     + ".")
     else:
         notes += [f"Document-length histogram: {n}." for n in corpus_notes]
     return [(name, caption) for name, caption, _ in plots], notes

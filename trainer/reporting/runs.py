@@ -1,5 +1,5 @@
-"""Reading runs (a run dir's config.json, metrics.jsonl, summary.json; a sweep's run dirs), the numbers of one run,
-and what differs between runs' configs (each key's class: trainer/registry.py)."""
+"""Reading runs (a run dir's config.json, metrics.jsonl, summary.json; a sweep's run dirs), the numbers of one
+run, and what differs between runs' configs (each key's class: trainer/registry.py)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def find_run_dirs(arg: Path) -> list[Path]:
 
 
 def read_metrics(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    """metrics.jsonl -> one dict per step, sorted; an unreadable line (a crash mid-write) is noted and skipped."""
+    """metrics.jsonl -> one dict per step, sorted; an unreadable line (a crash mid-write) is noted and
+    skipped."""
     by_step: dict[int, dict[str, Any]] = {}
     if not path.is_file():
         notes.append("no metrics.jsonl")
@@ -136,8 +137,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ReportError(f"{path}: not valid JSON ({e}); fix or remove it (trainer.train writes it)") from e
     if not isinstance(value, dict):
-        raise ReportError(f"{path}: holds a JSON {type(value).__name__}, not an object of config keys; fix or "
-                          "remove it (trainer.train writes it)")
+        raise ReportError(f"{path}: holds a JSON {type(value).__name__}, not an object of config keys; fix "
+                          "or remove it (trainer.train writes it)")
     return value
 
 
@@ -246,7 +247,8 @@ def time_to_reach(run: Run, target: float, tolerance: float = 0.0) -> tuple[floa
 
 
 def fmt_value(value: Any) -> str:
-    """A config value the way a Hydra override writes it: true, null, 0.003, [0.9, 0.95], {name: a, weight: 1}."""
+    """A config value the way a Hydra override writes it: true, null, 0.003, [0.9, 0.95], {name: a,
+    weight: 1}."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -267,7 +269,8 @@ def differing_keys(configs: Sequence[dict[str, Any]]) -> list[str]:
               {"seed": 0, "packing.layout": "unpacked", "logging.log_every": 5}] -> ["packing.layout"]
     """
     keys = sorted(set().union(*configs)) if configs else []
-    return [k for k in keys if key_class(k) != IGNORED and any(c.get(k) != configs[0].get(k) for c in configs)]
+    return [k for k in keys
+            if key_class(k) != IGNORED and any(c.get(k) != configs[0].get(k) for c in configs)]
 
 
 def describe(run: Run, keys: Sequence[str]) -> str:

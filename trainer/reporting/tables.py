@@ -39,20 +39,20 @@ def mean_logged(run: Run, key: str, spec: str) -> str:
 
 
 def work_imbalance(run: Run) -> str:
-    """The mean modeled work imbalance over the data ranks (dp_imbalance) and over a context group (cp_imbalance),
-    e.g. "3.2% / —"; "—" where the run has none (one data rank, no context parallelism)."""
+    """The mean modeled work imbalance over the data ranks (dp_imbalance) and over a context group
+    (cp_imbalance), e.g. "3.2% / —"; "—" where the run has none (one data rank, no context parallelism)."""
     return f"{mean_logged(run, 'dp_imbalance', '.1%')} / {mean_logged(run, 'cp_imbalance', '.1%')}"
 
 
 def measured_imbalance(run: Run) -> str:
-    """The mean measured compute imbalance over the data ranks (dp_compute_imbalance) and the mean longest wait at the
-    gradient reduction in seconds (dp_wait_s), e.g. "4.1% / 0.012"; "— / —" with one data rank."""
+    """The mean measured compute imbalance over the data ranks (dp_compute_imbalance) and the mean longest
+    wait at the gradient reduction in seconds (dp_wait_s), e.g. "4.1% / 0.012"; "— / —" with one data rank."""
     return f"{mean_logged(run, 'dp_compute_imbalance', '.1%')} / {mean_logged(run, 'dp_wait_s', '.3f')}"
 
 
 def ranks(run: Run) -> str:
-    """How many ranks trained the run and, under context parallelism, how they split: "4 (2 data x 2 context)";
-    "n/a" without summary.json (the world size is read from it)."""
+    """How many ranks trained the run and, under context parallelism, how they split:
+    "4 (2 data x 2 context)"; "n/a" without summary.json (the world size is read from it)."""
     world = run.config.get("world_size")
     if world is None:
         return "n/a"
@@ -109,12 +109,13 @@ class Breakdown:
     """All groups in a verdict line: "every length bucket"."""
 
 
-BY_LENGTH = Breakdown("token_loss_by_length", "targets_by_length", "val_token_loss_by_length", "document length",
-                      "documents {} tokens", "every length bucket")
+BY_LENGTH = Breakdown("token_loss_by_length", "targets_by_length", "val_token_loss_by_length",
+                      "document length", "documents {} tokens", "every length bucket")
 
 
 BY_POSITION = Breakdown("token_loss_by_position", "targets_by_position", "val_token_loss_by_position",
-                        "position in document", "targets at positions {} of their document", "every position bucket")
+                        "position in document", "targets at positions {} of their document",
+                        "every position bucket")
 
 
 BY_SOURCE = Breakdown("token_loss_by_source", "targets_by_source", "val_token_loss_by_source", "source",
@@ -143,7 +144,8 @@ def group_names(runs: Sequence[Run], by: Breakdown) -> list[str]:
     return list(names)
 
 
-def train_by_group(run: Run, by: Breakdown, steps: set[int] | None = None) -> dict[str, tuple[float | None, int]]:
+def train_by_group(run: Run, by: Breakdown,
+                   steps: set[int] | None = None) -> dict[str, tuple[float | None, int]]:
     """Per group: (token loss over the logged steps in `steps` (all: None), targets): each step's group loss
     weighted by its targets. Example: steps with ("<=64": 2.0 on 10 targets) and (3.0 on 30) -> (2.75, 40)."""
     sums: dict[str, float] = {}
@@ -177,14 +179,14 @@ def group_deltas(run: Run, ref: Run, by: Breakdown) -> dict[str, tuple[float | N
     for name in group_names([run, ref], by):
         a, b = train.get(name, (None, 0))[0], train_ref.get(name, (None, 0))[0]
         c, d = val.get(name), val_ref.get(name)
-        out[name] = (a - b if a is not None and b is not None else None, c - d if c is not None and d is not None
-                     else None)
+        out[name] = (a - b if a is not None and b is not None else None,
+                     c - d if c is not None and d is not None else None)
     return out
 
 
 def group_rows(runs: Sequence[Run], ref: Run, by: Breakdown) -> list[list[str]]:
-    """Rows of GROUP_COLUMNS: each run x group (none when no run logged `by.loss`); BY_SOURCE rows also hold the
-    run's token share and target share of each source (SOURCE_COLUMNS)."""
+    """Rows of GROUP_COLUMNS: each run x group (none when no run logged `by.loss`); BY_SOURCE rows also hold
+    the run's token share and target share of each source (SOURCE_COLUMNS)."""
     names = group_names(runs, by)
     rows = []
     for run in runs:
@@ -218,8 +220,8 @@ def group_verdicts(runs: Sequence[Run], ref: Run, tolerance: float, by: Breakdow
         beyond = [(name, dt, dv) for name, (dt, dv) in deltas.items()
                   if any(d is not None and abs(d) > tolerance for d in (dt, dv))]
         if beyond:
-            text = "; ".join(f"{by.group.format(name)}: train token loss {fmt_num(dt, '+.2g')}, final val token loss "
-                             f"{fmt_num(dv, '+.2g')}" for name, dt, dv in beyond)
+            text = "; ".join(f"{by.group.format(name)}: train token loss {fmt_num(dt, '+.2g')}, "
+                             f"final val token loss {fmt_num(dv, '+.2g')}" for name, dt, dv in beyond)
             out.append((f"{run.name} {label}", f"{text} against {ref.name} (beyond {fmt_num(tolerance)})"))
         else:
             worst = max((abs(d) for pair in deltas.values() for d in pair if d is not None), default=None)
@@ -237,7 +239,8 @@ percentage points) of weight / sum of the weights."""
 
 def token_shares(run: Run) -> dict[str, float]:
     """Each source's share of the run's document tokens: summary.json's token_share_by_source (the whole run),
-    else the logged steps' tokens_by_source summed. Example: steps {a: 70, b: 30}, {a: 50, b: 50} -> a 0.6, b 0.4."""
+    else the logged steps' tokens_by_source summed.
+    Example: steps {a: 70, b: 30}, {a: 50, b: 50} -> a 0.6, b 0.4."""
     if run.summary and run.summary.get("token_share_by_source"):
         return run.summary["token_share_by_source"]
     tokens: dict[str, int] = {}
@@ -249,7 +252,8 @@ def token_shares(run: Run) -> dict[str, float]:
 
 
 def target_shares(run: Run) -> dict[str, float]:
-    """weight / sum of the weights per source: summary.json's target_share_by_source, else the last logged step's."""
+    """weight / sum of the weights per source: summary.json's target_share_by_source, else the last logged
+    step's."""
     if run.summary and run.summary.get("target_share_by_source"):
         return run.summary["target_share_by_source"]
     logged = [m["target_share_by_source"] for m in run.metrics if m.get("target_share_by_source")]
@@ -267,18 +271,21 @@ def mixer_shares(run: Run) -> dict[str, float]:
 
 
 def step_share_gap(run: Run) -> float | None:
-    """The largest |token share - target share| of any source in any logged step (None: no step logged shares)."""
+    """The largest |token share - target share| of any source in any logged step (None: no step logged
+    shares)."""
     targets = target_shares(run)
-    gaps = [abs(share - targets[name]) for m in run.metrics for name, share in (m.get("token_share_by_source") or {})
-            .items() if share is not None and name in targets]
+    gaps = [abs(share - targets[name]) for m in run.metrics
+            for name, share in (m.get("token_share_by_source") or {}).items()
+            if share is not None and name in targets]
     return max(gaps, default=None)
 
 
 def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
     """One line per mixture run (target shares for two sources or more): whether its token shares over the run
     held within SHARE_TOLERANCE of the targets, the worst single step, and the shares by the mixer's count.
-    Example: ("mix", "token shares held within 2 points of the targets: functions 70.4% (target 70.0%), modules
-    29.6% (target 30.0%); single steps up to 6.1 points off; the mixer's count: functions 70.1%, modules 29.9%")."""
+    Example: ("mix", "token shares held within 2 points of the targets: functions 70.4% (target 70.0%),
+    modules 29.6% (target 30.0%); single steps up to 6.1 points off; the mixer's count: functions 70.1%,
+    modules 29.9%")."""
     out = []
     for run in runs:
         targets = target_shares(run)
@@ -290,7 +297,8 @@ def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
             continue
         listing = ", ".join(f"{name} {fmt_num(shares.get(name), '.1%')} (target {target:.1%})"
                             for name, target in targets.items())
-        off = [name for name, target in targets.items() if abs(shares.get(name, 0.0) - target) > SHARE_TOLERANCE]
+        off = [name for name, target in targets.items()
+               if abs(shares.get(name, 0.0) - target) > SHARE_TOLERANCE]
         points = f"{SHARE_TOLERANCE * 100:g} points"
         text = (f"token shares off target ({', '.join(off)} beyond {points}): " if off
                 else f"token shares held within {points} of the targets: ") + listing
@@ -299,7 +307,8 @@ def share_verdicts(runs: Sequence[Run]) -> list[tuple[str, str]]:
             text += f"; single steps up to {gap * 100:.1f} points off"
         counted = mixer_shares(run)
         if counted:
-            text += "; the mixer's count: " + ", ".join(f"{name} {share:.1%}" for name, share in counted.items())
+            text += "; the mixer's count: " + ", ".join(f"{name} {share:.1%}"
+                                                         for name, share in counted.items())
         out.append((f"{run.name} mixture", text))
     return out
 
@@ -309,10 +318,10 @@ LONG_DOC_COLUMNS = ["run", "packing.long_docs", "documents", "split", "truncated
 
 
 def long_doc_rows(runs: Sequence[Run]) -> list[list[str]]:
-    """What the layout did to long documents, per run, from summary.json's packing_stats (rank 0's packer): the share
-    of documents split, truncated and dropped, the share of tokens cut off (truncated or dropped) and the share of
-    tokens trained without their document's start (the chunks after a split document's first). Runs without
-    packing_stats, or whose packer saw no long document at all, give no row.
+    """What the layout did to long documents, per run, from summary.json's packing_stats (rank 0's packer):
+    the share of documents split, truncated and dropped, the share of tokens cut off (truncated or dropped)
+    and the share of tokens trained without their document's start (the chunks after a split document's
+    first). Runs without packing_stats, or whose packer saw no long document at all, give no row.
 
     Example: 100 documents of 10,000 tokens, 4 split into 10 chunks holding 1,200 tokens after their first ->
     ["r", "split", "100", "4.0%", "0.0%", "0.0%", "0.0%", "12.0%"]."""
@@ -326,7 +335,8 @@ def long_doc_rows(runs: Sequence[Run]) -> list[list[str]]:
         cut = stats.get("tokens_truncated", 0) + stats.get("tokens_dropped", 0)
         without = stats.get("tokens_without_start")
         rows.append([run.name, str(run.config.get("packing.long_docs", "")), f"{docs:,}",
-                     *(f"{stats.get(k, 0) / docs:.1%}" for k in ("docs_split", "docs_truncated", "docs_dropped")),
+                     *(f"{stats.get(k, 0) / docs:.1%}"
+                       for k in ("docs_split", "docs_truncated", "docs_dropped")),
                      f"{cut / tokens:.1%}" if tokens else "n/a",
                      f"{without / tokens:.1%}" if tokens and without is not None else "n/a"])
     return rows
@@ -337,8 +347,8 @@ FLOPS_COLUMNS = ["run", "model FLOPs/s", "hardware FLOPs/s", "hardware / model",
 
 def flop_rates(run: Run) -> dict[str, float | None]:
     """mean_model_flops_per_s, mean_hardware_flops_per_s, mean_mfu, mean_hfu: from summary.json, else over the
-    steady logged steps as the trainer computes them (summed FLOPs, or utilization x seconds, / summed seconds).
-    Example: steady steps of 4e9 model FLOPs in 1 s and 2e9 in 1 s -> mean_model_flops_per_s 3e9."""
+    steady logged steps as the trainer computes them (summed FLOPs, or utilization x seconds, / summed
+    seconds). Example: steady steps of 4e9 model FLOPs in 1 s and 2e9 in 1 s -> mean_model_flops_per_s 3e9."""
     keys = ("mean_model_flops_per_s", "mean_hardware_flops_per_s", "mean_mfu", "mean_hfu")
     if run.summary and any(run.summary.get(k) is not None for k in keys):
         return {k: run.summary.get(k) for k in keys}
@@ -363,8 +373,8 @@ def _si(x: float | None, unit: str) -> str:
 
 
 def flops_table(runs: Sequence[Run]) -> tuple[list[str], list[list[str]]]:
-    """(columns, rows) of FLOPS_COLUMNS, without MFU and HFU when no run has them (CPU: no known peak); no rows
-    when no run logged FLOPs."""
+    """(columns, rows) of FLOPS_COLUMNS, without MFU and HFU when no run has them (CPU: no known peak); no
+    rows when no run logged FLOPs."""
     rates = [flop_rates(r) for r in runs]
     if all(r["mean_model_flops_per_s"] is None and r["mean_hardware_flops_per_s"] is None for r in rates):
         return FLOPS_COLUMNS, []
@@ -372,7 +382,8 @@ def flops_table(runs: Sequence[Run]) -> tuple[list[str], list[list[str]]]:
     columns = FLOPS_COLUMNS if with_peak else FLOPS_COLUMNS[:4]
     rows = []
     for run, r in zip(runs, rates, strict=True):
-        row = [run.name, _si(r["mean_model_flops_per_s"], "FLOP/s"), _si(r["mean_hardware_flops_per_s"], "FLOP/s"),
+        row = [run.name, _si(r["mean_model_flops_per_s"], "FLOP/s"),
+               _si(r["mean_hardware_flops_per_s"], "FLOP/s"),
                fmt_num(ratio(r["mean_hardware_flops_per_s"], r["mean_model_flops_per_s"]), ".2f")]
         if with_peak:
             row += [fmt_num(r["mean_mfu"], ".1%"), fmt_num(r["mean_hfu"], ".1%")]

@@ -1,12 +1,12 @@
-"""Downstream scores in the report: each run's accuracy per task with a 95 % interval, and whether two arms differ
-beyond what the task's items can resolve.
+"""Downstream scores in the report: each run's accuracy per task with a 95 % interval, and whether two arms
+differ beyond what the task's items can resolve.
 
 A run's scores are its last metrics line with `tasks` (train.eval_tasks, trainer.run.evals.TaskScorer). The
-interval of an accuracy p over n items is Wilson's score interval (z = 1.96): unlike p ± z sqrt(p(1-p)/n) it stays
-inside [0, 1] and is not empty at p = 0 or 1, which small tasks hit. Two runs' accuracies on a task differ beyond
-noise when |p1 - p2| > z sqrt(p1(1-p1)/n1 + p2(1-p2)/n2) (two independent binomials; the items are the same in
-both arms, so this is conservative), and the task resolves differences of about z sqrt(2 p(1-p)/n) at their mean
-accuracy p: 1,000 items at p = 0.5 resolve 4.4 points, not 1.
+interval of an accuracy p over n items is Wilson's score interval (z = 1.96): unlike p ± z sqrt(p(1-p)/n) it
+stays inside [0, 1] and is not empty at p = 0 or 1, which small tasks hit. Two runs' accuracies on a task
+differ beyond noise when |p1 - p2| > z sqrt(p1(1-p1)/n1 + p2(1-p2)/n2) (two independent binomials; the items
+are the same in both arms, so this is conservative), and the task resolves differences of about
+z sqrt(2 p(1-p)/n) at their mean accuracy p: 1,000 items at p = 0.5 resolve 4.4 points, not 1.
 
 Example: 620 of 1,000 against 600 of 1,000 -> interval [0.590, 0.649] vs [0.569, 0.630], Δ +2.0 points, within
 noise (this task resolves differences of 4.3 points).
@@ -22,7 +22,8 @@ from trainer.reporting.verdicts import fmt_num
 
 Z95 = 1.959964
 """The two-sided 95 % normal quantile."""
-TASK_COLUMNS = ["run", "task", "step", "n", "acc [95 % interval]", "acc_norm", "bits/byte", "Δ acc vs reference"]
+TASK_COLUMNS = ["run", "task", "step", "n", "acc [95 % interval]", "acc_norm", "bits/byte",
+                "Δ acc vs reference"]
 
 
 def task_scores(run: Run) -> tuple[int, dict[str, dict]] | None:
@@ -48,8 +49,9 @@ def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
 
 
 def resolvable(p: float, n: int, z: float = Z95) -> float:
-    """The smallest accuracy difference two arms of n items each around accuracy p tell apart (z sqrt(2p(1-p)/n));
-    at p 0 or 1 that of p = 1/n, so a perfect score still has a limit. Example: p 0.5, n 1000 -> 0.0438."""
+    """The smallest accuracy difference two arms of n items each around accuracy p tell apart
+    (z sqrt(2p(1-p)/n)); at p 0 or 1 that of p = 1/n, so a perfect score still has a limit. Example: p 0.5,
+    n 1000 -> 0.0438."""
     p = min(max(p, 1 / n), 1 - 1 / n) if n > 1 else 0.5
     return z * math.sqrt(2 * p * (1 - p) / n)
 
@@ -98,14 +100,15 @@ def task_verdicts(runs: Sequence[Run], ref: Run) -> list[tuple[str, str]]:
             continue
         for name, m in scores[1].items():
             theirs = reference[1].get(name)
-            if theirs is None or None in (m.get("acc"), theirs.get("acc")) or not (m.get("n") and theirs.get("n")):
+            if (theirs is None or None in (m.get("acc"), theirs.get("acc"))
+                    or not (m.get("n") and theirs.get("n"))):
                 continue
             delta = (m["acc"] - theirs["acc"]) * 100
             smallest = resolvable((m["acc"] + theirs["acc"]) / 2, min(m["n"], theirs["n"])) * 100
             beyond = "beyond noise" if differ(m, theirs) else "within noise"
             out.append((f"{run.name} {name}", f"acc {_interval(m)} vs the reference's {_interval(theirs)}: Δ "
-                        f"{delta:+.1f} points, {beyond} (this task's {min(m['n'], theirs['n'])} items resolve "
-                        f"differences of about {smallest:.1f} points)"))
+                        f"{delta:+.1f} points, {beyond} (this task's {min(m['n'], theirs['n'])} items "
+                        f"resolve differences of about {smallest:.1f} points)"))
     return out
 
 

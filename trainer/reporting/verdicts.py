@@ -73,7 +73,8 @@ def verdict(run: Run, ref: Run, tolerance: float) -> str:
     other = [k for k in keys if key_class(k) == OTHER]
     if other:
         return "not comparable: " + ", ".join(
-            f"different {k} ({fmt_value(ref.config.get(k))} vs {fmt_value(run.config.get(k))})" for k in other)
+            f"different {k} ({fmt_value(ref.config.get(k))} vs {fmt_value(run.config.get(k))})"
+            for k in other)
     ablation = [k for k in keys if key_class(k) == ABLATION]
     if ablation:
         return ablation_verdict(run, ref, ablation, [k for k in keys if k not in ablation])
@@ -95,29 +96,31 @@ def same_objective_verdict(run: Run, ref: Run, keys: Sequence[str], tolerance: f
     nonfinite = [s for s in sorted(set(ref_loss) & set(run_loss))
                  if not (math.isfinite(ref_loss[s]) and math.isfinite(run_loss[s]))]
     if nonfinite:  # NaN equals nothing, itself included: such steps prove no agreement
-        return (f"not comparable: non-finite loss at {len(nonfinite)} shared step(s) (first: step {nonfinite[0]}), "
-                "where equal losses cannot be checked")
+        return (f"not comparable: non-finite loss at {len(nonfinite)} shared step(s) "
+                f"(first: step {nonfinite[0]}), where equal losses cannot be checked")
     early_steps = sorted(set(ref_loss) & set(run_loss))[:EARLY_STEPS]
     early = max(abs(ref_loss[s] - run_loss[s]) for s in early_steps)
-    drift = max(abs(ref_loss[s] - run_loss[s]) / max(abs(ref_loss[s]), 1e-12) for s in ref_loss if s in run_loss)
+    drift = max(abs(ref_loss[s] - run_loss[s]) / max(abs(ref_loss[s]), 1e-12)
+                for s in ref_loss if s in run_loss)
     norm = run.config.get("loss.normalization")
     changed = _changes(run, ref, keys) if keys else "nothing (identical settings)"
     if norm not in LAYOUT_INVARIANT_NORMALIZATIONS:
         final = _delta(last(series(run, "loss")), last(series(ref, "loss")))
-        return (f"layout-dependent objective: under loss.normalization={norm} the loss depends on the layout; "
-                f"{changed} changes it by up to {fmt_num(value)} over {n} steps (final {final}); "
+        return (f"layout-dependent objective: under loss.normalization={norm} the loss depends on the "
+                f"layout; {changed} changes it by up to {fmt_num(value)} over {n} steps (final {final}); "
                 + _speed_and_utilization(run, ref))
     if early <= tolerance and drift <= DRIFT_TOLERANCE:
         text = f"same objective: max |Δloss| {fmt_num(early)} over "
         if n <= EARLY_STEPS:
             text += f"{n} steps; "
         else:
-            text += (f"the first {len(early_steps)} steps ({fmt_num(value)} over all {n}: float rounding amplified "
-                     f"by training, within {DRIFT_TOLERANCE:.0%}); ")
+            text += (f"the first {len(early_steps)} steps ({fmt_num(value)} over all {n}: float rounding "
+                     f"amplified by training, within {DRIFT_TOLERANCE:.0%}); ")
         return text + _speed_and_utilization(run, ref)
     mismatch = data_mismatch(run, ref)
     why = f"documents per step differ {mismatch}" if mismatch else "same documents per step"
-    found = (f"loss gap {fmt_num(early)} over the first {len(early_steps)} steps above tolerance {fmt_num(tolerance)}"
+    found = (f"loss gap {fmt_num(early)} over the first {len(early_steps)} steps above tolerance "
+             f"{fmt_num(tolerance)}"
              if early > tolerance else f"loss drifts {drift:.1%} apart (above {DRIFT_TOLERANCE:.0%})")
     return f"not comparable: {found} ({why}; expected equal losses, only {changed} differs)"
 

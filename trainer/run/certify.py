@@ -1,31 +1,31 @@
-"""The certificate: does this run's configuration (model, data, kernels, parallel layout, dtype) compute the objective
-it claims? Every cell of a matrix trains the same few steps of the user's own model on the same documents of the
-user's own data, and is held to ONE reference that shares the least with it:
+"""The certificate: does this run's configuration (model, data, kernels, parallel layout, dtype) compute the
+objective it claims? Every cell of a matrix trains the same few steps of the user's own model on the same
+documents of the user's own data, and is held to ONE reference that shares the least with it:
 
-    reference   unpacked (one document a row), one process, fp32, the dense kernel, the whole step one micro-batch,
-                positions from 0 in every row: nothing to isolate, no boundary to get wrong
-    cells       one process: every layout (packed, unpacked, bucketed) x gradient accumulation (1 and the config's)
-                on the config's kernel, and the packed layout on every other kernel this machine trains with;
-                under torchrun: DDP, rows dealt by work, FSDP2, DeepSpeed ZeRO-2, tensor parallel 2 and context
-                parallel 2 (each split), packed, on the config's kernel
+    reference   unpacked (one document a row), one process, fp32, the dense kernel, the whole step one
+                micro-batch, positions from 0 in every row: nothing to isolate, no boundary to get wrong
+    cells       one process: every layout (packed, unpacked, bucketed) x gradient accumulation (1 and the
+                config's) on the config's kernel, and the packed layout on every other kernel this machine
+                trains with; under torchrun: DDP, rows dealt by work, FSDP2, DeepSpeed ZeRO-2, tensor
+                parallel 2 and context parallel 2 (each split), packed, on the config's kernel
 
-Each cell runs the steps twice from the same initial weights (dropout off: its masks differ by layout): at lr 0,
-where every step sees the same weights and so must give the reference's loss, and its first step the reference's
-gradient; then at the run's lr, where the losses must follow the reference's trajectory. Per cell:
+Each cell runs the steps twice from the same initial weights (dropout off: its masks differ by layout): at lr
+0, where every step sees the same weights and so must give the reference's loss, and its first step the
+reference's gradient; then at the run's lr, where the losses must follow the reference's trajectory. Per cell:
 
     loss        max over steps (both passes) of |loss - reference| / |reference|
-    gradients   per tensor, the first step's: cosine, and max |g - g_ref| / max |g_ref| (the tensor's own scale);
-                under DeepSpeed (gradients partitioned inside ZeRO) and tensor parallelism (sharded per tensor) the
-                first step's global gradient norm instead
+    gradients   per tensor, the first step's: cosine, and max |g - g_ref| / max |g_ref| (the tensor's own
+                scale); under DeepSpeed (gradients partitioned inside ZeRO) and tensor parallelism (sharded
+                per tensor) the first step's global gradient norm instead
     leakage     one-process packed cells: each document of the step's fullest row changed in turn (every token
-                another); the positions of the row's other documents whose logits move by more than the kernel's
-                own noise (the same row run twice) are counted: any is a leak
+                another); the positions of the row's other documents whose logits move by more than the
+                kernel's own noise (the same row run twice) are counted: any is a leak
 
-Tolerance: fp32 cells 1e-5 relative (FP32_RTOL). A bf16 cell is another rounding of the same sums, so it is held to
-BF16_NOISE_FACTOR times the distance of the unpacked one-process bf16 run from the fp32 reference (measured in the
-same run: the "noise" row of the certificate), the loss and the gradients each by their own, never below the fp32
-tolerance. A cell this machine cannot run (a
-kernel missing, a parallel size the launch does not allow) is listed as skipped with the reason, never as passed.
+Tolerance: fp32 cells 1e-5 relative (FP32_RTOL). A bf16 cell is another rounding of the same sums, so it is
+held to BF16_NOISE_FACTOR times the distance of the unpacked one-process bf16 run from the fp32 reference
+(measured in the same run: the "noise" row of the certificate), the loss and the gradients each by their own,
+never below the fp32 tolerance. A cell this machine cannot run (a kernel missing, a parallel size the launch
+does not allow) is listed as skipped with the reason, never as passed.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.layout}, {self.backend}, {self.dtype}, accumulation {self.accumulation}, {self.parallel}"
+        return (f"{self.layout}, {self.backend}, {self.dtype}, accumulation {self.accumulation}, "
+                f"{self.parallel}")
 
 
 @dataclass
@@ -97,13 +98,15 @@ class Measured:
     """The first step's gradients, whole, on the CPU (None where the engine does not expose them)."""
     probe: dict | None = None
     """{'moved': positions of other documents whose logits moved, 'checked': positions checked, 'noise': the
-    kernel's own run-to-run difference, 'document': the first document whose change moved any}; None: no probe."""
+    kernel's own run-to-run difference, 'document': the first document whose change moved any}; None: no
+    probe."""
     seconds: float = 0.0
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """What a cell may differ from the reference by, relative: its loss, and each gradient tensor (of its scale)."""
+    """What a cell may differ from the reference by, relative: its loss, and each gradient tensor (of its
+    scale)."""
 
     loss: float = FP32_RTOL
     gradient: float = FP32_RTOL
@@ -111,7 +114,8 @@ class Tolerance:
     @classmethod
     def from_noise(cls, loss_noise: float, gradient_noise: float) -> Tolerance:
         """bf16: BF16_NOISE_FACTOR x the unpacked bf16 run's own distance from fp32, never below fp32's."""
-        return cls(max(FP32_RTOL, BF16_NOISE_FACTOR * loss_noise), max(FP32_RTOL, BF16_NOISE_FACTOR * gradient_noise))
+        return cls(max(FP32_RTOL, BF16_NOISE_FACTOR * loss_noise),
+                   max(FP32_RTOL, BF16_NOISE_FACTOR * gradient_noise))
 
 
 @dataclass
@@ -141,8 +145,8 @@ class CertifyError(UserError):
 
 
 def draw_steps(data: DataSource, steps: int, rows: int) -> list[list[list[Document]]]:
-    """`steps` logical batches of `rows` packer rows each, from the run's own stream (one reader: every rank of a
-    launch draws the same)."""
+    """`steps` logical batches of `rows` packer rows each, from the run's own stream (one reader: every rank
+    of a launch draws the same)."""
     out = []
     for s in range(steps):
         batch = data.rows.take(rows)
@@ -176,16 +180,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def gradients_exposed(cell: Cell) -> bool:
-    """Whether the cell's gradients can be read whole per tensor: not inside DeepSpeed's ZeRO partitions, nor as
-    tensor-parallel shards (those cells are held to the global gradient norm)."""
+    """Whether the cell's gradients can be read whole per tensor: not inside DeepSpeed's ZeRO partitions, nor
+    as tensor-parallel shards (those cells are held to the global gradient norm)."""
     d = cell.distributed
     return d is None or (d.engine != "deepspeed" and d.tensor_parallel == 1)
 
 
-def run_cell(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document]]], cell: Cell, info: DistInfo,
-             reference: bool = False) -> Measured:
-    """The cell's two passes over `steps` (lr 0, then the run's lr) and, one-process packed, the leakage probe.
-    `info`: this rank's layout (a hand-built one-rank DistInfo for one-process cells)."""
+def run_cell(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document]]], cell: Cell,
+             info: DistInfo, reference: bool = False) -> Measured:
+    """The cell's two passes over `steps` (lr 0, then the run's lr) and, one-process packed, the leakage
+    probe. `info`: this rank's layout (a hand-built one-rank DistInfo for one-process cells)."""
     t0 = time.perf_counter()
     losses, norms, grads, module = [], [], None, None
     isolate = True if reference else cfg.attention.isolate_documents
@@ -196,13 +200,15 @@ def run_cell(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Documen
         optim = replace(cfg.optim, lr=lr)
         opt = build_optimizer(model, optim, info.device)
         engine = parallelize(model, opt, build_scheduler(opt, optim, len(steps)), info,
-                             cell.distributed or DistributedConfig(device=info.device.type), cfg.train.grad_clip,
-                             cell.dtype, activation_checkpointing=cfg.train.activation_checkpointing)
+                             cell.distributed or DistributedConfig(device=info.device.type),
+                             cfg.train.grad_clip, cell.dtype,
+                             activation_checkpointing=cfg.train.activation_checkpointing)
         first: dict[str, torch.Tensor] = {}
         if lr == 0.0 and gradients_exposed(cell):
             def keep_first(*_, model=model, first=first):
                 if not first:
-                    first.update({n: _whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+                    first.update({n: _whole(p.grad) for n, p in model.named_parameters()
+                                  if p.grad is not None})
             opt.register_step_pre_hook(keep_first)
         dealer = RowDealer(lambda row: sum(len(d) ** 2 for d in row), info) if cell.balance else None
         for rows in steps:
@@ -225,19 +231,23 @@ def run_cell(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Documen
 
 def _logits(module, row: list[Document], cfg: RunConfig, data: DataSource, dtype: str,
             device: torch.device) -> torch.Tensor:
-    batch = collate_rows([row], cfg.train.seq_len, data.pad_id, "packed", cfg.packing.reset_positions).to_device(device)
+    batch = collate_rows([row], cfg.train.seq_len, data.pad_id, "packed",
+                         cfg.packing.reset_positions).to_device(device)
     autocast = compute_dtype(dtype) if dtype == "bf16" else None
-    with torch.no_grad(), torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast or torch.float32,
+                                         enabled=autocast is not None):
         return module(**model_inputs(batch), return_logits=True).logits[0].float()
 
 
 def leakage_probe(module, rows: list[list[Document]], cfg: RunConfig, data: DataSource, dtype: str,
                   device: torch.device) -> dict:
-    """Each of the first PROBE_DOCUMENTS documents of the step's fullest row changed in turn (every token another);
-    the positions of the row's other documents whose logits move by more than the same row's run-to-run noise."""
+    """Each of the first PROBE_DOCUMENTS documents of the step's fullest row changed in turn (every token
+    another); the positions of the row's other documents whose logits move by more than the same row's
+    run-to-run noise."""
     row = max(rows, key=len)
     if len(row) < 2:
-        return {"moved": 0, "checked": 0, "noise": 0.0, "document": None, "note": "no row holds two documents"}
+        return {"moved": 0, "checked": 0, "noise": 0.0, "document": None,
+                "note": "no row holds two documents"}
     module.eval()
     base = _logits(module, row, cfg, data, dtype, device)
     noise = (_logits(module, row, cfg, data, dtype, device) - base).abs().max().item()
@@ -268,12 +278,14 @@ def leakage_probe(module, rows: list[list[Document]], cfg: RunConfig, data: Data
 
 
 def distance(measured: Measured, reference: Measured) -> tuple[float, float | None, float | None, str | None]:
-    """(max relative loss difference over both passes, max relative gradient difference over tensors (each relative
-    to its reference's largest entry; the global norm's where the gradients are not exposed), the lowest
-    per-tensor cosine, the tensor of the largest difference)."""
-    loss = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(measured.losses, reference.losses, strict=True))
+    """(max relative loss difference over both passes, max relative gradient difference over tensors (each
+    relative to its reference's largest entry; the global norm's where the gradients are not exposed), the
+    lowest per-tensor cosine, the tensor of the largest difference)."""
+    loss = max(abs(a - b) / max(abs(b), 1e-12)
+               for a, b in zip(measured.losses, reference.losses, strict=True))
     if measured.grads is None or reference.grads is None:
-        norm = abs(measured.grad_norms[0] - reference.grad_norms[0]) / max(abs(reference.grad_norms[0]), 1e-12)
+        norm = (abs(measured.grad_norms[0] - reference.grad_norms[0])
+                / max(abs(reference.grad_norms[0]), 1e-12))
         return loss, norm, None, "global gradient norm"
     worst, worst_name, cosine = 0.0, None, 1.0
     for name, ref in reference.grads.items():
@@ -292,12 +304,13 @@ def distance(measured: Measured, reference: Measured) -> tuple[float, float | No
 
 
 def judge(cell: Cell, measured: Measured, reference: Measured, tolerance: Tolerance = Tolerance()) -> Verdict:
-    """The cell's verdict: within `tolerance` in loss and gradients, and no logit of another document moved."""
+    """The cell's verdict: within `tolerance` in loss and gradients, and no logit of another document
+    moved."""
     loss, grad, cosine, tensor = distance(measured, reference)
     v = Verdict(cell, loss, grad, cosine, tensor, measured.probe, tolerance, seconds=measured.seconds)
     if not loss <= tolerance.loss:
-        step = int(np.argmax([abs(a - b) / max(abs(b), 1e-12) for a, b in zip(measured.losses, reference.losses,
-                                                                               strict=True)]))
+        step = int(np.argmax([abs(a - b) / max(abs(b), 1e-12)
+                              for a, b in zip(measured.losses, reference.losses, strict=True)]))
         n = len(measured.losses) // 2
         when = f"step {step % n + 1} at {'lr 0' if step < n else 'the run lr'}"
         v.problems.append(f"the loss differs from the reference by {loss:.3g} relative ({when}; tolerance "
@@ -308,8 +321,9 @@ def judge(cell: Cell, measured: Measured, reference: Measured, tolerance: Tolera
                           + (f"; lowest cosine {cosine:.6f})" if cosine is not None else ")"))
     if measured.probe and measured.probe["moved"]:
         p = measured.probe
-        v.problems.append(f"document {p['document'] + 1} of a packed row moved {p['moved']} logit positions of the "
-                          f"row's other documents (of {p['checked']} checked; kernel noise {p['noise']:.3g})")
+        v.problems.append(f"document {p['document'] + 1} of a packed row moved {p['moved']} logit positions "
+                          f"of the row's other documents (of {p['checked']} checked; kernel noise "
+                          f"{p['noise']:.3g})")
     return v
 
 
@@ -318,9 +332,11 @@ def judge(cell: Cell, measured: Measured, reference: Measured, tolerance: Tolera
 # ---------------------------------------------------------------------------------------------------
 
 
-def micro_batch_count(cfg: RunConfig, rows: list[list[Document]], layout: str, micro_batch_tokens: int) -> int:
+def micro_batch_count(cfg: RunConfig, rows: list[list[Document]], layout: str,
+                      micro_batch_tokens: int) -> int:
     """Micro-batches of one step's `rows` in `layout` under `micro_batch_tokens` (the step's accumulation)."""
-    return len(micro_batches(rows, replace(cfg.packing, layout=layout), cfg.train.seq_len, micro_batch_tokens, 0))
+    return len(micro_batches(rows, replace(cfg.packing, layout=layout), cfg.train.seq_len,
+                             micro_batch_tokens, 0))
 
 
 def kernels_here(configured: str, device: torch.device, dtype: str) -> list[tuple[str, str | None]]:
@@ -336,27 +352,31 @@ def kernels_here(configured: str, device: torch.device, dtype: str) -> list[tupl
 
 
 def whole_step_tokens(cfg: RunConfig, steps: Sequence[list[list[Document]]]) -> int:
-    """A micro-batch budget that holds every step whole in any layout (unpacked: one document a row of seq_len)."""
+    """A micro-batch budget that holds every step whole in any layout (unpacked: one document a row of
+    seq_len)."""
     return max(sum(len(row) for row in step) for step in steps) * cfg.train.seq_len
 
 
 def one_process_cells(cfg: RunConfig, backend: str, dtype: str, steps: Sequence[list[list[Document]]],
                       device: torch.device) -> list[Cell]:
-    """Every layout x accumulation (each step one micro-batch, and the config's micro_batch_tokens) on `backend`,
-    then packed at the config's accumulation on every other kernel (accumulation counted on the first step)."""
+    """Every layout x accumulation (each step one micro-batch, and the config's micro_batch_tokens) on
+    `backend`, then packed at the config's accumulation on every other kernel (accumulation counted on the
+    first step)."""
     step, whole = steps[0], whole_step_tokens(cfg, steps)
     sizes = dict.fromkeys([whole, cfg.train.micro_batch_tokens])
     cells = [Cell(layout, backend, dtype, mbt, micro_batch_count(cfg, step, layout, mbt))
              for layout in LAYOUTS for mbt in sizes]
     mbt = cfg.train.micro_batch_tokens
     for other, why in kernels_here(backend, device, dtype)[1:]:
-        cells.append(Cell("packed", other, dtype, mbt, micro_batch_count(cfg, step, "packed", mbt), skipped=why))
+        cells.append(Cell("packed", other, dtype, mbt, micro_batch_count(cfg, step, "packed", mbt),
+                          skipped=why))
     return cells
 
 
-def parallel_cells(cfg: RunConfig, backend: str, dtype: str, step: list[list[Document]], world: int) -> list[Cell]:
-    """The parallel layouts a launch of `world` ranks can run, packed on `backend` with the config's accumulation
-    (counted on data rank 0's share of `step`)."""
+def parallel_cells(cfg: RunConfig, backend: str, dtype: str, step: list[list[Document]],
+                   world: int) -> list[Cell]:
+    """The parallel layouts a launch of `world` ranks can run, packed on `backend` with the config's
+    accumulation (counted on data rank 0's share of `step`)."""
     base = replace(cfg.distributed, engine="ddp", context_parallel=1, tensor_parallel=1)
     mbt = cfg.train.micro_batch_tokens
     acc = micro_batch_count(cfg, step[::world], "packed", mbt)
@@ -373,8 +393,8 @@ def parallel_cells(cfg: RunConfig, backend: str, dtype: str, step: list[list[Doc
     options.append(("tp 2", replace(base, tensor_parallel=2), False, even))
     cp_even = None if world % 2 == 0 else f"needs an even number of ranks, the launch has {world}"
     for split in ("balanced", "zigzag", "documents"):
-        options.append((f"cp 2 ({split})", replace(base, context_parallel=2, context_parallel_split=split), False,
-                        cp_even))
+        options.append((f"cp 2 ({split})",
+                        replace(base, context_parallel=2, context_parallel_split=split), False, cp_even))
     return [Cell("packed", backend, dtype, mbt, acc, name, dist_cfg, balance, why)
             for name, dist_cfg, balance, why in options]
 
@@ -394,8 +414,8 @@ class Certificate:
 
 def certify(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document]]], device: torch.device,
             world: int = 1, progress: Callable[[str], None] = print) -> Certificate:
-    """The reference, then every cell (one-process ones before the process group exists, so their sums stay on this
-    rank; under a launch of `world` > 1 ranks, then the parallel ones), each judged."""
+    """The reference, then every cell (one-process ones before the process group exists, so their sums stay on
+    this rank; under a launch of `world` > 1 ranks, then the parallel ones), each judged."""
     dtype = resolve_dtype(cfg.train.dtype, device)
     backend = resolve_backend(cfg.attention.backend, device, compute_dtype(dtype), requires_grad=True)
     alone = DistInfo(0, 1, 0, device)
@@ -413,7 +433,8 @@ def certify(cfg: RunConfig, data: DataSource, steps: Sequence[list[list[Document
         progress(f"bf16 noise (unpacked, {backend}, bf16 vs the fp32 reference): loss {loss:.3g}, gradient "
                  f"{grad:.3g}; bf16 tolerance: loss {tolerance.loss:.3g}, gradient {tolerance.gradient:.3g}")
     verdicts = []
-    for cell in one_process_cells(cfg, backend, dtype, steps, device):  # before any process group: sums stay here
+    # before any process group: sums stay here
+    for cell in one_process_cells(cfg, backend, dtype, steps, device):
         verdicts.append(_judged(cfg, data, steps, cell, alone, reference, tolerance, progress))
     if world > 1:
         for cell in parallel_cells(cfg, backend, dtype, steps[0], world):
@@ -454,7 +475,8 @@ def table(cert: Certificate) -> str:
         probe = "—"
         if v.probe is not None:
             probe = v.probe.get("note") or f"{v.probe['moved']} of {v.probe['checked']} moved"
-        note = v.cell.skipped or "; ".join(v.problems) or (f"largest in {v.worst_tensor}" if v.worst_tensor else "")
+        note = (v.cell.skipped or "; ".join(v.problems)
+                or (f"largest in {v.worst_tensor}" if v.worst_tensor else ""))
         lines.append(f"| {v.cell.name} | {v.status} | {_num(v.loss_rdiff)} | {_num(v.grad_rdiff)} | "
                      f"{_num(v.grad_cosine, '.8f')} | {probe} | {note} |")
     return "\n".join(lines)
@@ -464,13 +486,15 @@ def as_json(cert: Certificate, facts: dict) -> dict:
     """certificate.json: the facts of the run (versions, device, config) and every cell's figures."""
     cells = []
     for v in cert.verdicts:
-        cell = {k: getattr(v.cell, k) for k in ("layout", "backend", "dtype", "micro_batch_tokens", "accumulation",
-                                                 "parallel", "balance", "skipped")}
+        cell = {k: getattr(v.cell, k) for k in ("layout", "backend", "dtype", "micro_batch_tokens",
+                                                "accumulation", "parallel", "balance", "skipped")}
         cells.append({"name": v.cell.name, "status": v.status, **cell, "loss_rdiff": v.loss_rdiff,
-                      "grad_rdiff": v.grad_rdiff, "grad_cosine": v.grad_cosine, "worst_tensor": v.worst_tensor,
-                      "probe": v.probe, "tolerance": dataclasses.asdict(v.tolerance), "problems": v.problems,
+                      "grad_rdiff": v.grad_rdiff, "grad_cosine": v.grad_cosine,
+                      "worst_tensor": v.worst_tensor, "probe": v.probe,
+                      "tolerance": dataclasses.asdict(v.tolerance), "problems": v.problems,
                       "seconds": v.seconds})
-    return {**facts, "passed": cert.passed, "tolerance": {"fp32": FP32_RTOL, "bf16_noise_factor": BF16_NOISE_FACTOR},
+    return {**facts, "passed": cert.passed,
+            "tolerance": {"fp32": FP32_RTOL, "bf16_noise_factor": BF16_NOISE_FACTOR},
             "bf16_noise": cert.noise, "reference": {"layout": "unpacked", "backend": REFERENCE_BACKEND,
                                                     "dtype": "fp32", "seconds": cert.reference_seconds},
             "cells": cells}
@@ -485,10 +509,12 @@ def as_markdown(cert: Certificate, facts: dict) -> str:
     lines += ["", f"Reference: unpacked, {REFERENCE_BACKEND} kernel, fp32, one process, the whole step one "
               f"micro-batch. Tolerance: {FP32_RTOL:g} relative in fp32"
               + (f"; bf16 {BF16_NOISE_FACTOR:g} x the unpacked bf16 run's distance from fp32 "
-                 f"(loss {cert.noise['loss']:.3g}, gradient {cert.noise['gradient']:.3g})" if cert.noise else "")
+                 f"(loss {cert.noise['loss']:.3g}, gradient {cert.noise['gradient']:.3g})"
+                 if cert.noise else "")
               + ".", "", table(cert), ""]
     if failed:
-        lines += ["## What differs", ""] + [f"- **{v.cell.name}**: {'; '.join(v.problems)}" for v in failed] + [""]
+        lines += ["## What differs", ""] + [f"- **{v.cell.name}**: {'; '.join(v.problems)}"
+                                            for v in failed] + [""]
     if skipped:
         lines += ["## Not checked here", ""] + [f"- {v.cell.name}: {v.cell.skipped}" for v in skipped] + [""]
     return "\n".join(lines)

@@ -13,25 +13,28 @@ from trainer.config import RunConfig
 from trainer.data.feed import VAL_SPLIT, DataSource, FramedTokenizer
 
 LOSS_DEFINITIONS = {
-    "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer step "
-    "(all micro-batches, all ranks)",
+    "global_tokens": "sum of token cross-entropies over valid targets / valid targets of the whole optimizer "
+    "step (all micro-batches, all ranks)",
     "document_mean": "mean token cross-entropy of each document (a chunk of a split document counts as one), "
     "averaged over the documents of the whole optimizer step (all ranks)",
-    "micro_batch_mean": "mean token cross-entropy of each micro-batch, averaged over the micro-batches of all ranks",
-    "row_mean": "mean token cross-entropy of each row, averaged over the rows of the whole optimizer step (all ranks)",
+    "micro_batch_mean": "mean token cross-entropy of each micro-batch, averaged over the micro-batches of "
+    "all ranks",
+    "row_mean": "mean token cross-entropy of each row, averaged over the rows of the whole optimizer step "
+    "(all ranks)",
 }
 
 
 LOSS_ON_TARGETS = {
     "all": "every token but the first of each document or chunk",
-    "assistant": "the tokens of assistant turns only (content and the closing <|im_end|>; a token counts if its "
-    "characters overlap one); role headers, system/user turns, the newline after <|im_end|> and EOS are inputs "
-    "(trainer.data.chat)",
+    "assistant": "the tokens of assistant turns only (content and the closing <|im_end|>; a token counts if "
+    "its characters overlap one); role headers, system/user turns, the newline after <|im_end|> and EOS are "
+    "inputs (trainer.data.chat)",
 }
 
 
 
-def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int, dtype: str = "fp32") -> dict:
+def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: int,
+                dtype: str = "fp32") -> dict:
     """What a later run needs to rebuild the same inputs and objective (saved beside the weights).
 
     dtype: train.dtype as the run resolved it ('fp32' or 'bf16', see trainer.config.resolve_dtype).
@@ -39,9 +42,9 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
     return {
         "layout": cfg.packing.layout,
         "packing": {
-            "algorithm": "online: the oldest buffered document opens each row, best fit (or an exact pair of short "
-                         "documents) fills it, from a bounded buffer; offline best-fit-decreasing for the epoch's "
-                         "leftovers (trainer.data.packing.OnlinePacker)",
+            "algorithm": "online: the oldest buffered document opens each row, best fit (or an exact pair of "
+                         "short documents) fills it, from a bounded buffer; offline best-fit-decreasing for "
+                         "the epoch's leftovers (trainer.data.packing.OnlinePacker)",
             "buffer_size": cfg.packing.buffer_size,
             "row_length": cfg.train.seq_len,
             "long_docs": cfg.packing.long_docs,
@@ -68,8 +71,10 @@ def conventions(cfg: RunConfig, data: DataSource, engine_name: str, world_size: 
             "docs": cfg.train.eval_docs, "long_docs": "split", "layout": cfg.train.eval_layout,
             "val_loss": "sum of token cross-entropies / eval targets (all ranks)",
         },
-        "tokenizer": {"files": f"{TOKENIZER_DIR}/", "sha256": data.tokenizer_hash, "vocab_size": data.vocab_size,
-                      # how each document is framed: [BOS] text EOS where add_bos, the pad and where it came from
+        "tokenizer": {"files": f"{TOKENIZER_DIR}/", "sha256": data.tokenizer_hash,
+                      "vocab_size": data.vocab_size,
+                      # how each document is framed: [BOS] text EOS where add_bos, the pad and where it came
+                      # from
                       "framing": dataclasses.asdict(FramedTokenizer.load(data.tokenizer_dir).ids)},
         "engine": engine_name,
         "dtype": dtype,

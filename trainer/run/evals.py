@@ -15,8 +15,8 @@ untouched), runs the model in eval mode without gradients (no dropout, no RNG dr
 identically after a resume.
 
 Downstream tasks (train.eval_tasks, `TaskScorer`) are scored the way `python -m trainer.evaluate` scores a
-checkpoint (trainer.tasks.suite: the same tasks, rows and numbers), in train.eval_tasks_layout, items split over the
-ranks, on the unwrapped model: the metrics line's `tasks` holds each task's metrics.
+checkpoint (trainer.tasks.suite: the same tasks, rows and numbers), in train.eval_tasks_layout, items split
+over the ranks, on the unwrapped model: the metrics line's `tasks` holds each task's metrics.
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ class EvalResult:
     val_docs: int
     """Eval documents (chunks of split documents count once each), all ranks."""
     val_token_loss_by_length: dict[str, float | None] = field(default_factory=dict)
-    """Per document-length bucket (logging.length_buckets): summed token loss / targets; {} when not measured."""
+    """Per document-length bucket (logging.length_buckets): summed token loss / targets; {} when not
+    measured."""
     val_targets_by_length: dict[str, int] = field(default_factory=dict)
     val_token_loss_by_position: dict[str, float | None] = field(default_factory=dict)
-    """Per bucket of the target's position in its document (logging.position_buckets); {} when not measured."""
+    """Per bucket of the target's position in its document (logging.position_buckets); {} when not
+    measured."""
     val_targets_by_position: dict[str, int] = field(default_factory=dict)
     val_token_loss_by_source: dict[str, float | None] | None = None
     """With a mixture: per source, summed token loss / targets (None for a source left out of the eval)."""
@@ -82,18 +84,21 @@ class Evaluator:
     """This rank's share of the eval set, laid out once; `run(engine)` gives the global `EvalResult`."""
 
     def __init__(self, docs: list[Document], info: DistInfo, seq_len: int, layout: str,
-                 micro_batch_tokens: int, pad_id: int, every: int = 0, groups: LossGroups = NO_GROUPS) -> None:
+                 micro_batch_tokens: int, pad_id: int, every: int = 0,
+                 groups: LossGroups = NO_GROUPS) -> None:
         self.info = info
         self.groups = groups
         """The loss groups (source x length bucket) whose token losses the result carries."""
         self.every = every
         """train.eval_every: evaluate every `every` steps (0: only when `due` is told it is the last step)."""
         self.pad_id = pad_id
-        # Split over the loss group (data x context): the ranks of a tensor group run the same forwards together.
-        self.batches: list[Batch] = eval_batches(docs, info.dims.loss_rank, info.dims.loss_size, seq_len, layout,
-                                                 micro_batch_tokens, pad_id)
+        # Split over the loss group (data x context): the ranks of a tensor group run the same forwards
+        # together.
+        self.batches: list[Batch] = eval_batches(docs, info.dims.loss_rank, info.dims.loss_size, seq_len,
+                                                 layout, micro_batch_tokens, pad_id)
         self.batches, self.group_targets = with_group_targets(self.batches, groups)  # G targets on every rank
-        self.docs, self.tokens = sum(b.num_docs for b in self.batches), sum(b.num_valid_targets for b in self.batches)
+        self.docs, self.tokens = (sum(b.num_docs for b in self.batches),
+                                  sum(b.num_valid_targets for b in self.batches))
 
     def due(self, step: int, last: bool) -> bool:
         """Whether the eval runs after optimizer step `step`: every `every` steps, and after the last one."""
@@ -101,8 +106,9 @@ class Evaluator:
 
     def run(self, engine: Engine, stop: Callable[[], bool] | None = None) -> EvalResult:
         """Collective: every rank runs as many forwards as the busiest one (ZeRO-3 gathers weights in each).
-        `stop`: asked before each micro-batch (collective, the same answer on every rank: a preemption signal on
-        any rank); True abandons the eval there (EvalInterrupted), so a signal is acted on within one forward."""
+        `stop`: asked before each micro-batch (collective, the same answer on every rank: a preemption signal
+        on any rank); True abandons the eval there (EvalInterrupted), so a signal is acted on within one
+        forward."""
         info = self.info
         counts = [0.0] * info.world_size
         counts[info.rank] = len(self.batches)
@@ -128,8 +134,9 @@ class Evaluator:
             info.device, info.loss_group)
         by = by_group(self.groups, groups[:num_groups], groups[num_groups:], prefix="val_")
         if tokens == 0:
-            raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single token, "
-                                   "or data.loss_on=assistant finds no assistant turn); set train.eval_every=0")
+            raise ShardSourceError(f"the eval set's {int(docs)} documents hold no targets (each is a single "
+                                   "token, or data.loss_on=assistant finds no assistant turn); set "
+                                   "train.eval_every=0")
         val_loss = total_loss / tokens
         return EvalResult(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 700.0)), val_tokens=int(tokens),
                           val_docs=int(docs), **by)
@@ -138,8 +145,8 @@ class Evaluator:
 class TaskScorer:
     """train.eval_tasks scored in the loop: `run(engine)` gives {task name: its metrics} (collective)."""
 
-    def __init__(self, tasks: list[Task], tok: FramedTokenizer, info: DistInfo, layout: str, batch_tokens: int,
-                 pad_id: int, every: int) -> None:
+    def __init__(self, tasks: list[Task], tok: FramedTokenizer, info: DistInfo, layout: str,
+                 batch_tokens: int, pad_id: int, every: int) -> None:
         self.tasks, self.tok, self.info = tasks, tok, info
         self.layout, self.batch_tokens, self.pad_id = layout, batch_tokens, pad_id
         self.every = every
@@ -153,7 +160,8 @@ class TaskScorer:
         return {task.name: task.digest() for task in self.tasks}
 
     def changed_since(self, recorded: dict) -> list[str]:
-        """One line per task whose items differ from those `recorded` (a checkpoint's digests) or that it lacks."""
+        """One line per task whose items differ from those `recorded` (a checkpoint's digests) or that it
+        lacks."""
         out = []
         for name, digest in self.digests().items():
             if name in recorded and recorded[name] != digest:
@@ -164,10 +172,10 @@ class TaskScorer:
 
     def run(self, engine: Engine) -> dict[str, dict]:
         """Each task's metrics (trainer.tasks.metrics), scored on `engine.module` (the model as built: a
-        replicated engine's, which every rank holds whole, or split over a tensor group, whose ranks score the same
-        rows together: the rows are dealt over the loss group)."""
-        results = score_tasks(engine.module, self.tasks, self.tok, self.pad_id, self.layout, self.batch_tokens,
-                              self.info.device, self.info)
+        replicated engine's, which every rank holds whole, or split over a tensor group, whose ranks score the
+        same rows together: the rows are dealt over the loss group)."""
+        results = score_tasks(engine.module, self.tasks, self.tok, self.pad_id, self.layout,
+                              self.batch_tokens, self.info.device, self.info)
         return {name: result["metrics"] for name, result in results.items()}
 
 
@@ -191,4 +199,5 @@ def build_task_scorer(cfg: RunConfig, data: DataSource, info: DistInfo) -> TaskS
     tasks, tok = load_suite(cfg.train.eval_tasks, "train.eval_tasks", lambda: cfg.data, data.tokenizer_dir,
                             cfg.model.max_seq_len)
     every = cfg.train.eval_every if cfg.train.eval_tasks_every is None else cfg.train.eval_tasks_every
-    return TaskScorer(tasks, tok, info, cfg.train.eval_tasks_layout, cfg.train.micro_batch_tokens, data.pad_id, every)
+    return TaskScorer(tasks, tok, info, cfg.train.eval_tasks_layout, cfg.train.micro_batch_tokens,
+                      data.pad_id, every)

@@ -18,7 +18,8 @@ Conventions:
               diagonal's extra L / 2 ignored, as in the usual 12 n_layer d L^2 for a full, non-causal one), so
               one document costs 6 n_layer d L^2.
     not counted  softmax, norms, activations, the loss (elementwise, not matmuls); the part of a diagonal tile
-              a causal kernel computes and masks (flex's tiles, which it skips or computes whole, are counted).
+              a causal kernel computes and masks (flex's tiles, which it skips or computes whole,
+              are counted).
     isolation off (attention.isolate_documents=false): documents of a packed row attend to earlier ones; that
               cross-document attention is hardware work, not model work, so mfu stays comparable across both.
 The trainer counted 6 x all parameters per real token before (no attention); dropping the position table
@@ -26,11 +27,11 @@ matches bench/gpu_train.py, whose model FLOPs are these.
 
 Worked example: n_layer 2, d 4, N 100; one packed row of seq_len 8 holding documents [3, 2] and 3 padding
 positions (cu_seqlens [0, 3, 5, 8]):
-    model                       6*100*5 + 6*2*4*(3^2 + 2^2)        = 3000 + 624   = 3624
-    hardware, flash             6*100*8 + 6*2*4*(3^2 + 2^2 + 3^2)  = 4800 + 1056  = 5856  (padding is a segment)
-    hardware, isolation off     6*100*8 + 6*2*4*8^2                = 4800 + 3072  = 7872  (one causal row)
+    model                     6*100*5 + 6*2*4*(3^2 + 2^2)        = 3000 + 624   = 3624
+    hardware, flash           6*100*8 + 6*2*4*(3^2 + 2^2 + 3^2)  = 4800 + 1056  = 5856  (padding is a segment)
+    hardware, isolation off   6*100*8 + 6*2*4*8^2                = 4800 + 3072  = 7872  (one causal row)
     the same two documents unpacked, rows padded to seq_len 8:
-    hardware                    6*100*16 + 6*2*4*(8^2 + 8^2)       = 9600 + 6144  = 15744; model still 3624
+    hardware                  6*100*16 + 6*2*4*(8^2 + 8^2)       = 9600 + 6144  = 15744; model still 3624
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ VARLEN_KERNELS = ("flash", "torch_varlen", "sdpa_docs")
 
 @dataclass(frozen=True)
 class FlopModel:
-    """What one run's steps cost: the model's sizes, the attention kernel that runs, and what backward recomputes."""
+    """What one run's steps cost: the model's sizes, the attention kernel that runs, and what backward
+    recomputes."""
 
     matmul_params: int
     """N: the parameters that multiply every position (see `matmul_params`)."""
     n_layer: int
     n_embd: int
     kernel: str
-    """The attention kernel packed rows run: flash | torch_varlen | flex | sdpa_docs | dense (`auto` resolved)."""
+    """The attention kernel packed rows run: flash | torch_varlen | flex | sdpa_docs | dense (`auto`
+    resolved)."""
     isolate_documents: bool = True
     """attention.isolate_documents: False runs packed rows as one causal row each (the padded path)."""
     recompute_params: int = 0
@@ -103,9 +106,10 @@ class FlopModel:
         return model, sum(self.hardware_flops(mb) for mb in batches)
 
     def context_imbalance(self, batches: Iterable[Batch], size: int, split: str = "zigzag") -> float:
-        """How unevenly a context-parallel group of `size` shares the step's work (max / mean - 1 over its ranks):
-        each rank computes the dense 6 N of its 1/size of the positions and the attention pairs of its own queries
-        (trainer.distributed.context.rank_pairs under `split`, whole-row segments). Host arithmetic only."""
+        """How unevenly a context-parallel group of `size` shares the step's work (max / mean - 1 over its
+        ranks): each rank computes the dense 6 N of its 1/size of the positions and the attention pairs of its
+        own queries (trainer.distributed.context.rank_pairs under `split`, whole-row segments). Host
+        arithmetic only."""
         work = [0.0] * size
         for mb in batches:
             rows, row_len = mb.shape
@@ -152,7 +156,8 @@ def attention_pairs(batch: Batch, kernel: str, isolate_documents: bool = True) -
 
 
 def flex_tiles(cu_seqlens: torch.Tensor, num_tokens: int) -> int:
-    """Tiles FlexAttention computes for these boundaries: partial and full blocks of the model's own BlockMask.
+    """Tiles FlexAttention computes for these boundaries: partial and full blocks of the model's own
+    BlockMask.
 
     Example: segments [100, 100, 56] (tiles of 128) -> 3: both diagonal tiles, and (1, 0), which shares the
     second document.
@@ -173,7 +178,8 @@ def recomputed_params(model: GPT, mode: str) -> int:
     if mode == "full":
         return sum(p.numel() for block in model.blocks for p in block.parameters())
     if mode == "selective":  # ln_2 and the MLP (trainer.model.gpt.apply_activation_checkpointing)
-        return sum(p.numel() for block in model.blocks for p in [*block.ln_2.parameters(), *block.mlp.parameters()])
+        return sum(p.numel() for block in model.blocks
+                   for p in [*block.ln_2.parameters(), *block.mlp.parameters()])
     return 0
 
 

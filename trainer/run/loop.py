@@ -7,9 +7,10 @@
             if part.due(step): part.run(step)         tasks, FLOPs, metrics line, checkpoint, in that order
         stop if a preemption signal reached any rank  trainer.run.preemption (the step checkpointed first)
 
-Each part owns its own rule (cadence, file layout, what is logged); the loop only calls them in order. A resume
-restores the engine (trainer.run.checkpointer, files: trainer.checkpoint.store) and the data stream, on any shape
-(trainer.checkpoint.streams). Wrapping for several ranks happens once, in trainer.distributed.engine.parallelize.
+Each part owns its own rule (cadence, file layout, what is logged); the loop only calls them in order. A
+resume restores the engine (trainer.run.checkpointer, files: trainer.checkpoint.store) and the data stream, on
+any shape (trainer.checkpoint.streams). Wrapping for several ranks happens once, in
+trainer.distributed.engine.parallelize.
 """
 
 from __future__ import annotations
@@ -61,26 +62,30 @@ from trainer.run.step import ComputeClock, train_step
 
 class Trainer:
     def __init__(self, cfg: RunConfig, info: DistInfo, accepted: Callable[[], None] | None = None) -> None:
-        """`accepted`: called once the run dir is this run's (locked, the start and the checkpoint checked), before
-        the run writes its files: the command writes its own record there (Hydra's files, the job log)."""
+        """`accepted`: called once the run dir is this run's (locked, the start and the checkpoint checked),
+        before the run writes its files: the command writes its own record there (Hydra's files, the job
+        log)."""
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(cfg.run_dir)
         claim_run_dir(self.run_dir, cfg.train.resume, cfg.train.overwrite, info,  # before anything is written
                       input_dirs(cfg))
-        # From here a preemption signal is recorded, not fatal: the long phases of the start (loading a checkpoint,
-        # dealing a reshaped resume, the readers replaying shards to their positions) end at the next check.
+        # From here a preemption signal is recorded, not fatal: the long phases of the start (loading a
+        # checkpoint, dealing a reshaped resume, the readers replaying shards to their positions) end at the
+        # next check.
         self.preemption = PreemptionHandler()
         """Installed when the run dir is claimed; closed when `fit` ends (or the start fails)."""
         try:
             self._build(accepted)
-        except BaseException:  # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found
+        # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found
+        except BaseException:
             self.preemption.close()
             unlock_run_dir(self.run_dir, refused=True)
             raise
 
     def _starting(self, phase: str, run: Callable):
-        """`run()`, one phase of the start, which a preemption signal ends on every rank (PreemptionHandler.during)."""
+        """`run()`, one phase of the start, which a preemption signal ends on every rank
+        (PreemptionHandler.during)."""
         return self.preemption.during(phase, run, self.info.device)
 
     def _build(self, accepted: Callable[[], None] | None) -> None:
@@ -102,8 +107,8 @@ class Trainer:
         logging.position_buckets."""
         self.source_weights = [s.weight for s in mixture]
         # A fresh run builds on the meta device: parallelize gives each rank its part of the one-rank weights
-        # (trainer.distributed.engine.materialize), the whole model never built. A resumed or init_from run loads
-        # whole weights anyway; DeepSpeed takes a built model.
+        # (trainer.distributed.engine.materialize), the whole model never built. A resumed or init_from run
+        # loads whole weights anyway; DeepSpeed takes a built model.
         meta = self.resumed.path is None and not cfg.train.init_from and cfg.distributed.engine != "deepspeed"
         check_init_vocabulary(cfg, self.data)
         model = build_model(cfg.model, cfg.attention, vocab_size=self.data.vocab_size,
@@ -113,10 +118,11 @@ class Trainer:
             model = model.to(info.device)
         self.flops = flop_model(model, cfg.attention, cfg.train.activation_checkpointing, info.device,
                                 self.dtype)  # before wrapping: ZeRO-3 partitions the parameters
-        kv_row_bytes = (2 * 2 * model.cfg.n_layer * model.cfg.kv_heads * model.cfg.head_dim // info.tensor_size
-                        * (2 if self.dtype == "bf16" else 4))
-        """Bytes one position's keys and values cost to exchange under context parallelism: K and V, all-gathered
-        forward and their gradients reduce-scattered backward, in every layer (this rank's heads)."""
+        kv_row_bytes = (2 * 2 * model.cfg.n_layer * model.cfg.kv_heads * model.cfg.head_dim
+                        // info.tensor_size * (2 if self.dtype == "bf16" else 4))
+        """Bytes one position's keys and values cost to exchange under context parallelism: K and V,
+        all-gathered forward and their gradients reduce-scattered backward, in every layer (this rank's
+        heads)."""
         clock = ComputeClock(model, info.device)
         """Each rank's measured compute and wait of a step (dp_compute_imbalance, dp_wait_s)."""
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size,
@@ -125,12 +131,13 @@ class Trainer:
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
         self.optimizer_fused = any(g.get("fused") for g in optimizer.param_groups)
         self.compile_counter = CompileCounter() if cfg.train.compile else None
-        self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip, self.dtype,
-                                  compile=cfg.train.compile,
+        self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip,
+                                  self.dtype, compile=cfg.train.compile,
                                   activation_checkpointing=cfg.train.activation_checkpointing)
         self.clock = clock
         self.step = 0
-        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0, "skipped_steps": 0,
+        self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0,
+                         "skipped_steps": 0,
                          "lockstep_wait_steps": self.inputs.rows.wait_steps}  # counted into by StepRows.take
         if mixture:
             self.counters["tokens_by_source"] = [0] * len(mixture)
@@ -139,7 +146,8 @@ class Trainer:
         self._resume()
         if accepted is not None:  # every check passed: the run writes from here on
             accepted()
-        self.wandb_group = cfg.logging.wandb.group or f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}"
+        self.wandb_group = (cfg.logging.wandb.group
+                            or f"{cfg.model.n_layer}L-{cfg.train.seq_len}T-seed{cfg.seed}")
         self.metrics = MetricsLogger(
             self.run_dir, cfg.logging.wandb, cfg.resolved, [cfg.packing.layout, cfg.attention.backend],
             self.wandb_group, enabled=info.is_main, resume_step=self.step, log_every=cfg.logging.log_every,
@@ -150,7 +158,8 @@ class Trainer:
         """The ranks' epochs (StepRows) with data.epoch_lockstep, for the metrics; None without."""
         doc_keys = DocKeysLog(self.run_dir, info, self.step) if cfg.logging.record_doc_keys else None
         self.nonfinite = NonFinite(cfg.train.on_nonfinite, self.resumed, self.checkpointer, self.counters)
-        self.held_out = HeldOut(evaluator, self.engine, self.preemption, info) if evaluator is not None else None
+        self.held_out = (HeldOut(evaluator, self.engine, self.preemption, info) if evaluator is not None
+                         else None)
         self.logging = Logging(self.metrics, self.counters, self.groups, self.source_weights, info,
                                cfg.train.warmup_marked_steps, self.lockstep, self.compile_counter)
         self.saving = Saving(self.checkpointer, self.save, saved=self.step)
@@ -158,7 +167,8 @@ class Trainer:
             self.nonfinite,
             Counting(self.counters, doc_keys, self.resumed),
             *([self.held_out] if self.held_out is not None else []),
-            *([Tasks(self.task_scorer, self.engine, self.preemption, info)] if self.task_scorer is not None else []),
+            *([Tasks(self.task_scorer, self.engine, self.preemption, info)]
+              if self.task_scorer is not None else []),
             StepFlops(self.flops, clock, info, peak_flops(info.device), self.inputs.dealer, kv_row_bytes,
                       logged=self.logging.due),
             self.logging,
@@ -173,25 +183,30 @@ class Trainer:
         is_checkpoint = (path / store.META_FILE).is_file()  # if not, the store's load below says so
         ckpt_hash = checkpoint_tokenizer_hash(path) if is_checkpoint else self.data.tokenizer_hash
         if ckpt_hash != self.data.tokenizer_hash:
-            raise ConfigError(tokenizer_mismatch(path, ckpt_hash, self.data.tokenizer_dir, self.data.tokenizer_hash,
-                                                 "train.resume"))
-        if (path / store.CONVENTIONS_FILE).is_file():  # a fine-tuning run keeps the record of where it started
+            raise ConfigError(tokenizer_mismatch(path, ckpt_hash, self.data.tokenizer_dir,
+                                                 self.data.tokenizer_hash, "train.resume"))
+        # a fine-tuning run keeps the record of where it started
+        if (path / store.CONVENTIONS_FILE).is_file():
             self.init_record = checkpoint_conventions(path).get("init_from")
-        record, rank_states = self._starting(f"loading {path}", lambda: self.checkpointer.load(path, self.engine))
+        record, rank_states = self._starting(f"loading {path}",
+                                             lambda: self.checkpointer.load(path, self.engine))
         data = self.cfg.data
         self._starting(f"restoring the data stream of {path}", lambda: restore_stream(
             self.data.rows, path, record, rank_states, self.info, data.num_workers, data.epoch_lockstep))
         self.step = self.resumed.at = record.step
         self.counters.update(record.counters)
         self.inputs.rows.wait_steps = self.counters["lockstep_wait_steps"]  # an older checkpoint: from here
-        if self.info.is_main:  # the branch after this step, if any, is abandoned: set aside, never picked again
+        # the branch after this step, if any, is abandoned: set aside, never picked again
+        if self.info.is_main:
             set_aside_after(self.run_dir, self.step)
         try:
-            self.data.rows.start()  # the readers restore their positions now: the line below says what that read
+            # the readers restore their positions now: the line below says what that read
+            self.data.rows.start()
         except ReadInterrupted:  # by a preemption signal (its handler interrupts every read)
             if self.preemption.signal_name is None:
                 raise
-        self.preemption.stop_if_requested(f"restoring the data readers' positions of {path}", self.info.device)
+        self.preemption.stop_if_requested(f"restoring the data readers' positions of {path}",
+                                          self.info.device)
         self.resumed.read = resume_read(self.data.rows, self.info)
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step}; data position restored on all ranks: "
@@ -201,15 +216,16 @@ class Trainer:
                 print(f"resume: warning: {line}", flush=True)
             written = record.section("train").get("tokens_per_step")
             if written is not None and written != self.cfg.train.tokens_per_step:
-                print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the global batch "
-                      f"of every step after {self.step} differs from the checkpoint's run (the learning-rate schedule "
-                      "does not change with it)", flush=True)
+                print(f"resume: train.tokens_per_step {written} -> {self.cfg.train.tokens_per_step}: the "
+                      f"global batch of every step after {self.step} differs from the checkpoint's run (the "
+                      "learning-rate schedule does not change with it)", flush=True)
 
     def fit(self) -> dict:
-        """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and return."""
+        """Train to train.max_steps, or until a preemption signal: then checkpoint the step reached and
+        return."""
         cfg, info = self.cfg, self.info
-        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (info.is_main and cfg.logging.progress),
-                   desc="train", dynamic_ncols=True)
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step,
+                   disable=not (info.is_main and cfg.logging.progress), desc="train", dynamic_ncols=True)
         preemption = self.preemption  # installed at the start (__init__)
         preempted = None
         try:
@@ -220,7 +236,8 @@ class Trainer:
                     joint = isinstance(exn, StepInterrupted)  # raised on every rank at the same point
                     if not joint and (preemption.signal_name is None or info.world_size > 1):
                         raise
-                    self.saving.ensure(self.step)  # the step never ran: the checkpoint is the last finished one's
+                    # the step never ran: the checkpoint is the last finished one's
+                    self.saving.ensure(self.step)
                     preempted = preemption.signal_name or "a signal on another rank"
                     break
                 for part in self.parts:
@@ -228,22 +245,26 @@ class Trainer:
                         end.line.update(part.run(end))
                 bar.update(1)
                 stats = end.stats
-                bar.set_postfix(loss=f"{stats.loss:.4f}", util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
+                bar.set_postfix(loss=f"{stats.loss:.4f}",
+                                util=f"{stats.real_tokens / stats.allocated_tokens:.3f}",
                                 tok_s=f"{stats.valid_tokens / end.step_time:,.0f}")
                 if preemption.requested(info.device):  # collective: every rank stops at this same step
                     self.saving.ensure(self.step)
                     preempted = preemption.signal_name or "a signal on another rank"
                     break
-        except KeyboardInterrupt:  # Ctrl-C: no save (the step in progress may be half applied); one line, not a trace
+        # Ctrl-C: no save (the step in progress may be half applied); one line, not a trace
+        except KeyboardInterrupt:
             raise KeyboardInterrupt(
-                f"training stopped during step {self.step + 1}; nothing after step {self.step} was saved (last "
-                f"checkpoint: {self.checkpointer.last or 'none written by this run'}); continue with "
+                f"training stopped during step {self.step + 1}; nothing after step {self.step} was saved "
+                f"(last checkpoint: {self.checkpointer.last or 'none written by this run'}); continue with "
                 "train.resume=true and the same hydra.run.dir") from None
         finally:
             preemption.close()
             bar.close()
-            interrupt_reads()  # a read still blocked (drawing ahead, in a worker) gives up: nothing more is trained on
-            self.data.rows.close()  # DataLoader workers (and the prefetch thread) end here, however training ended
+            # a read still blocked (drawing ahead, in a worker) gives up: nothing more is trained on
+            interrupt_reads()
+            # DataLoader workers (and the prefetch thread) end here, however training ended
+            self.data.rows.close()
             allow_reads()
             if self.compile_counter is not None:
                 self.compile_counter.close()
@@ -261,8 +282,8 @@ class Trainer:
         rows, mbs, t_data = self.inputs.next(prefetch_next=self.step + 1 < cfg.train.max_steps)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
         try:
-            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization, groups=self.groups,
-                               clock=self.clock)
+            stats = train_step(self.engine, mbs, info, self.data.pad_id, cfg.loss.normalization,
+                               groups=self.groups, clock=self.clock)
         except NonFiniteError as e:  # DeepSpeed's: stopped before its step
             if not self.resumed.first_after(self.step + 1):
                 raise
@@ -297,7 +318,8 @@ class Trainer:
             self.step, self.engine,
             rank_state={"data": self.data.rows.state_dict()},
             meta=meta,
-            conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size, self.dtype),
+            conventions={**conventions(self.cfg, self.data, self.engine.name, self.info.world_size,
+                                       self.dtype),
                          "init_from": self.init_record},
             tokenizer_dir=self.data.tokenizer_dir,
             weights=self.checkpointer.weights_due(self.step, self.engine),

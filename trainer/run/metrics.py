@@ -28,7 +28,8 @@ from trainer.run.run_dir import truncate_jsonl_after
 # trainer.run.flops). Add yours; unknown devices get no `mfu` / `hfu`. NVIDIA's datasheets quote the
 # sparse rate in their "BF16 Tensor Core" row (marked "with sparsity"); the dense rate is half of it:
 #   NVIDIA H200 Tensor Core GPU datasheet: H200 SXM 1,979 -> 989 TFLOP/s, H200 NVL 1,671 -> 835
-#   NVIDIA H100 Tensor Core GPU datasheet: H100 SXM 1,979 -> 989, H100 NVL 1,671 -> 835, H100 PCIe 1,513 -> 756
+#   NVIDIA H100 Tensor Core GPU datasheet: H100 SXM 1,979 -> 989, H100 NVL 1,671 -> 835,
+#                                          H100 PCIe 1,513 -> 756
 #   NVIDIA A100 Tensor Core GPU datasheet: 312 dense (624 sparse), SXM and PCIe, 40 and 80 GB alike
 #   NVIDIA L40S / L40 / L4 / A10 datasheets: 733 -> 362, 362 -> 181, 242 -> 121, 250 -> 125
 # Keys match torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB")
@@ -54,7 +55,8 @@ def peak_flops_for_name(name: str) -> float | None:
 
     Example: "NVIDIA H100 PCIe" -> 756e12; "NVIDIA A100-SXM4-80GB" -> 312e12; "NVIDIA A10G" -> None.
     """
-    return next((flops for key, flops in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
+    return next((flops for key, flops in PEAK_FLOPS.items() if re.search(rf"\b{re.escape(key)}\b", name)),
+                None)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -65,10 +67,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 def by_group(groups: LossGroups, loss_sums: Sequence[float] | None, targets: Sequence[int] | None,
              prefix: str = "") -> dict:
-    """The per-group metrics of a step or an eval, from the sums and targets of each loss group (source x length
-    bucket x position bucket, trainer.data.batch.LossGroups), as marginal tables: with length buckets prefix +
-    "token_loss_by_length" {bucket: summed token loss / targets over every source, None for a bucket without
-    targets} and prefix + "targets_by_length" {bucket: targets}; with a mixture the same by source
+    """The per-group metrics of a step or an eval, from the sums and targets of each loss group (source x
+    length bucket x position bucket, trainer.data.batch.LossGroups), as marginal tables: with length buckets
+    prefix + "token_loss_by_length" {bucket: summed token loss / targets over every source, None for a bucket
+    without targets} and prefix + "targets_by_length" {bucket: targets}; with a mixture the same by source
     ("token_loss_by_source", "targets_by_source"); with position buckets by position in the document
     ("token_loss_by_position", "targets_by_position"); {} when not measured.
 
@@ -79,11 +81,13 @@ def by_group(groups: LossGroups, loss_sums: Sequence[float] | None, targets: Seq
     if not groups.size or loss_sums is None:
         return {}
     shape = (groups.num_sources, groups.num_buckets, groups.num_positions)
-    sums_SKP, targets_SKP = np.asarray(loss_sums, dtype=float).reshape(shape), np.asarray(targets).reshape(shape)
+    sums_SKP, targets_SKP = (np.asarray(loss_sums, dtype=float).reshape(shape),
+                             np.asarray(targets).reshape(shape))
     out = {}
     for present, key, names, axes in ((groups.edges, "by_length", length_bucket_names(groups.edges), (0, 2)),
                                       (groups.sources, "by_source", groups.sources, (1, 2)),
-                                      (groups.positions, "by_position", length_bucket_names(groups.positions), (0, 1))):
+                                      (groups.positions, "by_position", length_bucket_names(groups.positions),
+                                       (0, 1))):
         if present:
             out |= _loss_table(f"{prefix}{{}}_{key}", names, sums_SKP.sum(axis=axes).tolist(),
                                targets_SKP.sum(axis=axes).tolist())
@@ -103,9 +107,9 @@ def by_source(names: Sequence[str], weights: Sequence[float], tokens: Sequence[i
     token_share_by_source (its tokens / all tokens; None when there are none) and target_share_by_source (its
     weight / the sum of the weights, what the mixer aims at); {} without a mixture.
 
-    Example: names (a, b), weights (3, 1), tokens [60, 40], docs [2, 5] -> {"tokens_by_source": {"a": 60, "b": 40},
-    "docs_by_source": {"a": 2, "b": 5}, "token_share_by_source": {"a": 0.6, "b": 0.4}, "target_share_by_source":
-    {"a": 0.75, "b": 0.25}}.
+    Example: names (a, b), weights (3, 1), tokens [60, 40], docs [2, 5] ->
+    {"tokens_by_source": {"a": 60, "b": 40}, "docs_by_source": {"a": 2, "b": 5},
+    "token_share_by_source": {"a": 0.6, "b": 0.4}, "target_share_by_source": {"a": 0.75, "b": 0.25}}.
     """
     if not names or tokens is None:
         return {}
@@ -113,7 +117,8 @@ def by_source(names: Sequence[str], weights: Sequence[float], tokens: Sequence[i
     out = {"tokens_by_source": dict(zip(names, tokens, strict=True))}
     if docs is not None:
         out["docs_by_source"] = dict(zip(names, docs, strict=True))
-    out["token_share_by_source"] = {n: (t / total if total else None) for n, t in zip(names, tokens, strict=True)}
+    out["token_share_by_source"] = {n: (t / total if total else None)
+                                    for n, t in zip(names, tokens, strict=True)}
     out["target_share_by_source"] = {n: w / sum(weights) for n, w in zip(names, weights, strict=True)}
     return out
 
@@ -122,9 +127,10 @@ def step_metrics(step: int, stats, lr: float, step_time: float, data_time: float
                  groups: LossGroups, source_weights: Sequence[float], device: torch.device, warmup: bool,
                  epochs: StepRows | None, compile_recompiles: int | None) -> dict:
     """One step's metrics line (every key in trainer.registry.METRIC_KEYS): the objective and the step's loss
-    groups, the learning rate and gradient norm, the token counts and rates, the run's totals so far (`counters`,
-    the Trainer's), the epoch and its lockstep waits (`epochs`: the ranks' StepRows with data.epoch_lockstep, else
-    None), and train.compile's recompilations (None without it). `stats`: trainer.run.step.StepStats."""
+    groups, the learning rate and gradient norm, the token counts and rates, the run's totals so far
+    (`counters`, the Trainer's), the epoch and its lockstep waits (`epochs`: the ranks' StepRows with
+    data.epoch_lockstep, else None), and train.compile's recompilations (None without it). `stats`:
+    trainer.run.step.StepStats."""
     m = {
         "step": step,
         "loss": stats.loss,
@@ -159,12 +165,13 @@ def step_metrics(step: int, stats, lr: float, step_time: float, data_time: float
 def run_summary(*, final_step: int, final_loss: float | None, last_eval, counters: dict, groups: LossGroups,
                 source_weights: Sequence[float], mixture, epochs: StepRows | None, skipped_samples: dict,
                 packing_stats: dict, resume_read: dict, compile_counter, device: torch.device, **run) -> dict:
-    """summary.json's run-specific keys (every key in trainer.registry.SUMMARY_KEYS; `MetricsLogger.summary` adds
-    the means over the logged steps): the final step, loss and eval (`last_eval`: trainer.run.evals.EvalResult or
-    None), the run's totals (`counters`), what the readers skipped and read to resume, the packing counts, the
-    lockstep waits by epoch (`epochs` as in `step_metrics`), train.compile's counts (`compile_counter`:
-    trainer.model.compile.CompileCounter or None), a mixture's shares and per-source counts (`mixture`: its
-    `summary()`, None without one), and `run`: how the run ran (world_size, dtype, preempted, checkpoint, ...)."""
+    """summary.json's run-specific keys (every key in trainer.registry.SUMMARY_KEYS; `MetricsLogger.summary`
+    adds the means over the logged steps): the final step, loss and eval (`last_eval`:
+    trainer.run.evals.EvalResult or None), the run's totals (`counters`), what the readers skipped and read to
+    resume, the packing counts, the lockstep waits by epoch (`epochs` as in `step_metrics`), train.compile's
+    counts (`compile_counter`: trainer.model.compile.CompileCounter or None), a mixture's shares and
+    per-source counts (`mixture`: its `summary()`, None without one), and `run`: how the run ran (world_size,
+    dtype, preempted, checkpoint, ...)."""
     ev = last_eval
     waits = epochs.wait_steps if epochs is not None else None
     out = {
@@ -217,8 +224,8 @@ def peak_mem_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Appends metrics to metrics.jsonl and W&B on rank 0; a no-op elsewhere."""
 
-    def __init__(self, run_dir: str | Path, cfg: WandbConfig, resolved_config: dict, tags: list[str], group: str | None,
-                 enabled: bool, resume_step: int = 0, log_every: int = 1) -> None:
+    def __init__(self, run_dir: str | Path, cfg: WandbConfig, resolved_config: dict, tags: list[str],
+                 group: str | None, enabled: bool, resume_step: int = 0, log_every: int = 1) -> None:
         self.enabled = enabled
         self.log_every = log_every
         """logging.log_every: write every N optimizer steps (see `due`)."""
@@ -239,11 +246,13 @@ class MetricsLogger:
 
     def due(self, step: int, last: bool, forced: bool = False) -> bool:
         """Whether step `step` is written: every `log_every` steps, the last step, and any step `forced` to be
-        (one with an eval, the first after a resume, a non-finite one). Example: log_every=10 -> 10, 20, ..."""
+        (one with an eval, the first after a resume, a non-finite one).
+        Example: log_every=10 -> 10, 20, ..."""
         return forced or last or step % self.log_every == 0
 
     def log(self, metrics: dict) -> None:
-        """Append one step's metrics; a ValueError for a key not registered in trainer/registry.py (METRIC_KEYS)."""
+        """Append one step's metrics;
+        a ValueError for a key not registered in trainer/registry.py (METRIC_KEYS)."""
         check_metric_keys(metrics)
         if not self.enabled:
             return
@@ -261,8 +270,8 @@ class MetricsLogger:
             self.wandb_run.log(metrics, step=metrics["step"])
 
     def summary(self, extra: dict) -> dict:
-        """Totals and means over the non-warm-up steps logged by this process, and `extra`; a ValueError for a key
-        not registered in trainer/registry.py (SUMMARY_KEYS)."""
+        """Totals and means over the non-warm-up steps logged by this process, and `extra`; a ValueError for a
+        key not registered in trainer/registry.py (SUMMARY_KEYS)."""
         t = self._totals
         out = {
             "logged_steps": t["steps"],
@@ -286,8 +295,9 @@ class MetricsLogger:
                 f[key] = (f[key] or 0.0) + metrics[key] * metrics["step_time_s"]
 
     def _flop_means(self) -> dict:
-        """mean_model_flops_per_s, mean_hardware_flops_per_s, mean_mfu, mean_hfu over the non-warm-up logged steps:
-        summed FLOPs (or utilization x seconds) / summed seconds, so mean_mfu = the FLOPs done / the peak's."""
+        """mean_model_flops_per_s, mean_hardware_flops_per_s, mean_mfu, mean_hfu over the non-warm-up logged
+        steps: summed FLOPs (or utilization x seconds) / summed seconds, so mean_mfu = the FLOPs done / the
+        peak's."""
         f, seconds = self._flop_totals, self._totals["time"]
         return {
             "mean_model_flops_per_s": f["model_flops"] / seconds if seconds else None,
@@ -310,7 +320,8 @@ class DocKeysLog:
         self.path = Path(run_dir) / DOC_KEYS_DIR / f"rank_{info.rank:05d}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         truncate_jsonl_after(self.path, resume_step)
-        if info.is_main:  # resumed on fewer ranks: the files of the ranks gone lose their steps after the resume too
+        # resumed on fewer ranks: the files of the ranks gone lose their steps after the resume too
+        if info.is_main:
             for path in self.path.parent.glob("rank_*.jsonl"):
                 if path.stem[5:].isdigit() and int(path.stem[5:]) >= info.world_size:
                     truncate_jsonl_after(path, resume_step)

@@ -13,15 +13,16 @@ from trainer.config import OptimConfig
 from trainer.errors import ConfigError
 
 OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay")
-"""What build_optimizer passes to optim._target_ (weight_decay per parameter group): the classes of torch.optim
-that take them all are Adam, AdamW, Adamax, NAdam and RAdam."""
+"""What build_optimizer passes to optim._target_ (weight_decay per parameter group): the classes of
+torch.optim that take them all are Adam, AdamW, Adamax, NAdam and RAdam."""
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    device: torch.device | None = None) -> torch.optim.Optimizer:
     """`cfg.target` over two groups: weight matrices decay, norms / biases (1-D tensors) do not.
 
-    optim.fused decides by the device the parameters train on (`use_fused`): `device`, else the parameters' own
-    (a model built on the meta device, materialized later by parallelize, names its run's device).
+    optim.fused decides by the device the parameters train on (`use_fused`): `device`, else the parameters'
+    own (a model built on the meta device, materialized later by parallelize, names its run's device).
     """
     module_name, _, class_name = cfg.target.rpartition(".")
     optimizer_cls = getattr(importlib.import_module(module_name), class_name)
@@ -44,7 +45,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device | N
 def check_optimizer_args(optimizer_cls: type, target: str) -> None:
     """Refuse, with a ConfigError, an optimizer class that does not take every argument of OPTIMIZER_ARGS.
 
-    Example: torch.optim.SGD (no betas, no eps) -> "optim._target_=torch.optim.SGD does not take betas, eps: ...".
+    Example: torch.optim.SGD (no betas, no eps) ->
+    "optim._target_=torch.optim.SGD does not take betas, eps: ...".
     """
     params = inspect.signature(optimizer_cls).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -52,8 +54,8 @@ def check_optimizer_args(optimizer_cls: type, target: str) -> None:
     missing = [name for name in OPTIMIZER_ARGS if name not in params]
     if missing:
         raise ConfigError(f"optim._target_={target} does not take {', '.join(missing)}: the optimizer gets "
-                          f"{', '.join(OPTIMIZER_ARGS)}, so use a class that takes them all (torch.optim.AdamW, "
-                          "Adam, Adamax, NAdam or RAdam)")
+                          f"{', '.join(OPTIMIZER_ARGS)}, so use a class that takes them all "
+                          "(torch.optim.AdamW, Adam, Adamax, NAdam or RAdam)")
 
 
 def use_fused(optimizer_cls: type, setting: bool | str, device: torch.device) -> bool:
@@ -64,7 +66,8 @@ def use_fused(optimizer_cls: type, setting: bool | str, device: torch.device) ->
     if setting == "auto":
         return takes_fused and device.type == "cuda"
     if setting and not takes_fused:
-        raise ConfigError(f"optim.fused=true: {optimizer_cls.__name__} takes no `fused` argument; set optim.fused=auto")
+        raise ConfigError(f"optim.fused=true: {optimizer_cls.__name__} takes no `fused` argument; "
+                          "set optim.fused=auto")
     return bool(setting)
 
 

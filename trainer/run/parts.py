@@ -1,9 +1,13 @@
-"""The parts the loop calls after each optimizer step, in order, each owning its cadence (OLMo-core's callbacks):
+"""The parts the loop calls after each optimizer step, in order, each owning its cadence
+(OLMo-core's callbacks):
 
     part         due                                        does
-    NonFinite    the loss or gradient norm is NaN/inf       stops the run (train.on_nonfinite=stop) or counts a skip
-    Counting     every step                                 the run's counters; the document keys; the resume line
-    HeldOut      Evaluator.due (train.eval_every, the end)  the held-out eval (trainer.run.evals), cut short by a signal
+    NonFinite    the loss or gradient norm is NaN/inf       stops the run (train.on_nonfinite=stop)
+                                                            or counts a skip
+    Counting     every step                                 the run's counters; the document keys;
+                                                            the resume line
+    HeldOut      Evaluator.due (train.eval_every, the end)  the held-out eval (trainer.run.evals),
+                                                            cut short by a signal
     Tasks        TaskScorer.due, no signal pending          the downstream tasks (train.eval_tasks)
     StepFlops    the line is logged (Logging.due)           the step's FLOPs, mfu / hfu, the ranks' imbalance
     Logging      MetricsLogger.due, or forced by the line   the metrics line (metrics.jsonl, W&B)
@@ -79,8 +83,8 @@ class Resumed:
 
 
 class NonFinite:
-    """A step whose loss or gradient norm is NaN/inf (its update was not applied): stops the run with a line that
-    names the suspect (train.on_nonfinite=stop), or counts it as skipped (skip)."""
+    """A step whose loss or gradient norm is NaN/inf (its update was not applied): stops the run with a line
+    that names the suspect (train.on_nonfinite=stop), or counts it as skipped (skip)."""
 
     def __init__(self, policy: str, resumed: Resumed, checkpointer: Checkpointer, counters: dict) -> None:
         self.policy, self.resumed, self.checkpointer, self.counters = policy, resumed, checkpointer, counters
@@ -103,16 +107,16 @@ class NonFinite:
         suspect (damaged weights or optimizer state train to NaN at once), not the learning rate."""
         resumed, last = self.resumed, self.checkpointer.last
         if resumed.first_after(step):
-            return (f"step {step}: {what} on the first step after resuming from {resumed.path}: that checkpoint "
-                    "is the suspect (damaged weights or optimizer state?); resume from an earlier one (or start "
-                    "from it with train.init_from to reset the optimizer)")
+            return (f"step {step}: {what} on the first step after resuming from {resumed.path}: that "
+                    "checkpoint is the suspect (damaged weights or optimizer state?); resume from an earlier "
+                    "one (or start from it with train.init_from to reset the optimizer)")
         if last is None and resumed.at is not None:  # nothing saved since the resume
             return (f"step {step}: {what}, {step - resumed.at} steps after resuming from {resumed.path}, and "
-                    "no checkpoint written since: that checkpoint is a suspect (damaged optimizer state trains to NaN "
-                    "within a few steps); the update was not applied; resume from an earlier checkpoint, or lower "
-                    "optim.lr if it trained well")
-        return (f"step {step}: {what}; the update was not applied and no checkpoint of it was written (last good "
-                f"checkpoint: {last or 'none: this run saved none yet'}); lower optim.lr, or set "
+                    "no checkpoint written since: that checkpoint is a suspect (damaged optimizer state "
+                    "trains to NaN within a few steps); the update was not applied; resume from an earlier "
+                    "checkpoint, or lower optim.lr if it trained well")
+        return (f"step {step}: {what}; the update was not applied and no checkpoint of it was written (last "
+                f"good checkpoint: {last or 'none: this run saved none yet'}); lower optim.lr, or set "
                 "train.on_nonfinite=skip to drop such steps")
 
 
@@ -133,18 +137,19 @@ class Counting:
         counters["docs"] += stats.docs
         counters["elapsed_s"] += end.step_time
         if stats.source_tokens is not None:
-            counters["tokens_by_source"] = [a + b for a, b in zip(counters["tokens_by_source"], stats.source_tokens,
-                                                                  strict=True)]
+            counters["tokens_by_source"] = [a + b for a, b in zip(counters["tokens_by_source"],
+                                                                  stats.source_tokens, strict=True)]
         if self.doc_keys is not None:
             self.doc_keys.log(end.step, [doc.key for row in end.rows for doc in row])
         return self.resumed.read if self.resumed.first_after(end.step) else {}
 
 
 class HeldOut:
-    """The held-out eval on its steps; abandoned ({}) when a preemption signal reaches any rank meanwhile: the step
-    is checkpointed right after, without waiting for the rest of the eval."""
+    """The held-out eval on its steps; abandoned ({}) when a preemption signal reaches any rank meanwhile: the
+    step is checkpointed right after, without waiting for the rest of the eval."""
 
-    def __init__(self, evaluator: Evaluator, engine: Engine, preemption: PreemptionHandler, info: DistInfo) -> None:
+    def __init__(self, evaluator: Evaluator, engine: Engine, preemption: PreemptionHandler,
+                 info: DistInfo) -> None:
         self.evaluator, self.engine, self.preemption, self.info = evaluator, engine, preemption, info
         self.last: EvalResult | None = None
         """The newest eval's result (summary.json's)."""
@@ -167,7 +172,8 @@ class Tasks:
     """The downstream tasks on their steps (not once a preemption signal is pending: the step is checkpointed
     first): the line's `tasks` (each task's metrics) and `tasks_time_s`."""
 
-    def __init__(self, scorer: TaskScorer, engine: Engine, preemption: PreemptionHandler, info: DistInfo) -> None:
+    def __init__(self, scorer: TaskScorer, engine: Engine, preemption: PreemptionHandler,
+                 info: DistInfo) -> None:
         self.scorer, self.engine, self.preemption, self.info = scorer, engine, preemption, info
 
     def due(self, end: StepEnd) -> bool:
@@ -182,9 +188,11 @@ class Logging:
     """The step's metrics line, written on MetricsLogger's steps and on any step a part before it added to (an
     eval, the first after a resume) or that was not finite."""
 
-    def __init__(self, metrics: MetricsLogger, counters: dict, groups: LossGroups, source_weights: list[float],
-                 info: DistInfo, warmup_marked_steps: int, lockstep, compile_counter) -> None:
-        self.metrics, self.counters, self.groups, self.source_weights = metrics, counters, groups, source_weights
+    def __init__(self, metrics: MetricsLogger, counters: dict, groups: LossGroups,
+                 source_weights: list[float], info: DistInfo, warmup_marked_steps: int, lockstep,
+                 compile_counter) -> None:
+        self.metrics, self.counters, self.groups, self.source_weights = (
+            metrics, counters, groups, source_weights)
         self.info, self.warmup_marked_steps = info, warmup_marked_steps
         self.lockstep, self.compile_counter = lockstep, compile_counter
         self.last_loss: float | None = None
@@ -196,21 +204,21 @@ class Logging:
     def run(self, end: StepEnd) -> dict:
         self.last_loss = end.stats.loss
         recompiles = self.compile_counter.recompiles if self.compile_counter is not None else None
-        line = step_metrics(end.step, end.stats, end.lr, end.step_time, end.data_time, self.counters, self.groups,
-                            self.source_weights, self.info.device, end.step <= self.warmup_marked_steps,
-                            self.lockstep, recompiles)
+        line = step_metrics(end.step, end.stats, end.lr, end.step_time, end.data_time, self.counters,
+                            self.groups, self.source_weights, self.info.device,
+                            end.step <= self.warmup_marked_steps, self.lockstep, recompiles)
         self.metrics.log({**line, **end.line})
         return {}
 
 
 class StepFlops:
-    """On logged steps: the step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is known
-    (trainer.run.flops); with several data ranks each one's modeled work and measured compute and wait
+    """On logged steps: the step's model and hardware FLOPs over all ranks, and mfu / hfu where the peak is
+    known (trainer.run.flops); with several data ranks each one's modeled work and measured compute and wait
     (ComputeClock); under context parallelism how evenly the group shares the rows and the bytes of keys and
     values exchanged. Collective: one all-reduce of 2 + 3 x data ranks numbers."""
 
-    def __init__(self, flops: FlopModel, clock: ComputeClock, info: DistInfo, peak_flops: float | None, dealer,
-                 kv_row_bytes: int, logged: Callable[[StepEnd], bool]) -> None:
+    def __init__(self, flops: FlopModel, clock: ComputeClock, info: DistInfo, peak_flops: float | None,
+                 dealer, kv_row_bytes: int, logged: Callable[[StepEnd], bool]) -> None:
         self.flops, self.clock, self.info, self.peak_flops = flops, clock, info, peak_flops
         self.dealer, self.kv_row_bytes, self.logged = dealer, kv_row_bytes, logged
 
@@ -234,8 +242,10 @@ class StepFlops:
             out["dp_wait_s"] = max(per_rank[2 * n:])
         if self.dealer is not None:
             out["dp_imbalance_drawn"] = self.dealer.drawn_imbalance
-        if info.context is not None:  # how evenly the group shares this rank's micro-batches (host arithmetic)
-            out["cp_imbalance"] = self.flops.context_imbalance(end.batches, info.context_size, info.context.split)
+        # how evenly the group shares this rank's micro-batches (host arithmetic)
+        if info.context is not None:
+            out["cp_imbalance"] = self.flops.context_imbalance(end.batches, info.context_size,
+                                                               info.context.split)
             out["cp_kv_bytes"] = self.kv_row_bytes * sum(mb.plan.received_rows() for mb in end.batches)
         return out
 
@@ -246,8 +256,8 @@ class Saving:
     def __init__(self, checkpointer: Checkpointer, save: Callable[[], None], saved: int) -> None:
         self.checkpointer, self.save = checkpointer, save
         self.saved = saved
-        """The step of the newest checkpoint this run wrote, or resumed from (a preempted run saves only a step
-        newer than that)."""
+        """The step of the newest checkpoint this run wrote, or resumed from (a preempted run saves only a
+        step newer than that)."""
 
     def due(self, end: StepEnd) -> bool:
         return self.checkpointer.due(end.step)

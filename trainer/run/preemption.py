@@ -9,9 +9,9 @@ stops them all at the same step, and the checkpoint they write together is that 
     ...after each optimizer step...
     if handler.requested(device): save, report handler.signal_name, return
 
-A step whose rows cannot be read (a stalled shard source) would never end: so the handler also interrupts every
-shard read of this process and its DataLoader workers (trainer.data.workers.interrupt_reads). The read raises
-ReadInterrupted within a fraction of a second, and the loop checkpoints the last finished step instead.
+A step whose rows cannot be read (a stalled shard source) would never end: so the handler also interrupts
+every shard read of this process and its DataLoader workers (trainer.data.workers.interrupt_reads). The read
+raises ReadInterrupted within a fraction of a second, and the loop checkpoints the last finished step instead.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ SIGNALS = PREEMPTION_SIGNALS
 
 
 class PreemptedAtStart(Exception):
-    """A preemption signal arrived while the run was starting (loading a checkpoint, dealing a reshaped resume,
-    restoring the readers' positions): it ends there, before training, writing nothing (the run dir as found)."""
+    """A preemption signal arrived while the run was starting (loading a checkpoint, dealing a reshaped
+    resume, restoring the readers' positions): it ends there, before training, writing nothing (the run dir as
+    found)."""
 
 
 class PreemptionHandler:
@@ -53,10 +54,10 @@ class PreemptionHandler:
         return dist_max(float(self.signal_name is not None), device) > 0
 
     def during(self, phase: str, run, device):
-        """Collective: `run()`, one phase of the start, then every rank stops (PreemptedAtStart) if a preemption
-        signal reached any rank meanwhile. A signal cuts the phase short where it reads (the checkpoint's files
-        hashed, every old rank's state read, the reshaped stream dealt: ReadInterrupted on that rank); the other
-        ranks finish it and stop with it. Returns what `run` returned."""
+        """Collective: `run()`, one phase of the start, then every rank stops (PreemptedAtStart) if a
+        preemption signal reached any rank meanwhile. A signal cuts the phase short where it reads (the
+        checkpoint's files hashed, every old rank's state read, the reshaped stream dealt: ReadInterrupted on
+        that rank); the other ranks finish it and stop with it. Returns what `run` returned."""
         try:
             result = run()
         except ReadInterrupted:
@@ -68,12 +69,14 @@ class PreemptionHandler:
     def stop_if_requested(self, phase: str, device) -> None:
         """Collective: every rank raises PreemptedAtStart if a preemption signal reached any rank so far."""
         if self.requested(device):
-            raise PreemptedAtStart(f"preempted ({self.signal_name or 'a signal on another rank'}) while {phase}, "
-                                   "before training: nothing was trained or written; continue with the same command")
+            raise PreemptedAtStart(f"preempted ({self.signal_name or 'a signal on another rank'}) while "
+                                   f"{phase}, before training: nothing was trained or written; continue with "
+                                   "the same command")
 
     def close(self) -> None:
-        """The previous signal handlers back, and shard reads allowed again: what a signal interrupted was this
-        run's; the process may read on (the next job of a sweep, a command after a run in the same process)."""
+        """The previous signal handlers back, and shard reads allowed again: what a signal interrupted was
+        this run's; the process may read on (the next job of a sweep, a command after a run in the same
+        process)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
@@ -82,9 +85,9 @@ class PreemptionHandler:
 
 def end_with_launcher() -> None:
     """Under torchrun (its agent is this process's parent): when the agent dies, however it dies (kill -9
-    included), the kernel sends this rank SIGTERM, which the run takes as a preemption (every rank checkpoints the
-    step it reached and exits) instead of training on as an orphan. Linux only; elsewhere a no-op. If the agent is
-    already gone, SIGTERM now."""
+    included), the kernel sends this rank SIGTERM, which the run takes as a preemption (every rank checkpoints
+    the step it reached and exits) instead of training on as an orphan. Linux only; elsewhere a no-op. If the
+    agent is already gone, SIGTERM now."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

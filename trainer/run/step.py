@@ -6,8 +6,8 @@ The default objective, `global_tokens`:
            / number of those targets
 
 The count is all-reduced once, before any micro-batch runs; each micro-batch's summed loss is then
-scaled by 1 / count (times the loss group's size, data x context ranks, to undo the engine's averaging). There is no
-per-row, per-micro-batch or per-rank mean anywhere, so the gradient is the same however the documents
+scaled by 1 / count (times the loss group's size, data x context ranks, to undo the engine's averaging). There
+is no per-row, per-micro-batch or per-rank mean anywhere, so the gradient is the same however the documents
 of the step are split into rows, micro-batches and ranks.
 
 The other normalizations (`loss.normalization`) exist to measure what common alternatives change. Each
@@ -22,18 +22,18 @@ is a mean over *units* of the mean token loss within each unit, written as one w
 Units without targets (padding, an empty rank's placeholder) count for nothing. `loss_weights` builds
 the per-token weights; this module is the only place that defines them.
 
-A step whose global loss or gradient norm is not finite is not applied (`Engine.step_if_finite`; DeepSpeed stops
-before its step on a non-finite loss): `StepStats.finite` tells the loop, which stops or skips by
+A step whose global loss or gradient norm is not finite is not applied (`Engine.step_if_finite`; DeepSpeed
+stops before its step on a non-finite loss): `StepStats.finite` tells the loop, which stops or skips by
 `train.on_nonfinite`. Every rank sees the same all-reduced loss and norm, so they all decide alike.
 
 The same all-reduce carries each rank's micro-batch count: engines that communicate inside every
 micro-batch (FSDP2, DeepSpeed ZeRO) need all ranks to run the same number, so shorter ranks add empty ones
 (`Engine.micro_steps`).
 
-`ComputeClock` measures what the ranks' unequal work costs (metrics `dp_compute_imbalance`, `dp_wait_s`): each rank's
-compute up to its last gradient, and its wait from there to the end of the step's gradient reduction, the first
-collective that needs every rank's backward (DDP's all-reduce, ZeRO's reduce-scatter). Under FSDP2 the ranks also meet
-at every layer's all-gather, so part of the wait hides inside the compute.
+`ComputeClock` measures what the ranks' unequal work costs (metrics `dp_compute_imbalance`, `dp_wait_s`): each
+rank's compute up to its last gradient, and its wait from there to the end of the step's gradient reduction,
+the first collective that needs every rank's backward (DDP's all-reduce, ZeRO's reduce-scatter). Under FSDP2
+the ranks also meet at every layer's all-gather, so part of the wait hides inside the compute.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class StepStats:
     loss: float
     """The optimized objective (see the module docstring)."""
     token_loss: float
-    """Sum of token losses / valid targets: the same as `loss` under global_tokens, comparable across modes."""
+    """Sum of token losses / valid targets: the same as `loss` under global_tokens, comparable across
+    modes."""
     grad_norm: float
     valid_tokens: int
     allocated_tokens: int
@@ -91,8 +92,9 @@ class StepStats:
 
 
 def empty_batch(pad_id: int) -> Batch:
-    """A one-position batch with no target: a rank without data still joins the gradient all-reduce. Laid out as
-    an unpacked row (no document boundaries), which context parallelism pads to its chunks like any unpacked row."""
+    """A one-position batch with no target: a rank without data still joins the gradient all-reduce. Laid out
+    as an unpacked row (no document boundaries), which context parallelism pads to its chunks like any
+    unpacked row."""
     return collate_rows([[Document(key="<empty>", tokens=np.array([pad_id]))]], 1, pad_id, "unpacked")
 
 
@@ -123,8 +125,8 @@ def loss_weights(batch: Batch, normalization: str) -> tuple[torch.Tensor | None,
 
 
 def with_loss_groups(batch: Batch, groups: LossGroups) -> tuple[Batch, list[int]]:
-    """`batch` carrying the loss group of each target (source x length bucket, `LossGroups.ids`) and the targets
-    per group, for the per-group token losses; unchanged, [] without groups."""
+    """`batch` carrying the loss group of each target (source x length bucket, `LossGroups.ids`) and the
+    targets per group, for the per-group token losses; unchanged, [] without groups."""
     if not groups.size:
         return batch, []
     groups_BL = groups.ids(batch)
@@ -151,24 +153,26 @@ def group_counts(batches: Sequence[Batch], groups: LossGroups) -> tuple[list[Bat
 
 
 def split_group_counts(counts: Sequence[float], groups: LossGroups) -> tuple[list[int] | None, ...]:
-    """`group_counts`' list (all-reduced) as (targets per group, tokens per source, documents per source), each
-    None where not measured. Example: 2 sources, no edges, [5, 7, 40, 60, 2, 3] -> ([5, 7], [40, 60], [2, 3])."""
+    """`group_counts`' list (all-reduced) as (targets per group, tokens per source, documents per source),
+    each None where not measured. Example: 2 sources, no edges, [5, 7, 40, 60, 2, 3] ->
+    ([5, 7], [40, 60], [2, 3])."""
     counts = [int(c) for c in counts]
     g, s = groups.size, len(groups.sources)
     return counts[:g] if g else None, counts[g:g + s] if s else None, counts[g + s:] if s else None
 
 
 class ComputeClock:
-    """One rank's measured compute and wait of each step (host clock on CPU, CUDA events on a GPU; read after the
-    device is synchronized).
+    """One rank's measured compute and wait of each step (host clock on CPU, CUDA events on a GPU; read after
+    the device is synchronized).
 
-        compute   from the step's counts (its first collective) to the gradient of the token embedding's output in
-                  the last micro-batch: every block's backward done, what this rank computes alone
+        compute   from the step's counts (its first collective) to the gradient of the token embedding's
+                  output in the last micro-batch: every block's backward done, what this rank computes alone
         wait      from there to the end of the last micro-batch's backward, which returns once the gradient
-                  reduction is complete: the embedding's own backward, the last bucket's communication, and the
-                  time this rank waits for slower ones
+                  reduction is complete: the embedding's own backward, the last bucket's communication, and
+                  the time this rank waits for slower ones
 
-    The marks cost a hook on the embedding (its output's gradient), two timestamps and, on CUDA, two events a step."""
+    The marks cost a hook on the embedding (its output's gradient), two timestamps and, on CUDA, two events a
+    step."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.embedding = module.wte  # the first module of the forward, so the last of the backward
@@ -185,8 +189,8 @@ class ComputeClock:
 
     @contextlib.contextmanager
     def last_micro_batch(self) -> Iterator[None]:
-        """Around the step's last micro-step: marks 'computed' when its embedding output's gradient is ready and
-        'reduced' when the micro-step returns."""
+        """Around the step's last micro-step: marks 'computed' when its embedding output's gradient is ready
+        and 'reduced' when the micro-step returns."""
         def on_output(_module, _args, output):
             if output.requires_grad:
                 output.register_hook(lambda grad: self.mark("computed"))
@@ -211,15 +215,16 @@ class ComputeClock:
 def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_id: int,
                normalization: str = "global_tokens", groups: LossGroups = NO_GROUPS,
                clock: ComputeClock | None = None) -> StepStats:
-    """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups (source
-    x document-length bucket) whose token losses, and with a mixture the tokens and documents per source, the
-    stats carry (metrics: the objective is unchanged). A micro-batch with a row plan (Batch.plan, context
-    parallelism) runs this rank's share of its positions (trainer.model.model_inputs cuts them).
+    """Forward/backward every micro-batch of this rank, then one optimizer step. `groups`: the loss groups
+    (source x document-length bucket) whose token losses, and with a mixture the tokens and documents per
+    source, the stats carry (metrics: the objective is unchanged). A micro-batch with a row plan (Batch.plan,
+    context parallelism) runs this rank's share of its positions (trainer.model.model_inputs cuts them).
 
-    The ranks of a context or tensor group hold the same micro-batches: their counts are summed over the data group
-    (one rank per data rank, trainer/distributed/dims.py), the losses over the loss group (data x context: each
-    position's loss is computed on one of its ranks; the ranks of a tensor group compute the same value), so every
-    target is counted once. `clock`: marks this rank's compute and wait (ComputeClock)."""
+    The ranks of a context or tensor group hold the same micro-batches: their counts are summed over the data
+    group (one rank per data rank, trainer/distributed/dims.py), the losses over the loss group (data x
+    context: each position's loss is computed on one of its ranks; the ranks of a tensor group compute the
+    same value), so every target is counted once. `clock`: marks this rank's compute and wait
+    (ComputeClock)."""
     micro_batches, local_groups = group_counts(micro_batches, groups)
     weighted = [loss_weights(mb, normalization) for mb in micro_batches]
     counts = [0] * info.data_world  # micro-batches per data rank, e.g. [3, 0, 0, 0] on data rank 0 of 4
@@ -259,7 +264,8 @@ def train_step(engine: Engine, micro_batches: list[Batch], info: DistInfo, pad_i
         loss_sum = loss_sum + mb_loss_sum.float()
         if mb_groups is not None:
             group_sums = group_sums.to(mb_groups.device) + mb_groups
-    global_objective, global_loss_sum, *global_sums = dist_sum(  # each position's loss is on one rank of `loss`
+    # each position's loss is on one rank of `loss`
+    global_objective, global_loss_sum, *global_sums = dist_sum(
         [float(objective_sum), float(loss_sum), *group_sums.tolist()], info.device, info.loss_group)
     grad_norm, finite = engine.step_if_finite(global_objective / units)
     return StepStats(

@@ -1,9 +1,9 @@
 """Built-in tasks made from held-out documents, so a run has a downstream score offline.
 
-    continuation4   multiple choice: a document's opening, and its true next words among 4; the 3 distractors are
-                    the next words of other held-out documents of the closest length (in characters)
-    cloze           language modeling: a document's opening up to its last whole word in the window, that word the
-                    continuation (LAMBADA's form: greedy match and log-likelihood)
+    continuation4   multiple choice: a document's opening, and its true next words among 4; the 3 distractors
+                    are the next words of other held-out documents of the closest length (in characters)
+    cloze           language modeling: a document's opening up to its last whole word in the window, that word
+                    the continuation (LAMBADA's form: greedy match and log-likelihood)
 
 Both are cut from the held-out split (the manifest's val split, or the run's data.val_urls): documents the run
 never trains on. A text is cut into pieces, each a run of whitespace and the word after it, so query + choice
@@ -40,16 +40,18 @@ WORD_PIECE = re.compile(r"\s+[A-Za-z_][A-Za-z0-9_]*")
 def heldout_texts(data: DataConfig | str | Path, tokenizer_dir: Path, max_docs: int | None) -> list[str]:
     """The first `max_docs` held-out documents' texts, in the eval's fixed order (trainer.data.feed), whole.
 
-    Read as token ids and decoded: the byte-level tokenizer gives the text back exactly, without the framing the
-    stream adds (the EOS at the end, the BOS first where the tokenizer frames documents so)."""
+    Read as token ids and decoded: the byte-level tokenizer gives the text back exactly, without the framing
+    the stream adds (the EOS at the end, the BOS first where the tokenizer frames documents so)."""
     tok = load_tokenizer(tokenizer_dir)
     ids = special_ids(tok, tokenizer_dir)
-    docs = load_eval_docs(data, tokenizer_dir, ids.eos, seq_len=2**62, max_docs=max_docs)  # no document is split
+    # no document is split
+    docs = load_eval_docs(data, tokenizer_dir, ids.eos, seq_len=2**62, max_docs=max_docs)
     return [tok.decode(d.tokens[len(ids.head):-1].tolist(), skip_special_tokens=False) for d in docs]
 
 
 def pieces(text: str) -> list[str]:
-    """The text as whitespace + word pieces (trailing whitespace dropped). Example: "a  b\\n" -> ["a", "  b"]."""
+    """The text as whitespace + word pieces (trailing whitespace dropped).
+    Example: "a  b\\n" -> ["a", "  b"]."""
     return PIECE.findall(text)
 
 
@@ -67,7 +69,8 @@ def continuation4(texts: Sequence[str], seed: int = 0, max_items: int | None = N
 
     Each document of at least MIN_QUERY_PIECES + 1 pieces gives a (query, continuation): the query its opening
     (<= QUERY_CHARS, at most half its pieces), the continuation the next pieces up to CONTINUATION_CHARS. The
-    distractors of one item are 3 other documents' continuations, the closest in length (ties: a seeded order).
+    distractors of one item are 3 other documents' continuations, the closest in length (ties: a seeded
+    order).
     """
     rng = np.random.default_rng(seed)
     pairs = []

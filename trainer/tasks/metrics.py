@@ -1,12 +1,14 @@
 """A task's metrics from its items' per-choice log-likelihoods (natural log, summed over the choice's tokens).
 
-    acc              multiple choice: the choice of highest log-likelihood is the gold; language modeling: greedy
-                     decoding reproduces the continuation token for token
-    acc_norm         multiple choice: the same, the log-likelihood divided by the choice's characters (lm-eval's)
+    acc              multiple choice: the choice of highest log-likelihood is the gold; language modeling:
+                     greedy decoding reproduces the continuation token for token
+    acc_norm         multiple choice: the same, the log-likelihood divided by the choice's characters
+                     (lm-eval's)
     bits_per_byte    the gold choices' -sum log-likelihood / (ln 2 x their UTF-8 bytes): continuous, it moves
                      before accuracy does
     loglikelihood    language modeling: the mean log-likelihood of the continuation
-    n, *_stderr      items, and the standard error of each mean (sample std / sqrt(n), lm-eval's; None for n < 2)
+    n, *_stderr      items, and the standard error of each mean (sample std / sqrt(n), lm-eval's;
+                     None for n < 2)
 
 Ties: the lowest index wins (the first choice of the highest score), so equal scores favour no gold position
 that the file's order does not already.
@@ -26,7 +28,8 @@ def first_best(scores: Sequence[float]) -> int:
 
 
 def mean_stderr(values: Sequence[float]) -> float | None:
-    """Standard error of the mean: sample standard deviation (n - 1) / sqrt(n); None for fewer than 2 values."""
+    """Standard error of the mean: sample standard deviation (n - 1) / sqrt(n); None for fewer than 2
+    values."""
     n = len(values)
     if n < 2:
         return None
@@ -35,12 +38,14 @@ def mean_stderr(values: Sequence[float]) -> float | None:
 
 
 def item_records(task: Task, loglikelihoods: Sequence[float], greedy: Sequence[bool]) -> list[dict]:
-    """Per item, in the file's order: its choices' log-likelihoods (in the file's order), the gold, the picks."""
+    """Per item, in the file's order: its choices' log-likelihoods (in the file's order), the gold, the
+    picks."""
     records, at = [], 0
     for item in task.items:
         ll = list(loglikelihoods[at:at + len(item.choices)])
         norm = [v / len(c) for v, c in zip(ll, item.choices, strict=True)]
-        record = {"loglikelihoods": ll, "gold": item.gold, "pred": first_best(ll), "pred_norm": first_best(norm)}
+        record = {"loglikelihoods": ll, "gold": item.gold, "pred": first_best(ll),
+                  "pred_norm": first_best(norm)}
         if task.kind == LANGUAGE_MODELING:
             record["greedy"] = bool(greedy[at])
         if item.line:

@@ -1,6 +1,8 @@
-"""The output directory of a prepare: what may be in it, the staging area, and the merge that makes it a dataset.
+"""The output directory of a prepare: what may be in it, the staging area,
+and the merge that makes it a dataset.
 
-    <out>/manifest.json, tokenizer/, train-000000.tar ..., val-000000.tar ...   the dataset (trainer.data.shards)
+    <out>/manifest.json, tokenizer/, train-000000.tar ..., val-000000.tar ...   the dataset
+                                                                               (trainer.data.shards)
     <out>/.prepare/<plan id>/                                                  staging, while a prepare runs:
         plan.json            the plan (trainer.data.prepare.plan): units, options
         tokenizer/           the tokenizer the units are counted with
@@ -10,10 +12,10 @@
 
 Nothing outside `.prepare/` changes until the merge, so an existing dataset stays usable while a new one is
 prepared over it (and is kept if the new one fails). The merge then swaps: it removes the old manifest, moves
-the staged shards and tokenizer into place under their final names (train-000000.tar, ... in unit order), writes
-the new manifest, deletes the old shards it no longer lists and the staging area. A merge interrupted midway is
-finished by the next one (swap.json says what is left). The directory must hold nothing prepare did not write:
-prepare never deletes or overwrites a file it does not own.
+the staged shards and tokenizer into place under their final names (train-000000.tar, ... in unit order),
+writes the new manifest, deletes the old shards it no longer lists and the staging area. A merge interrupted
+midway is finished by the next one (swap.json says what is left). The directory must hold nothing prepare did
+not write: prepare never deletes or overwrites a file it does not own.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def check_out_dir(out: Path) -> None:
     foreign = [p.name + ("/" if p.is_dir() else "") for p in sorted(out.iterdir()) if not _ours(p)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise PrepareError(f"--out {out}: holds files prepare did not write ({shown}); prepare only writes into an "
-                           "empty or new directory, or over a dataset an earlier prepare wrote")
+        raise PrepareError(f"--out {out}: holds files prepare did not write ({shown}); prepare only writes "
+                           "into an empty or new directory, or over a dataset an earlier prepare wrote")
 
 
 def _ours(path: Path) -> bool:
@@ -71,7 +73,8 @@ def _ours(path: Path) -> bool:
     if name == STATE_DIR:
         return path.is_dir()
     if name == TOKENIZER_DIR:
-        return path.is_dir() and all(p.name in TOKENIZER_FILES or p.name.endswith(".tmp") for p in path.iterdir())
+        return path.is_dir() and all(p.name in TOKENIZER_FILES or p.name.endswith(".tmp")
+                                     for p in path.iterdir())
     return False
 
 
@@ -93,13 +96,14 @@ def stage_dir(out: Path, plan_id: str) -> Path:
 
 
 class StageMerged(Exception):
-    """The stage a prepare waited for was merged into the dataset (and removed) by another prepare meanwhile."""
+    """The stage a prepare waited for was merged into the dataset
+    (and removed) by another prepare meanwhile."""
 
 
 @contextlib.contextmanager
 def holding(stage: Path, exclusive: bool = False) -> Iterator[None]:
-    """Hold the stage's lock while working on it: shared for a running part, exclusive for the merge (two parts
-    finishing at once merge one after the other) and for removing a stage no process uses."""
+    """Hold the stage's lock while working on it: shared for a running part, exclusive for the merge (two
+    parts finishing at once merge one after the other) and for removing a stage no process uses."""
     stage.mkdir(parents=True, exist_ok=True)
     fd = os.open(stage / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
@@ -117,9 +121,10 @@ def holding(stage: Path, exclusive: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def claiming_part(stage: Path, part: int, parts: int) -> Iterator[None]:
-    """Be the one process preparing part `part` of `parts` of this stage, or a PrepareError naming the one that is
-    (the same command started twice would write the same units side by side, and one would find the other's
-    files moved away under it). The lock file says who holds it; a dead holder's lock is free (flock)."""
+    """Be the one process preparing part `part` of `parts` of this stage, or a PrepareError naming the one
+    that is (the same command started twice would write the same units side by side, and one would find the
+    other's files moved away under it). The lock file says who holds it; a dead holder's lock is free
+    (flock)."""
     fd = os.open(stage / f".part-{part:03d}-of-{parts:03d}.lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         try:
@@ -127,8 +132,8 @@ def claiming_part(stage: Path, part: int, parts: int) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "a process"
             what = f"part {part} of {parts}" if parts > 1 else "this prepare"
-            raise PrepareError(f"{stage.parent.parent}: {what} is already running there ({holder}); wait for it "
-                               "to finish (it merges the dataset) or stop it first") from None
+            raise PrepareError(f"{stage.parent.parent}: {what} is already running there ({holder}); wait for "
+                               "it to finish (it merges the dataset) or stop it first") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
@@ -138,8 +143,8 @@ def claiming_part(stage: Path, part: int, parts: int) -> Iterator[None]:
 
 def remove_abandoned_stages(out: Path, keep: str) -> None:
     """Delete the staging of other plans (an earlier prepare with other options or input) that no running
-    prepare holds. A staging that holds a finished part of a prepare run in parts (--part I --parts N) is never
-    deleted: this prepare is refused instead (its options or input differ from those parts')."""
+    prepare holds. A staging that holds a finished part of a prepare run in parts (--part I --parts N) is
+    never deleted: this prepare is refused instead (its options or input differ from those parts')."""
     root = out / STATE_DIR
     if not root.is_dir():
         return
@@ -148,15 +153,17 @@ def remove_abandoned_stages(out: Path, keep: str) -> None:
             continue
         finished = sorted(p.name for p in stage.glob("part-*-of-*.json"))
         if finished:
-            raise PrepareError(f"{out} holds finished parts of a prepare with other options or input ({stage}: "
-                               f"{', '.join(finished)}): every part of one dataset takes the same --source and "
-                               "options; run this part with theirs, or delete that staging directory to start over")
+            raise PrepareError(f"{out} holds finished parts of a prepare with other options or input "
+                               f"({stage}: {', '.join(finished)}): every part of one dataset takes the same "
+                               "--source and options; run this part with theirs, or delete that staging "
+                               "directory to start over")
         fd = os.open(stage / ".lock", os.O_CREAT | os.O_RDWR, 0o644) if stage.is_dir() else None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a prepare of that plan is running: its merge would replace this one's
-            raise PrepareError(f"{out}: another prepare with other options or input is running there ({stage}); "
-                               "one --out takes one prepare at a time: wait for it, or write elsewhere") from None
+            raise PrepareError(f"{out}: another prepare with other options or input is running there "
+                               f"({stage}); one --out takes one prepare at a time: "
+                               "wait for it, or write elsewhere") from None
         finally:
             if fd is not None:
                 os.close(fd)
@@ -193,14 +200,15 @@ def staged_plan(out: Path, inputs: str) -> Plan | None:
 
 
 def find_stage(out: Path) -> Path | None:
-    """The staging area of `out` to merge (the newest, if several); None if the dataset is complete and nothing
-    is staged (a merge that already happened: merging again is not an error)."""
+    """The staging area of `out` to merge (the newest, if several); None if the dataset is complete and
+    nothing is staged (a merge that already happened: merging again is not an error)."""
     root = out / STATE_DIR
     stages = sorted(p for p in root.iterdir() if (p / PLAN_FILE).is_file()) if root.is_dir() else []
     if not stages:
         if (out / MANIFEST_FILE).is_file():
             return None
-        raise PrepareError(f"{out}: nothing to merge: no prepare staged there ({STATE_DIR}/ is missing or empty)")
+        raise PrepareError(f"{out}: nothing to merge: no prepare staged there "
+                           f"({STATE_DIR}/ is missing or empty)")
     if len(stages) > 1:
         newest = max(stages, key=lambda p: (p / PLAN_FILE).stat().st_mtime)
         return newest
@@ -251,14 +259,15 @@ def at_least_one_rule(results: Mapping[int, dict], val_fraction: float) -> tuple
                                if "train_min" in r["extremes"])
         return unit, key, VAL_SPLIT
     if docs[TRAIN_SPLIT] == 0 and docs[VAL_SPLIT] >= 1:
-        score, key, unit = max((*r["extremes"]["val_max"], i) for i, r in results.items() if "val_max" in r["extremes"])
+        score, key, unit = max((*r["extremes"]["val_max"], i) for i, r in results.items()
+                               if "val_max" in r["extremes"])
         return unit, key, TRAIN_SPLIT
     return None
 
 
 def assemble(results: Mapping[int, dict]) -> tuple[dict, dict, list[tuple[str, str]]]:
-    """(splits entry of the manifest, totals of skips/renames/chat, [(staged file, dataset file)]) for the units'
-    results in unit order."""
+    """(splits entry of the manifest, totals of skips/renames/chat, [(staged file, dataset file)]) for the
+    units' results in unit order."""
     splits, moves = {}, []
     for split in SPLITS:
         shards, lengths = [], Counter()
@@ -266,7 +275,8 @@ def assemble(results: Mapping[int, dict]) -> tuple[dict, dict, list[tuple[str, s
             entry = results[index]["splits"][split]
             for shard in entry["shards"]:
                 name = shard_name(split, len(shards))
-                shards.append({"name": name, "docs": shard["docs"], "tokens": shard["tokens"], "bytes": shard["bytes"]})
+                shards.append({"name": name, "docs": shard["docs"], "tokens": shard["tokens"],
+                               "bytes": shard["bytes"]})
                 moves.append((shard["file"], name))
             lengths.update({int(k): v for k, v in entry["lengths"].items()})
         splits[split] = {"shards": shards, "docs": sum(s["docs"] for s in shards),
@@ -322,7 +332,8 @@ def length_stats_of(distribution: Mapping[int, int]) -> dict:
         "p99": round(percentile(99), 2),
         **{f"count_gt_{t}": int(weights[values > t].sum()) for t in LONG_THRESHOLDS},
         "histogram": {"edges": edges.tolist(),
-                      "counts": np.histogram(values, bins=edges, weights=weights)[0].astype(np.int64).tolist()},
+                      "counts": np.histogram(values, bins=edges,
+                                             weights=weights)[0].astype(np.int64).tolist()},
     }
 
 
@@ -348,7 +359,8 @@ def swap_into_place(out: Path, stage: Path, manifest: dict | None = None,
         if src.is_file():
             os.replace(src, out / final)
         elif not (out / final).is_file():
-            raise PrepareError(f"{stage}: staged shard {staged} is missing; prepare again (the staged work is lost)")
+            raise PrepareError(f"{stage}: staged shard {staged} is missing; prepare again "
+                               "(the staged work is lost)")
     tok_dir = out / TOKENIZER_DIR
     tok_dir.mkdir(exist_ok=True)
     for name in TOKENIZER_FILES:

@@ -1,6 +1,6 @@
-"""Chat records checked before they are rendered (`message_problem`), and the demo chat set: questions about the
-standard library answered from its docstrings (`module_conversations`). A conversation's form and its rendering
-are trainer.data.chat's.
+"""Chat records checked before they are rendered (`message_problem`), and the demo chat set: questions about
+the standard library answered from its docstrings (`module_conversations`). A conversation's form and its
+rendering are trainer.data.chat's.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def message_problem(record: object) -> tuple[str, str, str] | None:
         content = message["content"]
         if not isinstance(content, str):
             return "content_not_string", f"{field}.content", f"is {json_kind(content)}, not a string"
-        forged = sorted((token for token in SPECIAL_TOKENS if token in content), key=content.find)  # first one first
+        # first one first
+        forged = sorted((token for token in SPECIAL_TOKENS if token in content), key=content.find)
         if forged:
             return ("special_token_in_content", f"{field}.content",
-                    f"holds {forged[0]!r}, a special token's text: it would be encoded as that token and forge a turn "
-                    "boundary; remove or escape it")
+                    f"holds {forged[0]!r}, a special token's text: it would be encoded as that token and "
+                    "forge a turn boundary; remove or escape it")
     if not any(m["role"] == "assistant" for m in messages):
         return "no_assistant_turn", "messages", "has no assistant turn: nothing to train on"
     return None
@@ -68,7 +69,8 @@ def module_conversations(module: str, tree: ast.Module, policy: ErrorPolicy,
                          template: str) -> Iterator[tuple[str, str]]:
     """(name, rendered conversation) for each documented public top-level def/class of one module."""
     for node in tree.body:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+        if (not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                or node.name.startswith("_")):
             continue
         summary = first_paragraph(ast.get_docstring(node) or "")
         if not summary:

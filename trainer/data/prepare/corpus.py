@@ -2,8 +2,8 @@
 
 Keys are WebDataset keys: webdataset splits a tar member name into key and field at the FIRST dot, so a key
 must hold no dot; `sanitize_key` maps module and path separators to `__` and the def separator to `--`, and
-`unique_keys` makes names unique (trainer.data.prepare.plan says how every document's key is made). Record files
-(JSONL, parquet, ...) are read by trainer.data.prepare.formats.
+`unique_keys` makes names unique (trainer.data.prepare.plan says how every document's key is made). Record
+files (JSONL, parquet, ...) are read by trainer.data.prepare.formats.
 
 Example: the class `JSONDecoder` in `json/decoder.py` becomes the document `json__decoder--JSONDecoder`,
 and the module's header (docstring and imports) becomes `json__decoder`; the `demo-modules` corpus
@@ -85,7 +85,8 @@ def sanitize_key(name: str) -> str:
     return key or "_"
 
 
-def unique_keys(docs: Iterable[tuple[str, str]], renamed: Counter[str] | None = None) -> Iterator[tuple[str, str]]:
+def unique_keys(docs: Iterable[tuple[str, str]],
+                renamed: Counter[str] | None = None) -> Iterator[tuple[str, str]]:
     """Make keys unique in stream order: the second `k` becomes `k-2`, the third `k-3`, and so on.
 
     A module can define the same top-level name twice, and two paths can sanitize to one key. The
@@ -169,12 +170,14 @@ def stdlib_files(include_tests: bool = False) -> tuple[Path, list[Path]]:
 
 def whole_modules(include_tests: bool = False) -> list[tuple[str, Path]]:
     """The `demo-modules` corpus: (key, path) of each standard-library module that makes a document as a whole
-    file, in `stdlib_files` order. A module qualifies when it is UTF-8 and not blank (the stdlib holds many empty
-    `__init__.py` files); keys are the module's sanitized dotted name, as the demo names a module's header.
+    file, in `stdlib_files` order. A module qualifies when it is UTF-8 and not blank (the stdlib holds many
+    empty `__init__.py` files); keys are the module's sanitized dotted name, as the demo names a module's
+    header.
 
-    Example: json/decoder.py -> ("json__decoder", <stdlib>/json/decoder.py); json/__init__.py -> ("json", ...).
-    The same text as the demo, cut differently: whole modules (thousands of tokens) instead of its functions and
-    classes (a hundred or so), so the two make a mixture with clearly different length profiles.
+    Example: json/decoder.py -> ("json__decoder", <stdlib>/json/decoder.py);
+    json/__init__.py -> ("json", ...). The same text as the demo, cut differently: whole modules (thousands of
+    tokens) instead of its functions and classes (a hundred or so), so the two make a mixture with clearly
+    different length profiles.
     """
     root, files = stdlib_files(include_tests)
     out = []
@@ -231,8 +234,8 @@ def glob_root(pattern: str) -> str:
 
 
 def not_regular_file(path: str) -> str | None:
-    """Why `path` is not a regular file one can read to its end (None if it is, or if it cannot be stat'ed: the
-    read reports that). Example: a FIFO -> "not a regular file (a FIFO): reading it would block"."""
+    """Why `path` is not a regular file one can read to its end (None if it is, or if it cannot be stat'ed:
+    the read reports that). Example: a FIFO -> "not a regular file (a FIFO): reading it would block"."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -267,15 +270,16 @@ def read_text_file(path: str, policy: ErrorPolicy) -> str | None:
 
 
 def match_files(pattern: str) -> tuple[list[str], dict[str, int]]:
-    """The files matching `pattern` (a path or a glob; a `**` component matches any number of directories), sorted,
-    each real file once, and for each kept path how many other matching paths reach the same file.
+    """The files matching `pattern` (a path or a glob; a `**` component matches any number of directories),
+    sorted, each real file once, and for each kept path how many other matching paths reach the same file.
 
     `glob.glob(recursive=True)` follows directory symlinks without noticing a loop: with `sub/up -> ..`,
-    `d/**/*.txt` lists `d/a.txt`, `d/sub/up/a.txt`, `d/sub/up/sub/up/a.txt`... until the path is too long, and two
-    loops make that exponential. Here each real directory is walked once and each real file (device, inode) is kept
-    under its first path in sorted order. As `glob`, wildcards skip names starting with a dot unless the pattern's
-    component starts with one. Example: d/a.txt, d/sub/up -> .. : match_files("d/**/*.txt") ->
-    (["d/a.txt"], {"d/a.txt": 0}); a second link d/b.txt -> a.txt makes it (["d/a.txt"], {"d/a.txt": 1}).
+    `d/**/*.txt` lists `d/a.txt`, `d/sub/up/a.txt`, `d/sub/up/sub/up/a.txt`... until the path is too long, and
+    two loops make that exponential. Here each real directory is walked once and each real file (device,
+    inode) is kept under its first path in sorted order. As `glob`, wildcards skip names starting with a dot
+    unless the pattern's component starts with one. Example: d/a.txt, d/sub/up -> .. :
+    match_files("d/**/*.txt") -> (["d/a.txt"], {"d/a.txt": 0}); a second link d/b.txt -> a.txt makes it
+    (["d/a.txt"], {"d/a.txt": 1}).
     """
     parts = Path(pattern).parts
     if "**" in parts:
@@ -302,8 +306,8 @@ def match_files(pattern: str) -> tuple[list[str], dict[str, int]]:
 
 
 def _walk_matching(base: str, rest: tuple[str, ...]) -> Iterator[str]:
-    """Paths under directory `base` whose relative path matches `rest` (components; `**`: zero or more of them),
-    walking each real directory once (symlinked directories are followed, loops are not)."""
+    """Paths under directory `base` whose relative path matches `rest` (components; `**`: zero or more of
+    them), walking each real directory once (symlinked directories are followed, loops are not)."""
     top = base or "."
     if not os.path.isdir(top):
         return
@@ -352,4 +356,5 @@ def json_kind(value: object) -> str:
     kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
             dict: "an object"}
     preview = json.dumps(value, ensure_ascii=False)
-    return f"{kind.get(type(value), type(value).__name__)} ({preview if len(preview) <= 40 else preview[:37] + '...'})"
+    return (f"{kind.get(type(value), type(value).__name__)} "
+            f"({preview if len(preview) <= 40 else preview[:37] + '...'})")

@@ -1,11 +1,12 @@
 """Prepare a dataset: documents -> tokenizer -> WebDataset shards -> manifest.json, streaming and in parallel
 (`prepare`; `merge` after a run in parts). The command is trainer/prepare.py.
 
-Steps: plan (the input cut into units of a few MB, trainer.data.prepare.plan); the tokenizer, trained on a bounded
-sample spread over the units (--tokenizer-sample-mb) or copied (--tokenizer); each unit read, split train/val by a
-hash of its key, counted and written to staged shards by --workers processes (trainer.data.prepare.units); the
-merge moves them into place and writes the manifest last (trainer.data.prepare.assemble). Memory does not grow
-with the corpus. Killed, it resumes: the same call again keeps the finished units.
+Steps: plan (the input cut into units of a few MB, trainer.data.prepare.plan); the tokenizer, trained on a
+bounded sample spread over the units (--tokenizer-sample-mb) or copied (--tokenizer); each unit read, split
+train/val by a hash of its key, counted and written to staged shards by --workers processes
+(trainer.data.prepare.units); the merge moves them into place and writes the manifest last
+(trainer.data.prepare.assemble). Memory does not grow with the corpus. Killed, it resumes: the same call again
+keeps the finished units.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ from trainer.data.workers import die_with_parent
 MB = 1 << 20
 DEFAULT_SAMPLE_MB = 100
 DEFAULT_MAX_DOC_MB = 8.0
-"""One document's largest size (MB of UTF-8 text) by default: tokenizing one document whole takes ~200x its size in
-memory (a 52 MB JSON line peaked at 10.6 GB), so 8 MB stays under ~2 GB per worker."""
+"""One document's largest size (MB of UTF-8 text) by default: tokenizing one document whole takes ~200x its
+size in memory (a 52 MB JSON line peaked at 10.6 GB), so 8 MB stays under ~2 GB per worker."""
 DEMO_MODULES = "demo-modules"
 """The standard library's modules whole, one document each (trainer.data.prepare.corpus.whole_modules)."""
 
@@ -121,13 +122,14 @@ def prepare(
     """Build the dataset for `source` under `out` and return its manifest (also in out/manifest.json); with
     `parts` > 1, prepare part `part` and return None unless this part was the last to finish (then it merges).
 
-    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json, and tokenizer_config.json for a
-    Hugging Face model's: its framing, trainer.data.tokenizer.special_ids) instead of training one;
+    `tokenizer` reuses an existing tokenizer (a directory holding tokenizer.json, and tokenizer_config.json
+    for a Hugging Face model's: its framing, trainer.data.tokenizer.special_ids) instead of training one;
     `add_tokens` appends special tokens to it (e.g. the tokenizer of a checkpoint to be fine-tuned with
     `train.init_from` and `tokenizer.add_tokens`): existing ids are unchanged. `max_docs` keeps only the first
-    documents of the source (for quick, small datasets; read by one process). `workers` processes prepare units
-    side by side; `resume` insists on finding earlier work of the same command (without it, it is used if there).
-    `text_only`: shards without the documents' token ids (trainer.data.shards; the stream then tokenizes the text).
+    documents of the source (for quick, small datasets; read by one process). `workers` processes prepare
+    units side by side; `resume` insists on finding earlier work of the same command (without it, it is used
+    if there). `text_only`: shards without the documents' token ids (trainer.data.shards; the stream then
+    tokenizes the text).
     """
     _check_options(val_fraction, docs_per_shard, max_docs, workers, part, parts, unit_mb, tokenizer_sample_mb)
     if not (isinstance(max_doc_mb, (int, float)) and math.isfinite(max_doc_mb) and max_doc_mb > 0):
@@ -164,8 +166,8 @@ def prepare(
         make_plan(source, options, unit_bytes, single, files=files)
     stage = stage_dir(out, plan.id)
     if resume and not (stage / "plan.json").is_file():
-        raise PrepareError(f"--resume: nothing to resume in {out}: no earlier prepare of this source with these "
-                           "options is staged there; run without --resume to start")
+        raise PrepareError(f"--resume: nothing to resume in {out}: no earlier prepare of this source with "
+                           "these options is staged there; run without --resume to start")
     if (stage / SWAP_FILE).is_file():  # a merge was interrupted midway: finish it
         return merge(out, stage)
     remove_abandoned_stages(out, keep=plan.id)  # before this stage exists: a refused prepare leaves nothing
@@ -179,39 +181,40 @@ def prepare(
             todo = [u for u in mine if load_result(stage, u.index) is None]
             label = f"part {part} of {parts}: " if parts > 1 else ""
             if len(todo) < len(mine):
-                print(f"{label}resuming: {len(mine) - len(todo)} of {len(mine)} units already done in {stage}",
-                      file=sys.stderr)
+                print(f"{label}resuming: {len(mine) - len(todo)} of {len(mine)} units already done in "
+                      f"{stage}", file=sys.stderr)
             _run_units(todo, job, workers, label)
             results, _ = unit_results(stage, plan)
             _write_part_manifest(stage, plan, part, parts, results)
     except StageMerged:
-        print(f"{out}: another prepare of this source with these options merged the dataset while this one waited "
-              "for it: nothing left to do", file=sys.stderr)
+        print(f"{out}: another prepare of this source with these options merged the dataset while this one "
+              "waited for it: nothing left to do", file=sys.stderr)
         return load_manifest(out)
     done, missing = unit_results(stage, plan)
     if missing:
-        print(f"part {part} of {parts} done; {missing_message(stage, missing, parts)}. The last part to finish "
-              f"merges them, or run: python -m trainer.prepare --merge {out}", file=sys.stderr)
+        print(f"part {part} of {parts} done; {missing_message(stage, missing, parts)}. The last part to "
+              f"finish merges them, or run: python -m trainer.prepare --merge {out}", file=sys.stderr)
         return None
     return merge(out, stage)
 
 
 def source_files(source: str) -> list[Piece]:
-    """The input files of `source` (trainer.data.prepare.plan.input_files), and those of `demo-modules`: each module a
-    text piece, which the units read as one document (one file = one document, as `text:GLOB`), in the order
-    and with the keys of `whole_modules`."""
+    """The input files of `source` (trainer.data.prepare.plan.input_files), and those of `demo-modules`: each
+    module a text piece, which the units read as one document (one file = one document, as `text:GLOB`), in
+    the order and with the keys of `whole_modules`."""
     if source != DEMO_MODULES:
         return input_files(source)
     named = [(key, str(path)) for key, path in whole_modules()]
-    unique = (key for key, _ in unique_keys(named))  # two modules can sanitize to one key: the second is `k-2`
+    # two modules can sanitize to one key: the second is `k-2`
+    unique = (key for key, _ in unique_keys(named))
     return [Piece("text", path, key, os.path.getsize(path), renamed=key != original, number=number)
             for number, (key, (original, path)) in enumerate(zip(unique, named, strict=True), start=1)]
 
 
 def check_not_prepared_data(files: Sequence[Piece], out: str | Path) -> None:
-    """A PrepareError if the source matches a file inside `out` or inside any prepared dataset (a directory with
-    manifest.json above the file): prepare would read its own output (its shards, manifest and tokenizer) or
-    another dataset's as documents. Example: `text:notes/**/*` --out notes/prepared, run twice."""
+    """A PrepareError if the source matches a file inside `out` or inside any prepared dataset (a directory
+    with manifest.json above the file): prepare would read its own output (its shards, manifest and tokenizer)
+    or another dataset's as documents. Example: `text:notes/**/*` --out notes/prepared, run twice."""
     out = Path(out).resolve()
     is_dataset: dict[Path, bool] = {}  # each directory looked at once, however many files it holds
     for piece in files:
@@ -223,9 +226,9 @@ def check_not_prepared_data(files: Sequence[Piece], out: str | Path) -> None:
                 is_dataset[parent] = parent == out or (parent / MANIFEST_FILE).is_file()
             if is_dataset[parent]:
                 what = "--out" if parent == out else "a prepared dataset"
-                raise PrepareError(f"the source matches {path}, inside {what} ({parent}): prepare would read a "
-                                   "dataset's own files as documents; narrow the source's glob or write --out "
-                                   "elsewhere")
+                raise PrepareError(f"the source matches {path}, inside {what} ({parent}): prepare would read "
+                                   "a dataset's own files as documents; narrow the source's glob or write "
+                                   "--out elsewhere")
 
 
 def merge(out: str | Path, stage: Path | None = None) -> dict:
@@ -250,8 +253,8 @@ def _merge_held(out: Path, stage: Path) -> dict:
     plan = load_stage_plan(stage)
     results, missing = unit_results(stage, plan)
     if missing:
-        raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing parts "
-                           "(the same command with --part I --parts N for each)")
+        raise PrepareError(f"{out}: cannot merge yet: {missing_message(stage, missing)}; run the missing "
+                           "parts (the same command with --part I --parts N for each)")
     rule = at_least_one_rule(results, plan.options["val_fraction"])
     if rule is not None:  # e.g. 40 documents at val_fraction 0.01: the lowest-scoring one goes to val
         index, key, split = rule
@@ -268,17 +271,18 @@ def _merge_held(out: Path, stage: Path) -> dict:
 
 
 def job_of(plan: Plan, stage: Path, ids: bool = True) -> Job:
-    """The plan's options for its units. `ids=False`: without the ids' dtype (reading only: before the tokenizer is
-    staged)."""
+    """The plan's options for its units. `ids=False`: without the ids' dtype (reading only: before the
+    tokenizer is staged)."""
     o = plan.options
-    store_ids = ids and o.get("store_ids", False)  # a plan staged before ids were stored: as its other units, none
+    # a plan staged before ids were stored: as its other units, none
+    store_ids = ids and o.get("store_ids", False)
     dtype = ids_dtype(load_tokenizer(stage / TOKENIZER_DIR).get_vocab_size()) if store_ids else None
     framing = tokenizer_ids(stage / TOKENIZER_DIR).added if ids else 1
-    return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"], val_fraction=o["val_fraction"],
-               docs_per_shard=o["docs_per_shard"], max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"],
-               on_error=o["on_error"], chat_template=o["chat_template"], max_docs=o["max_docs"],
-               max_doc_bytes=o.get("max_doc_bytes"), ids_dtype=dtype, ids_check=store_ids and o.get("ids_check", False),
-               framing=framing)
+    return Job(stage=str(stage), tokenizer=str(stage / TOKENIZER_DIR), seed=o["seed"],
+               val_fraction=o["val_fraction"], docs_per_shard=o["docs_per_shard"],
+               max_shard_bytes=o["max_shard_bytes"], text_key=o["text_key"], on_error=o["on_error"],
+               chat_template=o["chat_template"], max_docs=o["max_docs"], max_doc_bytes=o.get("max_doc_bytes"),
+               ids_dtype=dtype, ids_check=store_ids and o.get("ids_check", False), framing=framing)
 
 
 def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
@@ -289,13 +293,15 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
     tokenizer = {
         "path": TOKENIZER_DIR,
         "vocab_size": tok.get_vocab_size(),
-        "special_ids": asdict(special_ids(tok, tok_dir)),  # eos, pad (and pad_from), bos, add_bos: the framing
+        # eos, pad (and pad_from), bos, add_bos: the framing
+        "special_ids": asdict(special_ids(tok, tok_dir)),
         "chat_template": isinstance((config or {}).get("chat_template"), str),
         "sha256": tokenizer_hash(tok_dir),
         "trained": o["tokenizer"]["trained"],
     }
     if o["tokenizer"]["added_tokens"]:
-        tokenizer |= {"added_tokens": o["tokenizer"]["added_tokens"], "base_sha256": o["tokenizer"]["base_sha256"]}
+        tokenizer |= {"added_tokens": o["tokenizer"]["added_tokens"],
+                      "base_sha256": o["tokenizer"]["base_sha256"]}
     chat = "chat" in totals
     schema = SCHEMA | (IDS_SCHEMA | (ASSISTANT_SCHEMA if chat else {}) if o.get("store_ids") else {})
     manifest = {
@@ -304,7 +310,8 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
         "source": plan.source,
         "options": {k: o[k] for k in ("seed", "val_fraction", "docs_per_shard", "max_shard_bytes", "max_docs",
                                       "text_key", "on_error", "unit_bytes", "max_doc_bytes")}
-                   | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"], "store_ids": bool(o.get("store_ids"))},
+                   | {"tokenizer_sample_bytes": o["tokenizer"]["sample_bytes"],
+                      "store_ids": bool(o.get("store_ids"))},
         "tokenizer": tokenizer,
         "splits": splits,
         "skipped": totals["skipped"],
@@ -321,8 +328,8 @@ def _manifest(plan: Plan, stage: Path, splits: dict, totals: dict) -> dict:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: prepare's default --workers, and the most it starts (more processes than
-    cores only share them, each holding its own tokenizer and buffers)."""
+    """The cores this process may run on: prepare's default --workers, and the most it starts (more processes
+    than cores only share them, each holding its own tokenizer and buffers)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -337,7 +344,8 @@ def _check_options(val_fraction: float, docs_per_shard: int, max_docs: int | Non
     if workers < 1:
         raise PrepareError(f"--workers must be >= 1, got {workers}")
     if parts < 1 or not 0 <= part < parts:
-        raise PrepareError(f"--part must be in [0, --parts) and --parts >= 1, got --part {part} --parts {parts}")
+        raise PrepareError("--part must be in [0, --parts) and --parts >= 1, got "
+                           f"--part {part} --parts {parts}")
     if unit_mb is not None and not (math.isfinite(unit_mb) and unit_mb > 0):
         raise PrepareError(f"--unit-mb must be a finite number > 0, got {unit_mb}")
     if not (math.isfinite(sample_mb) and sample_mb > 0):
@@ -391,7 +399,8 @@ def _run_units(units: Sequence[Unit], job: Job, workers: int, label: str = "") -
     if not units:
         return
     total = sum(u.bytes for u in units)
-    with tqdm(total=total, desc="preparing", unit="B", unit_scale=True, unit_divisor=1024, disable=None) as bar:
+    with tqdm(total=total, desc="preparing", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=None) as bar:
         status = _Status(bar, total, len(units), label)
         if workers == 1 or len(units) == 1:
             with _single_threaded_tokenizer():
@@ -445,7 +454,8 @@ class _Status:
 
 
 def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, status: _Status) -> None:
-    context = multiprocessing.get_context("spawn")  # no fork of a process that already ran the Rust thread pool
+    # no fork of a process that already ran the Rust thread pool
+    context = multiprocessing.get_context("spawn")
     updates = context.Queue()
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                initargs=(os.getpid(), updates, job))
@@ -460,9 +470,9 @@ def _run_in_workers(units: Sequence[Unit], job: Job, workers: int, status: _Stat
                     future.result()
                     status.unit_done()
                 except BrokenProcessPool as e:
-                    raise PrepareError(f"a prepare worker died (killed, or out of memory?) while preparing unit "
-                                       f"{futures[future].index} ({_where(futures[future])}); run the same command "
-                                       "again: finished units are kept") from e
+                    raise PrepareError("a prepare worker died (killed, or out of memory?) while preparing "
+                                       f"unit {futures[future].index} ({_where(futures[future])}); run the "
+                                       "same command again: finished units are kept") from e
         _drain(updates, status.progress)
     finally:
         for future in futures:
@@ -540,26 +550,29 @@ def _write_part_manifest(stage: Path, plan: Plan, part: int, parts: int, results
 
 
 def _load_reusable_tokenizer(path: str | Path, chat: bool, add_tokens: Sequence[str]) -> Tokenizer:
-    """An existing tokenizer, checked: its special ids and framing are readable (special_ids) and, for chat data,
-    it has the ChatML tokens (or --add-tokens adds them)."""
+    """An existing tokenizer, checked: its special ids and framing are readable (special_ids) and, for chat
+    data, it has the ChatML tokens (or --add-tokens adds them)."""
     tok = load_tokenizer(path)
     ids = special_ids(tok, path)
-    missing = [t for t, i in ((IM_START, ids.im_start), (IM_END, ids.im_end)) if i is None and t not in add_tokens]
+    missing = [t for t, i in ((IM_START, ids.im_start), (IM_END, ids.im_end))
+               if i is None and t not in add_tokens]
     if chat and missing:
-        raise PrepareError(f"{tokenizer_file(path)}: chat data needs the ChatML tokens {missing}, which this tokenizer "
-                           f"lacks: add them (--add-tokens {' '.join(missing)}) or use a tokenizer that has them")
+        raise PrepareError(f"{tokenizer_file(path)}: chat data needs the ChatML tokens {missing}, which this "
+                           f"tokenizer lacks: add them (--add-tokens {' '.join(missing)}) or use a tokenizer "
+                           "that has them")
     return tok
 
 
 def _copy_tokenizer(src_dir: str | Path, tok_dir: Path, extended: Tokenizer | None = None) -> None:
-    """Copy tokenizer.json byte for byte (so its hash is unchanged; `extended`: write that one, the tokenizer with
-    --add-tokens), and the Hugging Face files beside it: tokenizer_config.json (its framing travels with it) and
-    special_tokens_map.json if there. Without tokenizer_config.json (a bare tokenizer.json), packtrain's are
-    written."""
+    """Copy tokenizer.json byte for byte (so its hash is unchanged; `extended`: write that one, the tokenizer
+    with --add-tokens), and the Hugging Face files beside it: tokenizer_config.json (its framing travels with
+    it) and special_tokens_map.json if there. Without tokenizer_config.json (a bare tokenizer.json),
+    packtrain's are written."""
     src = tokenizer_file(src_dir)
     if extended is None and src.resolve() == (tok_dir / TOKENIZER_FILE).resolve():
         return  # --tokenizer points at this dataset's own tokenizer
-    atomic_write_bytes(tok_dir / TOKENIZER_FILE, extended.to_str().encode("utf-8") if extended else src.read_bytes())
+    atomic_write_bytes(tok_dir / TOKENIZER_FILE,
+                       extended.to_str().encode("utf-8") if extended else src.read_bytes())
     if not (src.parent / TOKENIZER_CONFIG_FILE).is_file():
         write_hf_configs(tok_dir)
         return

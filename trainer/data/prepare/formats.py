@@ -57,7 +57,8 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Span:
-    """A slice of one input that one worker reads from start to end, independent of how many workers there are."""
+    """A slice of one input that one worker reads from start to end,
+    independent of how many workers there are."""
 
     path: str
     """The file (for kind "hf": the dataset directory or cached dataset name, optionally with "#split")."""
@@ -140,8 +141,8 @@ def record_stem(path: str, root: str) -> str:
 def plan_spans(path: str, kind: str, target_bytes: int, *, policy: ErrorPolicy | None = None,
                block: int = 1) -> list[Span]:
     """The spans of one input, each about `target_bytes` on disk, whatever the number of workers. Every span
-    starts at a record number 1 + k * `block`: a block of records is never cut (prepare ends its shards at block
-    ends, so that the shards do not depend on how the input was cut, nor on its format).
+    starts at a record number 1 + k * `block`: a block of records is never cut (prepare ends its shards at
+    block ends, so that the shards do not depend on how the input was cut, nor on its format).
 
     An unreadable or corrupt input raises a PrepareError naming it; with `policy`, it goes to
     `policy.bad("unreadable" | "corrupt_file", path, ...)` instead and the input has no spans.
@@ -218,8 +219,8 @@ def _plan_jsonl(path: str, target: int, block: int = 1) -> list[Span]:
 
 
 def _plan_parquet(path: str, target: int, block: int = 1) -> list[Span]:
-    """Consecutive row groups until their compressed size reaches `target` and the next group starts a block of
-    `block` rows (its row index is a multiple of `block`); from the footer only."""
+    """Consecutive row groups until their compressed size reaches `target` and the next group starts a block
+    of `block` rows (its row index is a multiple of `block`); from the footer only."""
     meta = _open_parquet(path).metadata
     spans: list[Span] = []
     start, first, size, row = 0, 1, 0, 0
@@ -234,8 +235,8 @@ def _plan_parquet(path: str, target: int, block: int = 1) -> list[Span]:
 
 
 def _plan_hf(path: str, target: int, block: int = 1) -> list[Span]:
-    """Row ranges of about `target` bytes (estimated from the dataset's arrow files and its number of rows), each
-    a whole number of blocks of `block` rows."""
+    """Row ranges of about `target` bytes (estimated from the dataset's arrow files and its number of rows),
+    each a whole number of blocks of `block` rows."""
     ds = _load_hf(path)
     rows = len(ds)
     if not rows:
@@ -423,10 +424,11 @@ def _decode(line: bytes) -> str | _NotUtf8:
         return _NotUtf8(e)
 
 
-def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, field: str, missing: str = "missing_text"
-                   ) -> Iterator[tuple[int, str, object]]:
+def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, field: str,
+                   missing: str = "missing_text") -> Iterator[tuple[int, str, object]]:
     path, parts = span.path, field.split(".")
-    decode = json.JSONDecoder().raw_decode  # 3x faster than json.loads on short lines; errors go to _parse_line
+    # 3x faster than json.loads on short lines; errors go to _parse_line
+    decode = json.JSONDecoder().raw_decode
     n = span.first - 1  # the number of the last line read
     bom = span.start == 0  # a UTF-8 byte-order mark may open the file
     try:
@@ -449,7 +451,8 @@ def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, fie
                     if record is _MISSING:
                         continue
                 if type(record) is not dict:
-                    policy.bad("invalid_json", f"{path}:{n}", f"expected a JSON object, got {json_kind(record)}")
+                    policy.bad("invalid_json", f"{path}:{n}",
+                               f"expected a JSON object, got {json_kind(record)}")
                     continue
                 value = record.get(field, _MISSING)
                 if value is _MISSING and len(parts) > 1:
@@ -464,7 +467,8 @@ def _jsonl_records(span: Span, blocks: Iterator[bytes], policy: ErrorPolicy, fie
 
 
 def _parse_line(line: str | _NotUtf8, where: str, policy: ErrorPolicy) -> Any:
-    """json.loads of a line the fast path refused: its value, or _MISSING for a blank or bad line (reported)."""
+    """json.loads of a line the fast path refused: its value,
+    or _MISSING for a blank or bad line (reported)."""
     try:
         return json.loads(line)  # type: ignore[arg-type]
     except (ValueError, RecursionError) as e:
@@ -473,7 +477,8 @@ def _parse_line(line: str | _NotUtf8, where: str, policy: ErrorPolicy) -> Any:
                     else "invalid JSON: nested too deeply")
             policy.bad("invalid_json", where, what)
     except TypeError:
-        policy.bad("not_utf8", where, f"not valid UTF-8 (byte {line.start} of the line)")  # type: ignore[union-attr]
+        policy.bad("not_utf8", where,
+                   f"not valid UTF-8 (byte {line.start} of the line)")  # type: ignore[union-attr]
     return _MISSING
 
 
@@ -547,7 +552,8 @@ def _leaf_names(schema) -> list[str]:
     def names(prefix: str, kind) -> list[str]:
         if not pa.types.is_struct(kind):
             return [prefix]
-        return [n for i in range(kind.num_fields) for n in names(f"{prefix}.{kind.field(i).name}", kind.field(i).type)]
+        return [n for i in range(kind.num_fields)
+                for n in names(f"{prefix}.{kind.field(i).name}", kind.field(i).type)]
 
     return [n for f in schema for n in names(f.name, f.type)]
 
@@ -566,8 +572,8 @@ def _arrow_values(values: list, rest: list[str], number: int, where: str, field:
         number += 1
 
 
-def _parquet_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress, missing: str = "missing_text"
-                     ) -> Iterator[tuple[int, str, object]]:
+def _parquet_records(span: Span, policy: ErrorPolicy, field: str, report: _Progress,
+                     missing: str = "missing_text") -> Iterator[tuple[int, str, object]]:
     pa = _pyarrow()
     pf = _open_parquet(span.path)
     column, rest = _column_path(pf.schema_arrow, field, "column")
@@ -603,8 +609,8 @@ def _load_hf(path: str):
             splits = list(ds)
             pick = split or ("train" if "train" in ds else splits[0] if len(splits) == 1 else None)
             if pick not in ds:
-                raise _BadFile("corrupt_file", f"{'no split ' + repr(split) if split else 'no train split'} (splits: "
-                               f"{splits}); name one as hf:{source}#SPLIT")
+                raise _BadFile("corrupt_file", f"{'no split ' + repr(split) if split else 'no train split'} "
+                               f"(splits: {splits}); name one as hf:{source}#SPLIT")
             ds = ds[pick]
         elif split:
             raise _BadFile("corrupt_file", f"a single dataset, without splits: drop '#{split}'")
@@ -617,7 +623,8 @@ def _load_cached(datasets, name: str, split: str):
     import huggingface_hub.constants as hub
 
     # The flags are read when a download would start; set for this call only, so the caller's setting stays.
-    flags = [(m, f) for m, f in ((datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+    flags = [(m, f) for m, f in ((datasets.config, "HF_HUB_OFFLINE"),
+                                 (datasets.config, "HF_DATASETS_OFFLINE"),
                                  (hub, "HF_HUB_OFFLINE")) if hasattr(m, f)]
     saved = [getattr(m, f) for m, f in flags]
     for m, f in flags:
@@ -625,8 +632,8 @@ def _load_cached(datasets, name: str, split: str):
     try:
         return datasets.load_dataset(name, split=split)
     except (OSError, ValueError) as e:  # ConnectionError (offline), FileNotFoundError, an unknown split
-        raise _BadFile("unreadable", f"neither a dataset directory saved with save_to_disk nor a dataset in the "
-                       f"local Hugging Face cache ({type(e).__name__}: {str(e)[:200]})") from None
+        raise _BadFile("unreadable", "neither a dataset directory saved with save_to_disk nor a dataset in "
+                       f"the local Hugging Face cache ({type(e).__name__}: {str(e)[:200]})") from None
     finally:
         for (m, f), value in zip(flags, saved, strict=True):
             setattr(m, f, value)

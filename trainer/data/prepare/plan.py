@@ -1,17 +1,18 @@
 """The plan of a prepare: a source cut into units that worker processes (and machines) prepare independently.
 
-A unit is a list of pieces read in order: spans of record files (trainer.data.prepare.formats: byte ranges of a JSONL,
-a whole .gz/.zst, row groups of a parquet, rows of a Hugging Face dataset), or whole files (text: one file =
-one document; the demo: one standard-library module). Units are cut from the input alone, ~`unit_bytes` each,
-so the shards a unit gives do not depend on how many workers or machines share the work: `--workers 1` and
-`--workers 8`, one machine and `--parts 4` on four, give byte-identical shards.
+A unit is a list of pieces read in order: spans of record files (trainer.data.prepare.formats: byte ranges of
+a JSONL, a whole .gz/.zst, row groups of a parquet, rows of a Hugging Face dataset), or whole files (text: one
+file = one document; the demo: one standard-library module). Units are cut from the input alone, ~`unit_bytes`
+each, so the shards a unit gives do not depend on how many workers or machines share the work: `--workers 1`
+and `--workers 8`, one machine and `--parts 4` on four, give byte-identical shards.
 
 Keys. Every document's key is derived from its position, so keys are unique by construction and nothing has
 to remember the keys already seen (at 10^9 documents that set would not fit in memory):
 
     jsonl / parquet / hf   <file stem>--<record number>   "2024/part-01.json.gz", line 7 -> "2024__part-01--7"
     text                   the file's path               "notes/day 1.txt" -> "notes__day_1__txt"
-    demo                   module and definition         json/decoder.py, JSONDecoder -> "json__decoder--JSONDecoder"
+    demo                   module and definition         json/decoder.py, JSONDecoder ->
+                                                         "json__decoder--JSONDecoder"
 
 The stem is the file's path relative to the glob's fixed directory without its format suffixes, so the same
 corpus as .jsonl, .jsonl.zst or .parquet gets the same keys (and the same train/val split). Record numbers are
@@ -48,13 +49,14 @@ MIN_UNIT_BYTES = 1 * MIB
 MAX_UNIT_BYTES = 64 * MIB
 UNITS_PER_CORPUS = 64  # automatic unit size: the corpus / 64, within [1 MiB, 64 MiB]
 RECORD_KINDS = ("jsonl", "parquet", "hf")  # source prefixes whose documents are records of files
-SOURCES = ("'demo', 'demo-chat', 'demo-modules', 'text:GLOB', 'jsonl:GLOB', 'parquet:GLOB', 'hf:DIR_OR_NAME' or "
-           "'chat:GLOB'")
+SOURCES = ("'demo', 'demo-chat', 'demo-modules', 'text:GLOB', 'jsonl:GLOB', 'parquet:GLOB', "
+           "'hf:DIR_OR_NAME' or 'chat:GLOB'")
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One input of a unit: a span of a record file, a text file (one document) or a standard-library module."""
+    """One input of a unit: a span of a record file, a text file (one document) or a standard-library
+    module."""
 
     kind: str
     """A formats kind ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "hf"), "text" or "module"."""
@@ -162,8 +164,8 @@ def inputs_key(files: Sequence[Piece], options: dict, unit_bytes: int | None, si
 def make_plan(source: str, options: dict, unit_bytes: int | None = None, single_unit: bool = False,
               files: list[Piece] | None = None) -> Plan:
     """Cut `source` (its `input_files`, unless given) into units of ~`unit_bytes` (None: automatic, see
-    UNITS_PER_CORPUS). `single_unit`: one unit holding every piece in order (--max-docs: "the first N documents"
-    needs one sequential reader)."""
+    UNITS_PER_CORPUS). `single_unit`: one unit holding every piece in order (--max-docs: "the first N
+    documents" needs one sequential reader)."""
     files = input_files(source) if files is None else files
     key = inputs_key(files, options, unit_bytes, single_unit)
     total = sum(p.bytes for p in files)
@@ -195,9 +197,9 @@ def _spans(piece: Piece, unit_bytes: int, policy: ErrorPolicy, block: int) -> It
 
 
 def _group(pieces: Sequence[Piece], unit_bytes: int, block: int) -> Iterator[list[Piece]]:
-    """Consecutive pieces into units of at least `unit_bytes` (the last may be smaller), cut only where a block
-    starts: before a span or a file of records, before a text file whose number is 1 + a multiple of `block`, or
-    between modules (the demo's blocks are its units)."""
+    """Consecutive pieces into units of at least `unit_bytes` (the last may be smaller), cut only where a
+    block starts: before a span or a file of records, before a text file whose number is 1 + a multiple of
+    `block`, or between modules (the demo's blocks are its units)."""
     group: list[Piece] = []
     size = 0
     for piece in pieces:
@@ -211,7 +213,8 @@ def _group(pieces: Sequence[Piece], unit_bytes: int, block: int) -> Iterator[lis
         yield group
 
 
-def _unique(named: list[tuple[str, str]], kind: str, aliases: dict[str, int] | None = None) -> Iterator[Piece]:
+def _unique(named: list[tuple[str, str]], kind: str,
+            aliases: dict[str, int] | None = None) -> Iterator[Piece]:
     """Pieces for (name, path) pairs, names made unique in order (`unique_keys`: the second `k` is `k-2`)."""
     aliases = aliases or {}
     for (name, path), (original, _) in zip(unique_keys(named), named, strict=True):

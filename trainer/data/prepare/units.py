@@ -3,16 +3,17 @@
 A unit is read start to end by one process, in windows of a few MB (memory never holds more than one window,
 whatever the corpus or unit size). Each document goes to train or val by a hash of its key (`unit_hash`: a
 key's side never depends on the other documents), in input order (shuffling is the trainer stream's job: shard
-permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards (with its token ids,
-unless prepared with --text-only):
+permutation and shuffle buffer), is counted with the tokenizer and appended to the unit's shards (with its
+token ids, unless prepared with --text-only):
 
     <stage>/u000003/train-0000.tar, train-0001.tar, ..., val-0000.tar    (final names are given at the merge)
     <stage>/u000003.json                                                  the result, written last
 
 A shard never crosses a block: `docs_per_shard` consecutive records of one file (a train shard holds the train
-documents of its block, a val shard the val ones), and units are cut only between blocks (trainer.data.prepare.plan).
-So the shards are a function of the records alone: the same for 1 or 16 workers, 1 or 8 parts, and for the same
-corpus as .jsonl, .jsonl.zst or .parquet (which the plan cuts differently). The demo's blocks are its units.
+documents of its block, a val shard the val ones), and units are cut only between blocks
+(trainer.data.prepare.plan). So the shards are a function of the records alone: the same for 1 or 16 workers,
+1 or 8 parts, and for the same corpus as .jsonl, .jsonl.zst or .parquet (which the plan cuts differently). The
+demo's blocks are its units.
 
 The result holds what the manifest needs (per-shard docs/tokens/bytes, the exact length distribution as
 {length: count}, skips, renames, chat turns) and is all a restarted prepare needs to know the unit is done.
@@ -97,11 +98,12 @@ class Job:
     ids_dtype: str | None = None
     """Store each document's token ids beside its text in this dtype ("<u2", "<u4"); None: text only."""
     ids_check: bool = False
-    """End each ids member with the crc32 of its text and ids (trainer.data.shards.ids_member); False in a plan
-    staged before it was written, whose other units have none."""
+    """End each ids member with the crc32 of its text and ids (trainer.data.shards.ids_member); False in a
+    plan staged before it was written, whose other units have none."""
     framing: int = 1
     """Tokens each document gets beyond its text's (SpecialIds.added: the EOS, and the BOS of a tokenizer that
-    starts documents with one): what its count includes. The ids stored are the text's alone; the stream frames."""
+    starts documents with one): what its count includes. The ids stored are the text's alone; the stream
+    frames."""
 
 
 def unit_hash(key: str, seed: int) -> float:
@@ -118,10 +120,11 @@ def unit_dir(stage: str | Path, index: int) -> Path:
     return Path(stage) / f"u{index:06d}"
 
 
-def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, force: dict[str, str] | None = None
-                 ) -> dict:
-    """Prepare `unit` into `<stage>/u<index>/` and write its result `<stage>/u<index>.json`; return the result.
-    `force` (key -> split) overrides the hash for those keys: the merge's at-least-one-document rules."""
+def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None,
+                 force: dict[str, str] | None = None) -> dict:
+    """Prepare `unit` into `<stage>/u<index>/` and write its result `<stage>/u<index>.json`; return the
+    result. `force` (key -> split) overrides the hash for those keys: the merge's at-least-one-document
+    rules."""
     out = unit_dir(job.stage, unit.index)
     shutil.rmtree(out, ignore_errors=True)  # what an interrupted attempt left
     force = dict(force or {})
@@ -182,9 +185,9 @@ def prepare_unit(unit: Unit, job: Job, tok, progress: Progress | None = None, fo
 
 
 def _write_side(writer: ShardWriter, side: list[tuple[str, str]], tok, job: Job) -> list[int]:
-    """Append the documents of one split of a window to its shards: the text, and with `job.ids_dtype` the token ids
-    (and, for chat data, the assistant turns' token ranges, from the offsets as the stream computes them); return
-    their token counts (framing included: EOS, and BOS if the tokenizer adds one)."""
+    """Append the documents of one split of a window to its shards: the text, and with `job.ids_dtype` the
+    token ids (and, for chat data, the assistant turns' token ranges, from the offsets as the stream computes
+    them); return their token counts (framing included: EOS, and BOS if the tokenizer adds one)."""
     chat_ranges = job.ids_dtype is not None and job.chat_template is not None
     encodings = encode_documents(tok, [text for _, text in side], offsets=chat_ranges)
     counts = []
@@ -249,9 +252,9 @@ def _windows(docs: Iterator[tuple[str, str, object]]) -> Iterator[tuple[object, 
 
 def unit_documents(unit: Unit, job: Job, policy: ErrorPolicy, renamed: Counter | None = None,
                    progress: Progress | None = None) -> Iterator[tuple[str, str, object]]:
-    """(key, text, block) of every document of `unit`, in order; at most `job.max_docs`. The block is what a shard
-    may not cross: `docs_per_shard` consecutive records of a file (text: files of the listing), or the whole unit
-    for the demo (whose units are cut between modules)."""
+    """(key, text, block) of every document of `unit`, in order; at most `job.max_docs`. The block is what a
+    shard may not cross: `docs_per_shard` consecutive records of a file (text: files of the listing), or the
+    whole unit for the demo (whose units are cut between modules)."""
     renamed = Counter() if renamed is None else renamed
     left = job.max_docs
     for piece in unit.pieces:
@@ -296,28 +299,32 @@ def _piece_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Count
 
 
 TOKENIZE_BYTES_PER_BYTE = 128
-"""What tokenizing one document holds at its peak, per byte of its text: measured ~110 for the BPE of `tokenizers`
-(1.2 GB for a 10.8 MB document of words, 435 MB for 4 MB without whitespace). A document that needs more than the
-process may still allocate would end the process with the library's abort (SIGABRT, no message)."""
+"""What tokenizing one document holds at its peak, per byte of its text: measured ~110 for the BPE of
+`tokenizers` (1.2 GB for a 10.8 MB document of words, 435 MB for 4 MB without whitespace). A document that
+needs more than the process may still allocate would end the process with the library's abort (SIGABRT, no
+message)."""
 CHECKED_MB = 4
-"""Documents larger than this are checked against the memory the process may still allocate before tokenizing."""
+"""Documents larger than this are checked against the memory the process may still allocate before
+tokenizing."""
 
 
 def _fits(size: int, where: str, job: Job, policy: ErrorPolicy) -> bool:
-    """Whether a document of `size` bytes is within job.max_doc_bytes and, if large, within what this process may
-    still allocate to tokenize it; if not, reported (an error, or a counted skip `too_large`)."""
+    """Whether a document of `size` bytes is within job.max_doc_bytes and, if large, within what this process
+    may still allocate to tokenize it; if not, reported (an error, or a counted skip `too_large`)."""
     if job.max_doc_bytes is not None and size > job.max_doc_bytes:
         policy.bad("too_large", where, f"the document is {size:,} bytes, over --max-doc-mb "
                                        f"{job.max_doc_bytes / MB:.3g} "
-                                       "(tokenizing one document takes ~200x its size in memory): split it, raise "
-                                       "--max-doc-mb, or skip such documents with --on-error skip")
+                                       "(tokenizing one document takes ~200x its size in memory): split it, "
+                                       "raise --max-doc-mb, or skip such documents with --on-error skip")
         return False
-    if size > CHECKED_MB * MB and (room := allocatable_bytes()) is not None and size * TOKENIZE_BYTES_PER_BYTE > room:
+    if (size > CHECKED_MB * MB and (room := allocatable_bytes()) is not None
+            and size * TOKENIZE_BYTES_PER_BYTE > room):
         policy.bad("too_large", where, f"the document is {size:,} bytes: tokenizing it needs ~"
-                                       f"{size * TOKENIZE_BYTES_PER_BYTE / GB:.1f} GB (~{TOKENIZE_BYTES_PER_BYTE}x its "
-                                       f"size), more than the {room / GB:.1f} GB this process may still allocate (its "
-                                       "address-space limit or the machine's available memory): split it, lower "
-                                       "--max-doc-mb, or skip such documents with --on-error skip")
+                                       f"{size * TOKENIZE_BYTES_PER_BYTE / GB:.1f} GB "
+                                       f"(~{TOKENIZE_BYTES_PER_BYTE}x its size), more than the "
+                                       f"{room / GB:.1f} GB this process may still allocate (its "
+                                       "address-space limit or the machine's available memory): split it, "
+                                       "lower --max-doc-mb, or skip such documents with --on-error skip")
         return False
     return True
 
@@ -346,7 +353,8 @@ def _status_kb(path: str, field: str) -> int | None:
     return None
 
 
-def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy, renamed: Counter) -> Iterator[tuple[str, str]]:
+def _module_documents(piece: Piece, job: Job, policy: ErrorPolicy,
+                      renamed: Counter) -> Iterator[tuple[str, str]]:
     """The demo's documents of one module (`split_module`), or the demo chat's conversations about it."""
     parsed = read_module(piece.path, policy)
     if parsed is None:
@@ -373,9 +381,9 @@ def _rekey(module_key: str, key: str) -> str:
 def document_text(value: object, where: str, policy: ErrorPolicy, field_name: str) -> str | None:
     """The document's text from a record's field, or None for a bad one (reported to `policy`)."""
     if not isinstance(value, str):
-        policy.bad("text_not_string", where, f"field {field_name!r} is {json_kind(value)}, not a string: each record "
-                   f"needs its document as a string there (pick another field with --text-key, or skip such records "
-                   f"with --on-error skip)")
+        policy.bad("text_not_string", where, f"field {field_name!r} is {json_kind(value)}, not a string: "
+                   "each record needs its document as a string there (pick another field with --text-key, "
+                   "or skip such records with --on-error skip)")
         return None
     if not value.strip():
         policy.bad("empty", where, "document is empty (only whitespace)")

@@ -1,8 +1,10 @@
-"""What a model family declares: the Hugging Face class that computes it, which GPTConfig settings that is, its
-config.json both ways, and its tensor names (`Piece`s). trainer.checkpoint.hf applies these and names no module.
+"""What a model family declares: the Hugging Face class that computes it, which GPTConfig settings that is,
+its config.json both ways, and its tensor names (`Piece`s). trainer.checkpoint.hf applies these and names no
+module.
 
 One family, one file beside this one; the fused projections are the model's (trainer.model.gpt: q|k|v in
-`attn.c_attn`, gate|up in `mlp.c_fc`), so a Hugging Face tensor can be rows of one of its tensors (`Piece.rows`).
+`attn.c_attn`, gate|up in `mlp.c_fc`), so a Hugging Face tensor can be rows of one of its tensors
+(`Piece.rows`).
 """
 
 from __future__ import annotations
@@ -45,17 +47,19 @@ class Family:
         raise NotImplementedError
 
     def config_from_hf(self, config: dict) -> GPTConfig:
-        """The GPTConfig of the class's config.json; a ValueError naming the key that is missing or unsupported."""
+        """The GPTConfig of the class's config.json; a ValueError naming the key that is missing or
+        unsupported."""
         raise NotImplementedError
 
     def pieces(self, cfg: GPTConfig) -> list[Piece]:
-        """Every Hugging Face tensor of `cfg`'s model and where it lives in packtrain's; the tied head absent."""
+        """Every Hugging Face tensor of `cfg`'s model and where it lives in packtrain's; the tied head
+        absent."""
         raise NotImplementedError
 
 
 def required(config: dict, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    """Every key of `keys` present, and each of them (and of `optional`, where present and not null) a positive
-    integer: a ValueError naming the key otherwise (a size read as a string, or -4 heads)."""
+    """Every key of `keys` present, and each of them (and of `optional`, where present and not null) a
+    positive integer: a ValueError naming the key otherwise (a size read as a string, or -4 heads)."""
     missing = [k for k in keys if k not in config]
     if missing:
         raise ValueError(f"no {missing} in the {config.get('model_type')} config")
@@ -69,4 +73,5 @@ def refuse_variants(config: dict, unsupported: dict) -> None:
     """{key: (value, the values packtrain computes)}: a ValueError naming every key whose value is not one."""
     bad = [f"{k}={v!r}" for k, (v, ok) in unsupported.items() if v not in ok]
     if bad:
-        raise ValueError(f"a {config.get('model_type')} variant packtrain's GPT does not compute ({', '.join(bad)})")
+        raise ValueError(f"a {config.get('model_type')} variant packtrain's GPT does not compute "
+                         f"({', '.join(bad)})")

@@ -1,6 +1,7 @@
 """GPT2LMHeadModel: LayerNorm, GELU (tanh) MLP, learned positions, biases, multi-head attention, tied head.
 
-GPT-2's Conv1D stores W as (in, out), nn.Linear as (out, in): every projection is transposed (`Piece.transpose`).
+GPT-2's Conv1D stores W as (in, out), nn.Linear as (out, in): every projection is transposed
+(`Piece.transpose`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from trainer.model.families.family import Family, Piece, refuse_variants, requir
 from trainer.model.gpt import GPTConfig
 
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-"""transformers' names for the tanh approximation of GELU (F.gelu(approximate='tanh')); the first is written."""
+"""transformers' names for the tanh approximation of GELU (F.gelu(approximate='tanh')); the first is
+written."""
 
 
 class GPT2(Family):
@@ -18,7 +20,8 @@ class GPT2(Family):
     def computes(self, cfg: GPTConfig) -> bool:
         qkv_bias = cfg.bias if cfg.qkv_bias is None else cfg.qkv_bias
         return ((cfg.pos_emb, cfg.norm, cfg.mlp) == ("learned", "layernorm", "gelu") and cfg.tie_embeddings
-                and cfg.kv_heads == cfg.n_head and qkv_bias == cfg.bias and cfg.mlp_hidden in (None, 4 * cfg.n_embd))
+                and cfg.kv_heads == cfg.n_head and qkv_bias == cfg.bias
+                and cfg.mlp_hidden in (None, 4 * cfg.n_embd))
 
     def hf_config(self, cfg: GPTConfig) -> dict:
         return {
@@ -44,7 +47,8 @@ class GPT2(Family):
             "activation_function": (config.get("activation_function", ACTIVATIONS[0]), ACTIVATIONS),
             "n_inner": (config.get("n_inner"), (None, 4 * n_embd)),
             "scale_attn_weights": (config.get("scale_attn_weights", True), (True,)),
-            "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False), (False,)),
+            "scale_attn_by_inverse_layer_idx": (config.get("scale_attn_by_inverse_layer_idx", False),
+                                                (False,)),
             "add_cross_attention": (config.get("add_cross_attention", False), (False,)),
         })
         return GPTConfig(vocab_size=config["vocab_size"], n_layer=config["n_layer"], n_head=config["n_head"],
@@ -53,7 +57,8 @@ class GPT2(Family):
                          init_std=float(config.get("initializer_range", 0.02)), family=self.model_type)
 
     def pieces(self, cfg: GPTConfig) -> list[Piece]:
-        """GPT-2 always has biases: a bias-free packtrain model's are exported as zeros (trainer.checkpoint.hf)."""
+        """GPT-2 always has biases: a bias-free packtrain model's are exported as zeros
+        (trainer.checkpoint.hf)."""
         out = [Piece("transformer.wte.weight", "wte.weight"), Piece("transformer.wpe.weight", "wpe.weight")]
         for i in range(cfg.n_layer):
             hf, ours = f"transformer.h.{i}.", f"blocks.{i}."
@@ -61,7 +66,8 @@ class GPT2(Family):
                 conv1d = not module.startswith("ln")
                 out.append(Piece(f"{hf}{module}.weight", f"{ours}{module}.weight", transpose=conv1d))
                 out.append(Piece(f"{hf}{module}.bias", f"{ours}{module}.bias"))
-        return out + [Piece("transformer.ln_f.weight", "ln_f.weight"), Piece("transformer.ln_f.bias", "ln_f.bias")]
+        return out + [Piece("transformer.ln_f.weight", "ln_f.weight"),
+                      Piece("transformer.ln_f.bias", "ln_f.bias")]
 
 
 FAMILY = GPT2()

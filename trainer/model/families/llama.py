@@ -1,9 +1,10 @@
 """LlamaForCausalLM: RMSNorm, SwiGLU MLP, rotary positions (theta and scaling from the config), grouped-query
-attention, tied or untied head, biases everywhere or nowhere. Its config reading and tensor names are shared by the
-Llama-shaped families (qwen2, mistral), which subclass `Llama`.
+attention, tied or untied head, biases everywhere or nowhere. Its config reading and tensor names are shared
+by the Llama-shaped families (qwen2, mistral), which subclass `Llama`.
 
 Llama's q and k are already in the rotate-half layout packtrain's RoPE uses (transformers' conversion script
-permuted Meta's), so nothing is permuted; q, k and v are rows of `attn.c_attn`, gate and up rows of `mlp.c_fc`.
+permuted Meta's), so nothing is permuted; q, k and v are rows of `attn.c_attn`, gate and up rows of
+`mlp.c_fc`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Llama(Family):
             "head_dim": (config.get("head_dim", n_embd // n_head), (n_embd // n_head,)),
             "attention_dropout": (config.get("attention_dropout", 0.0), (0, 0.0)),
             "use_sliding_window": (config.get("use_sliding_window", False), (False,)),
-            "layer_types": (sorted(set(config.get("layer_types") or ["full_attention"])), (["full_attention"],)),
+            "layer_types": (sorted(set(config.get("layer_types") or ["full_attention"])),
+                            (["full_attention"],)),
             # Llama's biases: q, k, v and o together, the MLP's together; packtrain has one switch for both.
             "mlp_bias": (config.get("mlp_bias", False), (config.get("attention_bias", False),)),
         }
@@ -62,15 +64,17 @@ class Llama(Family):
 
     def config_from_hf(self, config: dict) -> GPTConfig:
         required(config, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                          "num_attention_heads"), ("num_key_value_heads", "head_dim", "max_position_embeddings"))
+                          "num_attention_heads"),
+                 ("num_key_value_heads", "head_dim", "max_position_embeddings"))
         refuse_variants(config, self.variants(config))
         rope = dict(config.get("rope_parameters") or {})  # transformers 5: theta and scaling in one dict
         theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
         scaling = (rope if rope.get("rope_type", rope.get("type", "default")) != "default"
                    else config.get("rope_scaling"))
         return GPTConfig(
-            vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
-            n_embd=config["hidden_size"], n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
+            vocab_size=config["vocab_size"], n_layer=config["num_hidden_layers"],
+            n_head=config["num_attention_heads"], n_embd=config["hidden_size"],
+            n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
             mlp_hidden=config["intermediate_size"], max_seq_len=config.get("max_position_embeddings", 2048),
             **self.biases(config), pos_emb="rope", rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None, norm="rmsnorm",
@@ -89,7 +93,8 @@ class Llama(Family):
             out.append(Piece(hf + "input_layernorm.weight", ours + "ln_1.weight"))
             for suffix in ("weight", "bias") if qkv_bias else ("weight",):
                 for proj, rows in (("q", (0, H)), ("k", (H, H + KV)), ("v", (H + KV, H + 2 * KV))):
-                    out.append(Piece(f"{hf}self_attn.{proj}_proj.{suffix}", f"{ours}attn.c_attn.{suffix}", rows))
+                    out.append(Piece(f"{hf}self_attn.{proj}_proj.{suffix}", f"{ours}attn.c_attn.{suffix}",
+                                     rows))
             for suffix in ("weight", "bias") if cfg.bias else ("weight",):
                 out.append(Piece(f"{hf}self_attn.o_proj.{suffix}", f"{ours}attn.c_proj.{suffix}"))
                 out.append(Piece(f"{hf}mlp.gate_proj.{suffix}", f"{ours}mlp.c_fc.{suffix}", (0, inner)))

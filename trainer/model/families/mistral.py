@@ -1,5 +1,6 @@
-"""MistralForCausalLM without its sliding window (sliding_window: null, as Mistral-7B-v0.2 and later ship): Llama's
-model and tensor names, no biases; a config with a window is refused (packtrain's attention has none)."""
+"""MistralForCausalLM without its sliding window (sliding_window: null, as Mistral-7B-v0.2 and later ship):
+Llama's model and tensor names, no biases; a config with a window is refused (packtrain's attention has
+none)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Qwen2ForCausalLM: Llama's model with biases on q, k and v alone (qkv_bias=true, bias=false); no sliding window."""
+"""Qwen2ForCausalLM: Llama's model with biases on q, k and v alone (qkv_bias=true, bias=false);
+no sliding window."""
 
 from __future__ import annotations
 
