@@ -398,8 +398,9 @@ def cross_section_rules(cfg: RunConfig) -> list[str]:
                         "context-parallel group: drop distributed.context_parallel, or score the run's "
                         "checkpoints with python -m trainer.evaluate")
     if cfg.tokenizer.add_tokens and not cfg.train.init_from:
-        problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} extends the tokenizer of "
-                        "train.init_from's checkpoint: set train.init_from=CHECKPOINT too")
+        problems.append(f"tokenizer.add_tokens={cfg.tokenizer.add_tokens} "
+                        "extends the tokenizer of train.init_from's checkpoint: "
+                        "set train.init_from=CHECKPOINT too")
     return problems
 
 

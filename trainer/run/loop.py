@@ -77,8 +77,7 @@ class Trainer:
         """Installed when the run dir is claimed; closed when `fit` ends (or the start fails)."""
         try:
             self._build(accepted)
-        # refused after all (e.g. a checkpoint that does not fit): the run dir is left as found
-        except BaseException:
+        except BaseException:  # refused after all (e.g. a checkpoint that does not fit): the run dir as found
             self.preemption.close()
             unlock_run_dir(self.run_dir, refused=True)
             raise
@@ -252,8 +251,7 @@ class Trainer:
                     self.saving.ensure(self.step)
                     preempted = preemption.signal_name or "a signal on another rank"
                     break
-        # Ctrl-C: no save (the step in progress may be half applied); one line, not a trace
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C: no save (the step in progress may be half applied), one line
             raise KeyboardInterrupt(
                 f"training stopped during step {self.step + 1}; nothing after step {self.step} was saved "
                 f"(last checkpoint: {self.checkpointer.last or 'none written by this run'}); continue with "

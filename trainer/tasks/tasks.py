@@ -102,8 +102,7 @@ def _json_object(line_bytes: bytes, where: str) -> dict:
     except RecursionError:
         raise TaskFileError(f"{where}: JSON nested too deeply to read "
                             "(a task row is one flat object)") from None
-    # an integer of thousands of digits (Python's int conversion limit); a duplicate key
-    except ValueError as e:
+    except ValueError as e:  # an integer of thousands of digits (the int conversion limit); a duplicate key
         raise TaskFileError(f"{where}: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(row, dict):
         raise TaskFileError(f"{where}: a JSON {type(row).__name__}, not an object")

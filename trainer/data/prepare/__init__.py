@@ -3,8 +3,8 @@
 
     dataset           `prepare` (plan, tokenizer, units in parallel processes, the merge) and `merge` (parts)
     plan, units       the input cut into units of a few MB (keys from positions) and one unit's work
-    corpus            sources of text (stdlib demo, text files, JSONL, parquet, HF datasets), error policy,
-                      keys
+    corpus            sources of text (stdlib demo, text files, JSONL, parquet, HF datasets),
+                      error policy, keys
     formats           record files as corpora ship them (JSONL, .gz, .zst, parquet, HF datasets), cut in spans
     conversations     chat records checked before rendering, and the demo chat set
     assemble          the output directory: staging, the merge of units and parts, the swap into place
