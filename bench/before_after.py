@@ -6,12 +6,16 @@ each row's figures as after / before.
 
 The older commit is checked out into a temporary git worktree (removed at the end) and runs with this venv;
 the runs go before, after, after, before (--rounds 2), so a drift of the machine's load over the run weighs on
-both alike, and each figure is the mean of its tree's runs. Columns compared: --columns, by their header text.
+both alike, and each figure is the mean of its tree's runs ("run pairs": the range of after / before over the
+k-th run of each tree). Columns compared: --columns, by their header text.
+With --copy-script the checkout's script runs in both trees (a benchmark newer than the older commit; it
+imports the package of the tree it is copied into).
 """  # noqa: E501
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +49,8 @@ def main() -> None:
     p.add_argument("--script", default="bench/fsdp.py")
     p.add_argument("--rounds", type=int, default=2, help="before/after pairs, alternated")
     p.add_argument("--keys", type=int, default=3, help="leading columns that name a row")
+    p.add_argument("--copy-script", action="store_true",
+                   help="run the checkout's --script in the older tree too (it need not exist there)")
     p.add_argument("--columns", nargs="+", default=["trained (GB)", "step (s)"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's own arguments")
     args = p.parse_args()
@@ -55,6 +61,8 @@ def main() -> None:
         old = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=ROOT, check=True,
                        capture_output=True)
+        if args.copy_script:
+            shutil.copyfile(ROOT / args.script, old / args.script)
         try:
             order = ([("before", old), ("after", ROOT), ("after", ROOT), ("before", old)]
                      * ((args.rounds + 1) // 2))
@@ -70,8 +78,8 @@ def main() -> None:
     print(f"\n{args.script} {' '.join(script_args)}; before = {commit}, after = the checkout; mean of "
           f"{args.rounds} run(s) each, alternated\n")
     print("| " + " | ".join(headers[:args.keys]) + " | " + " | ".join(
-        f"{headers[c]} before | after | after / before" for c in cols) + " |")
-    print("|" + "---|" * args.keys + "---:|---:|---:|" * len(cols))
+        f"{headers[c]} before | after | after / before | run pairs" for c in cols) + " |")
+    print("|" + "---|" * args.keys + "---:|---:|---:|---|" * len(cols))
 
     def mean(name: str, i: int, c: int) -> float:
         return statistics.mean(float(rows[i][c]) for rows in runs[name])
@@ -80,7 +88,9 @@ def main() -> None:
         figures = []
         for c in cols:
             b, a = mean("before", i, c), mean("after", i, c)
-            figures.append(f"{b:.3f} | {a:.3f} | {a / b:.3f}")
+            pairs = [float(after[i][c]) / float(before[i][c])
+                     for before, after in zip(runs["before"], runs["after"], strict=True)]
+            figures.append(f"{b:.3f} | {a:.3f} | {a / b:.3f} | {min(pairs):.3f} to {max(pairs):.3f}")
         print("| " + " | ".join(row[:args.keys]) + " | " + " | ".join(figures) + " |", flush=True)
 
 

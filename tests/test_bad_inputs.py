@@ -862,6 +862,11 @@ CALL_ROWS: list[tuple[str, Call, str]] = [  # (key or command, call, regex of th
     ("train.resume", damaged_meta('{"step": 3, "world'),
      r"meta.json is not valid JSON .*the checkpoint is damaged"),
     ("train.resume", damaged_meta("[1, 2]"), r"meta.json is not a packtrain checkpoint's meta"),
+    ("train.resume", damaged_meta('{"step": 3, "world_size": 2, "parallel": {"context": 4, "tensor": 1}}'),
+     r"meta.json: its writer's context x tensor sizes 4 x 1 do not tile its world_size 2: the checkpoint is "
+     r"damaged"),
+    ("train.resume", damaged_meta('{"step": 3, "world_size": 2, "parallel": [2]}'),
+     r"meta.json: its 'parallel' is not an object of context and tensor sizes"),
     ("train.resume", damaged_conventions("[]"), r"conventions.json: not a JSON object \(got list\)"),
     ("train.resume", damaged_conventions("{}"), r"conventions.json holds no tokenizer sha256 and vocab_size"),
     ("train.resume", damaged_conventions("{"), r"conventions.json: unreadable"),

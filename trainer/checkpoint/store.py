@@ -140,14 +140,13 @@ class Record:
 
     @classmethod
     def of(cls, meta: dict) -> Record:
+        """The record of a META_FILE as `read_meta` returns it (checked there)."""
         config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
-        written = config.get("distributed") or {}
-        sizes = meta.get(PARALLEL_KEY) or {"context": written.get("context_parallel"),
-                                           "tensor": written.get("tensor_parallel")}
+        context, tensor = parallel_sizes(meta)
         tasks = meta.get(TASKS_KEY)
-        return cls(step=meta["step"], world_size=meta["world_size"], context=int(sizes.get("context") or 1),
-                   tensor=int(sizes.get("tensor") or 1), counters=dict(meta.get("counters") or {}),
-                   config=config, engine=meta.get("engine"), tasks=tasks if isinstance(tasks, dict) else None)
+        return cls(step=meta["step"], world_size=meta["world_size"], context=context, tensor=tensor,
+                   counters=dict(meta.get("counters") or {}), config=config, engine=meta.get("engine"),
+                   tasks=tasks if isinstance(tasks, dict) else None)
 
     @property
     def streams(self) -> list[int]:
@@ -158,6 +157,26 @@ class Record:
     def section(self, name: str) -> dict:
         """The written run config's section `name` ({} if the checkpoint has none)."""
         return self.config.get(name) or {}
+
+
+def parallel_sizes(meta: dict) -> tuple[int, int]:
+    """(context, tensor) of the ranks that wrote META_FILE `meta`: its PARALLEL_KEY, or for a checkpoint
+    written before it, its config's distributed.context_parallel and tensor_parallel (1 where absent). A
+    ValueError saying what is wrong when they are not positive integers whose product divides world_size."""
+    if PARALLEL_KEY in meta:
+        written = meta[PARALLEL_KEY]
+        if not isinstance(written, dict):
+            raise ValueError(f"its {PARALLEL_KEY!r} is not an object of context and tensor sizes")
+        sizes = (written.get("context", 1), written.get("tensor", 1))
+    else:
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        written = config.get("distributed") if isinstance(config.get("distributed"), dict) else {}
+        sizes = (written.get("context_parallel") or 1, written.get("tensor_parallel") or 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes) or (
+            meta["world_size"] % (sizes[0] * sizes[1])):
+        raise ValueError(f"its writer's context x tensor sizes {sizes[0]!r} x {sizes[1]!r} do not tile its "
+                         f"world_size {meta['world_size']}")
+    return sizes
 
 
 PATH_HINT = f"<run dir>/{ROOT_DIR}/{STEP_PREFIX}NNNNNN"
@@ -538,6 +557,11 @@ def read_meta(path: str | Path) -> dict:
         raise CheckpointError(f"{meta_file} is not a packtrain checkpoint's meta (a JSON object with an "
                               "integer step and world_size): the checkpoint is damaged; resume from an "
                               "earlier one")
+    try:
+        parallel_sizes(meta)
+    except ValueError as e:
+        raise CheckpointError(f"{meta_file}: {e}: the checkpoint is damaged; resume from an earlier "
+                              "one") from None
     return meta
 
 
