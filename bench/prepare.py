@@ -190,8 +190,8 @@ def man_sections(src: str) -> tuple[str, list[tuple[str, str]]]:
             elif req in ("fi", "EE"):
                 end_para()
                 nofill = False
-            # mdoc inline: .Nm .Fl .Ar .Xr ...
             elif _MDOC_MACRO.match(req) and req not in ("Os", "Dd", "Bk", "Ek"):
+                # mdoc inline: .Nm .Fl .Ar .Xr ...
                 a = [w for w in words(rest) if not _MDOC_MACRO.match(w)]
                 if a:
                     line_buf.append(("-" if req == "Fl" else "") + " ".join(a))

@@ -1129,8 +1129,8 @@ def test_ctrl_c_ends_a_training_run_with_one_line_and_its_checkpoints_intact(dem
     os.killpg(proc.pid, signal.SIGINT)
     try:
         _, stderr = proc.communicate(timeout=60)
-    # hung: its threads' stacks (trainer.train dumps them on SIGQUIT), then kill
     except subprocess.TimeoutExpired:
+        # hung: its threads' stacks (trainer.train dumps them on SIGQUIT), then kill
         os.kill(proc.pid, signal.SIGQUIT)
         time.sleep(3)
         os.killpg(proc.pid, signal.SIGKILL)

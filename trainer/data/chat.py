@@ -343,8 +343,8 @@ def render(messages: list[dict], template: str,
     except RecursionError:
         raise TemplateLimitError("the chat template recursed deeper than Python's recursion limit (a macro "
                                  "that calls itself without end)") from None
-    # the template's own code failed
     except (ArithmeticError, TypeError, ValueError, LookupError, MemoryError) as e:
+        # the template's own code failed
         raise jinja2.exceptions.TemplateRuntimeError(f"the chat template failed: {type(e).__name__}: "
                                                      f"{e}") from e
     finally:

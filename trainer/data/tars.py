@@ -158,8 +158,8 @@ def _bytes_left(stream) -> int | None:
     try:
         info = os.fstat(stream.fileno())
         return info.st_size - stream.tell() if stat.S_ISREG(info.st_mode) else None
-    # no fileno (BytesIO: io.UnsupportedOperation), a closed file
     except (AttributeError, OSError, ValueError):
+        # no fileno (BytesIO: io.UnsupportedOperation), a closed file
         return None
 
 

@@ -165,8 +165,8 @@ class FSDP2Engine(ClientOptimizerSteps):
         try:
             with dcp_logs_silenced():
                 dcp.load(state, storage_reader=SafeReader(directory), planner=SafePlanner())
-        # a BaseException, raised on every rank once DCP gathered the failures
         except CheckpointException as e:
+            # a BaseException, raised on every rank once DCP gathered the failures
             raise DCPLoadError(f"cannot load the FSDP2 checkpoint {directory}: {_first_failure(e)}; "
                                "resume from another checkpoint") from None
         model, optimizer = back(state["model"], state["optimizer"])

@@ -122,7 +122,7 @@ class Trainer:
         """Bytes one position's keys and values cost to exchange under context parallelism: K and V,
         all-gathered forward and their gradients reduce-scattered backward, in every layer (this rank's
         heads)."""
-        clock = ComputeClock(model, info.device)
+        self.clock = ComputeClock(model, info.device)
         """Each rank's measured compute and wait of a step (dp_compute_imbalance, dp_wait_s)."""
         self.inputs = StepInputs(self.data, cfg, info, vocab_size=model.cfg.vocab_size,
                                  cost=lambda row: self.flops.model_flops(len(doc) for doc in row))
@@ -133,7 +133,6 @@ class Trainer:
         self.engine = parallelize(model, optimizer, scheduler, info, cfg.distributed, cfg.train.grad_clip,
                                   self.dtype, compile=cfg.train.compile,
                                   activation_checkpointing=cfg.train.activation_checkpointing)
-        self.clock = clock
         self.step = 0
         self.counters = {"valid_tokens": 0, "allocated_tokens": 0, "docs": 0, "elapsed_s": 0.0,
                          "skipped_steps": 0,
@@ -168,7 +167,7 @@ class Trainer:
             *([self.held_out] if self.held_out is not None else []),
             *([Tasks(self.task_scorer, self.engine, self.preemption, info)]
               if self.task_scorer is not None else []),
-            StepFlops(self.flops, clock, info, peak_flops(info.device), self.inputs.dealer, kv_row_bytes,
+            StepFlops(self.flops, self.clock, info, peak_flops(info.device), self.inputs.dealer, kv_row_bytes,
                       logged=self.logging.due),
             self.logging,
             self.saving,
